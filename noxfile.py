@@ -4,7 +4,7 @@ Common invocations:
 
     nox -s demo                      # the planned memory layout and a CPU walk-through, no GPU needed
     nox -s tests                     # CPU tests of every package, each in its own minimal environment
-    nox -s "tests(package='qsa-core')"
+    nox -s "tests(qsa-core)"        
     nox -s lint typecheck            # ruff check + format check; mypy --strict on the libraries
     nox -s gpu-tests                 # on a CUDA machine: every GPU test, with the machine's own torch
     nox -s bench                     # benchmarks; results land in docs/bench/
@@ -84,9 +84,10 @@ def _uv_sync(session: nox.Session, *args: str) -> None:
 
 
 @nox.session(python=PYTHON)
-@nox.parametrize("package", list(Package))
-def tests(session: nox.Session, package: Package) -> None:
+@nox.parametrize("name", [p.value for p in Package], ids=[p.value for p in Package])
+def tests(session: nox.Session, name: str) -> None:
     """CPU tests of one package, installed alone with its declared dependencies."""
+    package = Package(name)
     _uv_sync(session, "--package", package.value, "--group", "test")
     session.chdir(_package_dir(package))
     session.run("python", "-m", "pytest", *session.posargs)

@@ -1,0 +1,29 @@
+"""GPU gating shared by this package's tests.
+
+Tests marked ``@pytest.mark.gpu`` skip cleanly where CUDA is absent. Under ``QSA_REQUIRE_GPU=1`` (set
+by ``nox -s gpu-tests``) a missing device fails them instead, so a GPU run can never pass by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    del config
+    if torch.cuda.is_available():
+        return
+    required = os.environ.get("QSA_REQUIRE_GPU") == "1"
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            continue
+        item.add_marker(pytest.mark.usefixtures("_fail_without_gpu") if required else skip)
+
+
+@pytest.fixture
+def _fail_without_gpu() -> None:
+    pytest.fail("QSA_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
