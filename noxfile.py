@@ -4,7 +4,7 @@ Common invocations:
 
     nox -s demo                      # the planned memory layout and a CPU walk-through, no GPU needed
     nox -s tests                     # CPU tests of every package, each in its own minimal environment
-    nox -s "tests(qsa-core)"        
+    nox -s "tests(qsa-core)"
     nox -s lint typecheck            # ruff check + format check; mypy --strict on the libraries
     nox -s gpu-tests                 # on a CUDA machine: every GPU test, with the machine's own torch
     nox -s bench                     # benchmarks; results land in docs/bench/
@@ -101,15 +101,23 @@ def _src_path() -> str:
 def gpu_tests(session: nox.Session) -> None:
     """Every GPU test, with this machine's own python, torch and triton; no installs, no downloads.
 
-    ``QSA_REQUIRE_GPU=1`` turns the GPU tests' clean skip into a failure: here a missing device is an
-    error, not a reason to pass.
+    ``QSA_REQUIRE_GPU=1`` turns the GPU tests' clean skip into a failure: here a missing device is
+    an error, not a reason to pass.
     """
     env = {"PYTHONPATH": _src_path(), "QSA_REQUIRE_GPU": "1", "PYTHONUNBUFFERED": "1"}
     for package in (Package.KERNELS, Package.HOSTCACHE):
         session.chdir(_package_dir(package))
         session.run(
-            sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *session.posargs,
-            env=env, external=True,
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+            *session.posargs,
+            env=env,
+            external=True,
         )
 
 
@@ -118,7 +126,7 @@ def gpu_tests(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def bench(session: nox.Session) -> None:
-    """Run every package's benchmarks with this interpreter; each writes its results under docs/bench/.
+    """Run every package's benchmarks with this interpreter; results go under docs/bench/.
 
     On a machine without CUDA the GPU benchmarks report that they need one and exit non-zero, so run
     this session on the GPU machine for the full set; ``nox -s bench -- <script-name> ...`` runs a
@@ -136,7 +144,9 @@ def bench(session: nox.Session) -> None:
         session.run(sys.executable, str(script), "--out-dir", str(out), env=env, external=True)
         ran += 1
     if ran == 0:
-        session.error(f"no benchmark matched {sorted(wanted)!r}; found {[s.stem for s in scripts]!r}")
+        session.error(
+            f"no benchmark matched {sorted(wanted)!r}; found {[s.stem for s in scripts]!r}"
+        )
 
 
 @nox.session(python=PYTHON)
@@ -163,5 +173,7 @@ def typecheck(session: nox.Session) -> None:
     _uv_sync(session, "--all-packages", "--group", "typecheck")
     for package in Package:
         session.run(
-            "mypy", str(_package_dir(package) / "src"), str(_package_dir(package) / "tests"),
+            "mypy",
+            str(_package_dir(package) / "src"),
+            str(_package_dir(package) / "tests"),
         )

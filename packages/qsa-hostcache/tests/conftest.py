@@ -1,7 +1,8 @@
 """GPU gating shared by this package's tests.
 
-Tests marked ``@pytest.mark.gpu`` skip cleanly where CUDA is absent. Under ``QSA_REQUIRE_GPU=1`` (set
-by ``nox -s gpu-tests``) a missing device fails them instead, so a GPU run can never pass by skipping.
+Tests marked ``@pytest.mark.gpu`` skip cleanly where CUDA is absent. Under ``QSA_REQUIRE_GPU=1``
+(set by ``nox -s gpu-tests``) a missing device fails them instead, so a GPU run can never pass by
+skipping.
 """
 
 from __future__ import annotations

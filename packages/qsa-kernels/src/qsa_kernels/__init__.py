@@ -11,6 +11,6 @@ __version__: str = _version("qsa-kernels")
 
 __all__ = (
     "__version__",
-    # -- Decode data path: fetch, write-back, sparse decode, LSE merge ------------------------------
-    # -- Selection: indexer top-k, block expansion, distributed merge, double sparsity --------------
+    # -- Decode data path: fetch, write-back, sparse decode, LSE merge --
+    # -- Selection: indexer top-k, block expansion, distributed merge, double sparsity --
 )
