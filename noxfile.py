@@ -2,17 +2,17 @@
 
 Common invocations:
 
-    nox -s demo                      # the planned memory layout and a CPU walk-through, no GPU needed
-    nox -s tests                     # CPU tests of every package, each in its own minimal environment
-    nox -s "tests(qsa-core)"
-    nox -s lint typecheck            # ruff check + format check; mypy --strict on the libraries
-    nox -s gpu-tests                 # on a CUDA machine: every GPU test, with the machine's own torch
-    nox -s bench                     # benchmarks; results land in docs/bench/
+    nox -s demo               # the planned memory layout and a CPU walk-through, no GPU needed
+    nox -s tests              # CPU tests of every package, each in its own minimal environment
+    nox -s "tests(qsa-core)"  # one package
+    nox -s lint typecheck     # ruff check + format check; mypy --strict on the libraries
+    nox -s gpu-tests          # on a CUDA machine: every GPU test, with the machine's own torch
+    nox -s bench              # benchmarks; results land in docs/bench/
 
-CPU sessions install from ``uv.lock`` with ``uv sync --locked --package <member>``, so a package that
-imports an undeclared sibling fails its own session. ``gpu-tests`` and ``bench`` use the interpreter
-that runs nox and put each package's ``src/`` on ``sys.path``: the GPU machine has torch and triton
-but no network, so nothing may be installed there.
+CPU sessions install from ``uv.lock`` with ``uv sync --locked --package <member>``, so a package
+that imports an undeclared sibling fails its own session. ``gpu-tests`` and ``bench`` use the
+interpreter that runs nox and put each package's ``src/`` on ``sys.path``: the GPU machine has torch
+and triton but no network, so nothing may be installed there.
 """
 
 from __future__ import annotations
