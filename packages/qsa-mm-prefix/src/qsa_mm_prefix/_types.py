@@ -1,0 +1,301 @@
+"""The value types: processor fingerprint, the adapter item, image keys and a prompt's identity."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, TypeGuard
+
+from qsa_mm_prefix._encoding import Packer, PreprocessArg
+from qsa_mm_prefix._errors import (
+    ContentError,
+    InvalidFingerprintError,
+    InvalidGridError,
+    SpanOutOfRangeError,
+)
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+DEFAULT_PAGE_SIZE: Final[int] = 64
+"""Tokens per page of the host prefix cache (the page size QSA models force)."""
+
+
+def is_int_at_least(value: object, minimum: int) -> TypeGuard[int]:
+    """Whether ``value`` is a true ``int`` (not ``bool``) and ``>= minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_nonempty_str(value: object) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+class Modality(enum.Enum):
+    """What kind of media a multimodal item carries."""
+
+    IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
+
+
+class ContentKind(enum.Enum):
+    """What an item's ``content`` bytes are.
+
+    ``PIXELS`` is the processed pixel tensor the vision encoder reads (e.g. ``pixel_values``);
+    ``ENCODED`` is the raw image file (PNG, JPEG, ...) that the fingerprinted processor turns into
+    pixels. Both identify the image exactly when paired with the processor fingerprint; they hash
+    to different keys, so an engine must use one kind consistently.
+    """
+
+    PIXELS = "pixels"
+    ENCODED = "encoded"
+
+
+class FeatureSource(enum.Enum):
+    """Where an item's features come from.
+
+    Only ``PROCESSOR`` (the engine's own processor ran on media the request sent) yields a key;
+    embeddings or features a caller supplies are not tied to content this package can verify.
+    """
+
+    PROCESSOR = "processor"
+    PRECOMPUTED_EMBEDDING = "precomputed-embedding"
+    CALLER_FEATURES = "caller-features"
+
+
+class BypassReason(enum.Enum):
+    """Why a prompt gets no identity and must never be matched or captured."""
+
+    VIDEO = "video"
+    AUDIO = "audio"
+    PRECOMPUTED_EMBEDDING = "precomputed-embedding"
+    CALLER_FEATURES = "caller-features"
+    MISSING_CONTENT = "missing-content"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorFingerprint:
+    """Identity of the preprocessing that turns an image into the tokens the model sees.
+
+    Build it with :meth:`create`. ``args_encoding`` is the canonical encoding of every argument
+    that can change the processor's output (resize bounds, patch and merge sizes, mean and std,
+    rescale factor, resampling filter, ...): mapping keys are sorted, ``True`` and ``1`` differ,
+    ``1`` and ``1.0`` differ, a list and a tuple with equal items are equal.
+
+    Attributes:
+        name: Processor class or model processor name, e.g. ``"Qwen2VLImageProcessorFast"``.
+        version: Version of the code that implements it, e.g. ``"transformers==4.57.1"``.
+        args_encoding: Canonical bytes of the preprocessing arguments.
+    """
+
+    name: str
+    version: str
+    args_encoding: bytes
+
+    @classmethod
+    def create(
+        cls, name: str, version: str, args: Mapping[str, PreprocessArg]
+    ) -> ProcessorFingerprint:
+        """Fingerprint a processor from its name, version and output-changing arguments.
+
+        Args:
+            name: Non-empty processor name.
+            version: Non-empty version string of the processor's implementation.
+            args: Every preprocessing argument that changes the output. Values are ``None``,
+                ``bool``, integers, reals, ``str``, ``bytes``, and sequences or ``str``-keyed
+                mappings of those (numpy scalars count as integers or reals).
+
+        Raises:
+            InvalidFingerprintError: ``name`` or ``version`` is empty, or an argument name is not
+                a string.
+            UnsupportedArgumentError: An argument value has another type.
+        """
+        if not _is_nonempty_str(name):
+            raise InvalidFingerprintError(f"processor name must be a non-empty str, got {name!r}")
+        if not _is_nonempty_str(version):
+            raise InvalidFingerprintError(
+                f"processor version must be a non-empty str, got {version!r}"
+            )
+        bad = [key for key in args if not _is_nonempty_str(key)]
+        if bad:
+            raise InvalidFingerprintError(
+                f"preprocessing argument names must be non-empty str, got {bad!r}"
+            )
+        packer = Packer("preprocess-args")
+        packer.argument(dict(args))
+        return cls(name=name, version=version, args_encoding=packer.encoded())
+
+    @property
+    def digest(self) -> bytes:
+        """16-byte digest of name, version and arguments."""
+        return (
+            Packer("processor").text(self.name).text(self.version).blob(self.args_encoding).digest()
+        )
+
+
+def _check_nonneg_ints(values: tuple[int, ...], what: str) -> None:
+    bad = [v for v in values if not is_int_at_least(v, 0)]
+    if bad:
+        raise ContentError(f"{what} must hold non-negative ints, got {values!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalItem:
+    """One multimodal item of a prompt, as a serving engine describes it (the adapter shape).
+
+    The engine fills one of these per item from its own objects; nothing here depends on any
+    engine. An item covers one contiguous run of placeholder tokens.
+
+    Attributes:
+        modality: Image, video or audio. Only images get keys; the others bypass the prompt.
+        start: Index of the item's first placeholder token in the prompt (tokens, >= 0).
+        length: Number of placeholder tokens (tokens, >= 1). The span is ``[start, start+length)``.
+        content: The bytes that identify the item, any object with the buffer protocol (``bytes``,
+            ``memoryview``, a numpy array, the numpy view of a contiguous CPU torch tensor).
+            Must be C-contiguous; it is hashed in place, never copied. ``None`` when the engine
+            no longer has it, which bypasses the prompt.
+        content_kind: Whether ``content`` is the processed pixel tensor or the encoded file.
+        grid: The vision grid ``(t, h, w)`` in patches before any spatial merge, or ``None`` for
+            processors without one.
+        dtype: The content's element type as the engine names it (e.g. ``"bfloat16"``). ``None``
+            uses the buffer's own format code.
+        shape: The content's shape, e.g. ``[N, C·P·P]`` for Qwen-VL ``pixel_values``. ``None``
+            uses the buffer's own shape.
+        source: Where the features come from; anything but ``PROCESSOR`` bypasses the prompt.
+    """
+
+    modality: Modality
+    start: int
+    length: int
+    content: ReadableBuffer | None = field(default=None, compare=False, repr=False)
+    content_kind: ContentKind = ContentKind.PIXELS
+    grid: tuple[int, int, int] | None = None
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    source: FeatureSource = FeatureSource.PROCESSOR
+
+    def __post_init__(self) -> None:
+        if not is_int_at_least(self.start, 0):
+            raise SpanOutOfRangeError(f"item start must be an int >= 0, got {self.start!r}")
+        if not is_int_at_least(self.length, 1):
+            raise SpanOutOfRangeError(f"item length must be an int >= 1, got {self.length!r}")
+        if self.grid is not None:
+            grid = tuple(self.grid)
+            if len(grid) != 3 or not all(is_int_at_least(v, 1) for v in grid):
+                raise InvalidGridError(
+                    f"grid must be three positive ints (t, h, w), got {self.grid!r}"
+                )
+            object.__setattr__(self, "grid", grid)
+        if self.shape is not None:
+            shape = tuple(self.shape)
+            _check_nonneg_ints(shape, "shape")
+            object.__setattr__(self, "shape", shape)
+        if self.dtype is not None and not _is_nonempty_str(self.dtype):
+            raise ContentError(f"dtype must be a non-empty str or None, got {self.dtype!r}")
+
+    @property
+    def end(self) -> int:
+        """One past the last placeholder token (tokens)."""
+        return self.start + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class ImageKey:
+    """Fixed-size identity of one image at one place in one prompt.
+
+    ``digest`` covers the content digest and size, the content kind, dtype and shape, the processor
+    fingerprint, the image's order among the prompt's images, its span and its grid. The other
+    fields repeat the span data in the clear for page arithmetic and logs.
+
+    Attributes:
+        digest: 16 bytes (XXH3-128); the key itself.
+        content_digest: 16 bytes (XXH3-128) of the content bytes alone.
+        order: 0-based index of the image among the prompt's images, in the engine's order.
+        start: First placeholder token (tokens).
+        length: Placeholder tokens (tokens).
+        grid: ``(t, h, w)`` or ``None``.
+    """
+
+    digest: bytes
+    content_digest: bytes
+    order: int
+    start: int
+    length: int
+    grid: tuple[int, int, int] | None
+
+    def __bytes__(self) -> bytes:
+        return self.digest
+
+    @property
+    def end(self) -> int:
+        """One past the last placeholder token (tokens)."""
+        return self.start + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class Bypass:
+    """Why a prompt is not reusable, and which item made it so.
+
+    Attributes:
+        reason: The bypass class.
+        item_index: Index of the first offending item in the engine's item list.
+    """
+
+    reason: BypassReason
+    item_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptIdentity:
+    """What a prompt's images add to the identity of each of its pages.
+
+    For a reusable prompt, ``page_identities[p]`` is the extra identity of page ``p`` (tokens
+    ``[p·page_size, (p+1)·page_size)``, the last page possibly partial): empty bytes when no image
+    overlaps the page, so text-only pages keep the keys they would have without this package;
+    otherwise a 16-byte digest of the keys of every image overlapping the page, each with the
+    overlap's offset inside the image and inside the page and its length. A page's identity depends
+    only on the images that overlap it, so two prompts that differ only after page ``p`` agree on
+    pages ``0..p``; the prefix cache's chained page keys carry the earlier pages' identity forward.
+
+    A bypassed prompt has no page identities and no image keys; it must never be matched or
+    captured.
+
+    Attributes:
+        num_tokens: Prompt length (tokens).
+        page_size: Tokens per page.
+        image_keys: One key per image, in the engine's item order; empty when bypassed.
+        page_identities: One entry per page, ``ceil(num_tokens / page_size)`` entries; empty when
+            bypassed.
+        bypass: The bypass, or ``None`` for a reusable prompt.
+    """
+
+    num_tokens: int
+    page_size: int
+    image_keys: tuple[ImageKey, ...]
+    page_identities: tuple[bytes, ...]
+    bypass: Bypass | None = None
+
+    @property
+    def reusable(self) -> bool:
+        """Whether the prompt's pages may be matched against and captured into a prefix cache."""
+        return self.bypass is None
+
+    @property
+    def bypass_reason(self) -> BypassReason | None:
+        """The bypass class, or ``None`` for a reusable prompt."""
+        return None if self.bypass is None else self.bypass.reason
+
+    @property
+    def num_pages(self) -> int:
+        """``ceil(num_tokens / page_size)``, counting a final partial page."""
+        return -(-self.num_tokens // self.page_size)
+
+    def images_overlapping(self, start: int, stop: int) -> tuple[ImageKey, ...]:
+        """Keys of the images with at least one token in ``[start, stop)``, by position."""
+        return tuple(
+            sorted(
+                (k for k in self.image_keys if k.start < stop and k.end > start),
+                key=lambda k: k.start,
+            )
+        )
