@@ -7,10 +7,43 @@ compare against.
 
 from importlib.metadata import version as _version
 
+from qsa_kernels._errors import DeviceUnavailableError, KernelInputError, QSAKernelError
+from qsa_kernels.fetch import (
+    BLOCK_TOKENS,
+    HotCacheTables,
+    fetch_selected_blocks,
+    fetch_selected_blocks_reference,
+)
+from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
+from qsa_kernels.sparse_decode import gather_selected_kv, sparse_decode, sparse_decode_reference
+from qsa_kernels.writeback import (
+    offload_prompt,
+    offload_prompt_reference,
+    writeback_blocks,
+    writeback_blocks_reference,
+)
+
 __version__: str = _version("qsa-kernels")
 
-__all__ = (
+__all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "__version__",
+    # -- Errors --
+    "DeviceUnavailableError",
+    "KernelInputError",
+    "QSAKernelError",
     # -- Decode data path: fetch, write-back, sparse decode, LSE merge --
+    "BLOCK_TOKENS",
+    "HotCacheTables",
+    "fetch_selected_blocks",
+    "fetch_selected_blocks_reference",
+    "gather_selected_kv",
+    "lse_merge",
+    "lse_merge_reference",
+    "offload_prompt",
+    "offload_prompt_reference",
+    "sparse_decode",
+    "sparse_decode_reference",
+    "writeback_blocks",
+    "writeback_blocks_reference",
     # -- Selection: indexer top-k, block expansion, distributed merge, double sparsity --
 )

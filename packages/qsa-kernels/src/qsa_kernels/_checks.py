@@ -1,0 +1,62 @@
+"""Input validation shared by the decode-path launchers and references.
+
+Every check raises :class:`~qsa_kernels._errors.KernelInputError` naming the argument, the value
+received and what is allowed. Shapes are reported as tuples, never as tensor contents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from qsa_kernels._errors import KernelInputError
+
+__all__ = (
+    "KV_DTYPES",
+    "check_dim",
+    "check_dtype",
+    "check_ndim",
+    "check_same_device",
+    "next_pow2",
+)
+
+#: K/V element types the decode path accepts.
+KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.bfloat16)
+
+
+def check_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    """Reject a tensor whose rank is not ``ndim``; ``layout`` names its dims (``[B, Hq, D]``)."""
+    if t.dim() != ndim:
+        msg = f"{name} must be {layout} ({ndim} dims); got shape {tuple(t.shape)!r}"
+        raise KernelInputError(msg)
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+    """Reject a tensor whose dtype is not one of ``allowed``."""
+    if t.dtype not in allowed:
+        msg = f"{name} has dtype {t.dtype!r}; allowed: {tuple(allowed)!r}"
+        raise KernelInputError(msg)
+
+
+def check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    """Reject a tensor whose size along ``dim`` is not ``expected`` (``what`` says why)."""
+    if t.shape[dim] != expected:
+        msg = (
+            f"{name} has size {t.shape[dim]!r} along dim {dim} (shape {tuple(t.shape)!r}); "
+            f"expected {expected!r} ({what})"
+        )
+        raise KernelInputError(msg)
+
+
+def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Reject any tensor that does not live on ``device``."""
+    for name, t in tensors.items():
+        if t.device != device:
+            msg = f"{name} is on {t.device!r}; expected {device!r}"
+            raise KernelInputError(msg)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ``>= max(n, 1)``."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,0 +1,50 @@
+"""Argument checks shared by the sparse decode kernel and its reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qsa_kernels._checks import KV_DTYPES, check_dim, check_dtype, check_ndim, check_same_device
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels.fetch._tables import BLOCK_TOKENS
+
+__all__ = ("check_decode_args",)
+
+
+def check_decode_args(
+    q: torch.Tensor, token_slots: torch.Tensor, kv_cache: torch.Tensor, scale: float | None
+) -> float:
+    """Validate a sparse decode call; return the softmax scale (default ``1 / sqrt(D)``)."""
+    check_ndim("q", q, 3, "[B, Hq, D]")
+    check_dtype("q", q, (torch.bfloat16,))
+    check_ndim("token_slots", token_slots, 2, "[B, T]")
+    check_dtype("token_slots", token_slots, (torch.int32,))
+    check_ndim("kv_cache", kv_cache, 5, "[NS, 2, 4, Hkv, D]")
+    check_dtype("kv_cache", kv_cache, KV_DTYPES)
+    check_dim("kv_cache", kv_cache, 1, 2, "K then V")
+    check_dim("kv_cache", kv_cache, 2, BLOCK_TOKENS, "tokens per block")
+    check_dim("kv_cache", kv_cache, 4, q.shape[2], "D of q")
+    check_dim("token_slots", token_slots, 0, q.shape[0], "B of q")
+    D = q.shape[2]
+    if D < 16 or D & (D - 1):
+        msg = f"head dim D={D!r} must be a power of two >= 16"
+        raise KernelInputError(msg)
+    check_same_device(q.device, token_slots=token_slots, kv_cache=kv_cache)
+    hq, hkv = q.shape[1], kv_cache.shape[3]
+    if hkv == 0 or hq % hkv:
+        msg = f"Hq={hq!r} must be a positive multiple of Hkv={hkv!r}"
+        raise KernelInputError(msg)
+    if not kv_cache.is_contiguous():
+        msg = f"kv_cache must be contiguous; got strides {kv_cache.stride()!r}"
+        raise KernelInputError(msg)
+    if q.stride(2) != 1 or token_slots.stride(1) != 1:
+        msg = "q and token_slots must be contiguous along their last dim"
+        raise KernelInputError(msg)
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[2])
+    if not math.isfinite(scale) or scale <= 0:
+        msg = f"scale must be a finite positive float; got {scale!r}"
+        raise KernelInputError(msg)
+    return float(scale)

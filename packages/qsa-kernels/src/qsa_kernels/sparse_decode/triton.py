@@ -1,0 +1,164 @@
+"""Triton sparse GQA decode: split-K over the selected tokens, then an LSE merge."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from qsa_kernels._checks import next_pow2
+from qsa_kernels.lse_merge.triton import lse_merge
+from qsa_kernels.sparse_decode._validate import check_decode_args
+
+__all__ = ("sparse_decode",)
+
+_LOG2E = math.log2(math.e)
+_BLOCK_N = 64
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _sparse_decode_split_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    q_ptr,  # [B, Hq, D] bf16
+    tok_ptr,  # [B, T] int32 token slots (4 * global_slot + token), -1 padding
+    kv_ptr,  # [NS, 2, 4, Hkv, D] fp8 e4m3 / bf16 hot cache of one layer
+    o_ptr,  # [P, B, Hq, D] fp32 partial outputs
+    lse_ptr,  # [P, B, Hq] fp32 partial natural-log LSE, -inf for an empty split
+    B,
+    T,
+    stride_qb,
+    stride_qh,
+    stride_tb,
+    split,  # tokens per program, a multiple of BLOCK_N
+    qk_scale,  # softmax scale * log2(e): scores are kept in base 2
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,  # constexpr so the K/V address arithmetic folds
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_M: tl.constexpr,  # max(16, next_pow2(GROUP)): the dot's minimum M tile
+    D: tl.constexpr,  # head dim; constexpr for the [BLOCK_N, D] tiles
+    BLOCK_N: tl.constexpr,  # tokens per inner step
+    DOT_DTYPE: tl.constexpr,  # bf16 on GPUs; fp32 under the CPU interpreter, whose dot needs it
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    mmask = offs_m < GROUP
+    offs_d = tl.arange(0, D)
+    heads = h * GROUP + offs_m
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mmask[:, None],
+        other=0.0,
+    ).to(DOT_DTYPE)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    start = p * split
+    for n0 in range(0, split, BLOCK_N):
+        offs_n = start + n0 + tl.arange(0, BLOCK_N)
+        tok = tl.load(tok_ptr + b.to(tl.int64) * stride_tb + offs_n, mask=offs_n < T, other=-1)
+        valid = tok >= 0
+        tok64 = tl.where(valid, tok, 0).to(tl.int64)
+        row = ((tok64 // 4) * 8 + tok64 % 4) * HKV + h  # [NS, 2, 4, Hkv] row of K
+        k = tl.load(kv_ptr + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(
+            kv_ptr + (row + 4 * HKV)[:, None] * D + offs_d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(DOT_DTYPE), v.to(DOT_DTYPE))
+        m_i = m_new
+    live = l_i > 0
+    l_safe = tl.where(live, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(live, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    part = (p * B + b).to(tl.int64) * HQ + heads
+    tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=mmask[:, None])
+    tl.store(lse_ptr + part, lse, mask=mmask)
+
+
+def _default_splits(B: int, Hkv: int, T: int, device: torch.device) -> int:
+    """Enough splits to give every SM two programs, but at least one ``BLOCK_N`` tile each."""
+    sms = 8
+    if device.type == "cuda":
+        sms = int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return max(1, min(-(-2 * sms // max(B * Hkv, 1)), -(-T // _BLOCK_N)))
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    token_slots: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse GQA decode: each query row attends only to its selected tokens of the hot cache.
+
+    For row ``b`` and query head ``h`` (KV head ``h // (Hq / Hkv)``), attends over the tokens
+    ``token_slots[b, t] != -1``: ``out = softmax(scale · q · Kᵀ) · V`` and ``lse = log Σ exp(scale
+    · q · Kᵀ)`` (natural log). A row with no valid token gets ``out = 0`` and ``lse = -inf``.
+    Tokens are split across programs (split-K) and the parts merged by
+    :func:`qsa_kernels.lse_merge`; K/V are read in place from the hot cache (FP8 is upcast to
+    bf16 on load, unscaled), the dots run in bf16 with fp32 accumulation.
+
+    Args:
+        q: ``[B, Hq, D]`` bf16 queries; Hq a multiple of Hkv (the model's groups are 12 and 24).
+        token_slots: ``[B, T]`` int32 token slots into ``kv_cache``: ``4 * global_slot + token``
+            where ``global_slot = row * S + slot`` as returned by the fetch; ``-1`` is padding,
+            anywhere. Up to 2051 per row for QSA (512 blocks + 3 tail tokens), any ``T`` accepted.
+        kv_cache: ``[NS, 2, 4, Hkv, D]`` one layer's hot cache (``hot[layer].view(R * S, ...)``),
+            FP8 E4M3 or bf16, contiguous.
+        scale: Softmax scale; ``1 / sqrt(D)`` if ``None``.
+        num_splits: Programs per (row, KV head); chosen from the SM count if ``None``.
+
+    Returns:
+        ``(out [B, Hq, D] bf16, lse [B, Hq] fp32)``.
+
+    Raises:
+        KernelInputError: On a bad shape, dtype, device or layout.
+    """
+    sm_scale = check_decode_args(q, token_slots, kv_cache, scale)
+    B, Hq, D = q.shape
+    T = token_slots.shape[1]
+    Hkv = kv_cache.shape[3]
+    group = Hq // Hkv
+    splits = num_splits if num_splits is not None else _default_splits(B, Hkv, T, q.device)
+    split = max(_BLOCK_N, triton.cdiv(triton.cdiv(max(T, 1), max(splits, 1)), _BLOCK_N) * _BLOCK_N)
+    P = max(1, triton.cdiv(T, split))
+    o_part = torch.empty((P, B, Hq, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((P, B, Hq), dtype=torch.float32, device=q.device)
+    if B:
+        _sparse_decode_split_kernel[(B, Hkv, P)](
+            q,
+            token_slots,
+            kv_cache,
+            o_part,
+            lse_part,
+            B,
+            T,
+            q.stride(0),
+            q.stride(1),
+            token_slots.stride(0),
+            split,
+            sm_scale * _LOG2E,
+            HQ=Hq,
+            HKV=Hkv,
+            GROUP=group,
+            BLOCK_M=max(16, next_pow2(group)),
+            D=D,
+            BLOCK_N=_BLOCK_N,
+            DOT_DTYPE=tl.bfloat16 if q.device.type == "cuda" else tl.float32,
+            num_warps=4,
+            num_stages=2,
+        )
+    return lse_merge(o_part, lse_part, out_dtype=torch.bfloat16)
