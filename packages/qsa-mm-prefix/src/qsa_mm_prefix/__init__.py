@@ -30,6 +30,7 @@ from qsa_mm_prefix._errors import (
 from qsa_mm_prefix._identity import build_prompt_identity, content_digest, image_key
 from qsa_mm_prefix._types import (
     DEFAULT_PAGE_SIZE,
+    BufferLike,
     Bypass,
     BypassReason,
     ContentKind,
@@ -45,6 +46,7 @@ __version__: str = _version("qsa-mm-prefix")
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # Adapter shape: what an engine fills from its own multimodal items
+    "BufferLike",
     "ContentKind",
     "FeatureSource",
     "Modality",

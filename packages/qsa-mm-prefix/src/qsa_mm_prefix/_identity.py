@@ -6,7 +6,6 @@ import itertools
 import logging
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from qsa_mm_prefix._encoding import Packer, digest_bytes
 from qsa_mm_prefix._errors import (
@@ -20,6 +19,7 @@ from qsa_mm_prefix._errors import (
 )
 from qsa_mm_prefix._types import (
     DEFAULT_PAGE_SIZE,
+    BufferLike,
     Bypass,
     BypassReason,
     FeatureSource,
@@ -31,19 +31,16 @@ from qsa_mm_prefix._types import (
     is_int_at_least,
 )
 
-if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer
-
 logger = logging.getLogger(__name__)
 
 _DTYPE_FROM_CALLER = "caller"
 _DTYPE_FROM_BUFFER = "buffer"
 
 
-def _view(content: ReadableBuffer) -> memoryview:
+def _view(content: BufferLike) -> memoryview:
     """A memoryview of ``content``, checked to be C-contiguous (no copy is made)."""
     try:
-        view = memoryview(content)
+        view = memoryview(content)  # type: ignore[arg-type]  # checked here, at runtime
     except TypeError as exc:
         raise ContentTypeError(
             f"content of type {type(content).__name__!r} does not support the buffer protocol; "
@@ -64,7 +61,7 @@ def _digest_view(view: memoryview) -> bytes:
     return digest_bytes(flat)
 
 
-def content_digest(content: ReadableBuffer) -> bytes:
+def content_digest(content: BufferLike) -> bytes:
     """XXH3-128 of the raw bytes of ``content``, in place and without copying.
 
     Args:

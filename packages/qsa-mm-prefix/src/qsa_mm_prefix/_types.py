@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, TypeGuard
+from typing import Final, TypeAlias, TypeGuard
 
 from qsa_mm_prefix._encoding import Packer, PreprocessArg
 from qsa_mm_prefix._errors import (
@@ -15,8 +15,13 @@ from qsa_mm_prefix._errors import (
     SpanOutOfRangeError,
 )
 
-if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer
+BufferLike: TypeAlias = object
+"""Any object that supports the buffer protocol (``bytes``, ``memoryview``, a numpy array, ...).
+
+Typed as ``object`` because numpy's stubs declare ``__buffer__`` only for Python >= 3.12, so a
+precise ``Buffer`` annotation would reject numpy arrays under 3.11; the check happens when the
+content is hashed and raises :class:`~qsa_mm_prefix.ContentTypeError`.
+"""
 
 DEFAULT_PAGE_SIZE: Final[int] = 64
 """Tokens per page of the host prefix cache (the page size QSA models force)."""
@@ -168,7 +173,7 @@ class MultimodalItem:
     modality: Modality
     start: int
     length: int
-    content: ReadableBuffer | None = field(default=None, compare=False, repr=False)
+    content: BufferLike | None = field(default=None, compare=False, repr=False)
     content_kind: ContentKind = ContentKind.PIXELS
     grid: tuple[int, int, int] | None = None
     dtype: str | None = None
