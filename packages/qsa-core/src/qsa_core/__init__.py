@@ -1,11 +1,22 @@
 """qsa-core: pure data structures and arithmetic for Qwen Sparse Attention serving.
 
-Model geometry (:class:`QSAProfile`), the hot-cache residency contract every hot-cache
-implementation follows, and the exact order of a distributed top-k. Stdlib only; no device code.
+Model geometry (:class:`QSAProfile`), the request lease state machine, the hot-cache residency
+contract every hot-cache implementation follows, sharding placement, context-parallel zigzag
+layouts, the exact order of a distributed top-k, and the per-rank capacity plan. Stdlib only; no
+device code.
 """
 
 from importlib.metadata import version as _version
 
+from qsa_core._capacity import (
+    CapacityPlan,
+    MemoryLayout,
+    MemoryPart,
+    MemoryPartKind,
+    MemoryTier,
+    plan_capacity,
+)
+from qsa_core._cp import ZigzagLayout
 from qsa_core._errors import (
     CapacityError,
     LayoutError,
@@ -15,7 +26,9 @@ from qsa_core._errors import (
     QSAConfigError,
     ResidencyError,
 )
+from qsa_core._lease import LeaseHandle, LeaseState, LeaseTable
 from qsa_core._merge import TopKCandidate, candidate_sort_key, merge_topk, topk_reference
+from qsa_core._placement import ShardPlacement
 from qsa_core._profile import (
     ALLOWED_BLOCK_TOPK,
     QWEN38_FLASH_NEXT,
@@ -23,6 +36,7 @@ from qsa_core._profile import (
     KVDType,
     QSAProfile,
 )
+from qsa_core._render import format_bytes, render_plan
 from qsa_core._residency import (
     HotCacheState,
     ResidencyFill,
@@ -41,17 +55,33 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "QWEN38_FLASH_NEXT_TEXT_CONFIG",
     "KVDType",
     "QSAProfile",
+    # request lease
+    "LeaseHandle",
+    "LeaseState",
+    "LeaseTable",
     # hot-cache residency contract
     "HotCacheState",
     "ResidencyFill",
     "ResidencyPlan",
     "plan_residency_batch",
     "plan_residency_step",
+    # sharding placement and context-parallel layout
+    "ShardPlacement",
+    "ZigzagLayout",
     # distributed top-k order
     "TopKCandidate",
     "candidate_sort_key",
     "merge_topk",
     "topk_reference",
+    # capacity plan
+    "CapacityPlan",
+    "MemoryLayout",
+    "MemoryPart",
+    "MemoryPartKind",
+    "MemoryTier",
+    "format_bytes",
+    "plan_capacity",
+    "render_plan",
     # errors
     "CapacityError",
     "LayoutError",

@@ -1,0 +1,420 @@
+"""Capacity plan: the bytes of every per-rank memory part, with and without host KV offload.
+
+All figures are per TP rank, in bytes, and exact integer arithmetic from the profile:
+
+* raw K/V (resident only, GPU): ``(R × L + page) × raw_bytes_per_token``;
+* compressed index-K (GPU, never offloaded, replicated on every rank):
+  ``(R × L + page) × index_bytes_per_token``;
+* pending ring (GPU): ``R × (qsa_layers × ratio × index_kv_heads × index_head_dim × 2 B + ratio × 3
+  × 8 B)`` (bf16 raw index keys plus their int64 3-axis RoPE positions);
+* GDN recurrent state (GPU, fp32): ``slots × linear_layers × (value_heads / TP) × key_dim ×
+  value_dim × 4 B``;
+* GDN conv state (GPU, bf16): ``slots × linear_layers × (conv_dim / TP) × (kernel - 1) × 2 B`` with
+  ``conv_dim = 2 × key_heads × key_dim + value_heads × value_dim``;
+* PLE short-conv state (GPU, bf16, replicated): ``slots × ple_layers × hidden × hc_count ×
+  (ple_kernel - 1) × ngram × 2 B``;
+* prefill area (offload only, GPU): one request's raw K/V staging plus 5 tail rows per lease and
+  one padding page: ``(L + 5 × R + page) × raw_bytes_per_token``;
+* hot caches (offload only, GPU): ``R × qsa_layers × (hot_slots + reserved_hot_slots) ×
+  bytes_per_block``;
+* host arena (offload only, pinned host): ``R × qsa_layers × ceil(L / ratio) × bytes_per_block``.
+
+``R`` is the request count, ``L`` the context length in tokens, ``slots`` the recurrent-state
+slots (``R`` unless given). With the Qwen3.8-Flash-Next TP2 FP8 setup of 8 × 262,144 tokens this
+reproduces the original plugin's figures: 1.5 GiB host K/V per request, 12 GiB host arena,
+1,611,251,712 B raw staging, 1,610,661,888 B index, 396 MiB hot caches and fixed bytes
+(staging + index pad + ring) of 1,611,399,936 B.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from qsa_core._checks import is_int
+from qsa_core._errors import CapacityError
+from qsa_core._profile import KVDType, QSAProfile
+
+__all__ = (
+    "CapacityPlan",
+    "MemoryLayout",
+    "MemoryPart",
+    "MemoryPartKind",
+    "MemoryTier",
+    "plan_capacity",
+)
+
+#: Raw K/V rows each lease keeps after the staging region (row 0 padding, 4 open-block rows).
+TAIL_ROWS_PER_LEASE = 5
+#: Bytes of one pending-ring RoPE coordinate (3 axes × int64).
+_ROPE_POSITION_BYTES = 3 * 8
+_RING_DTYPE_BYTES = 2  # the pending ring is always bf16
+_SSM_STATE_BYTES = 4  # fp32 GDN recurrent state
+_CONV_STATE_BYTES = 2  # bf16 conv windows
+_SEARCH_LIMIT = 2**40  # request counts beyond this are reported as this bound
+
+
+class MemoryTier(enum.Enum):
+    """Where a part lives."""
+
+    GPU = "gpu"
+    HOST = "host"
+
+
+class MemoryPartKind(enum.Enum):
+    """The parts a plan prices, in table order."""
+
+    RAW_KV = "raw K/V"
+    COMPRESSED_INDEX = "compressed index-K"
+    PENDING_RING = "pending ring + RoPE"
+    GDN_STATE = "GDN recurrent state"
+    CONV_STATE = "GDN conv state"
+    PLE_STATE = "PLE short-conv state"
+    PREFILL_AREA = "prefill staging"
+    HOT_CACHE = "hot caches"
+    HOST_ARENA = "host K/V arena"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPart:
+    """One priced part.
+
+    Attributes:
+        kind: which part.
+        tier: GPU or pinned host memory.
+        nbytes: bytes per rank.
+        formula: the arithmetic, for the table.
+    """
+
+    kind: MemoryPartKind
+    tier: MemoryTier
+    nbytes: int
+    formula: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLayout:
+    """Every part of one mode (offloaded or resident) for ``num_requests`` requests."""
+
+    offloaded: bool
+    num_requests: int
+    parts: tuple[MemoryPart, ...]
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Sum of the GPU parts."""
+        return sum(p.nbytes for p in self.parts if p.tier is MemoryTier.GPU)
+
+    @property
+    def host_bytes(self) -> int:
+        """Sum of the host parts."""
+        return sum(p.nbytes for p in self.parts if p.tier is MemoryTier.HOST)
+
+    def part(self, kind: MemoryPartKind) -> MemoryPart:
+        """The part of ``kind`` (bytes 0 when the mode does not use it)."""
+        for p in self.parts:
+            if p.kind is kind:
+                return p
+        msg = f"layout has no part {kind!r}"
+        raise KeyError(msg)
+
+    def fits(self, gpu_budget_bytes: int, host_budget_bytes: int) -> bool:
+        """True when both totals are within the budgets."""
+        return self.gpu_bytes <= gpu_budget_bytes and self.host_bytes <= host_budget_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPlan:
+    """The inputs, both layouts and the largest request counts that fit.
+
+    Attributes:
+        profile: model geometry.
+        tp_size: tensor-parallel size (figures are per rank).
+        kv_dtype: raw K/V dtype.
+        index_dtype: compressed index dtype.
+        gpu_budget_bytes: GPU bytes available for KV and per-request state, per rank.
+        host_budget_bytes: pinned host bytes available, per rank.
+        context_len: tokens per request.
+        num_requests: requests to plan for.
+        hot_slots: hot block slots per request per layer (``>= block_topk``).
+        reserved_hot_slots: extra hot slots per request per layer (newest closed block, padding).
+        state_slots: recurrent-state slots (``None``: one per request).
+        offloaded: the layout with host KV offload.
+        resident: the layout with all raw K/V on the GPU.
+        max_requests_offloaded: most requests of ``context_len`` that fit with offload.
+        max_requests_resident: most requests of ``context_len`` that fit without offload.
+    """
+
+    profile: QSAProfile
+    tp_size: int
+    kv_dtype: KVDType
+    index_dtype: KVDType
+    gpu_budget_bytes: int
+    host_budget_bytes: int
+    context_len: int
+    num_requests: int
+    hot_slots: int
+    reserved_hot_slots: int
+    state_slots: int | None
+    offloaded: MemoryLayout
+    resident: MemoryLayout
+    max_requests_offloaded: int
+    max_requests_resident: int
+
+    @property
+    def raw_bytes_per_token(self) -> int:
+        """Raw K/V bytes per token per rank over all QSA layers."""
+        return self.profile.raw_kv_bytes_per_token(self.kv_dtype, self.tp_size)
+
+    @property
+    def index_bytes_per_token(self) -> int:
+        """Compressed index bytes per token (every rank)."""
+        return self.profile.index_bytes_per_token(self.index_dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Raw K/V bytes of one block of one layer per rank."""
+        return self.profile.bytes_per_block(self.kv_dtype, self.tp_size)
+
+    @property
+    def host_bytes_per_request(self) -> int:
+        """Host arena bytes of one request of ``context_len`` tokens."""
+        return _host_blocks(self.profile, self.context_len) * self._layer_block_bytes
+
+    @property
+    def _layer_block_bytes(self) -> int:
+        return self.profile.num_qsa_layers * self.bytes_per_block
+
+
+def _host_blocks(profile: QSAProfile, context_len: int) -> int:
+    return -(-context_len // profile.compress_ratio)
+
+
+def _split(total: int, tp_size: int, name: str) -> int:
+    if total % tp_size != 0:
+        msg = f"{name}={total!r} does not split over tp_size={tp_size!r}; it must be a multiple"
+        raise CapacityError(msg)
+    return total // tp_size
+
+
+def _layout(
+    profile: QSAProfile,
+    *,
+    tp_size: int,
+    kv_dtype: KVDType,
+    index_dtype: KVDType,
+    context_len: int,
+    num_requests: int,
+    hot_slots: int,
+    reserved_hot_slots: int,
+    state_slots: int,
+    offloaded: bool,
+) -> MemoryLayout:
+    p = profile
+    n, ctx, page = num_requests, context_len, p.page_size
+    raw_tok = p.raw_kv_bytes_per_token(kv_dtype, tp_size)
+    idx_tok = p.index_bytes_per_token(index_dtype)
+    block = p.bytes_per_block(kv_dtype, tp_size)
+    layers = p.num_qsa_layers
+    gpu, host = MemoryTier.GPU, MemoryTier.HOST
+
+    ring_per_req = (
+        layers * p.compress_ratio * p.index_kv_heads * p.index_head_dim * _RING_DTYPE_BYTES
+        + p.compress_ratio * _ROPE_POSITION_BYTES
+    )
+    ssm_per_slot = (
+        p.num_linear_layers
+        * _split(p.linear_num_value_heads, tp_size, "linear_num_value_heads")
+        * p.linear_key_head_dim
+        * p.linear_value_head_dim
+        * _SSM_STATE_BYTES
+    )
+    conv_dim = 2 * p.linear_num_key_heads * p.linear_key_head_dim + (
+        p.linear_num_value_heads * p.linear_value_head_dim
+    )
+    conv_per_slot = (
+        p.num_linear_layers
+        * _split(conv_dim, tp_size, "linear conv_dim")
+        * max(p.linear_conv_kernel_dim - 1, 0)
+        * _CONV_STATE_BYTES
+    )
+    ple_per_slot = (
+        len(p.ple_layer_ids)
+        * p.hidden_size
+        * p.hc_count
+        * max(p.ple_conv_kernel_size - 1, 0)
+        * p.ngram_size
+        * _CONV_STATE_BYTES
+    )
+    staging_tokens = ctx + TAIL_ROWS_PER_LEASE * n + page
+    hot_total = hot_slots + reserved_hot_slots
+    host_blocks = _host_blocks(p, ctx)
+
+    parts = (
+        MemoryPart(
+            MemoryPartKind.RAW_KV,
+            gpu,
+            0 if offloaded else (n * ctx + page) * raw_tok,
+            "offloaded to host" if offloaded else f"({n}×{ctx} + {page}) tok × {raw_tok} B",
+        ),
+        MemoryPart(
+            MemoryPartKind.COMPRESSED_INDEX,
+            gpu,
+            (n * ctx + page) * idx_tok,
+            f"({n}×{ctx} + {page}) tok × {idx_tok} B",
+        ),
+        MemoryPart(
+            MemoryPartKind.PENDING_RING, gpu, n * ring_per_req, f"{n} req × {ring_per_req} B"
+        ),
+        MemoryPart(
+            MemoryPartKind.GDN_STATE,
+            gpu,
+            state_slots * ssm_per_slot,
+            f"{state_slots} slots × {ssm_per_slot} B (fp32)",
+        ),
+        MemoryPart(
+            MemoryPartKind.CONV_STATE,
+            gpu,
+            state_slots * conv_per_slot,
+            f"{state_slots} slots × {conv_per_slot} B (bf16)",
+        ),
+        MemoryPart(
+            MemoryPartKind.PLE_STATE,
+            gpu,
+            state_slots * ple_per_slot,
+            f"{state_slots} slots × {ple_per_slot} B (bf16)",
+        ),
+        MemoryPart(
+            MemoryPartKind.PREFILL_AREA,
+            gpu,
+            staging_tokens * raw_tok if offloaded else 0,
+            f"({ctx} + 5×{n} + {page}) tok × {raw_tok} B"
+            if offloaded
+            else "prefill writes the raw K/V pool",
+        ),
+        MemoryPart(
+            MemoryPartKind.HOT_CACHE,
+            gpu,
+            n * layers * hot_total * block if offloaded else 0,
+            f"{n} req × {layers} layers × {hot_total} blocks × {block} B" if offloaded else "none",
+        ),
+        MemoryPart(
+            MemoryPartKind.HOST_ARENA,
+            host,
+            n * layers * host_blocks * block if offloaded else 0,
+            f"{n} req × {layers} layers × {host_blocks} blocks × {block} B"
+            if offloaded
+            else "none",
+        ),
+    )
+    return MemoryLayout(offloaded, n, parts)
+
+
+def _check_positive(name: str, value: int, minimum: int = 1) -> None:
+    if not is_int(value) or value < minimum:
+        msg = f"{name}={value!r} is not allowed; it must be an integer >= {minimum}"
+        raise CapacityError(msg)
+
+
+def plan_capacity(
+    profile: QSAProfile,
+    *,
+    tp_size: int,
+    kv_dtype: KVDType,
+    gpu_budget_bytes: int,
+    host_budget_bytes: int,
+    context_len: int,
+    num_requests: int,
+    index_dtype: KVDType = KVDType.BF16,
+    hot_slots: int | None = None,
+    reserved_hot_slots: int = 64,
+    state_slots: int | None = None,
+) -> CapacityPlan:
+    """Price every per-rank memory part with and without offload, and the largest request count.
+
+    Args:
+        profile: model geometry.
+        tp_size: TP size (figures are per rank).
+        kv_dtype: raw K/V dtype.
+        gpu_budget_bytes: GPU bytes for KV and per-request state, per rank.
+        host_budget_bytes: pinned host bytes, per rank.
+        context_len: tokens per request.
+        num_requests: requests to plan for.
+        index_dtype: compressed index dtype (bf16 by default).
+        hot_slots: hot block slots per request per layer (default ``4 × block_topk``).
+        reserved_hot_slots: extra hot slots per request per layer (default 64).
+        state_slots: recurrent-state slots (default: one per request; when given, the fit search
+            uses ``max(state_slots, R)``).
+
+    Returns:
+        The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.
+
+    Raises:
+        CapacityError: a non-positive size, a negative budget, ``hot_slots < block_topk``, or
+            recurrent heads that do not split over ``tp_size``.
+        QSAConfigError: ``tp_size`` does not split the KV heads.
+    """
+    _check_positive("tp_size", tp_size)
+    _check_positive("context_len", context_len)
+    _check_positive("num_requests", num_requests, minimum=0)
+    _check_positive("gpu_budget_bytes", gpu_budget_bytes, minimum=0)
+    _check_positive("host_budget_bytes", host_budget_bytes, minimum=0)
+    _check_positive("reserved_hot_slots", reserved_hot_slots, minimum=0)
+    hot = 4 * profile.block_topk if hot_slots is None else hot_slots
+    if not is_int(hot) or hot < profile.block_topk:
+        msg = (
+            f"hot_slots={hot!r} is not allowed; it must be >= block_topk="
+            f"{profile.block_topk!r} (S >= K)"
+        )
+        raise CapacityError(msg)
+    if state_slots is not None:
+        _check_positive("state_slots", state_slots, minimum=0)
+    profile.kv_heads_per_rank(tp_size)
+
+    def layout(n: int, offloaded: bool, slots: int) -> MemoryLayout:
+        return _layout(
+            profile,
+            tp_size=tp_size,
+            kv_dtype=kv_dtype,
+            index_dtype=index_dtype,
+            context_len=context_len,
+            num_requests=n,
+            hot_slots=hot,
+            reserved_hot_slots=reserved_hot_slots,
+            state_slots=slots,
+            offloaded=offloaded,
+        )
+
+    def largest(offloaded: bool) -> int:
+        def fits(n: int) -> bool:
+            slots = n if state_slots is None else max(state_slots, n)
+            return layout(n, offloaded, slots).fits(gpu_budget_bytes, host_budget_bytes)
+
+        if not fits(1):
+            return 0
+        low, high = 1, 2
+        while high < _SEARCH_LIMIT and fits(high):
+            low, high = high, high * 2
+        while high - low > 1:  # fits(low) and not fits(high)
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
+
+    slots = num_requests if state_slots is None else state_slots
+    return CapacityPlan(
+        profile=profile,
+        tp_size=tp_size,
+        kv_dtype=kv_dtype,
+        index_dtype=index_dtype,
+        gpu_budget_bytes=gpu_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+        context_len=context_len,
+        num_requests=num_requests,
+        hot_slots=hot,
+        reserved_hot_slots=reserved_hot_slots,
+        state_slots=state_slots,
+        offloaded=layout(num_requests, True, slots),
+        resident=layout(num_requests, False, slots),
+        max_requests_offloaded=largest(True),
+        max_requests_resident=largest(False),
+    )

@@ -1,0 +1,254 @@
+"""The request lease: the lifecycle of one offloaded request and the slot it owns.
+
+A :class:`LeaseTable` owns ``num_slots`` request slots (host slab, hot cache, tail ring). Each
+acquired lease gets the lowest free slot and a generation number that no earlier lease had, so a
+handle that outlives its lease (a late callback after an abort, say) can never act on the slot's
+next tenant: every operation checks the handle's ``(slot, generation)`` against the live lease.
+
+State machine (every other transition raises :class:`~qsa_core.LeaseError`)::
+
+    ALLOCATED -> PREFILLING -> COPYING_TO_HOST -> HOST_READY -> DECODING -> DRAINING -> RELEASED
+    abort: any state before DRAINING -> DRAINING (aborted); abort while DRAINING is a no-op
+
+Guarantees: a slot is owned by at most one live (not released) lease; a lease is released only
+from DRAINING (its copies have been waited on); releasing returns the slot, so after every lease is
+released all slots are free again (nothing leaks); request ids are unique among live leases.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Final
+
+from qsa_core._checks import is_int
+from qsa_core._errors import CapacityError, LeaseError
+
+__all__ = ("LeaseHandle", "LeaseState", "LeaseTable")
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseState(enum.Enum):
+    """Phase of one lease."""
+
+    ALLOCATED = "allocated"
+    PREFILLING = "prefilling"
+    COPYING_TO_HOST = "copying_to_host"
+    HOST_READY = "host_ready"
+    DECODING = "decoding"
+    DRAINING = "draining"
+    RELEASED = "released"
+
+
+#: The forward transitions; ``abort`` and ``release`` are handled separately.
+_NEXT: Final[dict[LeaseState, LeaseState]] = {
+    LeaseState.ALLOCATED: LeaseState.PREFILLING,
+    LeaseState.PREFILLING: LeaseState.COPYING_TO_HOST,
+    LeaseState.COPYING_TO_HOST: LeaseState.HOST_READY,
+    LeaseState.HOST_READY: LeaseState.DECODING,
+    LeaseState.DECODING: LeaseState.DRAINING,
+    LeaseState.DRAINING: LeaseState.RELEASED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHandle:
+    """Identity of one lease; immutable, safe to pass to callbacks.
+
+    Attributes:
+        slot: the request slot in ``[0, num_slots)``.
+        generation: unique per lease, increasing in acquisition order.
+        request_id: the caller's request id.
+    """
+
+    slot: int
+    generation: int
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Live:
+    handle: LeaseHandle
+    state: LeaseState
+    aborted: bool = False
+
+
+class LeaseTable:
+    """Slots, live leases and their states.
+
+    Args:
+        num_slots: request slots (the most concurrent leases).
+
+    Raises:
+        CapacityError: ``num_slots < 1``.
+    """
+
+    __slots__ = ("_by_rid", "_live", "_next_generation", "_num_slots")
+
+    def __init__(self, num_slots: int) -> None:
+        if not is_int(num_slots) or num_slots < 1:
+            msg = f"num_slots={num_slots!r} is not allowed; it must be a positive integer"
+            raise CapacityError(msg)
+        self._num_slots = num_slots
+        self._live: dict[int, _Live] = {}
+        self._by_rid: dict[str, int] = {}
+        self._next_generation = 1
+
+    @property
+    def num_slots(self) -> int:
+        """Total slots."""
+        return self._num_slots
+
+    @property
+    def num_free(self) -> int:
+        """Slots not owned by a live lease."""
+        return self._num_slots - len(self._live)
+
+    def live_handles(self) -> tuple[LeaseHandle, ...]:
+        """Handles of every live lease, by slot."""
+        return tuple(self._live[s].handle for s in sorted(self._live))
+
+    def acquire(self, request_id: str) -> LeaseHandle:
+        """Take the lowest free slot for ``request_id``; the lease starts ALLOCATED.
+
+        Raises:
+            LeaseError: no free slot, or ``request_id`` already holds a live lease.
+        """
+        if request_id in self._by_rid:
+            msg = (
+                f"request {request_id!r} already holds the live lease in slot "
+                f"{self._by_rid[request_id]!r}"
+            )
+            raise LeaseError(msg)
+        slot = next((s for s in range(self._num_slots) if s not in self._live), None)
+        if slot is None:
+            msg = f"no free slot for request {request_id!r}: all {self._num_slots} slots are leased"
+            raise LeaseError(msg)
+        handle = LeaseHandle(slot, self._next_generation, request_id)
+        self._next_generation += 1
+        self._live[slot] = _Live(handle, LeaseState.ALLOCATED)
+        self._by_rid[request_id] = slot
+        logger.debug(
+            "lease acquired: slot=%d generation=%d rid=%r", slot, handle.generation, request_id
+        )
+        return handle
+
+    def state(self, handle: LeaseHandle) -> LeaseState:
+        """State of the lease ``handle`` names; RELEASED once it is gone.
+
+        Raises:
+            LeaseError: the handle was never issued by this table.
+        """
+        live = self._live.get(handle.slot)
+        if live is not None and live.handle == handle:
+            return live.state
+        if not 1 <= handle.generation < self._next_generation:
+            msg = f"lease handle {handle!r} was never issued by this table"
+            raise LeaseError(msg)
+        return LeaseState.RELEASED
+
+    def is_aborted(self, handle: LeaseHandle) -> bool:
+        """True when the live lease was aborted (it drains, then is released)."""
+        return self._get(handle, "is_aborted").aborted
+
+    def advance(self, handle: LeaseHandle, target: LeaseState) -> None:
+        """Move a live lease one step forward along the state machine to ``target``.
+
+        Raises:
+            LeaseError: stale handle, or ``target`` is not the next state (use :meth:`abort`
+                to leave early and :meth:`release` to end a drained lease).
+        """
+        live = self._get(handle, f"advance to {target.value}")
+        expected = _NEXT.get(live.state)
+        if target is LeaseState.RELEASED or expected is not target:
+            allowed = "none" if expected is None else repr(expected.value)
+            msg = (
+                f"illegal lease transition {live.state.value!r} -> {target.value!r} for "
+                f"{handle!r}; allowed next state: {allowed}"
+                + ("; call release()" if target is LeaseState.RELEASED else "")
+            )
+            raise LeaseError(msg)
+        live.state = target
+
+    def begin_prefill(self, handle: LeaseHandle) -> None:
+        """ALLOCATED -> PREFILLING."""
+        self.advance(handle, LeaseState.PREFILLING)
+
+    def begin_copy(self, handle: LeaseHandle) -> None:
+        """PREFILLING -> COPYING_TO_HOST."""
+        self.advance(handle, LeaseState.COPYING_TO_HOST)
+
+    def finish_copy(self, handle: LeaseHandle) -> None:
+        """COPYING_TO_HOST -> HOST_READY."""
+        self.advance(handle, LeaseState.HOST_READY)
+
+    def begin_decode(self, handle: LeaseHandle) -> None:
+        """HOST_READY -> DECODING."""
+        self.advance(handle, LeaseState.DECODING)
+
+    def finish(self, handle: LeaseHandle) -> None:
+        """DECODING -> DRAINING (the request finished normally)."""
+        self.advance(handle, LeaseState.DRAINING)
+
+    def abort(self, handle: LeaseHandle) -> None:
+        """Any state before DRAINING -> DRAINING, marked aborted; a no-op while DRAINING.
+
+        Raises:
+            LeaseError: stale handle.
+        """
+        live = self._get(handle, "abort")
+        if live.state is not LeaseState.DRAINING:
+            logger.debug("lease aborted in %s: %r", live.state.value, handle)
+            live.state = LeaseState.DRAINING
+            live.aborted = True
+
+    def release(self, handle: LeaseHandle) -> None:
+        """DRAINING -> RELEASED: the slot becomes free and the handle stale.
+
+        Raises:
+            LeaseError: stale handle, or the lease is not DRAINING.
+        """
+        live = self._get(handle, "release")
+        if live.state is not LeaseState.DRAINING:
+            msg = (
+                f"illegal lease transition {live.state.value!r} -> 'released' for {handle!r}; "
+                "a lease is released only from 'draining'"
+            )
+            raise LeaseError(msg)
+        del self._live[handle.slot]
+        del self._by_rid[handle.request_id]
+
+    def check_invariants(self) -> None:
+        """Verify the table's internal consistency.
+
+        Raises:
+            LeaseError: a slot or request id is owned twice, or the indexes disagree.
+        """
+        if len(self._live) > self._num_slots:
+            msg = f"{len(self._live)} live leases exceed {self._num_slots} slots"
+            raise LeaseError(msg)
+        for slot, live in self._live.items():
+            if live.handle.slot != slot or self._by_rid.get(live.handle.request_id) != slot:
+                msg = f"slot {slot!r} index disagrees with its lease {live.handle!r}"
+                raise LeaseError(msg)
+            if (
+                live.state is LeaseState.RELEASED
+                or not live.handle.generation < self._next_generation
+            ):
+                msg = f"lease {live.handle!r} in slot {slot!r} is in an impossible state"
+                raise LeaseError(msg)
+        if len(self._by_rid) != len(self._live):
+            msg = f"{len(self._by_rid)} request ids but {len(self._live)} live leases"
+            raise LeaseError(msg)
+
+    def _get(self, handle: LeaseHandle, action: str) -> _Live:
+        live = self._live.get(handle.slot)
+        if live is None or live.handle != handle:
+            current = "free" if live is None else f"held by generation {live.handle.generation!r}"
+            msg = (
+                f"stale lease handle {handle!r} cannot {action}; slot {handle.slot!r} is {current}"
+            )
+            raise LeaseError(msg)
+        return live
