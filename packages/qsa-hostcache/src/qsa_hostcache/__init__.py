@@ -1,7 +1,68 @@
-"""qsa-hostcache: placeholder surface, filled by its issue."""
+"""qsa-hostcache: an engine-agnostic host prefix cache for model-state checkpoints.
+
+Checkpoints of any named segments (K/V, indexes, recurrent state...) taken at page boundaries live
+in one byte-budgeted host arena (pinned where CUDA is available, allocated once). Keys chain over
+pages and match only on equal key material (namespace, every token id, every page's extra
+identity), never on a hash alone. Least-recently-used unpinned checkpoints are evicted; a lease
+pins one for restore. It knows nothing of any serving engine.
+"""
 
 from importlib.metadata import version as _version
 
+from qsa_hostcache._arena import CopyFence
+from qsa_hostcache._cache import HostPrefixCache, Lease, Match, PublishTicket, TicketState
+from qsa_hostcache._errors import (
+    CheckpointTooLarge,
+    DeviceError,
+    HostCacheError,
+    InvalidKeyError,
+    LeaseError,
+    SegmentError,
+    TicketStateError,
+)
+from qsa_hostcache._keys import (
+    DEFAULT_HASHER,
+    HASH_SEED,
+    CacheNamespace,
+    PageHash,
+    PageHasher,
+    PrefixKey,
+    page_keys,
+    token_bytes,
+)
+from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
+from qsa_hostcache._stats import CacheStats
+
 __version__: str = _version("qsa-hostcache")
 
-__all__ = ("__version__",)
+__all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
+    "__version__",
+    # keys
+    "CacheNamespace",
+    "PrefixKey",
+    "PageHash",
+    "PageHasher",
+    "DEFAULT_HASHER",
+    "HASH_SEED",
+    "page_keys",
+    "token_bytes",
+    # checkpoints
+    "SegmentSpec",
+    "CheckpointLayout",
+    # the cache
+    "HostPrefixCache",
+    "PublishTicket",
+    "TicketState",
+    "Match",
+    "Lease",
+    "CopyFence",
+    "CacheStats",
+    # errors
+    "HostCacheError",
+    "InvalidKeyError",
+    "CheckpointTooLarge",
+    "SegmentError",
+    "TicketStateError",
+    "LeaseError",
+    "DeviceError",
+)

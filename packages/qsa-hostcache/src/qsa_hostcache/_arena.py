@@ -1,0 +1,202 @@
+"""The byte mover: one host tensor allocated up front, and copies between it and caller tensors.
+
+The arena knows block ids and byte offsets, never keys. On a machine with CUDA it is pinned and
+every copy to or from a CUDA tensor runs on one side stream, ordered after the caller's current
+stream and signalled by an event; copies to or from CPU tensors are synchronous. Because every
+device copy uses the same side stream, a later device write into blocks is ordered after an earlier
+device read of them; a CPU write first waits for the last device read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from qsa_hostcache._errors import DeviceError, SegmentError
+from qsa_hostcache._layout import plan_extents
+
+logger = logging.getLogger(__name__)
+
+
+class CopyFence:
+    """Completion of the copies one publish write or one restore enqueued.
+
+    CPU copies complete before the call that made them returns, so their fence is always done.
+    """
+
+    __slots__ = ("_device", "_event")
+
+    def __init__(
+        self, event: torch.cuda.Event | None = None, device: torch.device | None = None
+    ) -> None:
+        self._event = event
+        self._device = device
+
+    def done(self) -> bool:
+        """True when every copy has completed (non-blocking)."""
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def synchronize(self) -> None:
+        """Block the calling thread until every copy has completed."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Order ``stream`` (default: the current CUDA stream) after the copies, without blocking.
+
+        After a restore, call this before launching work that reads the restored tensors.
+        """
+        if self._event is None:
+            return
+        target = stream if stream is not None else torch.cuda.current_stream(self._device)
+        target.wait_event(self._event)
+
+
+def byte_view(tensor: torch.Tensor, *, writable: bool) -> torch.Tensor:
+    """``tensor``'s bytes as a flat ``[nbytes]`` uint8 tensor sharing its storage.
+
+    A non-contiguous source is first copied to a contiguous one; a destination must be contiguous.
+    """
+    if not tensor.is_contiguous():
+        if writable:
+            raise SegmentError(
+                f"restore targets must be contiguous; got shape {tuple(tensor.shape)!r} with "
+                f"strides {tensor.stride()!r}"
+            )
+        tensor = tensor.contiguous()
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class HostArena:
+    """One flat ``[capacity_bytes]`` uint8 host tensor, pinned where CUDA is available.
+
+    Args:
+        capacity_bytes: Size of the arena; allocated once, here.
+        pin_memory: ``True`` requires CUDA; ``None`` pins exactly when CUDA is available.
+        device: CUDA device whose tensors this arena copies to and from (default: current).
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_bytes: int,
+        *,
+        pin_memory: bool | None = None,
+        device: torch.device | str | int | None = None,
+    ) -> None:
+        cuda = torch.cuda.is_available()
+        pin = cuda if pin_memory is None else pin_memory
+        if pin and not cuda:
+            raise DeviceError("pin_memory=True needs CUDA, but torch.cuda.is_available() is False")
+        self._device: torch.device | None = None
+        self._stream: torch.cuda.Stream | None = None
+        if cuda:
+            dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+            self._device = (
+                torch.device(dev) if not isinstance(dev, int) else torch.device("cuda", dev)
+            )
+            if self._device.type != "cuda":
+                raise DeviceError(f"device must be a CUDA device, got {self._device!r}")
+            self._stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
+        start = time.perf_counter()
+        self._buf = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.pinned = bool(pin and self._buf.is_pinned())
+        self.block_bytes = block_bytes
+        self.capacity_bytes = capacity_bytes
+        self._last_read: torch.cuda.Event | None = None
+        logger.info(
+            "host arena: %d bytes, blocks of %d bytes, pinned=%s, device=%s, allocated in %.3f s",
+            capacity_bytes,
+            block_bytes,
+            self.pinned,
+            self._device,
+            time.perf_counter() - start,
+        )
+
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device copies go to and from, or ``None`` without CUDA."""
+        return self._device
+
+    def buffer(self) -> torch.Tensor:
+        """The arena tensor itself (``[capacity_bytes]`` uint8); for tests and diagnostics."""
+        return self._buf
+
+    def _check_device(self, tensor: torch.Tensor) -> bool:
+        """True for a CUDA tensor on the arena's device, False for a CPU tensor; else raise."""
+        if tensor.device.type == "cpu":
+            return False
+        if tensor.device.type == "cuda" and tensor.device == self._device:
+            return True
+        raise DeviceError(
+            f"tensor on {tensor.device!r}; this arena copies to and from 'cpu' and {self._device!r}"
+        )
+
+    def write(
+        self, blocks: tuple[int, ...], items: Sequence[tuple[int, torch.Tensor]]
+    ) -> CopyFence:
+        """Copy each ``(stream offset, source tensor)`` into the checkpoint stored in ``blocks``."""
+        on_device = [self._check_device(t) for _, t in items]
+        if not all(on_device):
+            self._sync_reads()
+            for (offset, tensor), dev in zip(items, on_device, strict=True):
+                if not dev:
+                    self._copy_in(blocks, offset, byte_view(tensor, writable=False), False)
+        if not any(on_device):
+            return CopyFence()
+        stream = self._stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            for (offset, tensor), dev in zip(items, on_device, strict=True):
+                if dev:
+                    self._copy_in(blocks, offset, byte_view(tensor, writable=False), True)
+                    tensor.record_stream(stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return CopyFence(event, self._device)
+
+    def read(self, blocks: tuple[int, ...], items: Sequence[tuple[int, torch.Tensor]]) -> CopyFence:
+        """Copy the checkpoint stored in ``blocks`` into each ``(stream offset, target tensor)``."""
+        on_device = [self._check_device(t) for _, t in items]
+        views = [byte_view(t, writable=True) for _, t in items]
+        for (offset, _), view, dev in zip(items, views, on_device, strict=True):
+            if not dev:
+                self._copy_out(blocks, offset, view, False)
+        if not any(on_device):
+            return CopyFence()
+        stream = self._stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            for (offset, tensor), view, dev in zip(items, views, on_device, strict=True):
+                if dev:
+                    self._copy_out(blocks, offset, view, True)
+                    tensor.record_stream(stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        self._last_read = event
+        return CopyFence(event, self._device)
+
+    def _copy_in(
+        self, blocks: tuple[int, ...], offset: int, src: torch.Tensor, non_blocking: bool
+    ) -> None:
+        buf = self._buf
+        for arena_off, seg_off, n in plan_extents(offset, src.numel(), blocks, self.block_bytes):
+            buf[arena_off : arena_off + n].copy_(src[seg_off : seg_off + n], non_blocking)
+
+    def _copy_out(
+        self, blocks: tuple[int, ...], offset: int, dst: torch.Tensor, non_blocking: bool
+    ) -> None:
+        buf = self._buf
+        for arena_off, seg_off, n in plan_extents(offset, dst.numel(), blocks, self.block_bytes):
+            dst[seg_off : seg_off + n].copy_(buf[arena_off : arena_off + n], non_blocking)
+
+    def _sync_reads(self) -> None:
+        """Wait for the last device read, so a CPU write cannot overtake it."""
+        event = self._last_read
+        if event is not None:
+            event.synchronize()
