@@ -1,7 +1,45 @@
-"""qsa-sglang-plugin: placeholder surface, filled by its issue."""
+"""qsa-sglang-plugin: the SGLang 0.5.23 plugin of QSA HiSparse.
+
+The ``sglang.srt.plugins`` entry point ``qsa_hisparse`` (:func:`activate`) turns the QSA HiSparse
+features on inside an unmodified SGLang from ``SGLANG_QSA_*`` switches, and fails closed: every
+activation failure raises :class:`ActivationError`, a ``BaseException`` that SGLang's plugin
+loader cannot swallow. :mod:`qsa_sglang_plugin.launch` starts a server and reports ready only after
+each TP rank has written a verified activation record; :mod:`qsa_sglang_plugin.doctor` checks a
+machine before serving.
+"""
 
 from importlib.metadata import version as _version
 
+from qsa_sglang_plugin._activation import ActivationRecord, activate
+from qsa_sglang_plugin._errors import (
+    ActivationError,
+    ConfigurationError,
+    FingerprintMismatchError,
+    ForeignHookError,
+    HookNotAppliedError,
+    LaunchError,
+    SwitchError,
+)
+from qsa_sglang_plugin._switches import Feature, HiSparseMode, Switches, parse_switches
+
 __version__: str = _version("qsa-sglang-plugin")
 
-__all__ = ("__version__",)
+__all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
+    "__version__",
+    # entry point and activation records
+    "activate",
+    "ActivationRecord",
+    # switches
+    "Feature",
+    "HiSparseMode",
+    "Switches",
+    "parse_switches",
+    # errors
+    "ActivationError",
+    "ConfigurationError",
+    "FingerprintMismatchError",
+    "ForeignHookError",
+    "HookNotAppliedError",
+    "LaunchError",
+    "SwitchError",
+)

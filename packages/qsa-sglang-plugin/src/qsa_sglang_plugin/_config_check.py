@@ -1,0 +1,243 @@
+"""The supported configuration: a thin adapter from SGLang's resolved ServerArgs to the rules.
+
+Model geometry rules live in ``qsa_core`` (:meth:`qsa_core.QSAProfile.from_text_config`); this
+module only gathers the facts from SGLang (:class:`ConfigFacts`) and applies the serving rules
+that the requested features need (:func:`check_configuration`). Each rejection names the flag,
+the value found and the supported values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from qsa_core import KVDType, QSAConfigError, QSAProfile
+from qsa_sglang_plugin._errors import ConfigurationError
+from qsa_sglang_plugin._switches import Feature, Switches, current_switches
+
+__all__ = (
+    "SUPPORTED_ARCHITECTURE",
+    "SUPPORTED_KV_CACHE_DTYPES",
+    "SUPPORTED_PAGE_SIZE",
+    "ConfigFacts",
+    "after_resolve_once",
+    "check_configuration",
+    "facts_from_server_args",
+)
+
+SUPPORTED_ARCHITECTURE: Final = "Qwen4ExpForConditionalGeneration"
+SUPPORTED_PAGE_SIZE: Final = 64
+#: ``--kv-cache-dtype`` values the QSA kernels take; ``auto`` only with a bfloat16 checkpoint.
+SUPPORTED_KV_CACHE_DTYPES: Final = ("auto", "bf16", "bfloat16", "fp8_e4m3")
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFacts:
+    """The resolved settings the rules read, copied out of SGLang's ServerArgs.
+
+    Attributes:
+        architectures: ``architectures`` of the checkpoint config.
+        text_config: the checkpoint's text config as a plain mapping.
+        model_dtype: the model dtype as torch spells it without the prefix (``"bfloat16"``).
+        page_size: ``--page-size`` after resolution, in tokens.
+        kv_cache_dtype: ``--kv-cache-dtype``.
+        pp_size: ``--pp-size``.
+        dp_size: ``--dp-size``.
+        attn_dp_size: ``--attn-dp-size``.
+        speculative_algorithm: ``--speculative-algorithm`` (None = off).
+        disaggregation_mode: ``--disaggregation-mode``.
+        enable_hisparse: ``--enable-hisparse`` (upstream HiSparse).
+        disable_overlap_schedule: ``--disable-overlap-schedule``.
+        enable_mixed_chunk: ``--enable-mixed-chunk``.
+        disable_radix_cache: ``--disable-radix-cache``.
+    """
+
+    architectures: tuple[str, ...]
+    text_config: Mapping[str, Any] = field(repr=False)
+    model_dtype: str
+    page_size: int
+    kv_cache_dtype: str
+    pp_size: int = 1
+    dp_size: int = 1
+    attn_dp_size: int = 1
+    speculative_algorithm: str | None = None
+    disaggregation_mode: str = "null"
+    enable_hisparse: bool = False
+    disable_overlap_schedule: bool = True
+    enable_mixed_chunk: bool = False
+    disable_radix_cache: bool = True
+
+
+def _reject(flag: str, value: object, supported: str, why: str) -> ConfigurationError:
+    return ConfigurationError(f"{flag}={value!r} is not supported ({why}); supported: {supported}")
+
+
+def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | None:
+    """Apply every rule of the requested features; the first violation raises.
+
+    Rules for every feature: the architecture is ``Qwen4ExpForConditionalGeneration`` with a
+    valid QSA profile; page size 64; KV dtype bf16 or fp8_e4m3. Extra rules when
+    ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
+    attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, overlap
+    scheduling and mixed chunks off, radix cache off.
+
+    Returns:
+        The model's QSA profile, or None when every switch is off (nothing is checked).
+
+    Raises:
+        ConfigurationError: naming the flag, the value and the supported values.
+    """
+    features = switches.features
+    if not features:
+        return None
+    if facts.architectures != (SUPPORTED_ARCHITECTURE,):
+        raise _reject(
+            "--model-path architectures",
+            list(facts.architectures),
+            f"[{SUPPORTED_ARCHITECTURE!r}]",
+            "QSA HiSparse serves only Qwen Sparse Attention checkpoints",
+        )
+    try:
+        profile = QSAProfile.from_text_config(facts.text_config, page_size=facts.page_size)
+    except QSAConfigError as exc:
+        msg = f"--model-path: the checkpoint has no usable QSA profile: {exc}"
+        raise ConfigurationError(msg) from exc
+    if facts.page_size != SUPPORTED_PAGE_SIZE:
+        raise _reject(
+            "--page-size",
+            facts.page_size,
+            str(SUPPORTED_PAGE_SIZE),
+            "QSA addresses the compressed index as full slot // compress ratio in 64-token pages",
+        )
+    if facts.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise _reject(
+            "--kv-cache-dtype",
+            facts.kv_cache_dtype,
+            ", ".join(repr(d) for d in SUPPORTED_KV_CACHE_DTYPES),
+            "the QSA kernels store K/V as bf16 or unscaled fp8 e4m3",
+        )
+    KVDType.parse(facts.kv_cache_dtype)
+    if facts.kv_cache_dtype == "auto" and facts.model_dtype != "bfloat16":
+        raise _reject(
+            "--kv-cache-dtype",
+            f"auto (model dtype {facts.model_dtype})",
+            "'auto' with a bfloat16 model, 'bf16', 'bfloat16', 'fp8_e4m3'",
+            "'auto' takes the model dtype, and the QSA kernels store K/V as bf16 or fp8 e4m3",
+        )
+    if Feature.HISPARSE in features:
+        _check_hisparse(facts)
+    return profile
+
+
+def _check_hisparse(facts: ConfigFacts) -> None:
+    why_ranks = "the offload runtime keeps one set of leases per TP rank of one scheduler group"
+    if facts.pp_size != 1:
+        raise _reject("--pp-size", facts.pp_size, "1", why_ranks)
+    if facts.dp_size != 1:
+        raise _reject("--dp-size", facts.dp_size, "1", why_ranks)
+    if facts.attn_dp_size != 1:
+        raise _reject("--attn-dp-size", facts.attn_dp_size, "1", why_ranks)
+    if facts.speculative_algorithm is not None:
+        raise _reject(
+            "--speculative-algorithm",
+            facts.speculative_algorithm,
+            "unset",
+            "the hot cache admits one new token per request per decode step",
+        )
+    if facts.disaggregation_mode != "null":
+        raise _reject(
+            "--disaggregation-mode",
+            facts.disaggregation_mode,
+            "'null'",
+            "host K/V history is not transferred between prefill and decode instances",
+        )
+    if facts.enable_hisparse:
+        raise _reject(
+            "--enable-hisparse",
+            True,
+            "off",
+            "upstream HiSparse and QSA HiSparse would both own the KV pools",
+        )
+    if not facts.disable_overlap_schedule:
+        raise _reject(
+            "--disable-overlap-schedule",
+            False,
+            "set (overlap scheduling off)",
+            "a step's block write-back and residency updates must land before the next batch "
+            "is built",
+        )
+    if facts.enable_mixed_chunk:
+        raise _reject(
+            "--enable-mixed-chunk",
+            True,
+            "off",
+            "prefill writes through the staging arena and decode through the hot cache",
+        )
+    if not facts.disable_radix_cache:
+        raise _reject(
+            "--disable-radix-cache",
+            False,
+            "set (GPU radix cache off)",
+            "offloaded K/V history is not on the GPU for the radix cache to share; prefix reuse "
+            "comes from the host prefix cache",
+        )
+
+
+def _as_str(value: object) -> str:
+    return str(value).removeprefix("torch.")
+
+
+def facts_from_server_args(server_args: Any) -> ConfigFacts:
+    """Read :class:`ConfigFacts` from a resolved SGLang ``ServerArgs``."""
+    from sglang.srt.arg_groups.model_override_base import (  # noqa: PLC0415
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
+    model_path = str(cfg.model_path)
+    if model_path.lower() in ("dummy", "none"):
+        architectures: tuple[str, ...] = ()
+        text: Mapping[str, Any] = {}
+        dtype = "unknown"
+    else:
+        model_config = model_config_of(server_args)
+        hf_config = model_config.hf_config
+        architectures = tuple(getattr(hf_config, "architectures", None) or ())
+        text_config = getattr(hf_config, "text_config", None) or hf_config
+        text = text_config.to_dict()
+        dtype = _as_str(model_config.dtype)
+    return ConfigFacts(
+        architectures=architectures,
+        text_config=text,
+        model_dtype=dtype,
+        page_size=int(cfg.page_size),
+        kv_cache_dtype=str(cfg.kv_cache_dtype),
+        pp_size=int(cfg.pp_size),
+        dp_size=int(cfg.dp_size),
+        attn_dp_size=int(cfg.attn_dp_size),
+        speculative_algorithm=None
+        if cfg.speculative_algorithm is None
+        else str(cfg.speculative_algorithm),
+        disaggregation_mode=str(cfg.disaggregation_mode),
+        enable_hisparse=bool(cfg.enable_hisparse),
+        disable_overlap_schedule=bool(cfg.disable_overlap_schedule),
+        enable_mixed_chunk=bool(cfg.enable_mixed_chunk),
+        disable_radix_cache=bool(cfg.disable_radix_cache),
+    )
+
+
+def after_resolve_once(result: object, server_args: Any, *args: object, **kwargs: object) -> None:
+    """AFTER hook on ``sglang.srt.server_args.ServerArgs.resolve_once``.
+
+    Re-verifies this plugin's hooks, then checks the resolved configuration.
+
+    Raises:
+        ActivationError: a hook was displaced, or the configuration is unsupported.
+    """
+    del result, args, kwargs
+    from qsa_sglang_plugin._activation import verify_active  # noqa: PLC0415 (import cycle)
+
+    verify_active()
+    check_configuration(facts_from_server_args(server_args), current_switches())

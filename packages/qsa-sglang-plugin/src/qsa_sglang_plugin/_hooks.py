@@ -1,0 +1,98 @@
+"""The one declaration of every SGLang hook this plugin installs.
+
+Registration (:mod:`qsa_sglang_plugin._activation`) and the fingerprint manifest
+(:mod:`qsa_sglang_plugin._fingerprints`) are both derived from :data:`HOOKS`; adding a feature's
+hook is one :class:`HookSpec` entry here plus a regenerated manifest. This module imports nothing
+from SGLang.
+
+Order of preference when a feature needs SGLang to behave differently: an SGLang registry
+(``register_attention_backend``, ``register_radix_cache_backend``), then a BEFORE/AFTER/AROUND hook,
+and a whole-definition REPLACE only where nothing narrower exists.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from qsa_sglang_plugin._switches import Feature
+
+__all__ = ("HOOKS", "HookKind", "HookSpec", "specs_for")
+
+
+class HookKind(enum.StrEnum):
+    """Hook type; the values equal the values of SGLang's ``HookType``."""
+
+    BEFORE = "before"
+    AFTER = "after"
+    AROUND = "around"
+    REPLACE = "replace"
+
+
+@dataclass(frozen=True, slots=True)
+class HookSpec:
+    """One hook: where it goes, what it is, which feature needs it, and why.
+
+    Attributes:
+        module: dotted name of the SGLang module that defines the target.
+        qualname: attribute path of the target inside ``module`` (``Class.method`` or ``func``).
+        kind: hook type.
+        feature: the feature that registers this hook.
+        hook: ``"package.module:function"`` of the hook callable in this package.
+        reason: why the hook exists and why nothing narrower fits.
+    """
+
+    module: str
+    qualname: str
+    kind: HookKind
+    feature: Feature
+    hook: str
+    reason: str
+
+    @property
+    def target(self) -> str:
+        """The dotted path SGLang's ``HookRegistry`` takes."""
+        return f"{self.module}.{self.qualname}"
+
+    def load_hook(self) -> Callable[..., Any]:
+        """Import and return the hook callable."""
+        module_name, _, attr = self.hook.partition(":")
+        fn: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+        return fn
+
+
+HOOKS: tuple[HookSpec, ...] = (
+    HookSpec(
+        module="sglang.srt.server_args",
+        qualname="ServerArgs.resolve_once",
+        kind=HookKind.AFTER,
+        feature=Feature.FRAMEWORK,
+        hook="qsa_sglang_plugin._config_check:after_resolve_once",
+        reason=(
+            "Reject an unsupported configuration once SGLang has resolved it (page size, KV "
+            "dtype and architecture are decided during resolution, so __post_init__ is too "
+            "early), and re-verify this plugin's hooks in the front-end process."
+        ),
+    ),
+    HookSpec(
+        module="sglang.srt.managers.scheduler",
+        qualname="configure_scheduler_process",
+        kind=HookKind.AFTER,
+        feature=Feature.FRAMEWORK,
+        hook="qsa_sglang_plugin._activation:after_configure_scheduler_process",
+        reason=(
+            "Runs in every scheduler process after load_plugins() and publish(): re-verify "
+            "hooks and fingerprints with every plugin loaded, and write this rank's activation "
+            "record for the launcher."
+        ),
+    ),
+)
+
+
+def specs_for(features: Iterable[Feature]) -> tuple[HookSpec, ...]:
+    """The declared hooks of the given features, in declaration order."""
+    wanted = frozenset(features)
+    return tuple(spec for spec in HOOKS if spec.feature in wanted)

@@ -1,0 +1,178 @@
+"""The operator's switches: ``SGLANG_QSA_*`` environment variables, parsed once.
+
+This module imports nothing from SGLang, so a process with every switch unset pays nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from qsa_sglang_plugin._errors import SwitchError
+
+__all__ = (
+    "ENV_ACTIVATION_DIR",
+    "ENV_HISPARSE_V3",
+    "ENV_MODEL_COMPAT",
+    "ENV_PREFIX_CACHE_MAX_ENTRIES",
+    "ENV_PREFIX_CACHE_MB",
+    "ENV_SGLANG_PLUGINS",
+    "PLUGIN_NAME",
+    "Feature",
+    "HiSparseMode",
+    "Switches",
+    "current_switches",
+    "parse_switches",
+)
+
+ENV_MODEL_COMPAT: Final = "SGLANG_QSA_MODEL_COMPAT"
+ENV_HISPARSE_V3: Final = "SGLANG_QSA_HISPARSE_V3"
+ENV_PREFIX_CACHE_MB: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB"
+ENV_PREFIX_CACHE_MAX_ENTRIES: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES"
+#: Directory for per-process activation records; the launcher sets it.
+ENV_ACTIVATION_DIR: Final = "SGLANG_QSA_HISPARSE_ACTIVATION_DIR"
+#: SGLang's allow-list of general plugins (entry-point names, comma separated; empty = all).
+ENV_SGLANG_PLUGINS: Final = "SGLANG_PLUGINS"
+#: This plugin's entry-point name in the ``sglang.srt.plugins`` group.
+PLUGIN_NAME: Final = "qsa_hisparse"
+
+#: Default retained-plus-pending checkpoint count per TP rank when the prefix cache is on.
+DEFAULT_PREFIX_CACHE_MAX_ENTRIES: Final = 256
+
+
+class HiSparseMode(enum.StrEnum):
+    """Values of ``SGLANG_QSA_HISPARSE_V3``."""
+
+    P2_OFFLOAD = "p2-offload"
+    """Raw K/V history of QSA layers in pinned host memory, a per-request GPU hot cache."""
+    P2_RESIDENT = "p2-resident"
+    """The same runtime with the history kept on the GPU (the comparison arm)."""
+
+
+class Feature(enum.StrEnum):
+    """A unit of hooks that is registered together; ``FRAMEWORK`` is on whenever any switch is."""
+
+    FRAMEWORK = "framework"
+    MODEL_COMPAT = "model_compat"
+    HISPARSE = "hisparse"
+    PREFIX_CACHE = "prefix_cache"
+
+
+@dataclass(frozen=True, slots=True)
+class Switches:
+    """Every switch, validated.
+
+    Attributes:
+        model_compat: ``SGLANG_QSA_MODEL_COMPAT=1``.
+        hisparse: the ``SGLANG_QSA_HISPARSE_V3`` mode, or None when unset.
+        prefix_cache_mb: host prefix-cache budget per TP rank in MiB (2**20 bytes); 0 = off.
+        prefix_cache_max_entries: retained plus pending checkpoints per TP rank.
+    """
+
+    model_compat: bool = False
+    hisparse: HiSparseMode | None = None
+    prefix_cache_mb: int = 0
+    prefix_cache_max_entries: int = DEFAULT_PREFIX_CACHE_MAX_ENTRIES
+
+    @property
+    def any_on(self) -> bool:
+        """True when at least one feature is requested."""
+        return self.model_compat or self.hisparse is not None or self.prefix_cache_mb > 0
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Prefix-cache budget per TP rank in bytes (0 when off)."""
+        return self.prefix_cache_mb * (1 << 20)
+
+    @property
+    def features(self) -> tuple[Feature, ...]:
+        """Requested features in declaration order; empty when every switch is off."""
+        if not self.any_on:
+            return ()
+        out = [Feature.FRAMEWORK]
+        if self.model_compat:
+            out.append(Feature.MODEL_COMPAT)
+        if self.hisparse is not None:
+            out.append(Feature.HISPARSE)
+        if self.prefix_cache_mb > 0:
+            out.append(Feature.PREFIX_CACHE)
+        return tuple(out)
+
+
+def _positive_int(name: str, raw: str, *, zero_allowed: bool) -> int:
+    text = raw.strip()
+    allowed = "0 (off) or a positive integer" if zero_allowed else "a positive integer"
+    if not text.isascii() or not text.isdigit():
+        msg = f"{name}={raw!r} is not allowed; allowed: unset, or {allowed}"
+        raise SwitchError(msg)
+    value = int(text)
+    if value == 0 and not zero_allowed:
+        msg = f"{name}={raw!r} is not allowed; allowed: unset, or {allowed}"
+        raise SwitchError(msg)
+    return value
+
+
+def parse_switches(environ: Mapping[str, str]) -> Switches:
+    """Parse and cross-check every switch from ``environ``.
+
+    An empty string counts as unset.
+
+    Raises:
+        SwitchError: a value is malformed, or ``SGLANG_QSA_HISPARSE_V3`` is set without
+            ``SGLANG_QSA_MODEL_COMPAT=1``, or the prefix cache is on without
+            ``SGLANG_QSA_HISPARSE_V3``. The message names the variable, its value and what is
+            allowed.
+    """
+    raw_compat = environ.get(ENV_MODEL_COMPAT, "")
+    if raw_compat not in ("", "0", "1"):
+        msg = f"{ENV_MODEL_COMPAT}={raw_compat!r} is not allowed; allowed: unset, '0', '1'"
+        raise SwitchError(msg)
+    model_compat = raw_compat == "1"
+
+    raw_mode = environ.get(ENV_HISPARSE_V3, "")
+    hisparse: HiSparseMode | None = None
+    if raw_mode:
+        try:
+            hisparse = HiSparseMode(raw_mode)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in HiSparseMode)
+            msg = f"{ENV_HISPARSE_V3}={raw_mode!r} is not allowed; allowed: unset, {allowed}"
+            raise SwitchError(msg) from None
+        if not model_compat:
+            msg = (
+                f"{ENV_HISPARSE_V3}={raw_mode!r} requires {ENV_MODEL_COMPAT}='1', "
+                f"got {ENV_MODEL_COMPAT}={raw_compat!r}"
+            )
+            raise SwitchError(msg)
+
+    raw_mb = environ.get(ENV_PREFIX_CACHE_MB, "")
+    prefix_cache_mb = _positive_int(ENV_PREFIX_CACHE_MB, raw_mb, zero_allowed=True) if raw_mb else 0
+    raw_entries = environ.get(ENV_PREFIX_CACHE_MAX_ENTRIES, "")
+    max_entries = (
+        _positive_int(ENV_PREFIX_CACHE_MAX_ENTRIES, raw_entries, zero_allowed=False)
+        if raw_entries
+        else DEFAULT_PREFIX_CACHE_MAX_ENTRIES
+    )
+    if prefix_cache_mb > 0 and hisparse is None:
+        allowed = ", ".join(repr(m.value) for m in HiSparseMode)
+        msg = (
+            f"{ENV_PREFIX_CACHE_MB}={raw_mb!r} requires {ENV_HISPARSE_V3} to be one of "
+            f"{allowed}, got {ENV_HISPARSE_V3}={raw_mode!r}"
+        )
+        raise SwitchError(msg)
+    return Switches(
+        model_compat=model_compat,
+        hisparse=hisparse,
+        prefix_cache_mb=prefix_cache_mb,
+        prefix_cache_max_entries=max_entries,
+    )
+
+
+@functools.cache
+def current_switches() -> Switches:
+    """The switches of this process, parsed from ``os.environ`` on first call and then fixed."""
+    return parse_switches(os.environ)
