@@ -1,0 +1,194 @@
+"""Capacity plan against the original plugin's reported figures, and the fit search."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsa_core import (
+    QWEN38_FLASH_NEXT,
+    QWEN38_FLASH_NEXT_TEXT_CONFIG,
+    CapacityError,
+    CapacityPlan,
+    KVDType,
+    MemoryPartKind,
+    MemoryTier,
+    plan_capacity,
+    render_plan,
+)
+from qsa_core._cli import main
+
+GIB = 1 << 30
+MIB = 1 << 20
+CTX = 262144
+
+
+def _plan(n: int = 8, **kwargs: Any) -> CapacityPlan:
+    args: dict[str, Any] = {
+        "tp_size": 2,
+        "kv_dtype": KVDType.FP8_E4M3,
+        "gpu_budget_bytes": 9 * GIB,
+        "host_budget_bytes": 12 * GIB,
+        "context_len": CTX,
+        "num_requests": n,
+    }
+    args.update(kwargs)
+    return plan_capacity(QWEN38_FLASH_NEXT, **args)
+
+
+def test_host_kv_is_one_and_a_half_gib_per_request() -> None:
+    """262,144 tokens at TP2 FP8: 1.5 GiB host K/V per request per rank, 12 GiB for eight."""
+    plan = _plan()
+    assert plan.raw_bytes_per_token == 6144
+    assert plan.index_bytes_per_token == 768
+    assert plan.host_bytes_per_request == 1536 * MIB
+    assert plan.offloaded.part(MemoryPartKind.HOST_ARENA).nbytes == 12 * GIB
+    assert plan.offloaded.host_bytes == 8 * 12 * 65536 * 2048
+
+
+def test_staging_and_index_pools_match_the_original_byte_counts() -> None:
+    """Raw staging 1,611,251,712 B and index 1,610,661,888 B per GPU for eight requests."""
+    off = _plan().offloaded
+    assert off.part(MemoryPartKind.PREFILL_AREA).nbytes == 1_611_251_712
+    assert off.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == 1_610_661_888
+
+
+@pytest.mark.parametrize(
+    ("n", "fixed"), [(2, 1_611_141_312), (4, 1_611_227_520), (8, 1_611_399_936)]
+)
+def test_fixed_bytes_match_the_original_pool_sizing(n: int, fixed: int) -> None:
+    """Staging + one index pad page + pending ring equals the original fixed bytes for N=2/4/8."""
+    off = _plan(n).offloaded
+    index_pad = 64 * 768
+    ring = off.part(MemoryPartKind.PENDING_RING).nbytes
+    assert off.part(MemoryPartKind.PREFILL_AREA).nbytes + index_pad + ring == fixed
+
+
+def test_hot_cache_is_2048_plus_64_blocks_per_layer_per_request() -> None:
+    """4.125 MiB per layer per request, 49.5 MiB per request, 396 MiB (384 MiB core) for eight."""
+    plan = _plan()
+    assert plan.hot_slots == 2048
+    assert plan.offloaded.part(MemoryPartKind.HOT_CACHE).nbytes == 396 * MIB
+    assert _plan(1).offloaded.part(MemoryPartKind.HOT_CACHE).nbytes == int(49.5 * MIB)
+    core = _plan(reserved_hot_slots=0).offloaded.part(MemoryPartKind.HOT_CACHE).nbytes
+    assert core == 384 * MIB
+
+
+def test_recurrent_state_pool_of_40_slots_is_about_2_2_gib() -> None:
+    """GDN + conv + PLE state for 40 slots at TP2 is the reported ~2.2 GiB per rank."""
+    off = _plan(state_slots=40).offloaded
+    total = sum(
+        off.part(k).nbytes
+        for k in (MemoryPartKind.GDN_STATE, MemoryPartKind.CONV_STATE, MemoryPartKind.PLE_STATE)
+    )
+    assert total == 40 * (113_246_208 // 2 + 2_211_840 // 2 + 184_320)
+    assert 2.1 * GIB < total < 2.2 * GIB
+
+
+def test_resident_raw_kv_of_eight_requests_is_twelve_gib() -> None:
+    """Without offload the eight requests need 12 GiB of raw K/V on each GPU (plus a page)."""
+    res = _plan().resident
+    assert res.part(MemoryPartKind.RAW_KV).nbytes == (8 * CTX + 64) * 6144
+    assert res.host_bytes == 0
+    assert res.part(MemoryPartKind.HOT_CACHE).nbytes == 0
+    assert res.part(MemoryPartKind.PREFILL_AREA).nbytes == 0
+
+
+def test_tiers_are_gpu_except_the_host_arena() -> None:
+    """Only the host arena lives in host memory."""
+    for part in _plan().offloaded.parts:
+        expected = MemoryTier.HOST if part.kind is MemoryPartKind.HOST_ARENA else MemoryTier.GPU
+        assert part.tier is expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gpu_gib=st.floats(0, 64),
+    host_gib=st.floats(0, 64),
+    ctx=st.sampled_from([4096, 32768, 100_003, CTX]),
+    tp=st.sampled_from([1, 2, 4]),
+)
+def test_max_requests_is_the_largest_count_that_fits(
+    gpu_gib: float, host_gib: float, ctx: int, tp: int
+) -> None:
+    """The reported maximum fits both budgets and one more request does not (both modes)."""
+    gpu, host = int(gpu_gib * GIB), int(host_gib * GIB)
+    plan = _plan(tp_size=tp, gpu_budget_bytes=gpu, host_budget_bytes=host, context_len=ctx)
+    for offloaded, best in (
+        (True, plan.max_requests_offloaded),
+        (False, plan.max_requests_resident),
+    ):
+        if best > 0:
+            at = _plan(best, tp_size=tp, context_len=ctx)
+            layout = at.offloaded if offloaded else at.resident
+            assert layout.fits(gpu, host)
+        above = _plan(best + 1, tp_size=tp, context_len=ctx)
+        layout = above.offloaded if offloaded else above.resident
+        assert not layout.fits(gpu, host)
+
+
+def test_default_setup_fits_eight_offloaded_and_five_resident() -> None:
+    """With 9 GiB GPU and 12 GiB host per rank, offload fits 8 requests; resident fits 5."""
+    plan = _plan()
+    assert plan.max_requests_offloaded == 8
+    assert plan.max_requests_resident == 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"hot_slots": 511}, r"hot_slots=511 .*block_topk=512"),
+        ({"context_len": 0}, "context_len=0"),
+        ({"gpu_budget_bytes": -1}, "gpu_budget_bytes=-1"),
+        ({"tp_size": 32}, "linear_num_value_heads=48 does not split over tp_size=32"),
+    ],
+)
+def test_bad_inputs_are_rejected(kwargs: dict[str, Any], pattern: str) -> None:
+    """Out-of-range inputs raise an error naming the value."""
+    with pytest.raises(CapacityError, match=pattern):
+        _plan(**kwargs)
+
+
+def test_rendered_table_names_every_part_and_the_fit() -> None:
+    """The table lists every part, both totals and the largest request counts."""
+    text = render_plan(_plan())
+    for kind in MemoryPartKind:
+        assert kind.value in text
+    assert "12.000 GiB" in text
+    assert "396.000 MiB" in text
+    assert "offloaded 8, resident 5" in text
+
+
+def test_cli_plan_prints_the_default_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """``qsa-plan`` with no arguments prints the default plan; ``plan`` is the same command."""
+    assert main([]) == 0
+    default = capsys.readouterr().out
+    assert main(["plan"]) == 0
+    assert capsys.readouterr().out == default
+    assert default == render_plan(_plan())
+
+
+def test_cli_flags_and_config_file(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Flags reach the plan and a JSON config replaces the preset."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"text_config": dict(QWEN38_FLASH_NEXT_TEXT_CONFIG)}))
+    argv = ["plan", "--config", str(cfg), "--tp", "1", "--kv-dtype", "bf16", "--requests", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    expected = _plan(
+        2, tp_size=1, kv_dtype=KVDType.BF16, gpu_budget_bytes=9 * GIB, host_budget_bytes=12 * GIB
+    )
+    assert out == render_plan(expected)
+
+
+def test_cli_reports_bad_input_with_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """An invalid TP size is reported on stderr with exit status 2."""
+    assert main(["--tp", "3"]) == 2
+    assert "tp_size=3" in capsys.readouterr().err

@@ -1,0 +1,195 @@
+"""Request lease state machine: legal path, illegal transitions, stale handles, invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from qsa_core import CapacityError, LeaseError, LeaseHandle, LeaseState, LeaseTable
+
+_PATH = (
+    LeaseState.PREFILLING,
+    LeaseState.COPYING_TO_HOST,
+    LeaseState.HOST_READY,
+    LeaseState.DECODING,
+    LeaseState.DRAINING,
+)
+
+
+def test_full_lifecycle_frees_the_slot() -> None:
+    """A lease walks allocated -> ... -> released and its slot becomes free."""
+    table = LeaseTable(2)
+    h = table.acquire("a")
+    assert table.state(h) is LeaseState.ALLOCATED
+    for step in (table.begin_prefill, table.begin_copy, table.finish_copy, table.begin_decode):
+        step(h)
+    assert table.state(h) is LeaseState.DECODING
+    table.finish(h)
+    assert table.state(h) is LeaseState.DRAINING
+    assert not table.is_aborted(h)
+    table.release(h)
+    assert table.state(h) is LeaseState.RELEASED
+    assert table.num_free == 2
+
+
+def test_skipping_a_state_is_illegal() -> None:
+    """ALLOCATED cannot jump to DECODING; the error names both states and the allowed one."""
+    table = LeaseTable(1)
+    h = table.acquire("a")
+    with pytest.raises(
+        LeaseError, match=r"'allocated' -> 'decoding'.*allowed next state: 'prefilling'"
+    ):
+        table.advance(h, LeaseState.DECODING)
+
+
+def test_release_requires_draining() -> None:
+    """Releasing a decoding lease is illegal; advance() cannot release either."""
+    table = LeaseTable(1)
+    h = table.acquire("a")
+    with pytest.raises(LeaseError, match="released only from 'draining'"):
+        table.release(h)
+    table.abort(h)
+    with pytest.raises(LeaseError, match="call release"):
+        table.advance(h, LeaseState.RELEASED)
+
+
+@pytest.mark.parametrize("steps", range(5))
+def test_abort_from_any_live_state_drains(steps: int) -> None:
+    """Abort from every state before DRAINING moves to DRAINING and marks the lease aborted."""
+    table = LeaseTable(1)
+    h = table.acquire("a")
+    for target in _PATH[:steps]:
+        table.advance(h, target)
+    table.abort(h)
+    assert table.state(h) is LeaseState.DRAINING
+    assert table.is_aborted(h)
+    table.abort(h)  # idempotent while draining
+    table.release(h)
+    assert table.num_free == 1
+
+
+def test_stale_handle_cannot_touch_the_reused_slot() -> None:
+    """After release and reuse of slot 0, the old handle is rejected and the new lease unharmed."""
+    table = LeaseTable(1)
+    old = table.acquire("a")
+    table.abort(old)
+    table.release(old)
+    new = table.acquire("b")
+    assert new.slot == old.slot
+    assert new.generation > old.generation
+    with pytest.raises(LeaseError, match="stale lease handle"):
+        table.abort(old)
+    with pytest.raises(LeaseError, match="stale lease handle"):
+        table.begin_prefill(old)
+    assert table.state(new) is LeaseState.ALLOCATED
+
+
+def test_full_table_and_duplicate_request_are_rejected() -> None:
+    """No free slot and a second live lease for one request id both raise."""
+    table = LeaseTable(1)
+    table.acquire("a")
+    with pytest.raises(LeaseError, match="request 'a' already holds"):
+        table.acquire("a")
+    with pytest.raises(LeaseError, match="no free slot for request 'b'"):
+        table.acquire("b")
+
+
+def test_forged_handle_is_rejected() -> None:
+    """A handle with a generation never issued is not reported as released."""
+    table = LeaseTable(1)
+    with pytest.raises(LeaseError, match="never issued"):
+        table.state(LeaseHandle(0, 99, "x"))
+
+
+def test_table_size_must_be_positive() -> None:
+    """A table needs at least one slot."""
+    with pytest.raises(CapacityError, match="num_slots=0"):
+        LeaseTable(0)
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    """Random interleavings of every operation, legal or not, against a model of the table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = LeaseTable(3)
+        self.model: dict[LeaseHandle, LeaseState] = {}
+        self.dead: list[LeaseHandle] = []
+        self.counter = 0
+
+    @rule()
+    def acquire(self) -> None:
+        self.counter += 1
+        live = list(self.model)
+        if len(live) == 3:
+            with pytest.raises(LeaseError):
+                self.table.acquire(f"r{self.counter}")
+            return
+        h = self.table.acquire(f"r{self.counter}")
+        assert all(h.slot != other.slot for other in live)
+        assert all(h.generation > d.generation for d in self.dead)
+        self.model[h] = LeaseState.ALLOCATED
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), to=st.sampled_from(list(LeaseState)))
+    def advance(self, data: st.DataObject, to: LeaseState) -> None:
+        h = data.draw(st.sampled_from(sorted(self.model, key=lambda x: x.generation)))
+        order = (LeaseState.ALLOCATED, *_PATH)
+        state = self.model[h]
+        legal = state is not LeaseState.DRAINING and to is order[order.index(state) + 1]
+        if legal:
+            self.table.advance(h, to)
+            self.model[h] = to
+        else:
+            with pytest.raises(LeaseError):
+                self.table.advance(h, to)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        h = data.draw(st.sampled_from(sorted(self.model, key=lambda x: x.generation)))
+        self.table.abort(h)
+        self.model[h] = LeaseState.DRAINING
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        h = data.draw(st.sampled_from(sorted(self.model, key=lambda x: x.generation)))
+        if self.model[h] is LeaseState.DRAINING:
+            self.table.release(h)
+            del self.model[h]
+            self.dead.append(h)
+        else:
+            with pytest.raises(LeaseError):
+                self.table.release(h)
+
+    @precondition(lambda self: self.dead)
+    @rule(data=st.data())
+    def stale_handle_is_rejected(self, data: st.DataObject) -> None:
+        h = data.draw(st.sampled_from(self.dead))
+        assert self.table.state(h) is LeaseState.RELEASED
+        with pytest.raises(LeaseError, match="stale"):
+            self.table.abort(h)
+
+    @invariant()
+    def table_matches_model(self) -> None:
+        self.table.check_invariants()
+        assert set(self.table.live_handles()) == set(self.model)
+        for h, s in self.model.items():
+            assert self.table.state(h) is s
+        slots = [h.slot for h in self.model]
+        assert len(slots) == len(set(slots))
+        assert self.table.num_free == 3 - len(self.model)
+
+    def teardown(self) -> None:
+        # nothing leaks: draining everything that is left frees every slot
+        for h in list(self.model):
+            self.table.abort(h)
+            self.table.release(h)
+        assert self.table.num_free == 3
+
+
+LeaseMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_lease_invariants_under_random_operations = LeaseMachine.TestCase
