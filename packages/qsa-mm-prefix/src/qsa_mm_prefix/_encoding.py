@@ -12,7 +12,6 @@ process, on every host, whatever ``PYTHONHASHSEED`` is.
 
 from __future__ import annotations
 
-import enum
 import numbers
 import struct
 from collections.abc import Mapping, Sequence
@@ -43,16 +42,16 @@ _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 
 
-class _Tag(enum.IntEnum):
-    NONE = 0
-    FALSE = 1
-    TRUE = 2
-    INT = 3
-    FLOAT = 4
-    STR = 5
-    BYTES = 6
-    SEQ = 7
-    MAP = 8
+# One-byte field tags. Fixed forever for ENCODING_VERSION 1.
+_NONE = b"\x00"
+_FALSE = b"\x01"
+_TRUE = b"\x02"
+_INT = b"\x03"
+_FLOAT = b"\x04"
+_STR = b"\x05"
+_BYTES = b"\x06"
+_SEQ = b"\x07"
+_MAP = b"\x08"
 
 
 class Packer:
@@ -65,36 +64,36 @@ class Packer:
         self.text(f"qsa-mm-prefix/{domain}/v{ENCODING_VERSION}")
 
     def none(self) -> Packer:
-        self._parts.append(bytes((_Tag.NONE,)))
+        self._parts.append(_NONE)
         return self
 
     def boolean(self, value: bool) -> Packer:
-        self._parts.append(bytes((_Tag.TRUE if value else _Tag.FALSE,)))
+        self._parts.append(_TRUE if value else _FALSE)
         return self
 
     def integer(self, value: int) -> Packer:
         size = (value.bit_length() + 8) // 8
-        self._parts.append(bytes((_Tag.INT,)) + _U64.pack(size))
+        self._parts.append(_INT + _U64.pack(size))
         self._parts.append(value.to_bytes(size, "little", signed=True))
         return self
 
     def real(self, value: float) -> Packer:
-        self._parts.append(bytes((_Tag.FLOAT,)) + _F64.pack(value))
+        self._parts.append(_FLOAT + _F64.pack(value))
         return self
 
     def text(self, value: str) -> Packer:
         raw = value.encode("utf-8", "surrogatepass")
-        self._parts.append(bytes((_Tag.STR,)) + _U64.pack(len(raw)))
+        self._parts.append(_STR + _U64.pack(len(raw)))
         self._parts.append(raw)
         return self
 
     def blob(self, value: bytes) -> Packer:
-        self._parts.append(bytes((_Tag.BYTES,)) + _U64.pack(len(value)))
+        self._parts.append(_BYTES + _U64.pack(len(value)))
         self._parts.append(bytes(value))
         return self
 
     def sequence_header(self, count: int) -> Packer:
-        self._parts.append(bytes((_Tag.SEQ,)) + _U64.pack(count))
+        self._parts.append(_SEQ + _U64.pack(count))
         return self
 
     def integers(self, values: Sequence[int]) -> Packer:
@@ -140,7 +139,7 @@ class Packer:
                     f"preprocessing argument {path!r} has non-string keys {bad!r}; "
                     "mapping keys must be str"
                 )
-            self._parts.append(bytes((_Tag.MAP,)) + _U64.pack(len(keys)))
+            self._parts.append(_MAP + _U64.pack(len(keys)))
             for key in sorted(keys):
                 self.text(key)
                 self.argument(value[key], f"{path}.{key}", depth + 1)

@@ -92,11 +92,13 @@ class ProcessorFingerprint:
         name: Processor class or model processor name, e.g. ``"Qwen2VLImageProcessorFast"``.
         version: Version of the code that implements it, e.g. ``"transformers==4.57.1"``.
         args_encoding: Canonical bytes of the preprocessing arguments.
+        digest: 16-byte digest of name, version and arguments (derived, not an argument).
     """
 
     name: str
     version: str
     args_encoding: bytes
+    digest: bytes = field(init=False, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -131,12 +133,9 @@ class ProcessorFingerprint:
         packer.argument(dict(args))
         return cls(name=name, version=version, args_encoding=packer.encoded())
 
-    @property
-    def digest(self) -> bytes:
-        """16-byte digest of name, version and arguments."""
-        return (
-            Packer("processor").text(self.name).text(self.version).blob(self.args_encoding).digest()
-        )
+    def __post_init__(self) -> None:
+        digest = Packer("processor").text(self.name).text(self.version).blob(self.args_encoding)
+        object.__setattr__(self, "digest", digest.digest())
 
 
 def _check_nonneg_ints(values: tuple[int, ...], what: str) -> None:
