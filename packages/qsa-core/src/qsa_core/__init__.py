@@ -6,8 +6,6 @@ layouts, the exact order of a distributed top-k, and the per-rank capacity plan.
 device code.
 """
 
-from importlib.metadata import version as _version
-
 from qsa_core._capacity import (
     CapacityPlan,
     MemoryLayout,
@@ -44,8 +42,7 @@ from qsa_core._residency import (
     plan_residency_batch,
     plan_residency_step,
 )
-
-__version__: str = _version("qsa-core")
+from qsa_core._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "__version__",

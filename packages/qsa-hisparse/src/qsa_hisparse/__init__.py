@@ -1,7 +1,14 @@
-"""qsa-hisparse: placeholder surface, filled by its issue."""
+"""qsa-hisparse: the one name to install for serving, and the ``qsa-hisparse`` command.
 
-from importlib.metadata import version as _version
+It depends on every QSA HiSparse package and adds only the command line: ``qsa-hisparse demo``,
+``plan``, ``launch`` and ``doctor``, each dispatched to the package that owns the job.
+"""
 
-__version__: str = _version("qsa-hisparse")
+from qsa_hisparse._cli import main
+from qsa_hisparse._version import __version__
 
-__all__ = ("__version__",)
+__all__ = (
+    "__version__",
+    # the command line
+    "main",
+)

@@ -1,4 +1,4 @@
-"""The ``qsa-hisparse`` command: one entry for operators, dispatching to the packages that own each job.
+"""The ``qsa-hisparse`` command: one entry for operators, dispatching to each job's package.
 
 Subcommands import their package only when chosen, so ``qsa-hisparse plan`` never loads torch or
 SGLang, and ``qsa-hisparse launch`` loads SGLang only in the server it starts.
@@ -36,7 +36,10 @@ def _doctor(argv: Sequence[str]) -> int:
 
 
 _COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
-    "demo": (_demo, "walk through the offload plan and the host prefix cache on a synthetic workload"),
+    "demo": (
+        _demo,
+        "walk through the offload plan and the host prefix cache on a synthetic workload",
+    ),
     "plan": (_plan, "print the memory plan of a model under host KV offload"),
     "launch": (_launch, "start an SGLang server with QSA HiSparse verified on every TP rank"),
     "doctor": (_doctor, "check that this machine and installation can serve"),
@@ -48,11 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="qsa-hisparse",
-        description="QSA HiSparse: serve Qwen Sparse Attention models on SGLang with host KV offload.",
+        description="Serve Qwen Sparse Attention models on SGLang with host KV offload.",
         epilog="Run 'qsa-hisparse <command> --help' for the options of one command.",
     )
-    parser.add_argument("command", choices=sorted(_COMMANDS), metavar="command",
-                        help="; ".join(f"{n}: {h}" for n, (_, h) in sorted(_COMMANDS.items())))
+    parser.add_argument(
+        "command",
+        choices=sorted(_COMMANDS),
+        metavar="command",
+        help="; ".join(f"{n}: {h}" for n, (_, h) in sorted(_COMMANDS.items())),
+    )
     if not args or args[0] in {"-h", "--help"}:
         parser.print_help()
         return 0 if args else 2

@@ -7,8 +7,6 @@ identity), never on a hash alone. Least-recently-used unpinned checkpoints are e
 pins one for restore. It knows nothing of any serving engine.
 """
 
-from importlib.metadata import version as _version
-
 from qsa_hostcache._arena import CopyFence
 from qsa_hostcache._cache import HostPrefixCache, Lease, Match, PublishTicket, TicketState
 from qsa_hostcache._errors import (
@@ -32,8 +30,7 @@ from qsa_hostcache._keys import (
 )
 from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
 from qsa_hostcache._stats import CacheStats
-
-__version__: str = _version("qsa-hostcache")
+from qsa_hostcache._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "__version__",

@@ -11,8 +11,6 @@ Engine-agnostic: a serving engine describes its items as :class:`MultimodalItem`
 XXH3-128 with explicit seeds, independent of the process and of ``PYTHONHASHSEED``.
 """
 
-from importlib.metadata import version as _version
-
 from qsa_mm_prefix._encoding import ENCODING_VERSION, KEY_BYTES, PreprocessArg
 from qsa_mm_prefix._errors import (
     ContentError,
@@ -41,8 +39,7 @@ from qsa_mm_prefix._types import (
     ProcessorFingerprint,
     PromptIdentity,
 )
-
-__version__: str = _version("qsa-mm-prefix")
+from qsa_mm_prefix._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # Adapter shape: what an engine fills from its own multimodal items

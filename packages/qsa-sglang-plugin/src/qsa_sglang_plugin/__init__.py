@@ -8,8 +8,6 @@ each TP rank has written a verified activation record; :mod:`qsa_sglang_plugin.d
 machine before serving.
 """
 
-from importlib.metadata import version as _version
-
 from qsa_sglang_plugin._activation import ActivationRecord, activate
 from qsa_sglang_plugin._errors import (
     ActivationError,
@@ -21,8 +19,7 @@ from qsa_sglang_plugin._errors import (
     SwitchError,
 )
 from qsa_sglang_plugin._switches import Feature, HiSparseMode, Switches, parse_switches
-
-__version__: str = _version("qsa-sglang-plugin")
+from qsa_sglang_plugin._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "__version__",

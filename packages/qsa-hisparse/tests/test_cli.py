@@ -1,0 +1,76 @@
+"""The ``qsa-hisparse`` command dispatches each subcommand to the package that owns it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from qsa_core import QWEN38_FLASH_NEXT
+from qsa_hisparse import main
+from qsa_hisparse._demo import synthetic_selections, trace_decode
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` exits 0 and names demo, plan, launch and doctor."""
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "plan", "launch", "doctor"):
+        assert command in out
+
+
+def test_unknown_command_is_refused_with_the_allowed_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A misspelt command exits 2 and the message lists the valid choices."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(["lanuch"])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "'lanuch'" in err
+    assert "launch" in err
+
+
+def test_no_command_prints_usage_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    """Running with nothing prints the usage and exits 2 (not a silent success)."""
+    assert main([]) == 2
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_plan_is_qsa_cores_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan`` forwards its options to qsa-core's plan command."""
+    assert main(["plan", "--requests", "3", "--context-len", "131072"]) == 0
+    out = capsys.readouterr().out
+    assert "3 requests × 131,072 tokens" in out
+    assert "host K/V arena" in out
+
+
+def test_demo_prints_the_plan_and_the_hot_cache_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo runs on CPU and prints both parts for the default 8 × 262,144-token setup."""
+    assert main(["demo", "--steps", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "most 262,144-token requests that fit: offloaded 8, resident 5" in out
+    assert "Synthetic decode through the hot-cache residency contract" in out
+    assert "2,048      4.00x" in out
+
+
+def test_trace_first_step_misses_every_block_then_reuses_the_cache() -> None:
+    """An empty hot cache misses all K blocks once; a 4x cache then hits most of a stable set."""
+    k = QWEN38_FLASH_NEXT.block_topk
+    num_blocks, selections = synthetic_selections(
+        QWEN38_FLASH_NEXT, context_len=16_384, steps=5, noise=0.0, seed=7
+    )
+    trace = trace_decode(selections, num_blocks, num_slots=4 * k, bytes_per_block=2048)
+    assert trace.first_step_misses == k
+    # Without noise only the recent window moves: at most one new block per step.
+    assert all(m <= 1 for m in trace.steady_misses)
+
+
+def test_console_script_is_installed() -> None:
+    """The ``qsa-hisparse`` executable exists in the environment and answers ``--help``."""
+    exe = shutil.which("qsa-hisparse")
+    assert exe is not None
+    done = subprocess.run([exe, "--help"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "doctor" in done.stdout
