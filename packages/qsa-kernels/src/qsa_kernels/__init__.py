@@ -5,25 +5,31 @@ the same subpackage, computes the same contract with plain torch, and is what te
 compare against.
 """
 
-from importlib.metadata import version as _version
-
 from qsa_kernels._errors import DeviceUnavailableError, KernelInputError, QSAKernelError
+from qsa_kernels._version import __version__
+from qsa_kernels.ds_label import LabelTopK, label_keys_reference, label_topk, label_topk_reference
+from qsa_kernels.expand import expand_blocks, expand_blocks_reference
 from qsa_kernels.fetch import (
     BLOCK_TOKENS,
     HotCacheTables,
     fetch_selected_blocks,
     fetch_selected_blocks_reference,
 )
+from qsa_kernels.indexer_topk import (
+    indexer_scores,
+    indexer_scores_reference,
+    indexer_topk,
+    indexer_topk_reference,
+)
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
 from qsa_kernels.sparse_decode import gather_selected_kv, sparse_decode, sparse_decode_reference
+from qsa_kernels.topk_merge import MergedTopK, merge_candidates, merge_candidates_reference
 from qsa_kernels.writeback import (
     offload_prompt,
     offload_prompt_reference,
     writeback_blocks,
     writeback_blocks_reference,
 )
-
-__version__: str = _version("qsa-kernels")
 
 __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "__version__",
@@ -46,4 +52,17 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "writeback_blocks",
     "writeback_blocks_reference",
     # -- Selection: indexer top-k, block expansion, distributed merge, double sparsity --
+    "LabelTopK",
+    "MergedTopK",
+    "expand_blocks",
+    "expand_blocks_reference",
+    "indexer_scores",
+    "indexer_scores_reference",
+    "indexer_topk",
+    "indexer_topk_reference",
+    "label_keys_reference",
+    "label_topk",
+    "label_topk_reference",
+    "merge_candidates",
+    "merge_candidates_reference",
 )

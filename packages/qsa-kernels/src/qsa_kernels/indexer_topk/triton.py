@@ -1,0 +1,207 @@
+"""Triton kernels for QSA decode indexer scoring and exact block top-k.
+
+Two launches. The scoring kernel reads each row's complete compressed keys once through the page
+table (one program per ``BLOCK_N`` blocks, a ``[BLOCK_N, 128] x [128, 16]`` tensor-core product
+against the 4 zero-padded query heads) and writes fp32 scores. The selection kernel
+(:mod:`._select`) finds the exact top ``k`` by radix select over those scores. Rows with ``n <= k``
+complete blocks are not scored at all: they select every block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels.indexer_topk._select import interpreting, row_topk
+from qsa_kernels.indexer_topk._validate import check_indexer_inputs
+from qsa_kernels.indexer_topk.reference import BLOCKS_PER_PAGE, INDEX_HEAD_DIM, visible_blocks
+
+__all__ = ("indexer_scores", "indexer_topk")
+
+_BLOCK_N = 128
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    q_ptr,  # [B, 4, 128] bf16 / fp8 e4m3
+    k_ptr,  # [pages, 16, 128] bf16 / fp8 e4m3
+    pt_ptr,  # [B, P] int32 / int64 page ids
+    n_ptr,  # [B] int32 complete blocks per row
+    out_ptr,  # [B, P * 16] fp32
+    width,
+    min_scored,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_ptb,
+    stride_ob,
+    SCALE: tl.constexpr,  # constexpr: sqrt(128) folds into the division
+    HEADS: tl.constexpr,  # constexpr: 4 index heads
+    HEADS_PAD: tl.constexpr,  # constexpr: tl.dot needs >= 16 columns; padded heads are zero
+    D: tl.constexpr,  # constexpr: index head dim 128
+    PAGE: tl.constexpr,  # constexpr: 16 blocks per page
+    BLOCK_N: tl.constexpr,  # constexpr: blocks per program
+    DOT_FP32: tl.constexpr,  # constexpr: fp32 operands (exact for bf16/fp8) in the interpreter
+):
+    b = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    n = tl.load(n_ptr + b)
+    if n > min_scored:
+        j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_row = j < width
+        if tile * BLOCK_N < n:
+            m = j < n
+            page = tl.load(pt_ptr + b * stride_ptb + j // PAGE, mask=m, other=0).to(tl.int64)
+            rows = page * stride_kp + (j % PAGE).to(tl.int64) * stride_ks
+            d = tl.arange(0, D)
+            keys = tl.load(k_ptr + rows[:, None] + d[None, :], mask=m[:, None], other=0.0)
+            h = tl.arange(0, HEADS_PAD)
+            qv = tl.load(
+                q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
+                mask=h[:, None] < HEADS,
+                other=0.0,
+            )
+            if DOT_FP32:
+                dots = tl.dot(
+                    keys.to(tl.float32), tl.trans(qv.to(tl.float32)), input_precision="ieee"
+                )
+            else:
+                dots = tl.dot(keys.to(tl.bfloat16), tl.trans(qv.to(tl.bfloat16)))
+            total = tl.sum(tl.maximum(dots, 0.0), 1)
+            score = tl.math.div_rn(total, SCALE)
+            score = tl.where(m, score, float("-inf"))
+        else:
+            score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+        tl.store(out_ptr + b * stride_ob + j, score, mask=in_row)
+
+
+def _launch_scores(  # noqa: PLR0917
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    n_blocks: torch.Tensor,
+    out: torch.Tensor,
+    min_scored: int,
+) -> None:
+    batch, width = out.shape
+    if batch == 0 or width == 0:
+        return
+    q = q.contiguous()
+    if k_cache.stride(2) != 1:
+        k_cache = k_cache.contiguous()
+    grid = (batch, triton.cdiv(width, _BLOCK_N))
+    _indexer_score_kernel[grid](
+        q,
+        k_cache,
+        page_table,
+        n_blocks,
+        out,
+        width,
+        min_scored,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        page_table.stride(0),
+        out.stride(0),
+        SCALE=math.sqrt(INDEX_HEAD_DIM),
+        HEADS=4,
+        HEADS_PAD=16,
+        D=INDEX_HEAD_DIM,
+        PAGE=BLOCKS_PER_PAGE,
+        BLOCK_N=_BLOCK_N,
+        DOT_FP32=interpreting(),
+        num_warps=4,
+    )
+
+
+def _check_out(
+    out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device
+) -> None:
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != dev or out.stride(-1) != 1:
+        msg = (
+            f"out must be {shape!r} {dtype!r} on {dev!s} with unit last stride, got "
+            f"{tuple(out.shape)!r} {out.dtype!r} on {out.device!s} strides {out.stride()!r}"
+        )
+        raise KernelInputError(msg)
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Indexer block scores; same contract as :func:`indexer_scores_reference`.
+
+    The per-head dot products are fp32 tensor-core accumulations, so a score may differ from the
+    reference's by fp32 rounding (exactly equal when every dot product is exact in fp32).
+
+    Args:
+        q: ``[B, 4, 128]`` bf16 or float8_e4m3fn.
+        k_cache: ``[pages, 16, 128]`` bf16 or float8_e4m3fn, unit stride on the last dim.
+        page_table: ``[B, P]`` int32/int64 compressed page ids, unit stride on the last dim.
+        seq_lens: ``[B]`` int32/int64 tokens (query position + 1).
+        out: optional ``[B, P * 16]`` fp32 destination; every element is written.
+
+    Returns:
+        ``[B, P * 16]`` fp32 scores, ``-inf`` at blocks ``j >= min(seq_len // 4, P * 16)``.
+    """
+    check_indexer_inputs(q, k_cache, page_table, seq_lens)
+    batch, pages = page_table.shape
+    shape = (batch, pages * BLOCKS_PER_PAGE)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=q.device)
+    _check_out(out, shape, torch.float32, q.device)
+    n_blocks = visible_blocks(seq_lens, pages)
+    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, out, -1)
+    return out
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int = 512,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Top ``topk`` complete blocks per decode row; contract of :func:`indexer_topk_reference`.
+
+    The selection is exact over the kernel's scores: score descending, ties to the smaller block
+    id, ``-0.0 == +0.0``. It equals the reference's set whenever the scores agree bit for bit
+    (always when the per-head dot products are exact in fp32); otherwise the sets can differ only
+    among blocks whose scores are within fp32 rounding of the ``k``-th score.
+
+    Args:
+        q: ``[B, 4, 128]`` bf16 or float8_e4m3fn.
+        k_cache: ``[pages, 16, 128]`` bf16 or float8_e4m3fn.
+        page_table: ``[B, P]`` int32/int64.
+        seq_lens: ``[B]`` int32/int64 tokens (query position + 1).
+        topk: blocks per row, ``>= 1`` (QSA: 512 or 2048).
+        out: optional ``[B, topk]`` int32 destination; every element is written.
+
+    Returns:
+        ``[B, topk]`` int32 block ids, ascending, ``-1`` after the ``min(n, topk)`` valid ones.
+    """
+    check_indexer_inputs(q, k_cache, page_table, seq_lens)
+    if topk < 1:
+        msg = f"topk must be >= 1, got {topk!r}"
+        raise KernelInputError(msg)
+    batch, pages = page_table.shape
+    if out is None:
+        out = torch.empty((batch, topk), dtype=torch.int32, device=q.device)
+    _check_out(out, (batch, topk), torch.int32, q.device)
+    n_blocks = visible_blocks(seq_lens, pages)
+    scores = torch.empty((batch, pages * BLOCKS_PER_PAGE), dtype=torch.float32, device=q.device)
+    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, scores, topk)
+    row_topk(scores, n_blocks, topk, out)
+    return out

@@ -1,0 +1,120 @@
+"""Double-sparsity label scores and heavy-token selection against the torch reference."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels.ds_label import label_keys_reference, label_topk, label_topk_reference
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Under ``TRITON_INTERPRET=1`` kernel tests run on CPU tensors; otherwise on CUDA, GPU-marked.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def KERNEL(func: _F) -> _F:
+    """Mark a kernel test ``gpu``, except under the interpreter where it runs on CPU."""
+    return func if INTERPRET else pytest.mark.gpu(func)
+
+
+#: Poison written into int32 outputs before a launch so an unwritten element fails a test.
+INT_POISON = -7_777_777
+
+
+def poisoned_int(*shape: int) -> torch.Tensor:
+    """An int32 tensor on the kernel device filled with :data:`INT_POISON`."""
+    return torch.full(shape, INT_POISON, dtype=torch.int32, device=DEVICE)
+
+
+def poisoned_float(*shape: int) -> torch.Tensor:
+    """An fp32 tensor on the kernel device filled with NaN."""
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
+
+
+def _case(  # noqa: PLR0917
+    batch: int, hq: int, hkv: int, d: int, c: int, width: int, *, exact: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    slots = batch * width + 7
+    if exact:
+        q = torch.randint(-2, 3, (batch, hq, d), generator=g).float()
+        k = torch.randint(-2, 3, (slots, hkv, d), generator=g).float()
+    else:
+        q = torch.randn(batch, hq, d, generator=g)
+        k = torch.randn(slots, hkv, d, generator=g)
+    channels = torch.stack([torch.randperm(d, generator=g)[:c] for _ in range(hkv)]).to(torch.int32)
+    labels = label_keys_reference(k.to(torch.bfloat16), channels)
+    r2t = torch.randperm(slots, generator=g)[: batch * width].view(batch, width).to(torch.int32)
+    return q.to(torch.bfloat16).to(DEVICE), labels.to(DEVICE), channels.to(DEVICE), r2t.to(DEVICE)
+
+
+def test_reference_group_score_is_sum_over_query_heads() -> None:
+    """Two query heads of one KV head add their heavy-channel dot products."""
+    q = torch.zeros(1, 2, 4)
+    q[0, 0, 3], q[0, 1, 1] = 2.0, 5.0
+    labels = torch.tensor([[[1.0, 1.0]], [[3.0, 0.0]]], dtype=torch.bfloat16)  # slots x 1 x C=2
+    res = label_topk_reference(
+        q,
+        labels,
+        torch.tensor([[3, 1]]),
+        torch.tensor([[1, 0]]),
+        torch.tensor([2]),
+        heavy_token_num=1,
+    )
+    assert res.scores[0, 0].tolist() == [6.0, 7.0]
+    assert res.positions.tolist() == [[[1]]]
+
+
+def test_rejects_indivisible_heads() -> None:
+    """Query heads must be a multiple of KV heads."""
+    with pytest.raises(KernelInputError, match="multiple"):
+        label_topk_reference(
+            torch.zeros(1, 3, 8),
+            torch.zeros(4, 2, 2, dtype=torch.bfloat16),
+            torch.zeros(2, 2, dtype=torch.int32),
+            torch.zeros(1, 4, dtype=torch.int32),
+            torch.tensor([4]),
+            heavy_token_num=2,
+        )
+
+
+@KERNEL
+@pytest.mark.parametrize(
+    ("batch", "hq", "hkv", "d", "c", "width", "lens", "heavy"),
+    [
+        pytest.param(3, 24, 2, 256, 16, 1500, [1500, 1024, 301], 1024, id="qsa-geometry"),
+        pytest.param(2, 8, 8, 128, 32, 700, [700, 3], 64, id="mha-c32"),
+        pytest.param(2, 6, 2, 64, 5, 333, [333, 129], 37, id="odd-c5-k37"),
+    ],
+)
+def test_kernel_equals_reference_on_exact_scores(  # noqa: PLR0917
+    batch: int, hq: int, hkv: int, d: int, c: int, width: int, lens: list[int], heavy: int
+) -> None:
+    """Integer-valued inputs: scores and selections (with ties) equal the reference exactly."""
+    q, labels, channels, r2t = _case(batch, hq, hkv, d, c, width, exact=True, seed=c)
+    sl = torch.tensor(lens, device=DEVICE)
+    got = label_topk(q, labels, channels, r2t, sl, heavy_token_num=heavy)
+    ref = label_topk_reference(q, labels, channels, r2t, sl, heavy_token_num=heavy)
+    assert not (got.positions == INT_POISON).any()
+    assert not torch.isnan(got.scores).any()
+    assert torch.equal(got.scores.cpu(), ref.scores.cpu())
+    assert torch.equal(got.positions.cpu(), ref.positions.cpu())
+
+
+@KERNEL
+def test_random_scores_within_fp32_rounding() -> None:
+    """Gaussian inputs: scores agree to fp32 accumulation error."""
+    q, labels, channels, r2t = _case(2, 12, 1, 256, 16, 900, exact=False, seed=9)
+    sl = torch.tensor([900, 555], device=DEVICE)
+    got = label_topk(q, labels, channels, r2t, sl, heavy_token_num=128)
+    ref = label_topk_reference(q, labels, channels, r2t, sl, heavy_token_num=128)
+    fin = torch.isfinite(ref.scores)
+    assert torch.equal(fin, torch.isfinite(got.scores))
+    torch.testing.assert_close(got.scores[fin].cpu(), ref.scores[fin].cpu(), rtol=1e-4, atol=1e-4)

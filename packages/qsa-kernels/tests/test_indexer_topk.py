@@ -1,0 +1,172 @@
+"""QSA indexer scoring and exact block top-k against the torch reference."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels.indexer_topk import (
+    indexer_scores,
+    indexer_scores_reference,
+    indexer_topk,
+    indexer_topk_reference,
+)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Under ``TRITON_INTERPRET=1`` kernel tests run on CPU tensors; otherwise on CUDA, GPU-marked.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def KERNEL(func: _F) -> _F:
+    """Mark a kernel test ``gpu``, except under the interpreter where it runs on CPU."""
+    return func if INTERPRET else pytest.mark.gpu(func)
+
+
+#: Poison written into int32 outputs before a launch so an unwritten element fails a test.
+INT_POISON = -7_777_777
+
+
+def poisoned_int(*shape: int) -> torch.Tensor:
+    """An int32 tensor on the kernel device filled with :data:`INT_POISON`."""
+    return torch.full(shape, INT_POISON, dtype=torch.int32, device=DEVICE)
+
+
+def poisoned_float(*shape: int) -> torch.Tensor:
+    """An fp32 tensor on the kernel device filled with NaN."""
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
+
+
+DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def _case(
+    seq_lens: list[int], pages: int, width: int, dtype: torch.dtype, *, exact: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random indexer inputs; ``exact`` draws small integers so every dot product is exact."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    if exact:
+        q = torch.randint(-2, 3, (batch, 4, 128), generator=g).float()
+        k = torch.randint(-2, 3, (pages, 16, 128), generator=g).float()
+    else:
+        q = torch.randn(batch, 4, 128, generator=g)
+        k = torch.randn(pages, 16, 128, generator=g)
+    perm = torch.randperm(pages, generator=g)
+    pt = torch.stack([perm[torch.randperm(pages, generator=g)[:width]] for _ in range(batch)])
+    return (
+        q.to(dtype).to(DEVICE),
+        k.to(dtype).to(DEVICE),
+        pt.to(torch.int32).to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+    )
+
+
+def test_reference_scores_follow_the_formula() -> None:
+    """A hand-built block's score is the sum of relu'd head dots over sqrt(128)."""
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    q[0, 0, 0], q[0, 1, 0], q[0, 2, 1], q[0, 3, 0] = 2.0, -1.0, 3.0, 1.0
+    k = torch.zeros(2, 16, 128, dtype=torch.bfloat16)
+    k[1, 0, 0], k[1, 0, 1] = 1.0, 1.0  # block 0 lives in page 1
+    pt = torch.tensor([[1, 0]], dtype=torch.int32)
+    s = indexer_scores_reference(q, k, pt, torch.tensor([8]))
+    assert s[0, 0].item() == pytest.approx((2 + 0 + 3 + 1) / math.sqrt(128))
+    assert s[0, 1].item() == 0.0
+    assert torch.isneginf(s[0, 2:]).all()
+
+
+def test_reference_ties_prefer_smaller_block_ids() -> None:
+    """With every score equal, the top-k is the k smallest block ids."""
+    q = torch.ones(1, 4, 128, dtype=torch.bfloat16)
+    k = torch.ones(4, 16, 128, dtype=torch.bfloat16)
+    pt = torch.tensor([[3, 2, 1, 0]], dtype=torch.int32)
+    out = indexer_topk_reference(q, k, pt, torch.tensor([4 * 50 + 2]), topk=7)
+    assert out.tolist() == [list(range(7))]
+
+
+def test_rejects_wrong_key_shape() -> None:
+    """A key cache that is not [pages, 16, 128] is refused with the shape in the message."""
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match=r"\(3, 8, 128\)"):
+        indexer_topk_reference(
+            q,
+            torch.zeros(3, 8, 128, dtype=torch.bfloat16),
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([4]),
+        )
+
+
+CASES = [
+    pytest.param(
+        [4 * 600 + 3, 4 * 17, 4 * 512, 4 * 513, 2, 0, 4 * 16 * 9 + 1],
+        64,
+        48,
+        512,
+        id="mixed-lengths-k512",
+    ),
+    pytest.param(
+        [4 * 16 * 40, 4 * 16 * 40 - 1, 4 * 2049 + 1], 160, 140, 2048, id="k2048-page-edges"
+    ),
+    pytest.param([4 * 333 + 1, 4 * 100], 40, 30, 37, id="odd-k37"),
+    pytest.param([4 * 16 * 30], 40, 20, 64, id="length-beyond-page-table"),
+]
+
+
+@KERNEL
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
+@pytest.mark.parametrize(("seq_lens", "pages", "width", "topk"), CASES)
+def test_topk_equals_reference_on_exact_scores(
+    seq_lens: list[int], pages: int, width: int, topk: int, dtype: torch.dtype
+) -> None:
+    """Exactly representable dots (many ties): the kernel's ids equal the reference's."""
+    q, k, pt, sl = _case(seq_lens, pages, width, dtype, exact=True, seed=topk)
+    out = poisoned_int(len(seq_lens), topk)
+    indexer_topk(q, k, pt, sl, topk=topk, out=out)
+    assert not (out == INT_POISON).any()
+    assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
+
+
+@KERNEL
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
+def test_scores_match_reference_within_fp32_rounding(dtype: torch.dtype) -> None:
+    """Random keys: scores agree to fp32 accumulation error and -inf marks invisible blocks."""
+    q, k, pt, sl = _case([4 * 700 + 3, 4 * 31 + 2, 1], 64, 50, dtype, exact=False, seed=3)
+    out = poisoned_float(3, 50 * 16)
+    indexer_scores(q, k, pt, sl, out=out)
+    ref = indexer_scores_reference(q, k, pt, sl)
+    assert not torch.isnan(out).any()
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(out[fin].cpu(), ref[fin].cpu(), rtol=1e-5, atol=1e-5)
+
+
+@KERNEL
+def test_random_selection_differs_only_at_fp32_near_ties() -> None:
+    """Random keys: any block picked by one side only scores within rounding of the k-th score."""
+    q, k, pt, sl = _case([4 * 900, 4 * 1300 + 1], 96, 90, torch.bfloat16, exact=False, seed=5)
+    out = indexer_topk(q, k, pt, sl, topk=512)
+    ref = indexer_topk_reference(q, k, pt, sl, topk=512)
+    scores = indexer_scores_reference(q, k, pt, sl)
+    for row in range(2):
+        got, want = set(out[row].tolist()), set(ref[row].tolist())
+        assert len(got) == 512
+        kth = scores[row, sorted(want)].min().item()
+        for blk in got ^ want:
+            assert abs(scores[row, blk].item() - kth) <= 1e-5 * max(1.0, abs(kth))
+
+
+@KERNEL
+def test_all_zero_scores_select_the_smallest_ids() -> None:
+    """Queries anti-aligned with every key give score 0 everywhere: ids 0..k-1 win."""
+    q = torch.ones(2, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+    k = -torch.ones(70, 16, 128, dtype=torch.bfloat16, device=DEVICE)
+    pt = torch.randperm(70, device=DEVICE)[:64].view(1, 64).repeat(2, 1).to(torch.int32)
+    out = indexer_topk(q, k, pt, torch.tensor([4 * 1000 + 3, 4 * 600], device=DEVICE), topk=512)
+    assert out.cpu().tolist() == [list(range(512))] * 2
