@@ -95,9 +95,9 @@ def _bypass_reason(item: MultimodalItem) -> BypassReason | None:
 def image_key(item: MultimodalItem, *, order: int, processor: ProcessorFingerprint) -> ImageKey:
     """The fixed-size key of one image at its place in a prompt.
 
-    The key digests, in one length-prefixed record: the content kind, the content digest and size
-    (bytes), the dtype and shape (the caller's, else the buffer's own format and shape, tagged by
-    which), the processor fingerprint, ``order``, the span ``(start, length)`` and the grid.
+    The key digests, in one length-prefixed record: the content kind, the content digest, the
+    dtype and shape (the caller's, else the buffer's own format and shape, tagged by which), the
+    processor fingerprint, ``order``, the span ``(start, length)`` and the grid.
 
     Args:
         item: An image with content, produced by the engine's processor.
@@ -137,10 +137,8 @@ def image_key(item: MultimodalItem, *, order: int, processor: ProcessorFingerpri
     digest_of_content = _digest_view(view)
     digest = (
         Packer("image-key")
-        .text(item.modality.value)
         .text(item.content_kind.value)
         .blob(digest_of_content)
-        .integer(nbytes)
         .text(dtype_source)
         .text(dtype)
         .text(shape_source)
@@ -200,19 +198,20 @@ def _check_spans(
 def _page_identities(
     keys: tuple[ImageKey, ...], num_tokens: int, page_size: int
 ) -> tuple[bytes, ...]:
-    overlaps: dict[int, list[tuple[ImageKey, int, int, int]]] = {}
+    # Each overlap is (image key, offset of the overlap's first token inside the image). With the
+    # key's span this fixes the overlap exactly: a nonzero offset puts the page at
+    # start + offset, a zero offset at the page holding the image's first token.
+    overlaps: dict[int, list[tuple[ImageKey, int]]] = {}
     for key in sorted(keys, key=lambda k: k.start):
         for page in range(key.start // page_size, (key.end - 1) // page_size + 1):
-            lo = max(key.start, page * page_size)
-            hi = min(key.end, (page + 1) * page_size)
             overlaps.setdefault(page, []).append(
-                (key, lo - key.start, lo - page * page_size, hi - lo)
+                (key, max(key.start, page * page_size) - key.start)
             )
     identities = [b""] * (-(-num_tokens // page_size))
     for page, parts in overlaps.items():
         packer = Packer("page").integer(page_size).sequence_header(len(parts))
-        for key, offset_in_image, offset_in_page, count in parts:
-            packer.blob(key.digest).integer(offset_in_image).integer(offset_in_page).integer(count)
+        for key, offset_in_image in parts:
+            packer.blob(key.digest).integer(offset_in_image)
         identities[page] = packer.digest()
     return tuple(identities)
 
