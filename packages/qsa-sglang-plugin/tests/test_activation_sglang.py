@@ -26,7 +26,7 @@ SWITCH_VARS = (
     "SGLANG_QSA_HISPARSE_ACTIVATION_DIR",
     "SGLANG_PLUGINS",
 )
-FOREIGN_PLUGIN = '''
+FOREIGN_PLUGIN = """
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 
@@ -37,7 +37,7 @@ def register():
     HookRegistry.register(
         "sglang.srt.server_args.ServerArgs.resolve_once", around, HookType.AROUND
     )
-'''
+"""
 
 
 @dataclass(frozen=True)

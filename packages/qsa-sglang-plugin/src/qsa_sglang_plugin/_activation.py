@@ -80,7 +80,7 @@ def _is_ours(source: object) -> bool:
 
 def _raw_attribute(target: str) -> object:
     """The object stored at ``target`` (a class's ``__dict__`` entry, so descriptors stay raw)."""
-    import pkgutil  # noqa: PLC0415 (only active processes need it)
+    import pkgutil
 
     owner_path, _, attr = target.rpartition(".")
     owner = pkgutil.resolve_name(owner_path)
@@ -130,7 +130,7 @@ def activate() -> None:
     specs = specs_for(switches.features)
     verify_fingerprints(specs)
 
-    from sglang.srt.plugins.hook_registry import (  # noqa: PLC0415 (SGLang only when on)
+    from sglang.srt.plugins.hook_registry import (
         HookRegistry,
         HookSource,
         HookType,
@@ -190,7 +190,7 @@ def verify_active() -> None:
             )
             raise ActivationError(msg)
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: PLC0415
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     changed = [t for t, obj in _STATE.installed.items() if _raw_attribute(t) is not obj]
     if changed:
@@ -361,7 +361,7 @@ def after_configure_scheduler_process(result: object, *args: object, **kwargs: o
     context, so the ranks come from SGLang's ``get_parallel()``.
     """
     del result, args, kwargs
-    from sglang.srt.runtime_context import get_parallel  # noqa: PLC0415
+    from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
     verify_final("scheduler", tp_rank=int(parallel.tp_rank), pp_rank=int(parallel.pp_rank))

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from qsa_core import KVDType, QSAConfigError, QSAProfile
+from qsa_core import QSAConfigError, QSAProfile
 from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import Feature, Switches, current_switches
 
@@ -76,9 +76,9 @@ def _reject(flag: str, value: object, supported: str, why: str) -> Configuration
 def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | None:
     """Apply every rule of the requested features; the first violation raises.
 
-    Rules for every feature: the architecture is ``Qwen4ExpForConditionalGeneration`` with a
-    valid QSA profile; page size 64; KV dtype bf16 or fp8_e4m3. Extra rules when
-    ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
+    Rules for every feature: the architecture is ``Qwen4ExpForConditionalGeneration``; page
+    size 64; a valid QSA profile (parsed by qsa-core); KV dtype bf16 or fp8_e4m3. Extra rules
+    when ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
     attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, overlap
     scheduling and mixed chunks off, radix cache off.
 
@@ -98,11 +98,6 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
             f"[{SUPPORTED_ARCHITECTURE!r}]",
             "QSA HiSparse serves only Qwen Sparse Attention checkpoints",
         )
-    try:
-        profile = QSAProfile.from_text_config(facts.text_config, page_size=facts.page_size)
-    except QSAConfigError as exc:
-        msg = f"--model-path: the checkpoint has no usable QSA profile: {exc}"
-        raise ConfigurationError(msg) from exc
     if facts.page_size != SUPPORTED_PAGE_SIZE:
         raise _reject(
             "--page-size",
@@ -110,6 +105,11 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
             str(SUPPORTED_PAGE_SIZE),
             "QSA addresses the compressed index as full slot // compress ratio in 64-token pages",
         )
+    try:
+        profile = QSAProfile.from_text_config(facts.text_config, page_size=facts.page_size)
+    except QSAConfigError as exc:
+        msg = f"--model-path: the checkpoint has no usable QSA profile: {exc}"
+        raise ConfigurationError(msg) from exc
     if facts.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise _reject(
             "--kv-cache-dtype",
@@ -117,7 +117,6 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
             ", ".join(repr(d) for d in SUPPORTED_KV_CACHE_DTYPES),
             "the QSA kernels store K/V as bf16 or unscaled fp8 e4m3",
         )
-    KVDType.parse(facts.kv_cache_dtype)
     if facts.kv_cache_dtype == "auto" and facts.model_dtype != "bfloat16":
         raise _reject(
             "--kv-cache-dtype",
@@ -190,7 +189,7 @@ def _as_str(value: object) -> str:
 
 def facts_from_server_args(server_args: Any) -> ConfigFacts:
     """Read :class:`ConfigFacts` from a resolved SGLang ``ServerArgs``."""
-    from sglang.srt.arg_groups.model_override_base import (  # noqa: PLC0415
+    from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,
     )
@@ -237,7 +236,7 @@ def after_resolve_once(result: object, server_args: Any, *args: object, **kwargs
         ActivationError: a hook was displaced, or the configuration is unsupported.
     """
     del result, args, kwargs
-    from qsa_sglang_plugin._activation import verify_active  # noqa: PLC0415 (import cycle)
+    from qsa_sglang_plugin._activation import verify_active
 
     verify_active()
     check_configuration(facts_from_server_args(server_args), current_switches())

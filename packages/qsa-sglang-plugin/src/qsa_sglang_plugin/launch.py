@@ -230,7 +230,7 @@ class _Server:
     """
 
     def __init__(self, command: Sequence[str], env: dict[str, str]) -> None:
-        import subprocess  # noqa: PLC0415 (kept next to its only use)
+        import subprocess
 
         self._proc = subprocess.Popen(list(command), env=env, start_new_session=True)
         self.pid = self._proc.pid

@@ -1,0 +1,112 @@
+"""The supported configuration: each rejection names the flag, the value and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from qsa_core import QWEN38_FLASH_NEXT_TEXT_CONFIG
+from qsa_sglang_plugin import ConfigurationError, parse_switches
+from qsa_sglang_plugin._config_check import ConfigFacts, check_configuration
+
+COMPAT = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1"})
+OFFLOAD = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"})
+
+GOOD = ConfigFacts(
+    architectures=("Qwen4ExpForConditionalGeneration",),
+    text_config=dict(QWEN38_FLASH_NEXT_TEXT_CONFIG),
+    model_dtype="bfloat16",
+    page_size=64,
+    kv_cache_dtype="fp8_e4m3",
+)
+
+
+def test_supported_configuration_passes_and_returns_profile() -> None:
+    """The Qwen3.8-Flash-Next geometry at page 64 with fp8 KV passes every rule."""
+    profile = check_configuration(GOOD, OFFLOAD)
+    assert profile is not None
+    assert profile.block_topk == 512
+
+
+def test_nothing_is_checked_with_switches_off() -> None:
+    """With every switch off the plugin has no opinion, even on another model."""
+    other = dataclasses.replace(GOOD, architectures=("LlamaForCausalLM",), page_size=1)
+    assert check_configuration(other, parse_switches({})) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        (
+            {"architectures": ("Qwen3NextForCausalLM",)},
+            [
+                "--model-path architectures=['Qwen3NextForCausalLM']",
+                "Qwen4ExpForConditionalGeneration",
+            ],
+        ),
+        (
+            {"architectures": ()},
+            ["--model-path architectures=[]"],
+        ),
+        ({"page_size": 1}, ["--page-size=1", "supported: 64"]),
+        ({"page_size": 128}, ["--page-size=128", "supported: 64"]),
+        (
+            {"kv_cache_dtype": "fp8_e5m2"},
+            ["--kv-cache-dtype='fp8_e5m2'", "'bf16', 'bfloat16', 'fp8_e4m3'"],
+        ),
+        (
+            {"kv_cache_dtype": "auto", "model_dtype": "float16"},
+            ["--kv-cache-dtype='auto (model dtype float16)'", "'auto' with a bfloat16 model"],
+        ),
+    ],
+)
+def test_every_feature_rejects_unsupported_model_or_kv(
+    change: dict[str, Any], fragments: list[str]
+) -> None:
+    """Architecture, page size and KV dtype are checked whenever any switch is on."""
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(dataclasses.replace(GOOD, **change), COMPAT)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_checkpoint_without_qsa_profile_is_rejected() -> None:
+    """A Qwen4-Exp config whose indexer geometry fails qsa-core is refused, naming the field."""
+    text = dict(QWEN38_FLASH_NEXT_TEXT_CONFIG)
+    text["indexer_kv_heads"] = 2
+    with pytest.raises(ConfigurationError, match=r"--model-path.*index_kv_heads=2"):
+        check_configuration(dataclasses.replace(GOOD, text_config=text), COMPAT)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        ({"pp_size": 2}, ["--pp-size=2", "supported: 1"]),
+        ({"dp_size": 2}, ["--dp-size=2", "supported: 1"]),
+        ({"attn_dp_size": 2}, ["--attn-dp-size=2", "supported: 1"]),
+        ({"speculative_algorithm": "EAGLE"}, ["--speculative-algorithm='EAGLE'", "unset"]),
+        ({"disaggregation_mode": "decode"}, ["--disaggregation-mode='decode'", "'null'"]),
+        ({"enable_hisparse": True}, ["--enable-hisparse=True", "supported: off"]),
+        ({"disable_overlap_schedule": False}, ["--disable-overlap-schedule=False", "set"]),
+        ({"enable_mixed_chunk": True}, ["--enable-mixed-chunk=True", "supported: off"]),
+        ({"disable_radix_cache": False}, ["--disable-radix-cache=False", "set"]),
+    ],
+)
+def test_hisparse_rejects_scheduler_flags_it_cannot_run(
+    change: dict[str, Any], fragments: list[str]
+) -> None:
+    """Each scheduler flag outside the offload runtime's envelope is refused under V3."""
+    facts = dataclasses.replace(GOOD, **change)
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(facts, OFFLOAD)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert check_configuration(facts, COMPAT) is not None  # model_compat alone allows it
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bf16", "bfloat16", "fp8_e4m3"])
+def test_supported_kv_dtypes_pass(dtype: str) -> None:
+    """Every supported KV dtype spelling passes with a bfloat16 checkpoint."""
+    assert check_configuration(dataclasses.replace(GOOD, kv_cache_dtype=dtype), OFFLOAD)

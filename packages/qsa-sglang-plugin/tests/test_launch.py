@@ -1,0 +1,234 @@
+"""The launcher's readiness and failure paths, against a stand-in server (no GPU, no SGLang)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from qsa_sglang_plugin import launch
+
+STANDIN = """
+import http.server, os, subprocess, sys, threading, time
+from pathlib import Path
+from qsa_sglang_plugin._activation import ActivationRecord, write_record
+from qsa_sglang_plugin._switches import current_switches
+from qsa_sglang_plugin._versions import installed_versions
+
+mode = os.environ["STANDIN_MODE"]
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+tp = int(args[args.index("--tp-size") + 1]) if "--tp-size" in args else 1
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+Path(os.environ["STANDIN_CHILD_PID"]).write_text(str(child.pid))
+if mode == "exit-early":
+    sys.exit(3)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+
+if mode != "never-healthy":
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+switches = current_switches()
+ranks = {"ok": range(tp), "missing-rank": range(tp - 1), "never-healthy": range(tp),
+         "duplicate": [0, 0]}[mode]
+for n, rank in enumerate(ranks):
+    record = ActivationRecord(
+        pid=os.getpid() + n, role="scheduler", tp_rank=rank, pp_rank=0,
+        features=tuple(f.value for f in switches.features),
+        hisparse_mode=switches.hisparse.value if switches.hisparse else None,
+        prefix_cache_mb=switches.prefix_cache_mb,
+        hooks=(), versions=installed_versions(), created_unix=time.time())
+    write_record(record, Path(os.environ["SGLANG_QSA_HISPARSE_ACTIVATION_DIR"]))
+time.sleep(600)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+@pytest.fixture
+def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The stand-in server script; switches on, SGLANG_PLUGINS unset, child pid file set."""
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN, encoding="utf-8")
+    for var in ("SGLANG_PLUGINS", "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SGLANG_QSA_MODEL_COMPAT", "1")
+    monkeypatch.setenv("SGLANG_QSA_HISPARSE_V3", "p2-offload")
+    monkeypatch.setenv("STANDIN_CHILD_PID", str(tmp_path / "child.pid"))
+    return script
+
+
+def _argv(script: Path, tmp_path: Path, *server: str, timeout: float = 20.0) -> list[str]:
+    return [
+        "--server-command",
+        f"{sys.executable} {script}",
+        "--activation-dir",
+        str(tmp_path / "activation"),
+        "--timeout",
+        str(timeout),
+        "--poll-interval",
+        "0.1",
+        "--stop-grace",
+        "3",
+        "--",
+        "--port",
+        str(_free_port()),
+        *server,
+    ]
+
+
+def _child_pid(tmp_path: Path) -> int:
+    return int((tmp_path / "child.pid").read_text())
+
+
+def test_server_exiting_early_fails_and_leaves_no_orphan(
+    standin: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The server's early exit status is reported, and its still-running child is stopped."""
+    monkeypatch.setenv("STANDIN_MODE", "exit-early")
+    assert launch.main(_argv(standin, tmp_path)) == 1
+    assert "exited with status 3 before it was ready" in capsys.readouterr().err
+    assert not _alive(_child_pid(tmp_path))
+
+
+def test_rank_that_never_reports_times_out_naming_it(
+    standin: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With --tp-size 3 and records from ranks 0 and 1 only, the timeout names rank (2, 0)."""
+    monkeypatch.setenv("STANDIN_MODE", "missing-rank")
+    argv = _argv(standin, tmp_path, "--tp-size", "3", timeout=4.0)
+    assert launch.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "timed out after 4 s" in err
+    assert "(TP rank, PP rank) (2, 0)" in err
+    assert "/health" not in err
+    assert not _alive(_child_pid(tmp_path))
+
+
+def test_health_that_never_answers_times_out(
+    standin: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Records alone are not readiness: without /health the launcher times out and says so."""
+    monkeypatch.setenv("STANDIN_MODE", "never-healthy")
+    assert launch.main(_argv(standin, tmp_path, timeout=3.0)) == 1
+    err = capsys.readouterr().err
+    assert "/health to answer 200" in err
+    assert "(TP rank, PP rank)" not in err
+    assert not _alive(_child_pid(tmp_path))
+
+
+def test_duplicate_rank_record_is_rejected(
+    standin: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two scheduler records for one TP rank fail readiness ("exactly one per rank")."""
+    monkeypatch.setenv("STANDIN_MODE", "duplicate")
+    assert launch.main(_argv(standin, tmp_path, "--tp-size", "2")) == 1
+    assert "duplicates the record of pid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        (
+            {"SGLANG_PLUGINS": "other_plugin"},
+            "SGLANG_PLUGINS='other_plugin' excludes 'qsa_hisparse'",
+        ),
+        ({"SGLANG_QSA_MODEL_COMPAT": "", "SGLANG_QSA_HISPARSE_V3": ""}, "no QSA HiSparse switch"),
+        ({"SGLANG_QSA_HISPARSE_V3": "fast"}, "SGLANG_QSA_HISPARSE_V3='fast'"),
+    ],
+)
+def test_refuses_to_start_without_the_plugin_on(
+    *,
+    standin: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict[str, str],
+    fragment: str,
+) -> None:
+    """An allow-list without the plugin, no switch, or a bad switch: no server is started."""
+    monkeypatch.setenv("STANDIN_MODE", "ok")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launch.main(_argv(standin, tmp_path)) == 1
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "child.pid").exists()
+
+
+@pytest.mark.parametrize("flag", [("--nnodes", "2"), ("--dp-size", "2")])
+def test_refuses_topologies_it_cannot_verify(
+    standin: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: tuple[str, str]
+) -> None:
+    """Several nodes or DP replicas are refused before starting, naming the flag."""
+    assert launch.main(_argv(standin, tmp_path, *flag)) == 1
+    assert f"{flag[0]}={flag[1]} is not supported" in capsys.readouterr().err
+
+
+def test_ready_then_sigterm_is_forwarded_and_group_stops(standin: Path, tmp_path: Path) -> None:
+    """All ranks plus health print the ready line; SIGTERM stops the server group; exit 0."""
+    port = _free_port()
+    argv = _argv(standin, tmp_path, "--tp-size", "2")
+    argv[argv.index("--port") + 1] = str(port)
+    env = dict(os.environ, STANDIN_MODE="ok")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qsa_sglang_plugin.launch", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert f"ready at http://127.0.0.1:{port}" in line
+        assert "(TP rank, PP rank) [(0, 0), (1, 0)]" in line
+        assert (tmp_path / "activation" / "ready.json").is_file()
+        child = _child_pid(tmp_path)
+        assert _alive(child)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)

@@ -1,0 +1,81 @@
+"""The hook declaration, the shipped fingerprint manifest and its tool."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from qsa_sglang_plugin import FingerprintMismatchError
+from qsa_sglang_plugin._fingerprints import (
+    build_manifest,
+    check_manifest,
+    load_manifest,
+    main,
+    module_source_path,
+    verify_fingerprints,
+)
+from qsa_sglang_plugin._hooks import HOOKS, HookKind
+
+
+def test_shipped_manifest_matches_installed_sglang() -> None:
+    """The manifest in the package equals a fresh fingerprint of the installed sglang 0.5.23."""
+    assert load_manifest() == build_manifest()
+    verify_fingerprints(HOOKS)
+
+
+def test_manifest_tool_checks_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--check` exits 0 and reports the module and hook counts."""
+    assert main(["--check"]) == 0
+    assert f"{len(HOOKS)} hooks" in capsys.readouterr().out
+
+
+def test_manifest_tool_writes_then_detects_drift(tmp_path: Path) -> None:
+    """`--write` produces the shipped manifest; a drifted digest then fails `--check`."""
+    path = tmp_path / "manifest.json"
+    assert main(["--write", "--manifest", str(path)]) == 0
+    assert path.read_text() == load_manifest().to_json()
+    drifted = path.read_text().replace(load_manifest().modules[0][1], "0" * 64)
+    path.write_text(drifted)
+    assert main(["--check", "--manifest", str(path)]) == 1
+
+
+def test_drifted_digest_is_refused_with_module_and_digests() -> None:
+    """A digest that differs names the module, its path, the expected and the found sha256."""
+    shipped = load_manifest()
+    module, digest = shipped.modules[0]
+    bad = dataclasses.replace(shipped, modules=((module, "f" * 64), *shipped.modules[1:]))
+    with pytest.raises(FingerprintMismatchError) as info:
+        verify_fingerprints(HOOKS, bad)
+    text = str(info.value)
+    assert module in text
+    assert "f" * 64 in text
+    assert digest in text
+    assert str(module_source_path(module)) in text
+
+
+def test_manifest_that_differs_from_declaration_is_refused() -> None:
+    """A manifest whose hook list is not the declaration's is stale and refused."""
+    shipped = load_manifest()
+    stale = dataclasses.replace(shipped, hooks=shipped.hooks[:-1])
+    with pytest.raises(FingerprintMismatchError, match="regenerate"):
+        check_manifest(stale)
+
+
+def test_manifest_for_other_sglang_version_is_refused() -> None:
+    """Only a manifest taken from sglang 0.5.23 is accepted."""
+    other = dataclasses.replace(load_manifest(), sglang_version="0.5.24")
+    with pytest.raises(FingerprintMismatchError, match=r"'0\.5\.24'.*supported: '0\.5\.23'"):
+        check_manifest(other)
+
+
+def test_declaration_is_well_formed() -> None:
+    """Targets are unique, hooks import, and no whole-definition REPLACE is declared yet."""
+    targets = [spec.target for spec in HOOKS]
+    assert len(targets) == len(set(targets))
+    for spec in HOOKS:
+        assert callable(spec.load_hook())
+        assert spec.reason
+        assert module_source_path(spec.module).is_file()
+    assert [s for s in HOOKS if s.kind is HookKind.REPLACE] == []

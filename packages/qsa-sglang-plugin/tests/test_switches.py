@@ -1,0 +1,119 @@
+"""Switch parsing: valid combinations, and every malformed value named with what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qsa_sglang_plugin import Feature, HiSparseMode, SwitchError, Switches, parse_switches
+from qsa_sglang_plugin._activation import activate
+from qsa_sglang_plugin._switches import current_switches
+
+ON = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+
+
+def test_no_switch_means_no_feature() -> None:
+    """Unset and empty values parse to an all-off Switches with no features."""
+    for env in ({}, {"SGLANG_QSA_MODEL_COMPAT": "", "SGLANG_QSA_HISPARSE_V3": ""}):
+        switches = parse_switches(env)
+        assert switches == Switches()
+        assert not switches.any_on
+        assert switches.features == ()
+
+
+def test_model_compat_zero_is_off() -> None:
+    """SGLANG_QSA_MODEL_COMPAT=0 is a valid way to say off."""
+    assert not parse_switches({"SGLANG_QSA_MODEL_COMPAT": "0"}).any_on
+
+
+@pytest.mark.parametrize("mode", list(HiSparseMode))
+def test_every_mode_with_model_compat_parses(mode: HiSparseMode) -> None:
+    """Both V3 modes parse when MODEL_COMPAT=1, and turn on the hisparse feature."""
+    switches = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": mode})
+    assert switches.hisparse is mode
+    assert switches.features == (Feature.FRAMEWORK, Feature.MODEL_COMPAT, Feature.HISPARSE)
+
+
+def test_prefix_cache_budget_and_entries_parse() -> None:
+    """MB and max entries parse to integers; the budget in bytes is MiB * 2**20."""
+    switches = parse_switches(
+        {
+            **ON,
+            "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "8192",
+            "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES": "7",
+        }
+    )
+    assert switches.prefix_cache_mb == 8192
+    assert switches.prefix_cache_bytes == 8192 * 1048576
+    assert switches.prefix_cache_max_entries == 7
+    assert Feature.PREFIX_CACHE in switches.features
+
+
+@pytest.mark.parametrize(
+    ("env", "fragments"),
+    [
+        ({"SGLANG_QSA_MODEL_COMPAT": "yes"}, ["SGLANG_QSA_MODEL_COMPAT='yes'", "'0', '1'"]),
+        ({"SGLANG_QSA_MODEL_COMPAT": " 1"}, ["SGLANG_QSA_MODEL_COMPAT=' 1'"]),
+        (
+            {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "offload"},
+            ["SGLANG_QSA_HISPARSE_V3='offload'", "'p2-offload', 'p2-resident'"],
+        ),
+        (
+            {"SGLANG_QSA_HISPARSE_V3": "p2-offload"},
+            ["requires SGLANG_QSA_MODEL_COMPAT='1'", "SGLANG_QSA_MODEL_COMPAT=''"],
+        ),
+        (
+            {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "-1"},
+            ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB='-1'", "0 (off) or a positive integer"],
+        ),
+        (
+            {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "1.5"},
+            ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB='1.5'"],
+        ),
+        (
+            {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES": "0"},
+            ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES='0'", "a positive integer"],
+        ),
+        (
+            {"SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"},
+            ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB='64' requires SGLANG_QSA_HISPARSE_V3"],
+        ),
+    ],
+)
+def test_malformed_switch_names_variable_value_and_allowed(
+    env: dict[str, str], fragments: list[str]
+) -> None:
+    """Each malformed or contradictory value raises SwitchError naming variable and allowed set."""
+    with pytest.raises(SwitchError) as info:
+        parse_switches(env)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@given(st.text(max_size=12))
+def test_prefix_cache_mb_accepts_only_decimal_digits(raw: str) -> None:
+    """Any MB text parses iff it is ASCII digits (or empty), and then equals int(raw)."""
+    env = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": raw}
+    if raw == "" or (raw.strip().isascii() and raw.strip().isdigit()):
+        assert parse_switches(env).prefix_cache_mb == (int(raw) if raw else 0)
+    else:
+        with pytest.raises(SwitchError):
+            parse_switches(env)
+
+
+def test_switch_error_escapes_exception_handlers() -> None:
+    """SwitchError is a BaseException, so SGLang's `except Exception` cannot swallow it."""
+    assert issubclass(SwitchError, BaseException)
+    assert not issubclass(SwitchError, Exception)
+
+
+def test_activate_with_malformed_switch_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entry point itself stops on a malformed switch, before importing SGLang."""
+    monkeypatch.setenv("SGLANG_QSA_MODEL_COMPAT", "true")
+    current_switches.cache_clear()
+    try:
+        with pytest.raises(SwitchError, match="SGLANG_QSA_MODEL_COMPAT='true'"):
+            activate()
+    finally:
+        current_switches.cache_clear()
