@@ -99,7 +99,7 @@ def _measure(size: int, rounds: int, processor: ProcessorFingerprint) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=pathlib.Path, required=True)
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per size")
+    parser.add_argument("--rounds", type=int, default=31, help="interleaved rounds per size")
     args = parser.parse_args()
     pinning = _pin_one_core()
     processor = ProcessorFingerprint.create(

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias, TypeGuard
 
+from qsa_core import QWEN38_FLASH_NEXT
 from qsa_mm_prefix._encoding import Packer, PreprocessArg
 from qsa_mm_prefix._errors import (
     ContentError,
@@ -23,8 +24,8 @@ precise ``Buffer`` annotation would reject numpy arrays under 3.11; the check ha
 content is hashed and raises :class:`~qsa_mm_prefix.ContentTypeError`.
 """
 
-DEFAULT_PAGE_SIZE: Final[int] = 64
-"""Tokens per page of the host prefix cache (the page size QSA models force)."""
+DEFAULT_PAGE_SIZE: Final[int] = QWEN38_FLASH_NEXT.page_size
+"""Tokens per page of the host prefix cache: the QSA profile's page size (64, forced by SGLang)."""
 
 
 def is_int_at_least(value: object, minimum: int) -> TypeGuard[int]:
