@@ -1,0 +1,250 @@
+"""Selected-block fetch: kernel and reference against the qsa-core residency contract."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():  # CPU runs check the kernels under Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from triton.runtime.interpreter import InterpretedFunction
+
+from qsa_core import HotCacheState, plan_residency_step
+from qsa_kernels import (
+    HotCacheTables,
+    KernelInputError,
+    fetch_selected_blocks,
+    fetch_selected_blocks_reference,
+)
+
+# Triton must see TRITON_INTERPRET before its first import; if another module imported it first
+# without it, the CPU variants cannot run and skip (conftest should set it for the whole package).
+from qsa_kernels.lse_merge.triton import _lse_merge_kernel as _interp_probe
+
+INTERPRETED = isinstance(_interp_probe, InterpretedFunction)
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not INTERPRETED, reason="Triton was imported without TRITON_INTERPRET=1"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+DTYPES = [torch.float8_e4m3fn, torch.bfloat16]
+
+
+def _arena(shape: tuple[int, int, int, int, int], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    R, L, NB, Hkv, D = shape
+    bits = torch.randint(-(2**15), 2**15 - 1, (R, L, NB, 2, 4, Hkv, D), dtype=torch.int16)
+    if dtype == torch.bfloat16:
+        raw = bits.view(torch.bfloat16)
+    else:
+        raw = (bits & 0x7E).to(torch.uint8).view(torch.float8_e4m3fn)  # no NaN encodings
+    return raw.pin_memory() if pin else raw
+
+
+def _random_selection(K: int, pool: list[int], rng: random.Random, mode: str) -> list[int]:
+    if mode == "empty":
+        return [-1] * K
+    n = K if mode == "full" else rng.randint(0, K)
+    ids = rng.sample(pool, n)
+    out = [-1] * K
+    for pos, blk in zip(rng.sample(range(K), n), ids, strict=True):
+        out[pos] = blk
+    return out
+
+
+def _check_map_consistent(tables: HotCacheTables) -> None:
+    sb = tables.slot_block.cpu()
+    bs = tables.block_slot.cpu()
+    for layer in range(tables.layers):
+        for row in range(tables.rows):
+            expected = torch.full((tables.blocks,), -1, dtype=torch.int32)
+            blocks = sb[layer, row]
+            occupied = blocks >= 0
+            expected[blocks[occupied].long()] = torch.nonzero(occupied).flatten().int()
+            assert torch.equal(bs[layer, row], expected), (layer, row)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp8", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fetch_reproduces_core_contract_step_by_step(device: str, dtype: torch.dtype) -> None:
+    """Over mixed, all-miss, all-hit and empty steps: slots, state and records match qsa-core."""
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    big = device == "cuda"
+    L, R, S, NB, K, Hkv, D = (3, 5, 64, 300, 48, 1, 256) if big else (2, 3, 8, 40, 6, 1, 16)
+    dev = torch.device(device)
+    arena = _arena((R, L, NB, Hkv, D), dtype, pin=big)
+    hot = _arena((L, R, S, Hkv, D), dtype, pin=False).to(dev)
+    hot_ref = hot.clone()
+    tables = HotCacheTables.empty(L, R, S, NB, dev)
+    tables_ref = tables.clone()
+    rows = torch.tensor([4, 0, 2] if big else [2, 0], dtype=torch.int32, device=dev)
+    layers = torch.tensor([2, 0] if big else [1], dtype=torch.int32, device=dev)
+    states = {
+        (lay, row): HotCacheState.empty(S) for lay in layers.tolist() for row in rows.tolist()
+    }
+    pool = list(range(min(NB, 3 * S)))
+    modes = ["full", "mixed", "repeat", "mixed", "empty", "full", "mixed", "repeat", "mixed"]
+    previous: list[list[list[int]]] | None = None
+    for step, mode in enumerate(modes, start=1):
+        if mode == "repeat" and previous is not None:
+            chosen = previous  # all-hit: the same selection again
+        else:
+            chosen = [
+                [_random_selection(K, pool, rng, mode) for _ in layers.tolist()]
+                for _ in rows.tolist()
+            ]
+        previous = chosen
+        selected = torch.tensor(chosen, dtype=torch.int32, device=dev)
+        got = fetch_selected_blocks(
+            selected, rows, layers, step=step, tables=tables, hot=hot, host_arena=arena
+        )
+        want = fetch_selected_blocks_reference(
+            selected, rows, layers, step=step, tables=tables_ref, hot=hot_ref, host_arena=arena
+        )
+        assert torch.equal(got, want), (step, mode)
+        for b, row in enumerate(rows.tolist()):
+            for j, layer in enumerate(layers.tolist()):
+                plan = plan_residency_step(states[layer, row], chosen[b][j], step, num_blocks=NB)
+                states[layer, row] = plan.state
+                local = [s if s < 0 else s - row * S for s in got[b, j].tolist()]
+                global_ok = [s == -1 or s // S == row for s in got[b, j].tolist()]
+                assert all(global_ok), (step, b, j)
+                assert local == list(plan.selected_slots), (step, mode, b, j)
+                assert tables.residency(layer, row) == plan.state.to_lists(), (step, mode)
+        # Every record of the hot cache, targeted or not, equals the reference's bit for bit.
+        assert torch.equal(hot.view(torch.uint8), hot_ref.view(torch.uint8)), (step, mode)
+        _check_map_consistent(tables)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fetch_writes_only_the_missed_slots(device: str) -> None:
+    """A fetch rewrites exactly the victim slots; other rows, layers and slots keep their bytes."""
+    torch.manual_seed(3)
+    dev = torch.device(device)
+    L, R, S, NB, Hkv, D = 2, 3, 8, 20, 1, 16
+    arena = _arena((R, L, NB, Hkv, D), torch.bfloat16, pin=device == "cuda")
+    hot = torch.full((L, R, S, 2, 4, Hkv, D), float("nan"), dtype=torch.bfloat16, device=dev)
+    before = hot.clone()
+    tables = HotCacheTables.empty(L, R, S, NB, dev)
+    selected = torch.tensor([[[5, -1, 17, 2]]], dtype=torch.int32, device=dev)
+    rows = torch.tensor([1], dtype=torch.int32, device=dev)
+    layers = torch.tensor([1], dtype=torch.int32, device=dev)
+    got = fetch_selected_blocks(
+        selected, rows, layers, step=1, tables=tables, hot=hot, host_arena=arena
+    )
+    # Empty slots rank by index: ids 5, 17, 2 take local slots 0, 1, 2 of row 1.
+    assert got.tolist() == [[[S + 0, -1, S + 1, S + 2]]]
+    changed = (hot.view(torch.int16) != before.view(torch.int16)).flatten(3).any(-1)
+    expected = torch.zeros_like(changed)
+    expected[1, 1, :3] = True
+    assert torch.equal(changed, expected)
+    for slot, blk in enumerate((5, 17, 2)):
+        assert torch.equal(
+            hot[1, 1, slot].cpu().view(torch.int16), arena[1, 1, blk].view(torch.int16)
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fetch_returns_minus_one_for_all_padding(device: str) -> None:
+    """An all-padding selection returns all -1 and leaves tables and hot cache unchanged."""
+    dev = torch.device(device)
+    arena = _arena((1, 1, 8, 1, 16), torch.bfloat16, pin=device == "cuda")
+    hot = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16, device=dev)
+    tables = HotCacheTables.empty(1, 1, 4, 8, dev)
+    selected = torch.full((1, 1, 3), -1, dtype=torch.int32, device=dev)
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    got = fetch_selected_blocks(
+        selected, zero, zero, step=0, tables=tables, hot=hot, host_arena=arena
+    )
+    assert got.tolist() == [[[-1, -1, -1]]]
+    assert tables.residency(0, 0) == ([-1] * 4, [-1] * 4)
+    assert not hot.any()
+
+
+def test_fetch_rejects_more_entries_than_slots() -> None:
+    """K > S cannot be served and is refused with both numbers in the message."""
+    tables = HotCacheTables.empty(1, 1, 4, 8, torch.device("cpu"))
+    hot = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16)
+    arena = torch.zeros((1, 1, 8, 2, 4, 1, 16), dtype=torch.bfloat16)
+    selected = torch.full((1, 1, 5), -1, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match=r"K=5.*S=4"):
+        fetch_selected_blocks(
+            selected, zero, zero, step=1, tables=tables, hot=hot, host_arena=arena
+        )
+
+
+def test_fetch_rejects_mismatched_arena_dtype() -> None:
+    """The arena and hot cache must share a dtype; the message names both."""
+    tables = HotCacheTables.empty(1, 1, 4, 8, torch.device("cpu"))
+    hot = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16)
+    arena = torch.zeros((1, 1, 8, 2, 4, 1, 16), dtype=torch.float8_e4m3fn)
+    selected = torch.full((1, 1, 2), -1, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="float8_e4m3fn"):
+        fetch_selected_blocks_reference(
+            selected, zero, zero, step=1, tables=tables, hot=hot, host_arena=arena
+        )
+
+
+def test_fetch_reference_rejects_duplicate_ids() -> None:
+    """Duplicate valid ids in one row violate the contract and are refused by the reference."""
+    tables = HotCacheTables.empty(1, 1, 4, 8, torch.device("cpu"))
+    hot = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16)
+    arena = torch.zeros((1, 1, 8, 2, 4, 1, 16), dtype=torch.bfloat16)
+    selected = torch.tensor([[[3, -1, 3]]], dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="distinct"):
+        fetch_selected_blocks_reference(
+            selected, zero, zero, step=1, tables=tables, hot=hot, host_arena=arena
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.lists(st.integers(min_value=-1, max_value=11), min_size=5, max_size=5),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_reference_agrees_with_core_on_arbitrary_steps(steps: list[list[int]]) -> None:
+    """For any sequence of selections the torch reference follows qsa-core's plan exactly."""
+    S, NB = 6, 12
+    tables = HotCacheTables.empty(1, 1, S, NB, torch.device("cpu"))
+    hot = torch.zeros((1, 1, S, 2, 4, 1, 16), dtype=torch.bfloat16)
+    arena = torch.arange(NB * 128, dtype=torch.float32).bfloat16().view(1, 1, NB, 2, 4, 1, 16)
+    state = HotCacheState.empty(S)
+    zero = torch.zeros(1, dtype=torch.int32)
+    for step, raw in enumerate(steps, start=1):
+        seen: set[int] = set()
+        sel = []
+        for x in raw:  # keep the first occurrence of each id, pad the repeats
+            sel.append(x if x not in seen else -1)
+            seen.add(x)
+        got = fetch_selected_blocks_reference(
+            torch.tensor([[sel]], dtype=torch.int32),
+            zero,
+            zero,
+            step=step,
+            tables=tables,
+            hot=hot,
+            host_arena=arena,
+        )
+        plan = plan_residency_step(state, sel, step, num_blocks=NB)
+        state = plan.state
+        assert got[0, 0].tolist() == list(plan.selected_slots)
+        assert tables.residency(0, 0) == state.to_lists()
+        for slot, blk in enumerate(state.slot_block):
+            if blk >= 0:
+                assert torch.equal(hot[0, 0, slot], arena[0, 0, blk])

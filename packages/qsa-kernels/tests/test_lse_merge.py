@@ -1,0 +1,82 @@
+"""LSE merge: matches the reference, ignores empty parts, and recombines split attention."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU runs check the kernels under Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from triton.runtime.interpreter import InterpretedFunction
+
+from qsa_kernels import KernelInputError, lse_merge, lse_merge_reference, sparse_decode_reference
+
+# Triton must see TRITON_INTERPRET before its first import; if another module imported it first
+# without it, the CPU variants cannot run and skip (conftest should set it for the whole package).
+from qsa_kernels.lse_merge.triton import _lse_merge_kernel as _interp_probe
+
+INTERPRETED = isinstance(_interp_probe, InterpretedFunction)
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not INTERPRETED, reason="Triton was imported without TRITON_INTERPRET=1"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("parts", [1, 3, 7])
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_matches_reference_with_empty_parts(device: str, parts: int) -> None:
+    """-inf parts (with NaN outputs) get weight 0; all-empty rows give 0 and -inf."""
+    torch.manual_seed(parts)
+    dev = torch.device(device)
+    out = torch.randn(parts, 3, 5, 24, device=dev)
+    lse = torch.randn(parts, 3, 5, device=dev) * 4
+    lse[:, 0, 0] = float("-inf")
+    out[:, 0, 0] = float("nan")
+    lse[0, 1, 2] = float("-inf")
+    out[0, 1, 2] = float("nan")
+    got, got_lse = lse_merge(out, lse)
+    want, want_lse = lse_merge_reference(out, lse)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert bool(torch.isneginf(got_lse[0, 0]))
+    assert not got[0, 0].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_of_disjoint_token_sets_equals_attention_over_their_union(device: str) -> None:
+    """Attention over token subsets, merged by LSE, equals attention over all tokens."""
+    torch.manual_seed(5)
+    dev = torch.device(device)
+    q = torch.randn(2, 12, 32, device=dev).bfloat16()
+    kv = torch.randn(20, 2, 4, 1, 32, device=dev).bfloat16()
+    tokens = torch.randperm(80, device=dev)[:30].int().view(1, 30).repeat(2, 1)
+    whole, whole_lse = sparse_decode_reference(q, tokens, kv)
+    pieces = [tokens[:, :7], tokens[:, 7:8], tokens[:, 8:]]
+    results = [sparse_decode_reference(q, p.contiguous(), kv) for p in pieces]
+    # Reference outputs are bf16; merge their fp32 upcasts.
+    outs = torch.stack([r[0].float() for r in results])
+    lses = torch.stack([r[1] for r in results])
+    merged, merged_lse = lse_merge(outs, lses, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(merged_lse, whole_lse, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(merged.float(), whole.float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_merge_rejects_mismatched_lse_shape() -> None:
+    """outputs [P, *N, D] and lse [P, *N] must agree; both shapes are named."""
+    with pytest.raises(KernelInputError, match=r"\(2, 3, 4\).*\(2, 4\)"):
+        lse_merge(torch.zeros(2, 3, 4), torch.zeros(2, 4))
+
+
+def test_merge_rejects_half_precision_lse() -> None:
+    """LSE is fp32 only."""
+    with pytest.raises(KernelInputError, match="lse has dtype"):
+        lse_merge_reference(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.bfloat16))

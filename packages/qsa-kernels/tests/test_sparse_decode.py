@@ -1,0 +1,157 @@
+"""Sparse GQA decode against the gather-then-attend reference, with NaN-poisoned allocations."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():  # CPU runs check the kernels under Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from triton.runtime.interpreter import InterpretedFunction
+
+from qsa_kernels import KernelInputError, sparse_decode, sparse_decode_reference
+
+# Triton must see TRITON_INTERPRET before its first import; if another module imported it first
+# without it, the CPU variants cannot run and skip (conftest should set it for the whole package).
+from qsa_kernels.lse_merge.triton import _lse_merge_kernel as _interp_probe
+
+INTERPRETED = isinstance(_interp_probe, InterpretedFunction)
+CPU = pytest.param(
+    "cpu",
+    marks=pytest.mark.skipif(
+        not INTERPRETED, reason="Triton was imported without TRITON_INTERPRET=1"
+    ),
+)
+DTYPES = [torch.float8_e4m3fn, torch.bfloat16]
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.empty / empty_like return NaN (floats) or a sentinel (ints) while a kernel runs."""
+    real_empty: Callable[..., torch.Tensor] = torch.empty
+    real_like: Callable[..., torch.Tensor] = torch.empty_like
+
+    def _poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan") if t.is_floating_point() else -123457)
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return _poison(real_empty(*args, **kwargs))
+
+    def empty_like(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return _poison(real_like(*args, **kwargs))
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+
+
+def _case(
+    shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: str, *, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, group, T, D, NS = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, group, D, generator=g).bfloat16()
+    kv = (torch.randn(NS, 2, 4, 1, D, generator=g) * 1.5).to(dtype)
+    perm = torch.stack([torch.randperm(NS * 4, generator=g)[:T] for _ in range(B)]).int()
+    pad = torch.rand(B, T, generator=g) < 0.1  # padding anywhere, not only at the end
+    perm[pad] = -1
+    return q.to(device), perm.to(device), kv.to(device)
+
+
+def _assert_close(
+    got: torch.Tensor, want: torch.Tensor, lse: torch.Tensor, want_lse: torch.Tensor
+) -> None:
+    assert not torch.isnan(got).any(), "unwritten (NaN) output"
+    err = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6)
+    assert err.item() < 1e-2, f"relative RMS error {err.item():.2e}"
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=1e-4)
+
+
+GPU_CASES = [
+    pytest.param(B, group, T, dtype, id=f"B{B}-G{group}-T{T}-{str(dtype)[6:]}")
+    for B in (1, 3, 8)
+    for group in (12, 24)
+    for T in (1, 5, 2051)
+    for dtype in DTYPES
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize(("B", "group", "T", "dtype"), GPU_CASES)
+def test_sparse_decode_matches_reference_on_gpu(
+    B: int, group: int, T: int, dtype: torch.dtype
+) -> None:
+    """Model shapes (D=256, 1 KV head), odd batches and counts, both K/V dtypes."""
+    q, tok, kv = _case((B, group, T, 256, 1100), dtype, "cuda", seed=B * 1000 + group + T)
+    got, lse = sparse_decode(q, tok, kv)
+    want, want_lse = sparse_decode_reference(q, tok, kv)
+    _assert_close(got, want, lse, want_lse)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize(
+    ("B", "group", "T", "splits"),
+    [(1, 12, 1, 1), (3, 24, 5, 2), (2, 12, 150, 3), (1, 12, 70, None)],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp8", "bf16"])
+@pytest.mark.parametrize("device", [CPU])
+def test_sparse_decode_matches_reference_interpreted(  # noqa: PLR0917
+    device: str, dtype: torch.dtype, B: int, group: int, T: int, splits: int | None
+) -> None:
+    """Small shapes under the interpreter, several split counts."""
+    q, tok, kv = _case((B, group, T, 32, 60), dtype, device, seed=T)
+    got, lse = sparse_decode(q, tok, kv, num_splits=splits)
+    want, want_lse = sparse_decode_reference(q, tok, kv)
+    _assert_close(got, want, lse, want_lse)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("device", [CPU, pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_empty_row_gives_zero_output_and_neg_inf_lse(device: str) -> None:
+    """A row whose slots are all -1 outputs exactly 0 with LSE -inf; other rows are unaffected."""
+    D = 256 if device == "cuda" else 32
+    q, tok, kv = _case((3, 12, 9, D, 20), torch.bfloat16, device, seed=1)
+    tok[1] = -1
+    got, lse = sparse_decode(q, tok, kv)
+    assert not got[1].any()
+    assert bool(torch.isneginf(lse[1]).all())
+    want, want_lse = sparse_decode_reference(q, tok, kv)
+    _assert_close(got, want, lse, want_lse)
+
+
+def test_reference_equals_dense_float64_softmax() -> None:
+    """The reference is plain softmax attention over the selected rows (checked in float64)."""
+    q, tok, kv = _case((2, 12, 7, 32, 10), torch.bfloat16, "cpu", seed=9)
+    tok[:, 0] = 5  # at least one valid token per row
+    out, lse = sparse_decode_reference(q, tok, kv)
+    for b in range(2):
+        valid = tok[b][tok[b] >= 0].long()
+        k = kv[valid // 4, 0, valid % 4, 0].double()
+        v = kv[valid // 4, 1, valid % 4, 0].double()
+        scores = q[b].double() @ k.T / math.sqrt(32)
+        torch.testing.assert_close(lse[b].double(), torch.logsumexp(scores, -1), atol=1e-5, rtol=0)
+        dense = torch.softmax(scores, -1) @ v
+        torch.testing.assert_close(out[b].double(), dense, atol=1e-2, rtol=1e-2)
+
+
+def test_sparse_decode_rejects_heads_not_a_multiple_of_kv_heads() -> None:
+    """Hq must be a multiple of Hkv; both counts are named."""
+    q = torch.zeros(1, 5, 32, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 2, 4, 2, 32, dtype=torch.bfloat16)
+    tok = torch.zeros(1, 3, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match=r"Hq=5.*Hkv=2"):
+        sparse_decode(q, tok, kv)
+
+
+def test_sparse_decode_rejects_fp32_queries() -> None:
+    """Queries are bf16 only."""
+    kv = torch.zeros(4, 2, 4, 1, 32, dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="q has dtype"):
+        sparse_decode_reference(torch.zeros(1, 12, 32), torch.zeros(1, 3, dtype=torch.int32), kv)

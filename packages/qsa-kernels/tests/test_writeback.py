@@ -1,0 +1,152 @@
+"""Write-back of closed blocks and prompt hand-off: bit-exact, nothing else touched, event given."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU runs check the kernels under Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from triton.runtime.interpreter import InterpretedFunction
+
+from qsa_kernels import (
+    KernelInputError,
+    offload_prompt,
+    offload_prompt_reference,
+    writeback_blocks,
+    writeback_blocks_reference,
+)
+
+# Triton must see TRITON_INTERPRET before its first import; if another module imported it first
+# without it, the CPU variants cannot run and skip (conftest should set it for the whole package).
+from qsa_kernels.lse_merge.triton import _lse_merge_kernel as _interp_probe
+
+INTERPRETED = isinstance(_interp_probe, InterpretedFunction)
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not INTERPRETED, reason="Triton was imported without TRITON_INTERPRET=1"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+DTYPES = [torch.float8_e4m3fn, torch.bfloat16]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    bits = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16)
+    if dtype == torch.bfloat16:
+        return bits.view(torch.bfloat16)
+    return (bits & 0x7E).to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def _wait(event: torch.cuda.Event | None, device: str) -> None:
+    if device == "cuda":
+        assert isinstance(event, torch.cuda.Event)
+        event.synchronize()
+    else:
+        assert event is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp8", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_writeback_copies_closed_blocks_exactly_and_nothing_else(
+    device: str, dtype: torch.dtype
+) -> None:
+    """Each closed block lands at its arena place bit for bit; every other record is unchanged."""
+    torch.manual_seed(11)
+    L, R, S, NB, Hkv, D = (3, 4, 16, 50, 1, 256) if device == "cuda" else (2, 3, 5, 9, 1, 16)
+    dev = torch.device(device)
+    hot = _random((L, R, S, 2, 4, Hkv, D), dtype).to(dev)
+    arena = _random((R, L, NB, 2, 4, Hkv, D), dtype)
+    if device == "cuda":
+        arena = arena.pin_memory()
+    arena_ref = arena.clone()
+    entries = [(1, 0, 2, 7), (0, L - 1, S - 1, 0), (R - 1, 1, 0, NB - 1), (2, 0, 3, 4)]
+    rows, layers, slots, blocks = (
+        torch.tensor(col, dtype=torch.int32, device=dev) for col in zip(*entries, strict=True)
+    )
+    event = writeback_blocks(hot, arena, rows=rows, layers=layers, slots=slots, blocks=blocks)
+    _wait(event, device)
+    writeback_blocks_reference(
+        hot.cpu(),
+        arena_ref,
+        rows=rows.cpu(),
+        layers=layers.cpu(),
+        slots=slots.cpu(),
+        blocks=blocks.cpu(),
+    )
+    assert torch.equal(arena.view(torch.uint8), arena_ref.view(torch.uint8))
+    for r, layer, s, b in entries:
+        assert torch.equal(
+            arena[r, layer, b].view(torch.uint8), hot[layer, r, s].cpu().view(torch.uint8)
+        )
+
+
+@pytest.mark.parametrize("tokens", [3, 4, 37])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp8", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_offload_prompt_packs_complete_blocks_only(
+    device: str, dtype: torch.dtype, tokens: int
+) -> None:
+    """Complete blocks become (4 K rows, 4 V rows) records; the open tail and other rows stay."""
+    torch.manual_seed(tokens)
+    L, R, NB, Hkv, D = (12, 3, 20, 1, 256) if device == "cuda" else (2, 3, 12, 1, 16)
+    dev = torch.device(device)
+    k = _random((L, tokens, Hkv, D), dtype).to(dev)
+    v = _random((L, tokens, Hkv, D), dtype).to(dev)
+    arena = _random((R, L, NB, 2, 4, Hkv, D), dtype)
+    if device == "cuda":
+        arena = arena.pin_memory()
+    arena_ref = arena.clone()
+    n, event = offload_prompt(k, v, arena, 1, first_block=2)
+    _wait(event, device)
+    n_ref = offload_prompt_reference(k.cpu(), v.cpu(), arena_ref, 1, first_block=2)
+    assert n == n_ref == tokens // 4
+    assert torch.equal(arena.view(torch.uint8), arena_ref.view(torch.uint8))
+    if n:
+        last = n - 1
+        want_k = k[:, 4 * last : 4 * last + 4].cpu().view(torch.uint8)
+        assert torch.equal(arena[1, :, 2 + last, 0].view(torch.uint8), want_k)
+        want_v = v[:, 4 * last : 4 * last + 4].cpu().view(torch.uint8)
+        assert torch.equal(arena[1, :, 2 + last, 1].view(torch.uint8), want_v)
+
+
+@pytest.mark.gpu
+def test_writeback_runs_after_work_queued_on_the_current_stream() -> None:
+    """A block written on the current stream just before the call is what reaches the arena."""
+    dev = torch.device("cuda")
+    hot = torch.zeros((1, 1, 2, 2, 4, 1, 256), dtype=torch.bfloat16, device=dev)
+    arena = torch.zeros((1, 1, 4, 2, 4, 1, 256), dtype=torch.bfloat16).pin_memory()
+    torch.cuda._sleep(10_000_000)  # type: ignore[no-untyped-call]
+    # keep the current stream busy so a racing copy would see 0
+    hot[0, 0, 1].fill_(3.0)
+    idx = torch.tensor([0], dtype=torch.int32, device=dev)
+    one = torch.tensor([1], dtype=torch.int32, device=dev)
+    event = writeback_blocks(hot, arena, rows=idx, layers=idx, slots=one, blocks=one)
+    assert event is not None
+    event.synchronize()
+    assert bool((arena[0, 0, 1] == 3.0).all())
+    assert not arena[0, 0, 0].any()
+
+
+def test_offload_prompt_rejects_blocks_past_the_arena() -> None:
+    """A prompt that does not fit the row's NB blocks is refused, naming the range."""
+    k = torch.zeros((1, 40, 1, 16), dtype=torch.bfloat16)
+    arena = torch.zeros((1, 1, 9, 2, 4, 1, 16), dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="NB=9"):
+        offload_prompt_reference(k, k.clone(), arena, 0)
+
+
+def test_writeback_rejects_mismatched_index_lengths() -> None:
+    """The four index vectors must have one length."""
+    hot = torch.zeros((1, 1, 2, 2, 4, 1, 16), dtype=torch.bfloat16)
+    arena = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16)
+    one = torch.zeros(1, dtype=torch.int32)
+    two = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="slots"):
+        writeback_blocks(hot, arena, rows=one, layers=one, slots=two, blocks=one)
