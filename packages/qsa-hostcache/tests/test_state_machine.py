@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import hypothesis.strategies as st
 import pytest
@@ -84,7 +85,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        kwargs = {} if self.hasher is None else {"hasher": self.hasher}
+        kwargs: dict[str, Any] = {} if self.hasher is None else {"hasher": self.hasher}
         self.cache = HostPrefixCache(
             BLOCKS * BLOCK,
             max_entries=MAX_ENTRIES,
@@ -313,7 +314,7 @@ class CacheMachine(RuleBasedStateMachine):
             change = data.draw(st.sampled_from(["none", "none", "token", "ns", "extra"]))
             if change == "token":  # a single changed token, often in the entry's last page
                 at = data.draw(st.integers(max(0, len(e.tokens) - PAGE), len(tokens) - 1))
-                tokens = tokens[:at] + ((tokens[at] + 1) % 3,) + tokens[at + 1 :]
+                tokens = (*tokens[:at], (tokens[at] + 1) % 3, *tokens[at + 1 :])
             elif change == "ns":  # same tokens, other namespace
                 ns = 1 - ns
             elif change == "extra":  # same tokens, other image identity on one page
