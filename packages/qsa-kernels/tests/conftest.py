@@ -3,6 +3,10 @@
 Tests marked ``@pytest.mark.gpu`` skip cleanly where CUDA is absent. Under ``QSA_REQUIRE_GPU=1``
 (set by ``nox -s gpu-tests``) a missing device fails them instead, so a GPU run can never pass by
 skipping.
+
+Without CUDA the Triton kernels still run, on CPU tensors, through Triton's interpreter. Triton
+reads ``TRITON_INTERPRET`` once, when it is first imported, so it is set here, before any test
+module imports the kernels.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
