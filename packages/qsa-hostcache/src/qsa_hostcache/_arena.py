@@ -182,18 +182,22 @@ class HostArena:
         return CopyFence(event, self._device)
 
     def _copy_in(
-        self, blocks: tuple[int, ...], offset: int, src: torch.Tensor, non_blocking: bool
+        self, blocks: tuple[int, ...], offset: int, src: torch.Tensor, asynchronous: bool
     ) -> None:
         buf = self._buf
         for arena_off, seg_off, n in plan_extents(offset, src.numel(), blocks, self.block_bytes):
-            buf[arena_off : arena_off + n].copy_(src[seg_off : seg_off + n], non_blocking)
+            buf[arena_off : arena_off + n].copy_(
+                src[seg_off : seg_off + n], non_blocking=asynchronous
+            )
 
     def _copy_out(
-        self, blocks: tuple[int, ...], offset: int, dst: torch.Tensor, non_blocking: bool
+        self, blocks: tuple[int, ...], offset: int, dst: torch.Tensor, asynchronous: bool
     ) -> None:
         buf = self._buf
         for arena_off, seg_off, n in plan_extents(offset, dst.numel(), blocks, self.block_bytes):
-            dst[seg_off : seg_off + n].copy_(buf[arena_off : arena_off + n], non_blocking)
+            dst[seg_off : seg_off + n].copy_(
+                buf[arena_off : arena_off + n], non_blocking=asynchronous
+            )
 
     def _sync_reads(self) -> None:
         """Wait for the last device read, so a CPU write cannot overtake it."""
