@@ -295,8 +295,9 @@ class PrefixIndex:
         """The READY entry with the most pages whose key material is a prefix of ``query``.
 
         One pass hashes the query's pages (stopping at the longest READY entry); candidates are
-        the entries whose end hash appears at their own page count; the longest candidate whose
-        full key material matches wins. Counts a lookup, and a hit touches the LRU order.
+        the entries whose end hash equals the query's chain at their own page count (found by
+        testing each entry or by a set intersection, whichever is smaller); the longest candidate
+        whose full key material matches wins. Counts a lookup, and a hit touches the LRU order.
         """
         c = self.counters
         c.lookups += 1
@@ -307,15 +308,24 @@ class PrefixIndex:
         if pages > 0 and query.page_size == self.page_size:
             hashes = query.page_hashes(self.hasher, pages)
             ends = self._ends
-            hits = ends.keys() & set(hashes[:pages])
-            candidates = [
-                e
-                for h in hits
-                for e in ends[h]
-                if e.state is EntryState.READY
-                and e.num_pages <= pages
-                and hashes[e.num_pages - 1] == h
-            ]
+            if len(ends) < pages:  # few entries: test each entry's end against the query's chain
+                candidates = [
+                    e
+                    for h, bucket in ends.items()
+                    for e in bucket
+                    if e.num_pages <= pages
+                    and hashes[e.num_pages - 1] == h
+                    and e.state is EntryState.READY
+                ]
+            else:  # few pages: intersect the query's chain with the end hashes
+                candidates = [
+                    e
+                    for h in ends.keys() & set(hashes[:pages])
+                    for e in ends[h]
+                    if e.num_pages <= pages
+                    and hashes[e.num_pages - 1] == h
+                    and e.state is EntryState.READY
+                ]
             candidates.sort(key=lambda e: e.num_pages, reverse=True)
             for entry in candidates:
                 if entry.is_prefix_of(query):
