@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 from qsa_core import QWEN38_FLASH_NEXT
 from qsa_hisparse import main
-from qsa_hisparse._demo import synthetic_selections, trace_decode
+from qsa_hisparse._demo import prefix_cache_demo, synthetic_selections, trace_decode
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,6 +55,20 @@ def test_demo_prints_the_plan_and_the_hot_cache_trace(capsys: pytest.CaptureFixt
     assert "most 262,144-token requests that fit: offloaded 8, resident 5" in out
     assert "Synthetic decode through the hot-cache residency contract" in out
     assert "2,048      4.00x" in out
+    # The same picture behind the same placeholders hits; another picture never does.
+    assert "bob    cached tokens     0" in out
+    assert "carol  cached tokens   448" in out
+
+
+def test_prefix_cache_demo_reuses_each_previous_turn() -> None:
+    """Every turn after the first restores exactly the previous turn's full pages."""
+    report = prefix_cache_demo(QWEN38_FLASH_NEXT, turns=3, turn_tokens=200, seed=3)
+    rows = [line.split() for line in report.splitlines() if line.strip()[:1].isdigit()]
+    prompt_tokens = [int(r[1].replace(",", "")) for r in rows[:3]]
+    cached = [int(r[2].replace(",", "")) for r in rows[:3]]
+    assert cached[0] == 0
+    for previous, now in zip(prompt_tokens, cached[1:], strict=False):
+        assert now == previous // 64 * 64
 
 
 def test_trace_first_step_misses_every_block_then_reuses_the_cache() -> None:
@@ -69,7 +85,7 @@ def test_trace_first_step_misses_every_block_then_reuses_the_cache() -> None:
 
 def test_console_script_is_installed() -> None:
     """The ``qsa-hisparse`` executable exists in the environment and answers ``--help``."""
-    exe = shutil.which("qsa-hisparse")
+    exe = shutil.which("qsa-hisparse", path=str(pathlib.Path(sys.executable).parent))
     assert exe is not None
     done = subprocess.run([exe, "--help"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr

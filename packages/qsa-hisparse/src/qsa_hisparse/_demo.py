@@ -4,7 +4,10 @@ Part 1 prints the per-rank memory plan of Qwen3.8-Flash-Next at TP2 with FP8 K/V
 host offload (``qsa_core.plan_capacity``). Part 2 drives the hot-cache residency contract that the
 GPU fetch kernel implements (``qsa_core.plan_residency_step``) through a synthetic decode of one
 262,144-token request, and reports how many selected blocks miss per step for several hot-cache
-sizes: the bytes each step must bring over PCIe. No GPU, no model and no SGLang are needed.
+sizes: the bytes each step must bring over PCIe. Part 3 runs the host prefix cache
+(``qsa_hostcache``) on a synthetic multi-turn chat and on two image prompts that share every token
+id but not the image (``qsa_mm_prefix``): cached tokens per turn, and no false hit. No GPU, no model
+and no SGLang are needed.
 
 The synthetic selection is labelled as such: each block has a fixed importance, each step adds
 noise, and the top 512 by score are selected together with the attention-sink blocks and the most
@@ -21,6 +24,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from qsa_core import (
     QWEN38_FLASH_NEXT,
     HotCacheState,
@@ -30,6 +35,14 @@ from qsa_core import (
     plan_capacity,
     plan_residency_step,
     render_plan,
+)
+from qsa_hostcache import CacheNamespace, HostPrefixCache, PrefixKey
+from qsa_mm_prefix import (
+    ContentKind,
+    Modality,
+    MultimodalItem,
+    ProcessorFingerprint,
+    build_prompt_identity,
 )
 
 _GIB = 1 << 30
@@ -125,6 +138,92 @@ def render_traces(profile: QSAProfile, tp_size: int, traces: Sequence[DecodeTrac
     return "\n".join(lines)
 
 
+def _checkpoint(profile: QSAProfile, tokens: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """Stand-in segments of one rank's checkpoint at ``tokens`` (real sizes, filler bytes)."""
+    raw_kv = profile.raw_kv_bytes_per_token(KVDType.FP8_E4M3, tp_size) * tokens
+    index = profile.index_bytes_per_token(KVDType.BF16) * tokens
+    fill = tokens % 251
+    return {
+        "raw_kv": torch.full((raw_kv,), fill, dtype=torch.uint8),
+        "index_k": torch.full((index,), fill, dtype=torch.uint8),
+        "gdn_state": torch.full((1 << 16,), fill, dtype=torch.uint8),
+    }
+
+
+def prefix_cache_demo(profile: QSAProfile, *, turns: int, turn_tokens: int, seed: int) -> str:
+    """A multi-turn chat and two image prompts through the host prefix cache; returns a report."""
+    rng = random.Random(seed)
+    tp_size = 2
+    page = profile.page_size
+    namespace = CacheNamespace(
+        model="Qwen3.8-Flash-Next",
+        dtype="float8_e4m3fn",
+        tp_size=tp_size,
+        tp_rank=0,
+        config_digest="demo",
+    )
+    cache = HostPrefixCache(256 << 20, max_entries=64, page_size=page, block_bytes=1 << 20)
+    lines = [
+        "Host prefix cache (one TP rank, 256 MiB arena, "
+        f"{'pinned' if cache.pinned else 'pageable: no CUDA here'}):",
+        "",
+        "  turn  prompt tokens  cached tokens  prefilled  checkpoint published",
+        "  ----  -------------  -------------  ---------  --------------------",
+    ]
+    history: list[int] = []
+    for turn in range(1, turns + 1):
+        history += [rng.randrange(248_000) for _ in range(turn_tokens + rng.randrange(page))]
+        key = PrefixKey(namespace, history, page_size=page)
+        match = cache.match(key, max_tokens=len(history) - 1)
+        cached = match.num_tokens if match is not None else 0
+        full_pages = len(history) // page
+        ticket = cache.publish(key.prefix(full_pages), _checkpoint(profile, full_pages * page, 2))
+        lines.append(
+            f"  {turn:>4}  {len(history):>13,}  {cached:>13,}  {len(history) - cached:>9,}"
+            f"  {'yes' if ticket is not None else 'no room'}"
+        )
+
+    # Two users, one image-sized placeholder run each: the same token ids, different pictures.
+    processor = ProcessorFingerprint.create("qwen-vl-image", "1", {"min_pixels": 3136})
+    placeholder = [248_056] * 256
+    text = [rng.randrange(248_000) for _ in range(2 * page)]
+    tokens = text + placeholder + text[:100]
+    outcomes = []
+    for user, picture in (
+        ("alice", b"\x01" * 4096),
+        ("bob", b"\x02" * 4096),
+        ("carol", b"\x01" * 4096),
+    ):
+        item = MultimodalItem(
+            modality=Modality.IMAGE,
+            start=len(text),
+            length=len(placeholder),
+            content=picture,
+            content_kind=ContentKind.ENCODED,
+            grid=(1, 32, 32),
+        )
+        identity = build_prompt_identity(len(tokens), [item], processor=processor, page_size=page)
+        key = PrefixKey(namespace, tokens, page_size=page, page_extras=identity.page_identities)
+        match = cache.match(key, max_tokens=len(tokens) - 1)
+        outcomes.append((user, match.num_tokens if match is not None else 0))
+        cache.publish(
+            key.prefix(len(tokens) // page), _checkpoint(profile, len(tokens) // page * page, 2)
+        )
+    lines += [
+        "",
+        "  image prompts with identical token ids (alice and carol send the same picture):",
+    ]
+    lines += [f"    {user:<6} cached tokens {cached:>5,}" for user, cached in outcomes]
+    stats = cache.stats()
+    lines += [
+        "",
+        f"  lookups {stats.lookups}, hits {stats.hits}, hit tokens {stats.hit_tokens:,}, "
+        f"bytes in {format_bytes(stats.bytes_in)}, evictions {stats.evictions}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the memory plan and the synthetic decode trace; returns the exit status."""
     parser = argparse.ArgumentParser(prog="qsa-hisparse demo", description=__doc__.split("\n")[0])
@@ -159,4 +258,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace_decode(selections, num_blocks, slots, bytes_per_block) for slots in (k, 2 * k, 4 * k)
     ]
     sys.stdout.write(render_traces(profile, tp_size, traces))
+    sys.stdout.write("\n")
+    sys.stdout.write(prefix_cache_demo(profile, turns=4, turn_tokens=1500, seed=args.seed))
     return 0
