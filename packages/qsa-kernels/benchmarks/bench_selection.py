@@ -7,6 +7,8 @@ Bytes are counted as the fewest the op must read from HBM: for the indexer, ever
 compressed key of the row once (``n_blocks * 128 * elem`` bytes; 64 B per token in bf16, 32 B in
 fp8) plus the page-table entries; for label scoring, ``S * Hkv * C * 2`` label bytes plus the
 ``req_to_token`` entries. HBM time is those bytes over a measured device-to-device copy bandwidth.
+The indexer is also timed in halves: scoring alone (keys in, packed int64 order keys out) and
+selection alone (top-k of those keys and the ascending id sort), the latter one-stage and two-stage.
 """
 
 # ruff: noqa: B023 - each timed closure runs inside the loop iteration that defines it
@@ -26,12 +28,23 @@ import triton
 import triton.testing
 
 from qsa_kernels.ds_label import label_topk
-from qsa_kernels.indexer_topk import indexer_topk
+from qsa_kernels.indexer_topk import _select, indexer_topk
+from qsa_kernels.indexer_topk.triton import indexer_keys
 from qsa_kernels.topk_merge import merge_candidates
 
 
 def _median_us(fn: Callable[[], object]) -> float:
     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return float(ms) * 1e3
+
+
+def _graph_us(fn: Callable[[], object]) -> float:
+    """Median GPU time of ``fn`` replayed from a CUDA graph (no host launch overhead)."""
+    try:
+        ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as exc:
+        print(f"bench_selection: graph capture failed: {exc!r}", file=sys.stderr)
+        return math.nan
     return float(ms) * 1e3
 
 
@@ -68,7 +81,34 @@ def bench_indexer(bw: float) -> list[dict[str, Any]]:
                 pt = torch.randperm(batch * p + 1, device="cuda")[: batch * p].view(batch, p).int()
                 sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
                 tri = _median_us(lambda: indexer_topk(q, k, pt, sl, topk=512))
+                tri_g = _graph_us(lambda: indexer_topk(q, k, pt, sl, topk=512))
+                score = _graph_us(lambda: indexer_keys(q, k, pt, sl))
+                keys = indexer_keys(q, k, pt, sl)
+                out = torch.empty(batch, 512, dtype=torch.int32, device="cuda")
+                sel = _graph_us(lambda: _select.topk_from_keys(keys, 512, out))
+                stages = {}
+                for name, two_min, chunk in (
+                    ("1", 1 << 62, 4096),
+                    ("2x4K", 0, 4096),
+                    ("2x8K", 0, 8192),
+                    ("2x16K", 0, 16384),
+                ):
+                    _select.TWO_STAGE_MAX = 1 << 62
+                    saved = (_select.TWO_STAGE_MIN, _select.CHUNK, _select.CHUNKS_TARGET)
+                    _select.TWO_STAGE_MIN, _select.CHUNK, _select.CHUNKS_TARGET = (
+                        two_min,
+                        chunk,
+                        1 << 30,
+                    )
+                    padded = torch.full(
+                        (batch, _select.key_width(n)), _select.KEY_NONE, device="cuda"
+                    )
+                    padded[:, :n] = keys[:, :n]
+                    stages[name] = _graph_us(lambda: _select.topk_from_keys(padded, 512, out))
+                    _select.TWO_STAGE_MIN, _select.CHUNK, _select.CHUNKS_TARGET = saved
+                    _select.TWO_STAGE_MAX = 131072
                 ref = _median_us(lambda: _torch_indexer(q, k, pt, n, 512))
+                ref_g = _graph_us(lambda: _torch_indexer(q, k, pt, n, 512))
                 nbytes = batch * (n * 128 * k.element_size() + p * 4)
                 hbm = nbytes / bw * 1e6
                 rows.append(
@@ -77,11 +117,18 @@ def bench_indexer(bw: float) -> list[dict[str, Any]]:
                         "B": batch,
                         "dtype": str(dtype).removeprefix("torch."),
                         "bytes": nbytes,
-                        "triton_us": tri,
-                        "torch_us": ref,
+                        "eager_us": tri,
+                        "triton_us": tri_g,
+                        "score_us": score,
+                        "select_us": sel,
+                        "select_variants_us": stages,
+                        "torch_eager_us": ref,
+                        "torch_us": ref_g,
                         "hbm_us": hbm,
-                        "speedup_vs_torch": ref / tri,
-                        "x_hbm": tri / hbm,
+                        "speedup_vs_torch": ref_g / tri_g,
+                        "x_hbm": tri_g / hbm,
+                        "score_x_hbm": score / hbm,
+                        "select_x_hbm": sel / hbm,
                     }
                 )
                 print(rows[-1], flush=True)
@@ -103,8 +150,10 @@ def bench_merge() -> list[dict[str, Any]]:
                 return torch.topk(key.permute(1, 0, 2).reshape(n_rows, -1), k, dim=1).values
 
             tri = _median_us(lambda: merge_candidates(s, ids, topk=k, check_nan=False))
+            tri_g = _graph_us(lambda: merge_candidates(s, ids, topk=k, check_nan=False))
             tri_nan = _median_us(lambda: merge_candidates(s, ids, topk=k))
             tor = _median_us(ref)
+            tor_g = _graph_us(ref)
             rows.append(
                 {
                     "ranks": ranks,
@@ -113,7 +162,9 @@ def bench_merge() -> list[dict[str, Any]]:
                     "triton_us": tri,
                     "triton_checked_us": tri_nan,
                     "torch_us": tor,
-                    "speedup_vs_torch": tor / tri,
+                    "triton_graph_us": tri_g,
+                    "torch_graph_us": tor_g,
+                    "speedup_vs_torch": tor_g / tri_g,
                 }
             )
             print(rows[-1], flush=True)
@@ -139,6 +190,7 @@ def bench_label(bw: float) -> list[dict[str, Any]]:
                 return torch.einsum("bgd,bsgd->bgs", qg.sum(2), kd)
 
             tri = _median_us(lambda: label_topk(q, labels, ch, r2t, sl, heavy_token_num=heavy))
+            tri_g = _graph_us(lambda: label_topk(q, labels, ch, r2t, sl, heavy_token_num=heavy))
             den = _median_us(dense)
             nbytes = batch * ctx * (hkv * c * 2 + 4)
             rows.append(
@@ -147,6 +199,7 @@ def bench_label(bw: float) -> list[dict[str, Any]]:
                     "B": batch,
                     "C": c,
                     "triton_us": tri,
+                    "triton_graph_us": tri_g,
                     "dense_qk_us": den,
                     "hbm_us": nbytes / bw * 1e6,
                     "speedup_vs_dense": den / tri,
@@ -168,38 +221,61 @@ def _markdown(
         "",
         "## Indexer scoring + top-512 (decode)",
         "",
-        "| context | B | keys | bytes read | triton us | torch us | torch/triton | HBM us "
-        "| triton/HBM |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "GPU time from CUDA-graph replay (how decode runs under SGLang); `eager` columns include "
+        "host launch overhead. Ratios use the graph times.",
+        "",
+        "| context | B | keys | bytes read | HBM us | total us | score us | select us "
+        "| total/HBM | score/HBM | select/HBM | torch us | torch/total | eager us "
+        "| torch eager us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out += [
-        f"| {r['ctx']} | {r['B']} | {r['dtype']} | {r['bytes']} | {r['triton_us']:.1f} | "
-        f"{r['torch_us']:.1f} | {r['speedup_vs_torch']:.2f} | {r['hbm_us']:.1f} | "
-        f"{r['x_hbm']:.2f} |"
+        f"| {r['ctx']} | {r['B']} | {r['dtype']} | {r['bytes']} | {r['hbm_us']:.1f} | "
+        f"{r['triton_us']:.1f} | {r['score_us']:.1f} | {r['select_us']:.1f} | "
+        f"{r['x_hbm']:.2f} | {r['score_x_hbm']:.2f} | {r['select_x_hbm']:.2f} | "
+        f"{r['torch_us']:.1f} | {r['speedup_vs_torch']:.2f} | {r['eager_us']:.1f} | "
+        f"{r['torch_eager_us']:.1f} |"
+        for r in ind
+    ]
+    out += [
+        "",
+        "Selection alone by strategy (graph us): one `torch.topk` over the row, or per-chunk top-k "
+        "(4K/8K/16K columns) then top-k of the candidates.",
+        "",
+        "| context | B | keys | one-stage | 2-stage 4K | 2-stage 8K | 2-stage 16K |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['ctx']} | {r['B']} | {r['dtype']} | "
+        + " | ".join(f"{r['select_variants_us'][v]:.1f}" for v in ("1", "2x4K", "2x8K", "2x16K"))
+        + " |"
         for r in ind
     ]
     out += [
         "",
         "## Distributed candidate merge (8 rows)",
         "",
-        "| ranks | k | triton us | triton + NaN check us | torch topk us | torch/triton |",
-        "|---|---|---|---|---|---|",
+        "| ranks | k | graph us | torch topk graph us | torch/triton (graph) | eager us "
+        "| eager + NaN check us | torch eager us |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     out += [
-        f"| {r['ranks']} | {r['k']} | {r['triton_us']:.1f} | {r['triton_checked_us']:.1f} | "
-        f"{r['torch_us']:.1f} | {r['speedup_vs_torch']:.2f} |"
+        f"| {r['ranks']} | {r['k']} | {r['triton_graph_us']:.1f} | {r['torch_graph_us']:.1f} | "
+        f"{r['speedup_vs_torch']:.2f} | {r['triton_us']:.1f} | {r['triton_checked_us']:.1f} | "
+        f"{r['torch_us']:.1f} |"
         for r in mer
     ]
     out += [
         "",
         "## Double-sparsity label scoring + top-1024 (24 q / 2 kv heads, D 256, C 16)",
         "",
-        "| context | B | triton us | dense q.k us | dense/triton | label HBM us |",
-        "|---|---|---|---|---|---|",
+        "| context | B | triton eager us | triton graph us | dense q.k us | dense/triton (eager) "
+        "| label HBM us |",
+        "|---|---|---|---|---|---|---|",
     ]
     out += [
-        f"| {r['ctx']} | {r['B']} | {r['triton_us']:.1f} | {r['dense_qk_us']:.1f} | "
-        f"{r['speedup_vs_dense']:.2f} | {r['hbm_us']:.1f} |"
+        f"| {r['ctx']} | {r['B']} | {r['triton_us']:.1f} | {r['triton_graph_us']:.1f} | "
+        f"{r['dense_qk_us']:.1f} | {r['speedup_vs_dense']:.2f} | {r['hbm_us']:.1f} |"
         for r in lab
     ]
     return "\n".join(out) + "\n"

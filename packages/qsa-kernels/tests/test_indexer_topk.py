@@ -12,6 +12,7 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.indexer_topk import (
+    _select,
     indexer_scores,
     indexer_scores_reference,
     indexer_topk,
@@ -170,3 +171,21 @@ def test_all_zero_scores_select_the_smallest_ids() -> None:
     pt = torch.randperm(70, device=DEVICE)[:64].view(1, 64).repeat(2, 1).to(torch.int32)
     out = indexer_topk(q, k, pt, torch.tensor([4 * 1000 + 3, 4 * 600], device=DEVICE), topk=512)
     assert out.cpu().tolist() == [list(range(512))] * 2
+
+
+@KERNEL
+@pytest.mark.parametrize(("seq_lens", "pages", "width", "topk"), CASES)
+def test_two_stage_selection_equals_reference(
+    seq_lens: list[int], pages: int, width: int, topk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-chunk top-k then top-k of the candidates keeps the exact set, ties included."""
+    monkeypatch.setattr(_select, "CHUNK", topk + 1)
+    monkeypatch.setattr(_select, "TWO_STAGE_MIN", 100)
+    monkeypatch.setattr(_select, "TWO_STAGE_MAX", 1 << 30)
+    q, k, pt, sl = _case(seq_lens, pages, width, torch.bfloat16, exact=True, seed=topk + 1)
+    out = poisoned_int(len(seq_lens), topk)
+    indexer_topk(q, k, pt, sl, topk=topk, out=out)
+    assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
+    monkeypatch.setattr(_select, "CHUNK", 2 * topk + 3)
+    indexer_topk(q, k, pt, sl, topk=topk, out=out)
+    assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())

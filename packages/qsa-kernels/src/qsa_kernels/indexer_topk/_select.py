@@ -1,11 +1,19 @@
-"""Exact row-wise top-k over fp32 scores by radix select, shared by the indexer and label scoring.
+"""Exact row-wise top-k on packed 64-bit keys, shared by the indexer, label scoring and the merge.
 
-The order is score descending with ties to the smaller index, i.e. the largest ``k`` of the unique
-keys ``(score, -index)``. The kernel maps each score to an order-preserving unsigned 32-bit key
-(``-0.0`` canonicalised to ``+0.0``), finds the exact ``k``-th largest key with three histogram
-passes of 11, 11 and 10 bits, then makes one pass in index order that keeps every key above the
-threshold and the first ``need`` keys equal to it. Walking in index order is what makes ties go to
-the smaller index, and it emits the selection in ascending index order.
+The order is score descending with ties to the smaller index. Each candidate becomes the signed
+64-bit key ``(ordered(score) << 32) | (0xFFFFFFFF - index)``: ``ordered`` maps the fp32 bits to a
+signed 32-bit integer that increases with the value (``-0.0`` canonicalised to ``+0.0`` first), and
+the inverted index makes the smaller index the larger key among equal scores. Non-candidates get
+``INT64_MIN``. Keys of distinct indices are distinct, so the top ``k`` keys are one exact set and
+``torch.topk`` (a multi-block radix select on the GPU) finds it with no tie ambiguity. A small
+kernel then decodes the ids and sorts them ascending.
+
+Rows with more than :data:`TWO_STAGE_MIN` (and at most :data:`TWO_STAGE_MAX`) columns are selected
+in two stages: the top ``k`` of each chunk (:func:`chunk_for`: about :data:`CHUNKS_TARGET` chunks,
+at least :data:`CHUNK` columns), then the top ``k`` of those candidates. The global top ``k`` of a
+row restricted to one chunk is inside that chunk's top ``k``, so the result is the same set.
+Measured on an H200 at 64K columns per row, the two stages took 68.5 us against 75 us for one
+``torch.topk`` over the row.
 """
 
 from __future__ import annotations
@@ -16,7 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-_NUM_BINS = 2048
+#: ``INT64_MIN``: the key of a non-candidate; below every real key.
+KEY_NONE = -(2**63)
+#: Fewest columns per first-stage chunk of the two-stage selection.
+CHUNK = 4096
+#: Chunks per row the two-stage selection aims for (the second stage sees ``CHUNKS_TARGET * k``).
+CHUNKS_TARGET = 16
+#: Rows wider than this many columns (and at most :data:`TWO_STAGE_MAX`) use two stages.
+TWO_STAGE_MIN = 32768
+#: Above this width one ``torch.topk`` over the row measured faster (256K columns: 108 vs 125 us).
+TWO_STAGE_MAX = 131072
+_PACK_BLOCK = 1024
 
 
 def interpreting() -> bool:
@@ -29,81 +47,110 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _ordered_key(x):  # type: ignore[no-untyped-def]
-    """Float32 -> int64 in [0, 2**32), monotone in the float value; -0.0 maps like +0.0."""
+def ordered_bits(x):  # type: ignore[no-untyped-def]
+    """Float32 -> int32, strictly increasing in the float value; ``-0.0`` maps like ``+0.0``."""
     x = tl.where(x == 0.0, 0.0, x)
     u = x.to(tl.int32, bitcast=True)
-    return tl.where(u >= 0, u.to(tl.int64) + 2147483648, (~u).to(tl.int64))
+    return tl.where(u >= 0, u, u ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def pack_key(score, index, valid):  # type: ignore[no-untyped-def]
+    """``(ordered(score) << 32) | (0xFFFFFFFF - index)`` as int64, ``INT64_MIN`` where invalid."""
+    hi = ordered_bits(score).to(tl.int64)
+    key = (hi << 32) | (4294967295 - index.to(tl.int64))
+    return tl.where(valid, key, -9223372036854775807 - 1)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _radix_pass(  # type: ignore[no-untyped-def]  # noqa: PLR0917
-    base,
-    n,
-    prefix,
-    need,
-    SHIFT: tl.constexpr,  # constexpr: the digit position is fixed per pass, so shifts fold
-    DBITS: tl.constexpr,  # constexpr: digit width sets the histogram size
-    NB: tl.constexpr,  # constexpr: histogram bins, 2**11 (masked keys land in bin NB)
-    CHUNK: tl.constexpr,  # constexpr: scores loaded per loop step
-):
-    bins = tl.arange(0, 2 * NB)
-    hist = tl.zeros([2 * NB], dtype=tl.int32)
-    for start in range(0, n, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        m = offs < n
-        key = _ordered_key(tl.load(base + offs, mask=m, other=0.0))
-        match = m & ((key >> (SHIFT + DBITS)) == prefix)
-        digit = tl.where(match, (key >> SHIFT) & ((1 << DBITS) - 1), NB).to(tl.int32)
-        hist += tl.histogram(digit, 2 * NB)
-    hist = tl.where(bins < NB, hist, 0)
-    at_or_above = tl.cumsum(hist, 0, reverse=True)
-    b = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
-    above = tl.sum(tl.where(bins == b, at_or_above - hist, 0), 0)
-    return (prefix << DBITS) | b.to(tl.int64), need - above
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def _row_topk_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
+def _pack_rows_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     scores_ptr,  # [rows, width] fp32
-    lengths_ptr,  # [rows] int32: candidates of the row are columns [0, n)
-    out_ptr,  # [rows, K] int32
+    lengths_ptr,  # [rows] int32 / int64: candidates are columns [0, n)
+    keys_ptr,  # [rows, key_width] int64, key_width >= width
     width,
+    key_width,
     stride_s,
-    stride_o,
-    K: tl.constexpr,  # constexpr: k is a launch-time constant (512, 2048, heavy_token_num)
-    NB: tl.constexpr,  # constexpr: histogram bins per radix pass
-    CHUNK: tl.constexpr,  # constexpr: columns per loop step
+    stride_k,
+    BLOCK: tl.constexpr,  # constexpr: columns per program
 ):
     row = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.load(lengths_ptr + row).to(tl.int32), width)
-    n = tl.maximum(n, 0)
-    base = scores_ptr + row * stride_s
-    obase = out_ptr + row * stride_o
-    if n <= K:
-        for start in range(0, K, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            tl.store(obase + offs, tl.where(offs < n, offs, -1), mask=offs < K)
-    else:
-        prefix = tl.zeros([], dtype=tl.int64)
-        need = tl.full([], K, dtype=tl.int32)
-        prefix, need = _radix_pass(base, n, prefix, need, 21, 11, NB, CHUNK)
-        prefix, need = _radix_pass(base, n, prefix, need, 10, 11, NB, CHUNK)
-        prefix, need = _radix_pass(base, n, prefix, need, 0, 10, NB, CHUNK)
-        taken = tl.zeros([], dtype=tl.int32)
-        eq_seen = tl.zeros([], dtype=tl.int32)
-        for start in range(0, n, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            m = offs < n
-            key = _ordered_key(tl.load(base + offs, mask=m, other=0.0))
-            gt = (m & (key > prefix)).to(tl.int32)
-            eq = (m & (key == prefix)).to(tl.int32)
-            eq_rank = eq_seen + tl.cumsum(eq, 0) - eq
-            sel = gt | (eq & (eq_rank < need).to(tl.int32))
-            pos = taken + tl.cumsum(sel, 0) - sel
-            tl.store(obase + pos, offs, mask=sel != 0)
-            taken += tl.sum(sel, 0)
-            eq_seen += tl.sum(eq, 0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.load(lengths_ptr + row).to(tl.int64)
+    valid = (col < n) & (col < width)
+    s = tl.load(scores_ptr + row * stride_s + col, mask=valid, other=0.0)
+    tl.store(keys_ptr + row * stride_k + col, pack_key(s, col, valid), mask=col < key_width)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _ids_ascending_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    top_ptr,  # [rows, kk] int64 selected keys, any order
+    out_ptr,  # [rows, K] int32
+    kk,
+    stride_t,
+    stride_o,
+    K: tl.constexpr,  # constexpr: outputs per row
+    K_PAD: tl.constexpr,  # constexpr: K rounded up to a power of two for tl.sort
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, K_PAD)
+    key = tl.load(top_ptr + row * stride_t + c, mask=c < kk, other=-9223372036854775807 - 1)
+    none = key == -9223372036854775807 - 1
+    ids = tl.where(none, 2147483647, 4294967295 - (key & 4294967295)).to(tl.int32)
+    ids = tl.sort(ids)
+    tl.store(out_ptr + row * stride_o + c, tl.where(ids == 2147483647, -1, ids), mask=c < K)
+
+
+def chunk_for(width: int) -> int:
+    """First-stage chunk columns for rows of ``width``: ``max(CHUNK, pow2(ceil(width / 16)))``."""
+    per_chunk = -(-width // CHUNKS_TARGET)
+    return max(CHUNK, 1 << max(0, per_chunk - 1).bit_length())
+
+
+def key_width(width: int) -> int:
+    """Key-buffer columns for rows of ``width`` candidates (a chunk multiple if two-stage)."""
+    if TWO_STAGE_MIN < width <= TWO_STAGE_MAX:
+        chunk = chunk_for(width)
+        return -(-width // chunk) * chunk
+    return width
+
+
+def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``min(k, width)`` largest keys of each row of ``keys [rows, width]`` int64, any order."""
+    rows, width = keys.shape
+    kk = min(k, width)
+    chunk = chunk_for(width)
+    if TWO_STAGE_MIN < width <= TWO_STAGE_MAX and width % chunk == 0 and kk < chunk < width:
+        chunks = width // chunk
+        part = torch.topk(keys.view(rows * chunks, chunk), kk, dim=1, sorted=False).values
+        keys = part.view(rows, chunks * kk)
+    return torch.topk(keys, kk, dim=1, sorted=False).values
+
+
+def topk_from_keys(keys: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """Write the ids of the top ``k`` keys of each row into ``out`` ``[rows, k]`` int32, ascending.
+
+    Args:
+        keys: ``[rows, width]`` int64 packed keys (:func:`pack_key`), contiguous.
+        k: ids per row, ``>= 1``.
+        out: ``[rows, k]`` int32, unit last stride; ``-1`` after the ids of real keys.
+    """
+    rows, width = keys.shape
+    if rows == 0:
+        return
+    if width == 0:
+        out.fill_(-1)
+        return
+    top = top_keys(keys, k)
+    _ids_ascending_kernel[(rows,)](
+        top,
+        out,
+        top.shape[1],
+        top.stride(0),
+        out.stride(0),
+        K=k,
+        K_PAD=triton.next_power_of_2(k),
+        num_warps=4,
+    )
 
 
 def row_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor) -> None:
@@ -117,21 +164,24 @@ def row_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Ten
         out: ``[rows, k]`` int32, unit stride along ``k``; receives the indices in ascending order,
             ``-1`` padded when ``n < k``. Every element is written.
     """
-    rows = scores.shape[0]
+    rows, width = scores.shape
     if rows == 0:
         return
-    _row_topk_kernel[(rows,)](
-        scores,
-        lengths,
-        out,
-        scores.shape[1],
-        scores.stride(0),
-        out.stride(0),
-        K=k,
-        NB=_NUM_BINS,
-        CHUNK=1024,
-        num_warps=8,
-    )
+    kw = key_width(width)
+    keys = torch.empty((rows, kw), dtype=torch.int64, device=scores.device)
+    if kw > 0:
+        _pack_rows_kernel[(rows, triton.cdiv(kw, _PACK_BLOCK))](
+            scores,
+            lengths,
+            keys,
+            width,
+            kw,
+            scores.stride(0),
+            keys.stride(0),
+            BLOCK=_PACK_BLOCK,
+            num_warps=4,
+        )
+    topk_from_keys(keys, k, out)
 
 
 def row_topk_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Triton kernels for QSA decode indexer scoring and exact block top-k.
 
-Two launches. The scoring kernel reads each row's complete compressed keys once through the page
-table (one program per ``BLOCK_N`` blocks, a ``[BLOCK_N, 128] x [128, 16]`` tensor-core product
-against the 4 zero-padded query heads) and writes fp32 scores. The selection kernel
-(:mod:`._select`) finds the exact top ``k`` by radix select over those scores. Rows with ``n <= k``
-complete blocks are not scored at all: they select every block.
+The scoring kernel reads each row's complete compressed keys once through the page table (one
+program per ``BLOCK_N`` blocks, a ``[BLOCK_N, 128] x [128, 16]`` tensor-core product against the 4
+zero-padded query heads). :func:`indexer_scores` stores fp32 scores; :func:`indexer_topk` instead
+stores the packed 64-bit order key of each block (:mod:`._select`), so the exact top ``k`` is one
+``torch.topk`` over distinct integers followed by a small kernel that sorts the ids ascending.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.indexer_topk._select import interpreting, row_topk
+from qsa_kernels.indexer_topk._select import interpreting, key_width, pack_key, topk_from_keys
 from qsa_kernels.indexer_topk._validate import check_indexer_inputs
 from qsa_kernels.indexer_topk.reference import BLOCKS_PER_PAGE, INDEX_HEAD_DIM, visible_blocks
 
@@ -31,9 +31,9 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     k_ptr,  # [pages, 16, 128] bf16 / fp8 e4m3
     pt_ptr,  # [B, P] int32 / int64 page ids
     n_ptr,  # [B] int32 complete blocks per row
-    out_ptr,  # [B, P * 16] fp32
+    out_ptr,  # [B, out_width] fp32 scores, or int64 packed keys when WRITE_KEYS
     width,
-    min_scored,
+    out_width,
     stride_qb,
     stride_qh,
     stride_kp,
@@ -47,37 +47,36 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     PAGE: tl.constexpr,  # constexpr: 16 blocks per page
     BLOCK_N: tl.constexpr,  # constexpr: blocks per program
     DOT_FP32: tl.constexpr,  # constexpr: fp32 operands (exact for bf16/fp8) in the interpreter
+    WRITE_KEYS: tl.constexpr,  # constexpr: store packed order keys instead of scores
 ):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     n = tl.load(n_ptr + b)
-    if n > min_scored:
-        j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_row = j < width
-        if tile * BLOCK_N < n:
-            m = j < n
-            page = tl.load(pt_ptr + b * stride_ptb + j // PAGE, mask=m, other=0).to(tl.int64)
-            rows = page * stride_kp + (j % PAGE).to(tl.int64) * stride_ks
-            d = tl.arange(0, D)
-            keys = tl.load(k_ptr + rows[:, None] + d[None, :], mask=m[:, None], other=0.0)
-            h = tl.arange(0, HEADS_PAD)
-            qv = tl.load(
-                q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
-                mask=h[:, None] < HEADS,
-                other=0.0,
-            )
-            if DOT_FP32:
-                dots = tl.dot(
-                    keys.to(tl.float32), tl.trans(qv.to(tl.float32)), input_precision="ieee"
-                )
-            else:
-                dots = tl.dot(keys.to(tl.bfloat16), tl.trans(qv.to(tl.bfloat16)))
-            total = tl.sum(tl.maximum(dots, 0.0), 1)
-            score = tl.math.div_rn(total, SCALE)
-            score = tl.where(m, score, float("-inf"))
+    j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = j < n
+    if tile * BLOCK_N < n:
+        page = tl.load(pt_ptr + b * stride_ptb + j // PAGE, mask=m, other=0).to(tl.int64)
+        rows = page * stride_kp + (j % PAGE).to(tl.int64) * stride_ks
+        d = tl.arange(0, D)
+        keys = tl.load(k_ptr + rows[:, None] + d[None, :], mask=m[:, None], other=0.0)
+        h = tl.arange(0, HEADS_PAD)
+        qv = tl.load(
+            q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
+            mask=h[:, None] < HEADS,
+            other=0.0,
+        )
+        if DOT_FP32:
+            dots = tl.dot(keys.to(tl.float32), tl.trans(qv.to(tl.float32)), input_precision="ieee")
         else:
-            score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-        tl.store(out_ptr + b * stride_ob + j, score, mask=in_row)
+            dots = tl.dot(keys.to(tl.bfloat16), tl.trans(qv.to(tl.bfloat16)))
+        total = tl.sum(tl.maximum(dots, 0.0), 1)
+        score = tl.math.div_rn(total, SCALE)
+    else:
+        score = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if WRITE_KEYS:
+        tl.store(out_ptr + b * stride_ob + j, pack_key(score, j, m), mask=j < out_width)
+    else:
+        tl.store(out_ptr + b * stride_ob + j, tl.where(m, score, float("-inf")), mask=j < out_width)
 
 
 def _launch_scores(  # noqa: PLR0917
@@ -86,15 +85,15 @@ def _launch_scores(  # noqa: PLR0917
     page_table: torch.Tensor,
     n_blocks: torch.Tensor,
     out: torch.Tensor,
-    min_scored: int,
+    width: int,
 ) -> None:
-    batch, width = out.shape
-    if batch == 0 or width == 0:
+    batch, out_width = out.shape
+    if batch == 0 or out_width == 0:
         return
     q = q.contiguous()
     if k_cache.stride(2) != 1:
         k_cache = k_cache.contiguous()
-    grid = (batch, triton.cdiv(width, _BLOCK_N))
+    grid = (batch, triton.cdiv(out_width, _BLOCK_N))
     _indexer_score_kernel[grid](
         q,
         k_cache,
@@ -102,7 +101,7 @@ def _launch_scores(  # noqa: PLR0917
         n_blocks,
         out,
         width,
-        min_scored,
+        out_width,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -116,6 +115,7 @@ def _launch_scores(  # noqa: PLR0917
         PAGE=BLOCKS_PER_PAGE,
         BLOCK_N=_BLOCK_N,
         DOT_FP32=interpreting(),
+        WRITE_KEYS=out.dtype == torch.int64,
         num_warps=4,
     )
 
@@ -161,7 +161,7 @@ def indexer_scores(
         out = torch.empty(shape, dtype=torch.float32, device=q.device)
     _check_out(out, shape, torch.float32, q.device)
     n_blocks = visible_blocks(seq_lens, pages)
-    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, out, -1)
+    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, out, shape[1])
     return out
 
 
@@ -176,10 +176,11 @@ def indexer_topk(
 ) -> torch.Tensor:
     """Top ``topk`` complete blocks per decode row; contract of :func:`indexer_topk_reference`.
 
-    The selection is exact over the kernel's scores: score descending, ties to the smaller block
-    id, ``-0.0 == +0.0``. It equals the reference's set whenever the scores agree bit for bit
-    (always when the per-head dot products are exact in fp32); otherwise the sets can differ only
-    among blocks whose scores are within fp32 rounding of the ``k``-th score.
+    Every visible block is scored (a row with ``n <= topk`` keeps all of them whatever the
+    scores). The selection is exact over the kernel's scores: score descending, ties to the
+    smaller block id, ``-0.0 == +0.0``. It equals the reference's set whenever the scores agree
+    bit for bit (always when the per-head dot products are exact in fp32); otherwise the sets can
+    differ only among blocks whose scores are within fp32 rounding of the ``k``-th score.
 
     Args:
         q: ``[B, 4, 128]`` bf16 or float8_e4m3fn.
@@ -196,12 +197,28 @@ def indexer_topk(
     if topk < 1:
         msg = f"topk must be >= 1, got {topk!r}"
         raise KernelInputError(msg)
-    batch, pages = page_table.shape
+    batch = page_table.shape[0]
     if out is None:
         out = torch.empty((batch, topk), dtype=torch.int32, device=q.device)
     _check_out(out, (batch, topk), torch.int32, q.device)
-    n_blocks = visible_blocks(seq_lens, pages)
-    scores = torch.empty((batch, pages * BLOCKS_PER_PAGE), dtype=torch.float32, device=q.device)
-    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, scores, topk)
-    row_topk(scores, n_blocks, topk, out)
+    keys = indexer_keys(q, k_cache, page_table, seq_lens)
+    topk_from_keys(keys, topk, out)
     return out
+
+
+def indexer_keys(
+    q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    """Packed order keys of every block: the scoring half of :func:`indexer_topk`.
+
+    Returns:
+        ``[B, W]`` int64 with ``W >= P * 16`` (:func:`._select.key_width`): block ``j < n`` holds
+        ``(ordered(score) << 32) | (0xFFFFFFFF - j)``, every other column ``INT64_MIN``.
+    """
+    check_indexer_inputs(q, k_cache, page_table, seq_lens)
+    batch, pages = page_table.shape
+    width = pages * BLOCKS_PER_PAGE
+    n_blocks = visible_blocks(seq_lens, pages)
+    keys = torch.empty((batch, key_width(width)), dtype=torch.int64, device=q.device)
+    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, keys, width)
+    return keys

@@ -14,9 +14,14 @@ import triton
 import triton.language as tl
 
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels.indexer_topk._select import pack_key
 from qsa_kernels.topk_merge.reference import MergedTopK, check_merge_inputs
 
 __all__ = ("merge_candidates",)
+
+#: Candidates per row up to which one program sorts the whole row.
+SORT_MAX = 2048
+_PACK_BLOCK = 1024
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -57,6 +62,87 @@ def _merge_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     keep = c < TOPK
     tl.store(out_s_ptr + row * stride_os + c, score, mask=keep)
     tl.store(out_i_ptr + row * stride_oi + c, gid, mask=keep)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _merge_pack_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    s_ptr,  # [R, rows, k] fp32
+    i_ptr,  # [R, rows, k] int32, negative = padding
+    key_ptr,  # [rows, R * k] int64
+    k,
+    total,
+    stride_sr,
+    stride_sw,
+    stride_ir,
+    stride_iw,
+    stride_key,
+    BLOCK: tl.constexpr,  # constexpr: candidates per program
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < total
+    rank = (c // k).to(tl.int64)
+    pos = (c % k).to(tl.int64)
+    s = tl.load(s_ptr + rank * stride_sr + row * stride_sw + pos, mask=m, other=0.0)
+    ids = tl.load(i_ptr + rank * stride_ir + row * stride_iw + pos, mask=m, other=-1)
+    tl.store(key_ptr + row * stride_key + c, pack_key(s, ids, ids >= 0), mask=m)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _merge_unpack_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    key_ptr,  # [rows, TOPK] int64, best first
+    out_s_ptr,  # [rows, TOPK] fp32
+    out_i_ptr,  # [rows, TOPK] int32
+    stride_key,
+    stride_os,
+    stride_oi,
+    TOPK: tl.constexpr,  # constexpr: outputs per row
+    BLOCK: tl.constexpr,  # constexpr: outputs per program
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < TOPK
+    key = tl.load(key_ptr + row * stride_key + c, mask=m, other=-9223372036854775807 - 1)
+    valid = key != -9223372036854775807 - 1
+    hi = (key >> 32).to(tl.int32)
+    bits = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF)
+    score = tl.where(valid, bits.to(tl.float32, bitcast=True), float("-inf"))
+    gid = tl.where(valid, 4294967295 - (key & 4294967295), -1).to(tl.int32)
+    tl.store(out_s_ptr + row * stride_os + c, score, mask=m)
+    tl.store(out_i_ptr + row * stride_oi + c, gid, mask=m)
+
+
+def _merge_by_topk(scores: torch.Tensor, ids: torch.Tensor, out: MergedTopK) -> None:
+    ranks, rows, k = scores.shape
+    total = ranks * k
+    k_out = out.ids.shape[1]
+    keys = torch.empty((rows, total), dtype=torch.int64, device=scores.device)
+    _merge_pack_kernel[(rows, triton.cdiv(total, _PACK_BLOCK))](
+        scores,
+        ids,
+        keys,
+        k,
+        total,
+        scores.stride(0),
+        scores.stride(1),
+        ids.stride(0),
+        ids.stride(1),
+        keys.stride(0),
+        BLOCK=_PACK_BLOCK,
+        num_warps=4,
+    )
+    top = torch.topk(keys, k_out, dim=1, sorted=True).values
+    _merge_unpack_kernel[(rows, triton.cdiv(k_out, _PACK_BLOCK))](
+        top,
+        out.scores,
+        out.ids,
+        top.stride(0),
+        out.scores.stride(0),
+        out.ids.stride(0),
+        TOPK=k_out,
+        BLOCK=_PACK_BLOCK,
+        num_warps=4,
+    )
 
 
 def merge_candidates(
@@ -100,6 +186,9 @@ def merge_candidates(
     scores = scores.contiguous()
     ids = ids.contiguous()
     total = ranks * k
+    if total > SORT_MAX:
+        _merge_by_topk(scores, ids, out)
+        return out
     _merge_kernel[(rows,)](
         scores,
         ids,
