@@ -1,0 +1,8 @@
+"""The offloaded K/V of one rank: host arena, hot caches and open-block tails.
+
+Composed from the decode-path kernels (fetch, write-back, sparse decode, LSE merge).
+"""
+
+from qsa_kernels.offload._store import OffloadedKV, OffloadGeometry, RowState
+
+__all__ = ("OffloadGeometry", "OffloadedKV", "RowState")

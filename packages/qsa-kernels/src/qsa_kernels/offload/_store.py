@@ -1,0 +1,322 @@
+"""The offloaded K/V of the QSA layers: host arena, per-request hot caches and open-block tails.
+
+This composes the decode-path kernels into the data path of one rank. Each request row keeps its
+whole raw K/V history in a pinned host arena; the device holds, per (layer, row), a hot cache of
+``S`` block slots governed by the ``qsa_core`` residency contract, plus the open (incomplete) block
+of the row. A decode step of one layer fetches the selected blocks that miss, attends over them in
+the hot cache and over the open block in the tail, and merges the two parts by their LSE.
+
+Ordering across streams is explicit: a closed block is written back on a side stream, and the
+current stream waits on that copy's event before it reuses the tail record or fetches from the
+arena. Nothing here allocates pinned memory after construction.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels.fetch import BLOCK_TOKENS, HotCacheTables, fetch_selected_blocks
+from qsa_kernels.lse_merge import lse_merge
+from qsa_kernels.sparse_decode import sparse_decode
+from qsa_kernels.writeback import offload_prompt, writeback_blocks
+
+__all__ = ("OffloadGeometry", "OffloadedKV", "RowState")
+
+_KV_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
+
+
+class RowState(enum.Enum):
+    """Whether a request row holds a request."""
+
+    FREE = "free"
+    ACTIVE = "active"
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadGeometry:
+    """Sizes of one rank's offloaded K/V.
+
+    Attributes:
+        layers: QSA layers ``L`` (12 for Qwen3.8-Flash-Next).
+        rows: request rows ``R`` (concurrent requests).
+        hot_slots: hot-cache block slots ``S`` per (layer, row); at least the block top-k.
+        max_blocks: host arena blocks ``NB`` per (row, layer): ``ceil(max_context / 4)``.
+        kv_heads: K/V heads per rank ``Hkv``.
+        head_dim: ``D``.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.bfloat16``.
+    """
+
+    layers: int
+    rows: int
+    hot_slots: int
+    max_blocks: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "rows", "hot_slots", "max_blocks", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                msg = f"{name}={value!r} is not allowed; it must be a positive integer"
+                raise KernelInputError(msg)
+        if self.dtype not in _KV_DTYPES:
+            msg = f"dtype={self.dtype!r} is not allowed; allowed: {_KV_DTYPES!r}"
+            raise KernelInputError(msg)
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens one row can hold (``NB × 4``)."""
+        return self.max_blocks * BLOCK_TOKENS
+
+    @property
+    def record_shape(self) -> tuple[int, int, int, int]:
+        """One block of one layer: ``[2, 4, Hkv, D]`` (its K rows, then its V rows)."""
+        return (2, BLOCK_TOKENS, self.kv_heads, self.head_dim)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the pinned host arena."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return (
+            self.rows
+            * self.layers
+            * self.max_blocks
+            * 2
+            * BLOCK_TOKENS
+            * self.kv_heads
+            * (self.head_dim * itemsize)
+        )
+
+
+class OffloadedKV:
+    """One rank's QSA K/V under host offload (see the module docstring).
+
+    Shapes: host arena ``[R, L, NB, 2, 4, Hkv, D]`` (pinned where CUDA exists), hot cache
+    ``[L, R, S, 2, 4, Hkv, D]``, open-block tails ``[L, R, 1, 2, 4, Hkv, D]`` (device), residency
+    tables :class:`~qsa_kernels.HotCacheTables`. Token counts per row are tracked on the host.
+    """
+
+    def __init__(self, geometry: OffloadGeometry, device: torch.device) -> None:
+        self.geometry = geometry
+        self.device = device
+        g = geometry
+        pin = device.type == "cuda"
+        self.host_arena = torch.empty(
+            (g.rows, g.layers, g.max_blocks, *g.record_shape), dtype=g.dtype, pin_memory=pin
+        )
+        self.hot = torch.zeros(
+            (g.layers, g.rows, g.hot_slots, *g.record_shape), dtype=g.dtype, device=device
+        )
+        self.tail = torch.zeros(
+            (g.layers, g.rows, 1, *g.record_shape), dtype=g.dtype, device=device
+        )
+        self.tables = HotCacheTables.empty(g.layers, g.rows, g.hot_slots, g.max_blocks, device)
+        self._lengths = [0] * g.rows
+        self._states = [RowState.FREE] * g.rows
+        self._step = -1
+        self._pending: list[torch.cuda.Event] = []
+
+    # -- request lifecycle --
+
+    def length(self, row: int) -> int:
+        """Tokens row ``row`` holds."""
+        return self._lengths[self._check_row(row)]
+
+    def admit(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Take a prefilled prompt into a free row: complete blocks to host, the open block to tail.
+
+        Args:
+            row: a free request row.
+            k: ``[L, T, Hkv, D]`` prompt keys of every QSA layer (device, the geometry's dtype).
+            v: ``[L, T, Hkv, D]`` prompt values.
+        """
+        self._check_row(row)
+        if self._states[row] is not RowState.FREE:
+            msg = f"row {row!r} is {self._states[row].value!r}; admit needs a free row"
+            raise KernelInputError(msg)
+        g = self.geometry
+        expected = (g.layers, k.shape[1] if k.dim() == 4 else -1, g.kv_heads, g.head_dim)
+        if k.dim() != 4 or tuple(k.shape) != expected or tuple(v.shape) != expected:
+            msg = (
+                f"k and v must be [L={g.layers}, T, Hkv={g.kv_heads}, D={g.head_dim}]; got "
+                f"{tuple(k.shape)!r} and {tuple(v.shape)!r}"
+            )
+            raise KernelInputError(msg)
+        tokens = int(k.shape[1])
+        if tokens > g.max_tokens:
+            msg = f"prompt of {tokens!r} tokens exceeds the row capacity of {g.max_tokens!r}"
+            raise KernelInputError(msg)
+        self.tables.reset_rows(torch.tensor([row], device=self.device))
+        _, event = offload_prompt(k.contiguous(), v.contiguous(), self.host_arena, row)
+        self._remember(event)
+        closed = tokens // BLOCK_TOKENS * BLOCK_TOKENS
+        open_tokens = tokens - closed
+        self.tail[:, row].zero_()
+        if open_tokens:
+            self.tail[:, row, 0, 0, :open_tokens] = k[:, closed:]
+            self.tail[:, row, 0, 1, :open_tokens] = v[:, closed:]
+        self._lengths[row] = tokens
+        self._states[row] = RowState.ACTIVE
+
+    def release(self, row: int) -> None:
+        """Free a row; its arena bytes are left as they are and overwritten by the next admit."""
+        self._check_row(row)
+        self._states[row] = RowState.FREE
+        self._lengths[row] = 0
+
+    # -- one decode step --
+
+    def begin_step(self) -> int:
+        """Start a decode step; returns its stamp (one stamp serves every layer of the step)."""
+        self._step += 1
+        return self._step
+
+    def append(self, rows: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one token per row to every layer; a block that closes is written back to host.
+
+        Args:
+            rows: ``B`` distinct active rows.
+            k: ``[L, B, Hkv, D]`` the new token's keys in every QSA layer.
+            v: ``[L, B, Hkv, D]`` its values.
+        """
+        g = self.geometry
+        expected = (g.layers, len(rows), g.kv_heads, g.head_dim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            msg = f"k and v must be {expected!r}; got {tuple(k.shape)!r} and {tuple(v.shape)!r}"
+            raise KernelInputError(msg)
+        self._check_active(rows)
+        self._wait_pending()  # a closed tail may still be on its way to host
+        closed_rows: list[int] = []
+        closed_blocks: list[int] = []
+        for b, row in enumerate(rows):
+            position = self._lengths[row]
+            if position >= g.max_tokens:
+                msg = f"row {row!r} is full ({g.max_tokens!r} tokens)"
+                raise KernelInputError(msg)
+            offset = position % BLOCK_TOKENS
+            if offset == 0:
+                self.tail[:, row].zero_()
+            self.tail[:, row, 0, 0, offset] = k[:, b]
+            self.tail[:, row, 0, 1, offset] = v[:, b]
+            self._lengths[row] = position + 1
+            if offset == BLOCK_TOKENS - 1:
+                closed_rows.append(row)
+                closed_blocks.append(position // BLOCK_TOKENS)
+        if closed_rows:
+            n = len(closed_rows)
+            layer_ids = torch.arange(g.layers, dtype=torch.int32).repeat_interleave(n)
+            row_ids = torch.tensor(closed_rows, dtype=torch.int32).repeat(g.layers)
+            block_ids = torch.tensor(closed_blocks, dtype=torch.int32).repeat(g.layers)
+            event = writeback_blocks(
+                self.tail,
+                self.host_arena,
+                rows=row_ids.to(self.device),
+                layers=layer_ids.to(self.device),
+                slots=torch.zeros(n * g.layers, dtype=torch.int32, device=self.device),
+                blocks=block_ids.to(self.device),
+            )
+            self._remember(event)
+
+    def attend(
+        self,
+        layer: int,
+        rows: Sequence[int],
+        q: torch.Tensor,
+        blocks: torch.Tensor,
+        *,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of one layer for ``B`` rows over their selected blocks and their open block.
+
+        Args:
+            layer: QSA layer index in ``[0, L)``.
+            rows: ``B`` distinct active rows.
+            q: ``[B, Hq, D]`` bf16 queries.
+            blocks: ``[B, K]`` int32 selected complete blocks (``-1`` padding), ``K <= S``.
+            scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+
+        Returns:
+            ``(out [B, Hq, D] bf16, lse [B, Hq] fp32)``, the attention over the selected blocks'
+            tokens and the row's open-block tokens, natural-log LSE.
+        """
+        g = self.geometry
+        if not 0 <= layer < g.layers:
+            msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers})"
+            raise KernelInputError(msg)
+        self._check_active(rows)
+        if blocks.dim() != 2 or blocks.shape[0] != len(rows):
+            msg = f"blocks must be [B={len(rows)}, K]; got {tuple(blocks.shape)!r}"
+            raise KernelInputError(msg)
+        if self._step < 0:
+            msg = "attend before begin_step(); every decode step needs a stamp"
+            raise KernelInputError(msg)
+        self._wait_pending()
+        row_t = torch.tensor(list(rows), dtype=torch.int32, device=self.device)
+        layer_t = torch.tensor([layer], dtype=torch.int32, device=self.device)
+        slots = fetch_selected_blocks(
+            blocks.to(torch.int32).unsqueeze(1),
+            row_t,
+            layer_t,
+            step=self._step,
+            tables=self.tables,
+            hot=self.hot,
+            host_arena=self.host_arena,
+        )[:, 0]
+        offsets = torch.arange(BLOCK_TOKENS, dtype=torch.int32, device=self.device)
+        hot_tokens = torch.where(
+            slots.unsqueeze(-1) >= 0, slots.unsqueeze(-1) * BLOCK_TOKENS + offsets, -1
+        ).reshape(len(rows), -1)
+        hot_records = self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape)
+        out_hot, lse_hot = sparse_decode(q, hot_tokens, hot_records, scale=scale)
+
+        open_counts = torch.tensor(
+            [self._lengths[r] % BLOCK_TOKENS for r in rows],
+            dtype=torch.int32,
+        ).to(self.device)
+        tail_offsets = offsets[: BLOCK_TOKENS - 1]
+        tail_tokens = torch.where(
+            tail_offsets < open_counts.unsqueeze(-1),
+            row_t.unsqueeze(-1) * BLOCK_TOKENS + tail_offsets,
+            -1,
+        )
+        tail_records = self.tail[layer].view(g.rows, *g.record_shape)
+        out_tail, lse_tail = sparse_decode(q, tail_tokens, tail_records, scale=scale)
+        return lse_merge(
+            torch.stack((out_hot, out_tail)),
+            torch.stack((lse_hot, lse_tail)),
+            out_dtype=torch.bfloat16,
+        )
+
+    # -- internals --
+
+    def _check_row(self, row: int) -> int:
+        if not 0 <= row < self.geometry.rows:
+            msg = f"row={row!r} is not allowed; allowed: [0, {self.geometry.rows})"
+            raise KernelInputError(msg)
+        return row
+
+    def _check_active(self, rows: Sequence[int]) -> None:
+        if len(set(rows)) != len(rows):
+            msg = f"rows {list(rows)!r} repeat a row; each row may appear once per call"
+            raise KernelInputError(msg)
+        for row in rows:
+            if self._states[self._check_row(row)] is not RowState.ACTIVE:
+                msg = f"row {row!r} is {self._states[row].value!r}; it must be active"
+                raise KernelInputError(msg)
+
+    def _remember(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            self._pending.append(event)
+
+    def _wait_pending(self) -> None:
+        if self._pending:
+            stream = torch.cuda.current_stream(self.device)
+            for event in self._pending:
+                stream.wait_event(event)
+            self._pending.clear()
