@@ -22,6 +22,7 @@ from qsa_kernels.indexer_topk import (
     indexer_topk_reference,
 )
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
+from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
 from qsa_kernels.sparse_decode import gather_selected_kv, sparse_decode, sparse_decode_reference
 from qsa_kernels.topk_merge import MergedTopK, merge_candidates, merge_candidates_reference
 from qsa_kernels.writeback import (
@@ -51,6 +52,10 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "sparse_decode_reference",
     "writeback_blocks",
     "writeback_blocks_reference",
+    # -- Offloaded K/V of one rank: host arena, hot caches, open-block tails --
+    "OffloadGeometry",
+    "OffloadedKV",
+    "RowState",
     # -- Selection: indexer top-k, block expansion, distributed merge, double sparsity --
     "LabelTopK",
     "MergedTopK",
