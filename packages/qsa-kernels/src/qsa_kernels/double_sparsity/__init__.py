@@ -1,0 +1,59 @@
+"""Double sparsity for attention layers without an indexer, resident and host-offloaded.
+
+Double Sparsity (arXiv 2408.07092; the original SGLang ``--enable-double-sparsity`` options) keeps
+``C`` calibrated heavy channels of every key in a small label cache, scores every context token
+with ``q[channels] · k_label``, keeps the ``heavy_token_num`` best tokens per (request, KV head)
+and attends exactly over those. This subpackage holds:
+
+* the options (:class:`DSConfig`) and the calibration file loader (:class:`ChannelConfig`);
+* the label cache (:class:`LabelCache`), preallocated per request row;
+* one layer's decode over a resident K/V store (:func:`ds_decode`, reference beside it), built on
+  a sparse decode with a token list per KV head (:func:`head_sparse_decode`);
+* DS-Offload (:class:`DSOffloadedKV`): the K/V history in the host arena, the label cache on the
+  device, the selected tokens' blocks fetched into the hot cache.
+"""
+
+from qsa_kernels.double_sparsity._config import (
+    ChannelConfig,
+    DSConfig,
+    HeavyChannelType,
+    layer_key,
+    reduce_group_channels,
+)
+from qsa_kernels.double_sparsity._decode import (
+    DSDecodeOutput,
+    ds_decode,
+    ds_decode_reference,
+    ds_positions,
+    positions_to_slots,
+)
+from qsa_kernels.double_sparsity._errors import ChannelConfigError, DSConfigError
+from qsa_kernels.double_sparsity._head_decode import (
+    head_sparse_decode,
+    head_sparse_decode_reference,
+)
+from qsa_kernels.double_sparsity._label_cache import LabelCache
+from qsa_kernels.double_sparsity._offload import DSOffloadedKV
+
+__all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
+    # -- Errors --
+    "ChannelConfigError",
+    "DSConfigError",
+    # -- Options and calibration --
+    "ChannelConfig",
+    "DSConfig",
+    "HeavyChannelType",
+    "layer_key",
+    "reduce_group_channels",
+    # -- Label cache and decode --
+    "DSDecodeOutput",
+    "LabelCache",
+    "ds_decode",
+    "ds_decode_reference",
+    "ds_positions",
+    "head_sparse_decode",
+    "head_sparse_decode_reference",
+    "positions_to_slots",
+    # -- Offload --
+    "DSOffloadedKV",
+)

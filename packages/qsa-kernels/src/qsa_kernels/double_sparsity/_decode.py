@@ -1,0 +1,182 @@
+"""Double-sparsity decode of one layer: label scores, heavy tokens per KV head, sparse attention."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels.double_sparsity._config import DSConfig
+from qsa_kernels.double_sparsity._head_decode import (
+    head_sparse_decode,
+    head_sparse_decode_reference,
+)
+from qsa_kernels.ds_label import LabelTopK, label_topk, label_topk_reference
+
+__all__ = (
+    "DSDecodeOutput",
+    "ds_decode",
+    "ds_decode_reference",
+    "ds_positions",
+    "positions_to_slots",
+)
+
+_Selector = Callable[..., LabelTopK]
+
+
+class DSDecodeOutput(NamedTuple):
+    """Result of one double-sparsity decode step of one layer.
+
+    Attributes:
+        out: ``[B, Hq, D]`` bf16 attention output.
+        lse: ``[B, Hq]`` fp32 natural-log log-sum-exp of the attended scores.
+        positions: ``[B, Hkv, W]`` int32 logical positions each (row, KV head) attended, ``-1``
+            padded; ``W = max(heavy_token_num, longest dense row)``. Sparse rows list their heavy
+            tokens in ascending order; dense rows list ``0 .. seq_len - 1``.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    positions: torch.Tensor
+
+
+def _check_lengths(seq_lens: Sequence[int], batch: int, width: int) -> list[int]:
+    lengths = [int(n) for n in seq_lens]
+    if len(lengths) != batch:
+        msg = f"seq_lens has {len(lengths)!r} entries; expected B={batch!r}"
+        raise KernelInputError(msg)
+    for b, n in enumerate(lengths):
+        if not 1 <= n <= width:
+            msg = (
+                f"seq_lens[{b}]={n!r} is not allowed; allowed: [1, {width!r}] (req_to_token width)"
+            )
+            raise KernelInputError(msg)
+    return lengths
+
+
+def ds_positions(
+    q: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: Sequence[int],
+    *,
+    config: DSConfig,
+    reference: bool = False,
+) -> torch.Tensor:
+    """Logical positions each (row, KV head) attends under double sparsity.
+
+    A row is dense (attends ``0 .. seq_len - 1`` with every KV head) when
+    ``config.is_dense(seq_len)``: its context is shorter than ``sparse_decode_threshold`` or fits
+    in ``heavy_token_num``. Other rows keep the ``heavy_token_num`` best tokens per KV head by the
+    label score of :func:`qsa_kernels.label_topk_reference`. The decision is per row (the original
+    integration decided per batch, so a short request turned its batch-mates dense).
+
+    Args:
+        q: ``[B, Hq, D]`` bf16 queries.
+        label_cache: ``[slots, Hkv, C]`` bf16/fp16 label rows (``LabelCache.layer(l)``).
+        channels: ``[Hkv, C]`` int32/int64 heavy channels of this layer.
+        req_to_token: ``[B, S]`` int32/int64 slot of each logical position in ``label_cache``.
+        seq_lens: ``B`` host ints, context lengths in tokens, ``1 <= seq_len <= S``.
+        config: the double-sparsity options.
+        reference: select with the torch reference instead of the Triton kernel.
+
+    Returns:
+        ``[B, Hkv, W]`` int32 positions, ``-1`` padded (see :class:`DSDecodeOutput`).
+    """
+    batch = q.shape[0]
+    hkv = label_cache.shape[1]
+    lengths = _check_lengths(seq_lens, batch, req_to_token.shape[1])
+    heavy = config.heavy_token_num
+    dense = [config.is_dense(n) for n in lengths]
+    width = max([heavy] + [n for n, d in zip(lengths, dense, strict=True) if d])
+    positions = torch.full((batch, hkv, width), -1, dtype=torch.int32, device=q.device)
+    sparse_rows = [b for b, d in enumerate(dense) if not d]
+    if sparse_rows:
+        idx = torch.tensor(sparse_rows, dtype=torch.long, device=q.device)
+        span = max(lengths[b] for b in sparse_rows)
+        select: _Selector = label_topk_reference if reference else label_topk
+        chosen = select(
+            q.index_select(0, idx).contiguous(),
+            label_cache,
+            channels,
+            req_to_token.index_select(0, idx)[:, :span].contiguous(),
+            torch.tensor([lengths[b] for b in sparse_rows], dtype=torch.int32, device=q.device),
+            heavy_token_num=heavy,
+        ).positions
+        positions[idx, :, :heavy] = chosen.to(torch.int32)
+    for b, d in enumerate(dense):
+        if d:
+            positions[b, :, : lengths[b]] = torch.arange(
+                lengths[b], dtype=torch.int32, device=q.device
+            )
+    return positions
+
+
+def positions_to_slots(positions: torch.Tensor, req_to_token: torch.Tensor) -> torch.Tensor:
+    """Map ``[B, Hkv, W]`` logical positions to int32 token slots through ``req_to_token [B, S]``.
+
+    ``-1`` stays ``-1``.
+    """
+    batch, hkv, width = positions.shape
+    flat = positions.reshape(batch, hkv * width).clamp_min(0).to(torch.int64)
+    slots = torch.gather(req_to_token.to(torch.int64), 1, flat).view(batch, hkv, width)
+    return torch.where(positions >= 0, slots, -1).to(torch.int32).contiguous()
+
+
+def ds_decode(  # noqa: PLR0917
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: Sequence[int],
+    *,
+    config: DSConfig,
+    scale: float | None = None,
+) -> DSDecodeOutput:
+    """Double-sparsity decode of one layer over a resident K/V store.
+
+    Selects positions with :func:`ds_positions`, maps them to token slots through
+    ``req_to_token`` and attends exactly over each (row, KV head)'s own tokens with
+    :func:`head_sparse_decode` (one launch for all heads).
+
+    Args:
+        q: ``[B, Hq, D]`` bf16 queries.
+        kv_cache: ``[NS, 2, 4, Hkv, D]`` FP8 E4M3 / bf16 records; token slot ``4 * record + j``.
+        label_cache: ``[4 * NS, Hkv, C]`` bf16/fp16 label rows indexed by the same token slot.
+        channels: ``[Hkv, C]`` heavy channels of this layer.
+        req_to_token: ``[B, S]`` int32/int64 token slot of each logical position.
+        seq_lens: ``B`` host ints, context lengths.
+        config: the double-sparsity options.
+        scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+
+    Returns:
+        :class:`DSDecodeOutput`.
+    """
+    positions = ds_positions(q, label_cache, channels, req_to_token, seq_lens, config=config)
+    slots = positions_to_slots(positions, req_to_token)
+    out, lse = head_sparse_decode(q, slots, kv_cache, scale=scale)
+    return DSDecodeOutput(out, lse, positions)
+
+
+def ds_decode_reference(  # noqa: PLR0917
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: Sequence[int],
+    *,
+    config: DSConfig,
+    scale: float | None = None,
+) -> DSDecodeOutput:
+    """Torch reference of :func:`ds_decode` (reference selection, gather, fp32 attention)."""
+    positions = ds_positions(
+        q, label_cache, channels, req_to_token, seq_lens, config=config, reference=True
+    )
+    slots = positions_to_slots(positions, req_to_token)
+    out, lse = head_sparse_decode_reference(q, slots, kv_cache, scale=scale)
+    return DSDecodeOutput(out, lse, positions)

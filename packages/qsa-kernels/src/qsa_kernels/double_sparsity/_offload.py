@@ -1,0 +1,241 @@
+"""DS-Offload: double sparsity over host-offloaded K/V.
+
+The full K/V history of every request row lives in the pinned host arena of an
+:class:`~qsa_kernels.offload.OffloadedKV`; only the label cache (``C`` of ``D`` channels of each
+key) and the per-row hot caches stay on the device. A decode step of one layer scores every token
+from the label cache, keeps the heavy tokens per KV head, fetches the 4-token blocks that hold
+them (the union over KV heads, through the fetch kernel and the hot cache's LRU), and attends only
+to the selected tokens: from the hot cache for closed blocks, from the open-block tail for the
+newest ``seq_len % 4`` tokens. The result equals resident double sparsity (:func:`ds_decode`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels.double_sparsity._config import DSConfig
+from qsa_kernels.double_sparsity._decode import DSDecodeOutput, ds_positions
+from qsa_kernels.double_sparsity._head_decode import head_sparse_decode
+from qsa_kernels.double_sparsity._label_cache import LabelCache
+from qsa_kernels.fetch import BLOCK_TOKENS, fetch_selected_blocks
+from qsa_kernels.lse_merge import lse_merge
+from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+
+__all__ = ("DSOffloadedKV",)
+
+
+class DSOffloadedKV:
+    """Double-sparsity K/V of one rank with the K/V history on the host.
+
+    Composes an :class:`~qsa_kernels.offload.OffloadedKV` (``kv``: host arena
+    ``[R, L, NB, 2, 4, Hkv, D]``, hot caches ``[L, R, S, 2, 4, Hkv, D]``, open-block tails) and a
+    device :class:`LabelCache` (``labels``: ``[L, R * NB * 4, Hkv, C]``).
+
+    Hot-cache size: one layer's step needs a slot for every distinct closed block that holds a
+    selected token of any KV head, at most ``min(Hkv * heavy_token_num, NB)`` for a sparse row and
+    ``ceil(seq_len / 4)`` for a dense row; :meth:`decode` raises if ``S`` is smaller than the
+    step's need.
+
+    Args:
+        geometry: sizes of the offloaded K/V (``layers`` = attention layers).
+        channels: ``[L, Hkv, C]`` heavy channels (:attr:`ChannelConfig.channels`).
+        config: the double-sparsity options.
+        device: the device of the hot caches and the label cache.
+        label_dtype: bf16 or fp16.
+    """
+
+    def __init__(
+        self,
+        geometry: OffloadGeometry,
+        channels: torch.Tensor,
+        *,
+        config: DSConfig,
+        device: torch.device | str,
+        label_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        device = torch.device(device)
+        if channels.dim() != 3 or tuple(channels.shape[:2]) != (geometry.layers, geometry.kv_heads):
+            msg = (
+                f"channels must be [L={geometry.layers}, Hkv={geometry.kv_heads}, C]; got "
+                f"{tuple(channels.shape)!r}"
+            )
+            raise KernelInputError(msg)
+        self.config = config
+        self.kv = OffloadedKV(geometry, device)
+        self.labels = LabelCache(
+            channels,
+            rows=geometry.rows,
+            max_tokens=geometry.max_tokens,
+            dtype=label_dtype,
+            device=device,
+        )
+        self._step = -1
+
+    @property
+    def geometry(self) -> OffloadGeometry:
+        """Sizes of the offloaded K/V."""
+        return self.kv.geometry
+
+    def length(self, row: int) -> int:
+        """Tokens row ``row`` holds."""
+        return self.kv.length(row)
+
+    def admit(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Take a prefilled prompt into a free row: K/V to host (open block to the tail), labels.
+
+        Args:
+            row: a free request row.
+            k: ``[L, T, Hkv, D]`` prompt keys (device, the geometry's dtype).
+            v: ``[L, T, Hkv, D]`` prompt values.
+        """
+        self.kv.admit(row, k, v)
+        for layer in range(self.geometry.layers):
+            self.labels.write_prompt(layer, row, k[layer])
+
+    def release(self, row: int) -> None:
+        """Free a row (its label rows are overwritten by the next admit)."""
+        self.kv.release(row)
+
+    def begin_step(self) -> int:
+        """Start a decode step; returns its stamp. Call :meth:`decode` once per layer per step."""
+        self._step = self.kv.begin_step()
+        return self._step
+
+    def append(self, rows: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one token per row to every layer (K/V, write-back of closed blocks, labels).
+
+        Args:
+            rows: ``B`` distinct active rows.
+            k: ``[L, B, Hkv, D]`` the new token's keys.
+            v: ``[L, B, Hkv, D]`` its values.
+        """
+        positions = [self.kv.length(r) for r in rows]
+        self.kv.append(rows, k, v)
+        for layer in range(self.geometry.layers):
+            self.labels.append(layer, rows, positions, k[layer])
+
+    def decode(
+        self,
+        layer: int,
+        rows: Sequence[int],
+        q: torch.Tensor,
+        *,
+        scale: float | None = None,
+    ) -> DSDecodeOutput:
+        """Double-sparsity attention of one layer for ``B`` active rows.
+
+        Args:
+            layer: attention layer in ``[0, L)``.
+            rows: ``B`` distinct active rows.
+            q: ``[B, Hq, D]`` bf16 queries.
+            scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+
+        Returns:
+            :class:`DSDecodeOutput`; ``positions`` are the logical positions attended.
+
+        Raises:
+            KernelInputError: bad arguments, no :meth:`begin_step`, or a hot cache too small for
+                the step's blocks.
+        """
+        g = self.geometry
+        if self._step < 0:
+            msg = "decode before begin_step(); every decode step needs a stamp"
+            raise KernelInputError(msg)
+        if not 0 <= layer < g.layers:
+            msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers})"
+            raise KernelInputError(msg)
+        if len(set(rows)) != len(rows) or not rows:
+            msg = f"rows {list(rows)!r} must be non-empty and distinct"
+            raise KernelInputError(msg)
+        lengths = [self.kv.length(r) for r in rows]
+        device = self.kv.device
+        req_to_token = self.labels.slots(rows, max(lengths))
+        positions = ds_positions(
+            q,
+            self.labels.layer(layer),
+            self.labels.channels[layer],
+            req_to_token,
+            lengths,
+            config=self.config,
+        )
+        batch = len(rows)
+        row_t = torch.tensor(list(rows), dtype=torch.int64, device=device)
+        closed = torch.tensor(
+            [n // BLOCK_TOKENS * BLOCK_TOKENS for n in lengths], dtype=torch.int32, device=device
+        )
+        in_hot = (positions >= 0) & (positions < closed.view(batch, 1, 1))
+        block = torch.div(positions, BLOCK_TOKENS, rounding_mode="floor")
+        hot_tokens = self._fetch(layer, row_t, in_hot, block, positions)
+        out_hot, lse_hot = head_sparse_decode(
+            q,
+            hot_tokens,
+            self.kv.hot[layer].view(g.rows * g.hot_slots, *g.record_shape),
+            scale=scale,
+        )
+        # the open block: positions closed .. closed + 2, read from the row's tail record
+        offsets = torch.arange(BLOCK_TOKENS - 1, dtype=torch.int32, device=device)
+        open_pos = closed.view(batch, 1) + offsets  # [B, 3]
+        chosen = (positions.unsqueeze(-1) == open_pos.view(batch, 1, 1, -1)).any(dim=2)
+        tail_tokens = torch.where(
+            chosen, (row_t.view(batch, 1, 1) * BLOCK_TOKENS + offsets).to(torch.int32), -1
+        ).to(torch.int32)
+        out_tail, lse_tail = head_sparse_decode(
+            q,
+            tail_tokens.contiguous(),
+            self.kv.tail[layer].view(g.rows, *g.record_shape),
+            scale=scale,
+        )
+        out, lse = lse_merge(
+            torch.stack((out_hot, out_tail)),
+            torch.stack((lse_hot, lse_tail)),
+            out_dtype=torch.bfloat16,
+        )
+        return DSDecodeOutput(out, lse, positions)
+
+    def _fetch(
+        self,
+        layer: int,
+        row_t: torch.Tensor,
+        in_hot: torch.Tensor,
+        block: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Fetch the union of selected closed blocks; return ``[B, Hkv, W]`` hot token slots."""
+        g = self.geometry
+        batch = in_hot.shape[0]
+        sentinel = g.max_blocks
+        ids = torch.where(in_hot, block, sentinel).view(batch, -1)
+        ids, _ = torch.sort(ids, dim=1)
+        repeat = torch.zeros_like(ids, dtype=torch.bool)
+        repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
+        ids = torch.where(repeat, sentinel, ids)
+        ids, _ = torch.sort(ids, dim=1)
+        need = int((ids < sentinel).sum(dim=1).max())  # host sync: the fetch width
+        if need > g.hot_slots:
+            msg = (
+                f"layer {layer!r} needs {need!r} distinct blocks in one row's hot cache but "
+                f"hot_slots={g.hot_slots!r}; allowed: hot_slots >= Hkv * heavy_token_num "
+                f"(= {g.kv_heads * self.config.heavy_token_num!r}) or the longest dense row / 4"
+            )
+            raise KernelInputError(msg)
+        if need:
+            selected = torch.where(ids[:, :need] < sentinel, ids[:, :need], -1).to(torch.int32)
+            # write-backs of closed blocks must land before the fetch reads the arena
+            self.kv._wait_pending()
+            fetch_selected_blocks(
+                selected.unsqueeze(1).contiguous(),
+                row_t.to(torch.int32),
+                torch.tensor([layer], dtype=torch.int32, device=row_t.device),
+                step=self._step,
+                tables=self.kv.tables,
+                hot=self.kv.hot,
+                host_arena=self.kv.host_arena,
+            )
+        local = self.kv.tables.block_slot[layer].index_select(0, row_t)  # [B, NB]
+        flat = torch.where(in_hot, block, 0).view(batch, -1).to(torch.int64)
+        slot = torch.gather(local, 1, flat).view_as(positions).to(torch.int64)
+        token = (row_t.view(batch, 1, 1) * g.hot_slots + slot) * BLOCK_TOKENS + positions % 4
+        return torch.where(in_hot, token, -1).to(torch.int32).contiguous()
