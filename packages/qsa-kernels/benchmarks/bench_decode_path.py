@@ -48,12 +48,114 @@ def _ceilings(res: dict[str, object], nbytes: int) -> tuple[float, float, float]
     return h2d, d2h, hbm
 
 
-def _bench_fetch(res: dict[str, object], rows: list[str], h2d_big: float) -> None:
+_FETCH_STEPS = 60
+_FETCH_WARM = 10
+#: Copy-kernel settings tried on the all-miss fp8 12-layer step: (programs per SM, records per
+#: program iteration, warps). The first is the library default.
+_COPY_CONFIGS = ((16, 1, 4), (32, 1, 4), (8, 2, 4), (8, 4, 8), (4, 4, 4), (32, 2, 8))
+
+
+def _fetch_selections(
+    B: int, nl: int, K: int, NB: int, miss_mode: str
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Selections for ``_FETCH_STEPS`` steps and the misses of each (same for every B, layer)."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    steps = _FETCH_STEPS
+    if miss_mode == "all-miss":
+        # Five disjoint sets cycled through a cache of four sets' size: every entry misses.
+        base = torch.randperm(NB, generator=g)[: 5 * K].view(5, K)
+        sels = [base[i % 5].view(1, 1, K).expand(B, nl, K) for i in range(steps)]
+        missed = [B * nl * K] * steps
+    else:
+        fresh = iter(range(NB // 2, NB))  # never selected before: always a miss
+        sels, missed = [], []
+        pool = torch.randperm(NB // 2, generator=g)
+        cur = pool[:K].view(1, 1, K).repeat(B, nl, 1)
+        for i in range(steps):
+            n_new = 36  # 7% of 512
+            cur = cur.clone()
+            pos = torch.randperm(K, generator=g)[:n_new]
+            cur[:, :, pos] = torch.tensor([next(fresh) for _ in range(n_new)]).view(1, 1, -1)
+            sels.append(cur)
+            missed.append(B * nl * (K if i == 0 else n_new))
+    return [s.to(dev, torch.int32).contiguous() for s in sels], missed
+
+
+def _time_fetch(
+    sels_d: list[torch.Tensor],
+    nl: int,
+    tables_shape: tuple[int, int, int, int],
+    hot: torch.Tensor,
+    arena: torch.Tensor,
+    *,
+    graph: bool,
+    cfg: tuple[int, int, int] = _COPY_CONFIGS[0],
+) -> float:
+    """Median device time (us) of one fetch step over steps _FETCH_WARM.. of the sequence.
+
+    Eager: one Python call per step, timed with events around it (launch gaps count). Graph: the
+    warm-up steps run eagerly with a step tensor, then one call is captured and replayed with the
+    next selection copied into its static input before the timed region.
+    """
     from qsa_kernels import HotCacheTables, fetch_selected_blocks
 
     dev = torch.device("cuda")
+    L, B, S, NB = tables_shape
+    tables = HotCacheTables.empty(L, B, S, NB, dev)
+    rows_t = torch.arange(B, dtype=torch.int32, device=dev)
+    layers_t = torch.arange(nl, dtype=torch.int32, device=dev)
+    static_sel = sels_d[0].clone()
+    step_t = torch.ones(1, dtype=torch.int64, device=dev)
+    pps, rec, warps = cfg
+
+    def call() -> torch.Tensor:
+        return fetch_selected_blocks(
+            static_sel,
+            rows_t,
+            layers_t,
+            step=step_t,
+            tables=tables,
+            hot=hot,
+            host_arena=arena,
+            copy_programs_per_sm=pps,
+            copy_records=rec,
+            copy_warps=warps,
+        )
+
+    for i in range(_FETCH_WARM):
+        static_sel.copy_(sels_d[i])
+        call()
+    torch.cuda.synchronize()
+    run: Callable[[], object] = call
+    if graph:
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            call()
+        run = cuda_graph.replay
+    ts = []
+    for i in range(_FETCH_WARM, len(sels_d)):
+        static_sel.copy_(sels_d[i])
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        run()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3)
+    expected = len(sels_d) + 1
+    if int(step_t.item()) != expected:
+        msg = f"step tensor reads {int(step_t.item())!r} after the run; expected {expected!r}"
+        raise RuntimeError(msg)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def _bench_fetch(res: dict[str, object], rows: list[str], h2d_big: float) -> None:
+    dev = torch.device("cuda")
     B, K, S, NB, L = 8, 512, 2048, 8192, 12
     out: dict[str, object] = {}
+    sweep: dict[str, float] = {}
     for dtype, tag in ((torch.float8_e4m3fn, "fp8"), (torch.bfloat16, "bf16")):
         rec = 2 * 4 * 256 * (1 if dtype == torch.float8_e4m3fn else 2)
         arena = torch.empty((B, L, NB, 2, 4, 1, 256), dtype=torch.uint8, pin_memory=True)
@@ -64,84 +166,47 @@ def _bench_fetch(res: dict[str, object], rows: list[str], h2d_big: float) -> Non
         )
         arena.view(torch.uint8).fill_(0x35)
         hot = torch.zeros((L, B, S, 2, 4, 1, 256), dtype=dtype, device=dev)
-        rows_t = torch.arange(B, dtype=torch.int32, device=dev)
         for nl, miss_mode in ((1, "all-miss"), (L, "all-miss"), (L, "7%-miss")):
-            layers_t = torch.arange(nl, dtype=torch.int32, device=dev)
-            tables = HotCacheTables.empty(L, B, S, NB, dev)
-            g = torch.Generator().manual_seed(0)
-            steps = 60
-            if miss_mode == "all-miss":
-                # Five disjoint sets cycled through a cache of four sets' size: every entry misses.
-                base = torch.randperm(NB, generator=g)[: 5 * K].view(5, K)
-                sels = [base[i % 5].view(1, 1, K).expand(B, nl, K) for i in range(steps)]
-                missed = [B * nl * K] * steps
-            else:
-                fresh = iter(range(NB // 2, NB))  # never selected before: always a miss
-                sels, missed = [], []
-                pool = torch.randperm(NB // 2, generator=g)
-                cur = pool[:K].view(1, 1, K).repeat(B, nl, 1)
-                for _ in range(steps):
-                    n_new = 36  # 7% of 512
-                    cur = cur.clone()
-                    pos = torch.randperm(K, generator=g)[:n_new]
-                    cur[:, :, pos] = torch.tensor([next(fresh) for _ in range(n_new)]).view(
-                        1, 1, -1
-                    )
-                    sels.append(cur)
-                    missed.append(B * nl * n_new)
-            sels_d = [s.to(dev, torch.int32).contiguous() for s in sels]
-            counter = [1]
-
-            def run(
-                i: int, layers_t: torch.Tensor = layers_t, tables: HotCacheTables = tables
-            ) -> None:
-                fetch_selected_blocks(
-                    sels_d[i],
-                    rows_t,
-                    layers_t,
-                    step=counter[0],
-                    tables=tables,
-                    hot=hot,
-                    host_arena=arena,
-                )
-                counter[0] += 1
-
-            warm = 10
-            for i in range(warm):
-                run(i)
-            torch.cuda.synchronize()
-            ts = []
-            for i in range(warm, steps):
-                s = torch.cuda.Event(enable_timing=True)
-                e = torch.cuda.Event(enable_timing=True)
-                s.record()
-                run(i)
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e) * 1e3)
-            ts.sort()
-            t = ts[len(ts) // 2]
+            sels_d, missed = _fetch_selections(B, nl, K, NB, miss_mode)
+            shape = (L, B, S, NB)
+            t_eager = _time_fetch(sels_d, nl, shape, hot, arena, graph=False)
+            try:
+                t_graph = _time_fetch(sels_d, nl, shape, hot, arena, graph=True)
+            except Exception as exc:
+                print(f"graph timing failed: {exc!r}", file=sys.stderr)
+                t_graph = float("nan")
+            if tag == "fp8" and nl == L and miss_mode == "all-miss":
+                for cfg in _COPY_CONFIGS:
+                    try:
+                        t_cfg = _time_fetch(sels_d, nl, shape, hot, arena, graph=True, cfg=cfg)
+                    except Exception as exc:
+                        print(f"config {cfg!r} failed: {exc!r}", file=sys.stderr)
+                        t_cfg = float("nan")
+                    sweep["programs/SM={} records={} warps={}".format(*cfg)] = t_cfg
             moved = missed[-1] * rec
-            gbps = moved / t / 1e3
-            # Contiguous pinned copy of the same bytes, same run.
+            # Contiguous pinned copy of the same bytes, same run: the PCIe time of these bytes.
             hsrc = torch.empty(moved, dtype=torch.uint8, pin_memory=True)
             ddst = torch.empty(moved, dtype=torch.uint8, device=dev)
             t_copy = _median_us(lambda: ddst.copy_(hsrc, non_blocking=True), 20)
-            copy_gbps = moved / t_copy / 1e3
             key = f"fetch_{tag}_{miss_mode}_B{B}_layers{nl}"
             out[key] = {
-                "us": t,
+                "us_eager": t_eager,
+                "us_graph": t_graph,
                 "bytes": moved,
-                "GBps": gbps,
-                "same_bytes_h2d_GBps": copy_gbps,
-                "ratio_vs_same_bytes_copy": gbps / copy_gbps,
-                "ratio_vs_1GiB_copy": gbps / h2d_big,
+                "GBps_graph": moved / t_graph / 1e3,
+                "GBps_eager": moved / t_eager / 1e3,
+                "same_bytes_h2d_us": t_copy,
+                "ratio_graph_vs_same_bytes_copy": t_copy / t_graph,
+                "ratio_eager_vs_same_bytes_copy": t_copy / t_eager,
+                "ratio_graph_vs_1GiB_copy": moved / t_graph / 1e3 / h2d_big,
             }
             rows.append(
-                f"| fetch {tag} {miss_mode}, B={B}, {nl} layer(s)/launch | {t:.1f} us | "
-                f"{moved / 2**20:.2f} MiB | {gbps:.1f} GB/s | {gbps / copy_gbps:.2f} | "
-                f"{gbps / h2d_big:.2f} |"
+                f"| fetch {tag} {miss_mode}, B={B}, {nl} layer(s)/call | {t_graph:.1f} us | "
+                f"{t_eager:.1f} us | {moved / 2**20:.2f} MiB | {t_copy:.1f} us | "
+                f"{moved / t_graph / 1e3:.1f} GB/s | {t_copy / t_graph:.2f} | "
+                f"{t_copy / t_eager:.2f} | {moved / t_graph / 1e3 / h2d_big:.2f} |"
             )
+    out["copy_config_sweep_fp8_all_miss_12_layers_us_graph"] = sweep
     res["fetch"] = out
 
 
@@ -281,6 +346,9 @@ def main() -> int:
     wb_rows: list[str] = []
     dec_rows: list[str] = []
     _bench_fetch(res, fetch_rows, h2d)
+    fetch_sweep: dict[str, float] = res["fetch"][  # type: ignore[index]
+        "copy_config_sweep_fp8_all_miss_12_layers_us_graph"
+    ]
     _bench_writeback(res, wb_rows, d2h)
     _bench_decode(res, dec_rows, hbm)
     md = [
@@ -295,9 +363,19 @@ def main() -> int:
         "",
         "## Fetch (plan + zero-copy miss copy; bytes = missed records)",
         "",
-        "| case | median | bytes moved | throughput | vs same-bytes pinned copy | vs 1 GiB copy |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "Graph: the whole fetch (plan, miss list, copy, step advance) captured once and replayed "
+        "per step; eager: one Python call per step, launch gaps included. PCIe time = the "
+        "contiguous pinned host-to-device copy of the same bytes in this run; ratios = PCIe "
+        "time / fetch time.",
+        "",
+        "| case | graph | eager | bytes moved | PCIe time | graph throughput "
+        "| graph vs PCIe | eager vs PCIe | graph vs 1 GiB copy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *fetch_rows,
+        "",
+        "Copy-kernel settings, fp8 all-miss 12 layers, graph replay:",
+        "",
+        *(f"- {k}: {v:.1f} us" for k, v in fetch_sweep.items()),
         "",
         "## Write-back (side stream, zero-copy stores into pinned memory)",
         "",

@@ -248,3 +248,186 @@ def test_reference_agrees_with_core_on_arbitrary_steps(steps: list[list[int]]) -
         for slot, blk in enumerate(state.slot_block):
             if blk >= 0:
                 assert torch.equal(hot[0, 0, slot], arena[0, 0, blk])
+
+
+def _tables_from_states(
+    states: list[tuple[list[int], list[int]]], NB: int, dev: torch.device
+) -> HotCacheTables:
+    """One layer, one row per state; ``block_slot`` built as the inverse of ``slot_block``."""
+    S = len(states[0][0])
+    tables = HotCacheTables.empty(1, len(states), S, NB, dev)
+    for row, (blocks, stamps) in enumerate(states):
+        tables.slot_block[0, row] = torch.tensor(blocks, dtype=torch.int32)
+        tables.slot_stamp[0, row] = torch.tensor(stamps, dtype=torch.int64)
+        for slot, blk in enumerate(blocks):
+            if blk >= 0:
+                tables.block_slot[0, row, blk] = slot
+    return tables
+
+
+@st.composite
+def _state_and_selection(draw: st.DrawFn) -> tuple[list[int], list[int], list[int], int]:
+    S = draw(st.integers(min_value=1, max_value=24))
+    NB = 40
+    K = draw(st.integers(min_value=1, max_value=S))
+    blocks = draw(st.lists(st.integers(0, NB - 1), min_size=S, max_size=S, unique=True))
+    empty = draw(st.lists(st.booleans(), min_size=S, max_size=S))
+    slot_block = [-1 if e else b for b, e in zip(blocks, empty, strict=True)]
+    # Narrow stamp ranges give many ties (few rank groups); wide ones force the sort fallback.
+    top = draw(st.sampled_from([2, 6, 1000]))
+    slot_stamp = draw(st.lists(st.integers(-1, top), min_size=S, max_size=S))
+    pool = draw(st.lists(st.integers(0, NB - 1), min_size=K, max_size=K, unique=True))
+    pad = draw(st.lists(st.booleans(), min_size=K, max_size=K))
+    selected = [-1 if p else b for b, p in zip(pool, pad, strict=True)]
+    return slot_block, slot_stamp, selected, top + 1
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="Triton was imported without TRITON_INTERPRET=1")
+@settings(max_examples=60, deadline=None)
+@given(case=_state_and_selection())
+def test_kernel_matches_core_from_arbitrary_states(
+    case: tuple[list[int], list[int], list[int], int],
+) -> None:
+    """From any valid state (ties, empty slots with stamps, distinct stamps) one step is exact."""
+    slot_block, slot_stamp, selected, step = case
+    NB, S = 40, len(slot_block)
+    dev = torch.device("cpu")
+    tables = _tables_from_states([(slot_block, slot_stamp)], NB, dev)
+    arena = _arena((1, 1, NB, 1, 4), torch.bfloat16, pin=False)
+    hot = torch.zeros((1, 1, S, 2, 4, 1, 4), dtype=torch.bfloat16)
+    zero = torch.zeros(1, dtype=torch.int32)
+    got = fetch_selected_blocks(
+        torch.tensor([[selected]], dtype=torch.int32),
+        zero,
+        zero,
+        step=step,
+        tables=tables,
+        hot=hot,
+        host_arena=arena,
+    )
+    state = HotCacheState(tuple(slot_block), tuple(slot_stamp))
+    plan = plan_residency_step(state, selected, step, num_blocks=NB)
+    assert got[0, 0].tolist() == list(plan.selected_slots)
+    assert tables.residency(0, 0) == plan.state.to_lists()
+    _check_map_consistent(tables)
+    for fill in plan.fills:
+        assert torch.equal(
+            hot[0, 0, fill.slot].view(torch.int16), arena[0, 0, fill.block].view(torch.int16)
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fetch_orders_victims_with_many_distinct_stamps(device: str) -> None:
+    """Victims spread over more stamps than the min-extraction rounds still follow qsa-core."""
+    dev = torch.device(device)
+    S, NB, K = 64, 200, 40
+    rng = random.Random(11)
+    # Every slot occupied, each with its own stamp, shuffled so slot order != age order.
+    stamps = list(range(S))
+    rng.shuffle(stamps)
+    blocks = rng.sample(range(NB), S)
+    tables = _tables_from_states([(blocks, stamps)], NB, dev)
+    arena = _arena((1, 1, NB, 1, 16), torch.bfloat16, pin=device == "cuda")
+    hot = torch.zeros((1, 1, S, 2, 4, 1, 16), dtype=torch.bfloat16, device=dev)
+    hot_ref = hot.clone()
+    tables_ref = tables.clone()
+    state = HotCacheState(tuple(blocks), tuple(stamps))
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    resident = list(blocks)
+    for step in range(S, S + 4):
+        fresh = rng.sample([b for b in range(NB) if b not in resident], K - 3)
+        sel = fresh + rng.sample(resident, 3)  # 37 misses over 37 distinct stamps, 3 hits
+        rng.shuffle(sel)
+        selected = torch.tensor([[sel]], dtype=torch.int32, device=dev)
+        got = fetch_selected_blocks(
+            selected, zero, zero, step=step, tables=tables, hot=hot, host_arena=arena
+        )
+        fetch_selected_blocks_reference(
+            selected, zero, zero, step=step, tables=tables_ref, hot=hot_ref, host_arena=arena
+        )
+        plan = plan_residency_step(state, sel, step, num_blocks=NB)
+        state = plan.state
+        resident = [b for b in state.slot_block if b >= 0]
+        assert got[0, 0].tolist() == list(plan.selected_slots), step
+        assert tables.residency(0, 0) == state.to_lists(), step
+        assert torch.equal(hot.view(torch.int16), hot_ref.view(torch.int16)), step
+        _check_map_consistent(tables)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fetch_step_tensor_is_read_on_device_and_advanced(device: str) -> None:
+    """A [1] int64 step tensor stamps like the int step and is advanced by one per call."""
+    rng = random.Random(5)
+    dev = torch.device(device)
+    L, R, S, NB, K = 2, 3, 8, 30, 5
+    arena = _arena((R, L, NB, 1, 16), torch.float8_e4m3fn, pin=device == "cuda")
+    hot = torch.zeros((L, R, S, 2, 4, 1, 16), dtype=torch.float8_e4m3fn, device=dev)
+    hot_ref = hot.clone()
+    tables = HotCacheTables.empty(L, R, S, NB, dev)
+    tables_ref = tables.clone()
+    rows = torch.tensor([1, 2], dtype=torch.int32, device=dev)
+    layers = torch.tensor([1, 0], dtype=torch.int32, device=dev)
+    step_t = torch.tensor([3], dtype=torch.int64, device=dev)
+    for step in range(3, 9):
+        chosen = [[_random_selection(K, list(range(20)), rng, "mixed") for _ in range(2)]] * 2
+        selected = torch.tensor(chosen, dtype=torch.int32, device=dev)
+        got = fetch_selected_blocks(
+            selected, rows, layers, step=step_t, tables=tables, hot=hot, host_arena=arena
+        )
+        want = fetch_selected_blocks_reference(
+            selected, rows, layers, step=step, tables=tables_ref, hot=hot_ref, host_arena=arena
+        )
+        assert torch.equal(got, want), step
+        assert int(step_t.item()) == step + 1
+        assert torch.equal(tables.slot_stamp, tables_ref.slot_stamp), step
+        assert torch.equal(tables.slot_block, tables_ref.slot_block), step
+        assert torch.equal(hot.view(torch.uint8), hot_ref.view(torch.uint8)), step
+
+
+@pytest.mark.gpu
+def test_fetch_replays_from_a_cuda_graph_step_by_step() -> None:
+    """One captured fetch, replayed over new selections, follows the reference and qsa-core."""
+    rng = random.Random(23)
+    dev = torch.device("cuda")
+    L, R, S, NB, K = 3, 4, 96, 400, 64
+    arena = _arena((R, L, NB, 1, 256), torch.float8_e4m3fn, pin=True)
+    hot = torch.zeros((L, R, S, 2, 4, 1, 256), dtype=torch.float8_e4m3fn, device=dev)
+    hot_ref = hot.clone()
+    tables = HotCacheTables.empty(L, R, S, NB, dev)
+    tables_ref = tables.clone()
+    rows = torch.tensor([3, 0, 2], dtype=torch.int32, device=dev)
+    layers = torch.tensor([2, 0, 1], dtype=torch.int32, device=dev)
+    states = {(lay, row): HotCacheState.empty(S) for lay in (2, 0, 1) for row in (3, 0, 2)}
+    static_sel = torch.full((3, 3, K), -1, dtype=torch.int32, device=dev)
+    step_t = torch.tensor([1], dtype=torch.int64, device=dev)
+    # Warm up (compiles both kernels) with an all-padding selection, which advances the step
+    # tensor and leaves the state unchanged; then capture one call.
+    fetch_selected_blocks(
+        static_sel, rows, layers, step=step_t, tables=tables, hot=hot, host_arena=arena
+    )
+    torch.cuda.synchronize()
+    step_t.fill_(1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fetch_selected_blocks(
+            static_sel, rows, layers, step=step_t, tables=tables, hot=hot, host_arena=arena
+        )
+    step_t.fill_(1)  # capture does not run the kernels
+    pool = list(range(3 * S))
+    modes = ["full", "mixed", "full", "mixed", "empty", "full", "mixed", "full"]
+    for step, mode in enumerate(modes, start=1):
+        chosen = [[_random_selection(K, pool, rng, mode) for _ in range(3)] for _ in range(3)]
+        static_sel.copy_(torch.tensor(chosen, dtype=torch.int32))
+        graph.replay()
+        want = fetch_selected_blocks_reference(
+            static_sel, rows, layers, step=step, tables=tables_ref, hot=hot_ref, host_arena=arena
+        )
+        assert torch.equal(static_out, want), (step, mode)
+        assert int(step_t.item()) == step + 1
+        for b, row in enumerate((3, 0, 2)):
+            for j, layer in enumerate((2, 0, 1)):
+                plan = plan_residency_step(states[layer, row], chosen[b][j], step, num_blocks=NB)
+                states[layer, row] = plan.state
+                assert tables.residency(layer, row) == plan.state.to_lists(), (step, b, j)
+        assert torch.equal(hot.view(torch.uint8), hot_ref.view(torch.uint8)), (step, mode)
+        _check_map_consistent(tables)

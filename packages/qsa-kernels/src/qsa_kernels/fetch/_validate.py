@@ -16,7 +16,7 @@ def check_fetch_args(
     rows: torch.Tensor,
     layers: torch.Tensor,
     *,
-    step: int,
+    step: int | torch.Tensor,
     tables: HotCacheTables,
     hot: torch.Tensor,
     host_arena: torch.Tensor,
@@ -40,7 +40,13 @@ def check_fetch_args(
             f"S={tables.slots!r} slots; need K <= S"
         )
         raise KernelInputError(msg)
-    if step < 0:
+    if isinstance(step, torch.Tensor):
+        check_dtype("step", step, (torch.int64,))
+        if tuple(step.shape) != (1,):
+            msg = f"a step tensor must have shape (1,); got {tuple(step.shape)!r}"
+            raise KernelInputError(msg)
+        check_same_device(tables.device, step=step)
+    elif step < 0:
         msg = f"step must be >= 0; got {step!r}"
         raise KernelInputError(msg)
     check_kv_layouts(hot, host_arena, tables)

@@ -16,7 +16,7 @@ def fetch_selected_blocks_reference(
     rows: torch.Tensor,
     layers: torch.Tensor,
     *,
-    step: int,
+    step: int | torch.Tensor,
     tables: HotCacheTables,
     hot: torch.Tensor,
     host_arena: torch.Tensor,
@@ -26,7 +26,8 @@ def fetch_selected_blocks_reference(
     Same contract and arguments as :func:`qsa_kernels.fetch_selected_blocks`; implemented one
     (request, layer) at a time with Python lists and ``torch`` copies. Also checks what the kernel
     cannot check without a device sync: ids in range and distinct per row, and ``step`` greater
-    than every stamp of the touched hot caches.
+    than every stamp of the touched hot caches. A step tensor is read, then advanced by one, as
+    the kernel does.
 
     Returns:
         ``[B, NL, K]`` int32 global slots (``row * S + slot``), ``-1`` where ``selected`` is ``-1``.
@@ -34,6 +35,12 @@ def fetch_selected_blocks_reference(
     check_fetch_args(
         selected, rows, layers, step=step, tables=tables, hot=hot, host_arena=host_arena
     )
+    step_tensor = step if isinstance(step, torch.Tensor) else None
+    if step_tensor is not None:
+        step = int(step_tensor.item())
+        if step < 0:
+            msg = f"step must be >= 0; got {step!r}"
+            raise KernelInputError(msg)
     S = tables.slots
     out = torch.full_like(selected, -1)
     sel_all = selected.tolist()
@@ -74,4 +81,6 @@ def fetch_selected_blocks_reference(
                 s = holder[blk]
                 tables.slot_stamp[layer, row, s] = step
                 out[b, j, i] = row * S + s
+    if step_tensor is not None:
+        step_tensor.add_(1)
     return out
