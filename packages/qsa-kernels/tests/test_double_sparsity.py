@@ -1,0 +1,474 @@
+"""Double-sparsity label cache, per-KV-head sparse decode, resident decode and DS-Offload."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels.double_sparsity import (
+    DSConfig,
+    DSConfigError,
+    DSOffloadedKV,
+    LabelCache,
+    ds_decode,
+    ds_decode_reference,
+    head_sparse_decode,
+    head_sparse_decode_reference,
+)
+from qsa_kernels.ds_label import label_keys_reference
+from qsa_kernels.offload import OffloadGeometry
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Under ``TRITON_INTERPRET=1`` kernel tests run on CPU tensors; otherwise on CUDA, GPU-marked.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def KERNEL(func: _F) -> _F:
+    """Mark a kernel test ``gpu``, except under the interpreter where it runs on CPU."""
+    return func if INTERPRET else pytest.mark.gpu(func)
+
+
+def _quarters(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """bf16 values in {-0.5, -0.25, 0, 0.25, 0.5}: label scores are exact in fp32, so the
+    selection of every implementation is the same (ties to the smaller position)."""
+    return (torch.randint(-2, 3, shape, generator=gen).float() / 4).to(torch.bfloat16)
+
+
+def _channels(gen: torch.Generator, layers: int, hkv: int, d: int, c: int) -> torch.Tensor:
+    return torch.stack(
+        [
+            torch.stack([torch.randperm(d, generator=gen)[:c] for _ in range(hkv)])
+            for _ in range(layers)
+        ]
+    ).to(torch.int32)
+
+
+def _expected(  # noqa: PLR0917
+    q: torch.Tensor,
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    channels: torch.Tensor,
+    config: DSConfig,
+    scale: float,
+) -> tuple[torch.Tensor, list[list[list[int]]]]:
+    """Plain double sparsity, written from the definition: per (row, KV head) label scores in
+    fp64, top tokens by (score desc, position asc), then fp32 attention over those tokens."""
+    batch, hq, d = q.shape
+    hkv = channels.shape[0]
+    group = hq // hkv
+    out = torch.zeros(batch, hq, d)
+    chosen: list[list[list[int]]] = []
+    for b in range(batch):
+        n = ks[b].shape[0]
+        per_head = []
+        for g in range(hkv):
+            heads = range(g * group, (g + 1) * group)
+            if config.is_dense(n):
+                sel = list(range(n))
+            else:
+                ch = channels[g].long()
+                qk = q[b, list(heads)][:, ch].double() @ ks[b][:, g, ch].double().T  # [G, n]
+                score = qk.sum(0).tolist()
+                sel = sorted(
+                    sorted(range(n), key=lambda t: (-score[t], t))[: config.heavy_token_num]
+                )
+            per_head.append(sel)
+            k = ks[b][sel, g].float()
+            v = vs[b][sel, g].float()
+            for h in heads:
+                p = torch.softmax(q[b, h].float() @ k.T * scale, dim=0)
+                out[b, h] = p @ v
+        chosen.append(per_head)
+    return out, chosen
+
+
+def _positions_as_lists(positions: torch.Tensor) -> list[list[list[int]]]:
+    return [[[int(x) for x in head if x >= 0] for head in row] for row in positions.cpu().tolist()]
+
+
+class _Resident:
+    """A resident K/V store of one layer and its label cache, rows laid out one after another."""
+
+    def __init__(
+        self,
+        ks: Sequence[torch.Tensor],
+        vs: Sequence[torch.Tensor],
+        channels: torch.Tensor,
+        *,
+        max_tokens: int,
+        kv_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        rows = len(ks)
+        hkv, d = ks[0].shape[1:]
+        self.labels = LabelCache(
+            channels.unsqueeze(0), rows=rows, max_tokens=max_tokens, device=DEVICE
+        )
+        records = torch.zeros(rows, max_tokens, 2, hkv, d, dtype=kv_dtype)
+        for r, (k, v) in enumerate(zip(ks, vs, strict=True)):
+            records[r, : k.shape[0], 0] = k.to(kv_dtype)
+            records[r, : k.shape[0], 1] = v.to(kv_dtype)
+            self.labels.write_prompt(0, r, k.to(kv_dtype).to(DEVICE))
+        # [R, M, 2, Hkv, D] -> records [R * M / 4, 2, 4, Hkv, D]
+        self.kv = (
+            records.view(rows, max_tokens // 4, 4, 2, hkv, d)
+            .permute(0, 1, 3, 2, 4, 5)
+            .reshape(rows * max_tokens // 4, 2, 4, hkv, d)
+            .contiguous()
+            .to(DEVICE)
+        )
+        self.lengths = [int(k.shape[0]) for k in ks]
+        self.req_to_token = self.labels.slots(range(rows), max(self.lengths))
+
+    def decode(self, q: torch.Tensor, config: DSConfig, *, reference: bool = False) -> Any:
+        fn = ds_decode_reference if reference else ds_decode
+        return fn(
+            q.to(DEVICE),
+            self.kv,
+            self.labels.layer(0),
+            self.labels.channels[0],
+            self.req_to_token,
+            self.lengths,
+            config=config,
+        )
+
+
+def _case(  # noqa: PLR0917
+    lengths: Sequence[int], hq: int, hkv: int, d: int, c: int, seed: int
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = _quarters(gen, len(lengths), hq, d)
+    ks = [_quarters(gen, n, hkv, d) for n in lengths]
+    vs = [torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16) for n in lengths]
+    return q, ks, vs, _channels(gen, 1, hkv, d, c)[0]
+
+
+# -- label cache ---------------------------------------------------------------------------------
+
+
+def test_label_cache_rows_equal_label_keys_reference() -> None:
+    """Prompt writes and decode appends store exactly label_keys_reference of each key."""
+    gen = torch.Generator().manual_seed(1)
+    channels = _channels(gen, 2, 3, 16, 5)
+    cache = LabelCache(channels, rows=3, max_tokens=24)
+    prompts = {0: _quarters(gen, 2, 7, 3, 16), 2: _quarters(gen, 2, 13, 3, 16)}
+    for row, k in prompts.items():
+        for layer in range(2):
+            cache.write_prompt(layer, row, k[layer])
+    new = _quarters(gen, 2, 2, 3, 16)
+    for layer in range(2):
+        cache.append(layer, [2, 0], [13, 7], new[layer])
+    for layer in range(2):
+        full0 = torch.cat([prompts[0][layer], new[layer, 1:2]])
+        full2 = torch.cat([prompts[2][layer], new[layer, 0:1]])
+        want0 = label_keys_reference(full0, channels[layer])
+        want2 = label_keys_reference(full2, channels[layer])
+        assert torch.equal(cache.layer(layer)[0:8], want0)
+        assert torch.equal(cache.layer(layer)[48:62], want2)
+        assert not cache.layer(layer)[24:48].any()  # row 1 never written
+
+
+def test_label_cache_upcasts_fp8_keys() -> None:
+    """FP8 keys are stored as their unscaled bf16 value."""
+    gen = torch.Generator().manual_seed(2)
+    channels = _channels(gen, 1, 2, 16, 4)
+    cache = LabelCache(channels, rows=1, max_tokens=8)
+    k = torch.randn(5, 2, 16, generator=gen).to(torch.float8_e4m3fn)
+    cache.write_prompt(0, 0, k)
+    assert torch.equal(cache.layer(0)[:5], label_keys_reference(k.to(torch.bfloat16), channels[0]))
+
+
+def test_label_cache_slot_table_addresses_rows_back_to_back() -> None:
+    """slots(rows, w)[b, t] = rows[b] * max_tokens + t."""
+    cache = LabelCache(torch.zeros(1, 1, 2, dtype=torch.int32), rows=4, max_tokens=12)
+    assert cache.slots([3, 1], 3).tolist() == [[36, 37, 38], [12, 13, 14]]
+
+
+@pytest.mark.parametrize(
+    ("call", "pattern"),
+    [
+        (lambda c: c.write_prompt(0, 0, torch.zeros(9, 2, 16), start=0), r"\[0, 9\) of row 0"),
+        (lambda c: c.write_prompt(0, 2, torch.zeros(1, 2, 16)), r"row=2 .*\[0, 2\)"),
+        (lambda c: c.append(0, [1], [8], torch.zeros(1, 2, 16)), r"position 8 of row 1"),
+        (lambda c: c.append(1, [1], [0], torch.zeros(1, 2, 16)), r"layer=1 .*\[0, 1\)"),
+        (lambda c: c.append(0, [0, 1], [0], torch.zeros(2, 2, 16)), "must agree on B"),
+        (lambda c: c.write_prompt(0, 0, torch.zeros(2, 3, 16)), r"Hkv=2"),
+    ],
+)
+def test_label_cache_rejects_out_of_range_writes(
+    call: Callable[[LabelCache], None], pattern: str
+) -> None:
+    """Writes outside the row, the layer or the preallocated positions raise DSConfigError."""
+    cache = LabelCache(torch.zeros(1, 2, 4, dtype=torch.int32), rows=2, max_tokens=8)
+    with pytest.raises(DSConfigError, match=pattern):
+        call(cache)
+
+
+# -- per-KV-head sparse decode --------------------------------------------------------------------
+
+
+@KERNEL
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(6, 2, 32), (8, 1, 16), (32, 8, 128)])
+def test_head_sparse_decode_matches_reference_with_own_lists_per_head(
+    hq: int, hkv: int, d: int
+) -> None:
+    """Each KV head attends only to its own token list; -1 padding anywhere; an empty head."""
+    gen = torch.Generator().manual_seed(hq * 7 + hkv)
+    records, batch, width = 9, 3, 21
+    kv = torch.randn(records, 2, 4, hkv, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    slots = torch.stack(
+        [
+            torch.stack([torch.randperm(records * 4, generator=gen)[:width] for _ in range(hkv)])
+            for _ in range(batch)
+        ]
+    ).to(torch.int32)
+    slots[torch.rand(slots.shape, generator=gen) < 0.3] = -1
+    slots[1, hkv - 1] = -1  # one (row, head) attends to nothing
+    slots = slots.to(DEVICE)
+    out, lse = head_sparse_decode(q, slots, kv, num_splits=1)
+    ref_out, ref_lse = head_sparse_decode_reference(q, slots, kv)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    group = hq // hkv
+    assert torch.isneginf(lse[1, (hkv - 1) * group :]).all()
+    assert not out[1, (hkv - 1) * group :].any()
+
+
+def test_head_sparse_decode_rejects_shared_lists() -> None:
+    """A [B, T] (shared) token list is refused with the expected shape."""
+    kv = torch.zeros(2, 2, 4, 2, 16, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match=r"\[B=1, Hkv=2, T\] int32"):
+        head_sparse_decode_reference(q, torch.zeros(1, 5, dtype=torch.int32), kv)
+
+
+# -- resident double-sparsity decode --------------------------------------------------------------
+
+
+@KERNEL
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "c", "lengths", "heavy"),
+    [
+        (8, 2, 32, 6, [37, 90, 5, 61], 16),  # GQA group 4, one short (dense) row
+        (16, 2, 32, 8, [45, 23], 10),  # GQA group 8
+        (32, 8, 128, 16, [29, 70], 12),  # Llama-like: 32 q heads, 8 KV heads, D 128
+    ],
+)
+def test_ds_decode_equals_plain_double_sparsity(  # noqa: PLR0917
+    hq: int, hkv: int, d: int, c: int, lengths: list[int], heavy: int
+) -> None:
+    """Kernel and reference select the plain definition's tokens and match its attention."""
+    q, ks, vs, channels = _case(lengths, hq, hkv, d, c, seed=hq + d)
+    config = DSConfig(heavy_channel_num=c, heavy_token_num=heavy, sparse_decode_threshold=0)
+    store = _Resident(ks, vs, channels, max_tokens=4 * math.ceil(max(lengths) / 4) + 4)
+    want, chosen = _expected(q, ks, vs, channels, config, 1 / math.sqrt(d))
+    for reference in (False, True):
+        got = store.decode(q, config, reference=reference)
+        assert _positions_as_lists(got.positions) == chosen
+        torch.testing.assert_close(got.out.float().cpu(), want, atol=2e-2, rtol=2e-2)
+    # the selection really is per KV head: some row has heads with different tokens
+    assert any(len({tuple(h) for h in row}) > 1 for row in chosen if len(row[0]) == heavy)
+
+
+@KERNEL
+@pytest.mark.parametrize(
+    "config",
+    [
+        DSConfig(heavy_channel_num=4, heavy_token_num=64, sparse_decode_threshold=0),
+        DSConfig(heavy_channel_num=4, heavy_token_num=3, sparse_decode_threshold=64),
+    ],
+    ids=["heavy_covers_context", "below_threshold"],
+)
+def test_ds_decode_falls_back_to_dense_attention(config: DSConfig) -> None:
+    """When every row fits heavy_token_num or is below the threshold, DS equals dense attention."""
+    lengths = [33, 9, 50]
+    q, ks, vs, channels = _case(lengths, 8, 2, 32, 4, seed=5)
+    store = _Resident(ks, vs, channels, max_tokens=52)
+    got = store.decode(q, config)
+    for b, n in enumerate(lengths):
+        assert _positions_as_lists(got.positions)[b] == [list(range(n))] * 2
+        for h in range(8):
+            k, v = ks[b][:, h // 4].float(), vs[b][:, h // 4].float()
+            p = torch.softmax(q[b, h].float() @ k.T / math.sqrt(32), dim=0)
+            torch.testing.assert_close(got.out[b, h].float().cpu(), p @ v, atol=2e-2, rtol=2e-2)
+
+
+@KERNEL
+def test_ds_decode_fallback_is_per_row() -> None:
+    """A short row below the threshold does not turn its long batch-mate dense."""
+    lengths = [70, 12]
+    q, ks, vs, channels = _case(lengths, 8, 2, 32, 4, seed=9)
+    config = DSConfig(heavy_channel_num=4, heavy_token_num=8, sparse_decode_threshold=40)
+    got = _Resident(ks, vs, channels, max_tokens=72).decode(q, config)
+    per_row = _positions_as_lists(got.positions)
+    assert [len(h) for h in per_row[0]] == [8, 8]
+    assert per_row[1] == [list(range(12))] * 2
+    assert got.positions.shape[2] == 12
+
+
+def test_ds_decode_rejects_lengths_outside_the_slot_table() -> None:
+    """seq_lens beyond req_to_token's width (or zero) are refused with the bound."""
+    q, ks, vs, channels = _case([8], 4, 2, 16, 4, seed=3)
+    store = _Resident(ks, vs, channels, max_tokens=8)
+    with pytest.raises(KernelInputError, match=r"seq_lens\[0\]=9 .*\[1, 8\]"):
+        ds_decode_reference(
+            q,
+            store.kv,
+            store.labels.layer(0),
+            store.labels.channels[0],
+            store.req_to_token,
+            [9],
+            config=DSConfig(),
+        )
+
+
+# -- DS-Offload -----------------------------------------------------------------------------------
+
+
+def _offload_run(
+    *,
+    hq: int,
+    hkv: int,
+    d: int,
+    prompts: Sequence[int],
+    steps: int,
+    config: DSConfig,
+    hot_slots: int,
+    kv_dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> int:
+    """Run DS-Offload and resident DS side by side for ``steps`` decode steps; return checks."""
+    gen = torch.Generator().manual_seed(seed)
+    layers, rows = 2, len(prompts) + 1
+    max_blocks = math.ceil((max(prompts) + steps) / 4) + 1
+    channels = _channels(gen, layers, hkv, d, config.heavy_channel_num)
+    geometry = OffloadGeometry(layers, rows, hot_slots, max_blocks, hkv, d, kv_dtype)
+    store = DSOffloadedKV(geometry, channels, config=config, device=DEVICE)
+    live = list(range(1, rows))  # row 0 stays free
+    hist_k: dict[int, torch.Tensor] = {}
+    hist_v: dict[int, torch.Tensor] = {}
+    for row, n in zip(live, prompts, strict=True):
+        hist_k[row] = _quarters(gen, layers, n, hkv, d).to(kv_dtype)
+        hist_v[row] = torch.randn(layers, n, hkv, d, generator=gen).to(kv_dtype)
+        store.admit(row, hist_k[row].to(DEVICE), hist_v[row].to(DEVICE))
+    checks = 0
+    for _ in range(steps):
+        store.begin_step()
+        new_k = _quarters(gen, layers, len(live), hkv, d).to(kv_dtype)
+        new_v = torch.randn(layers, len(live), hkv, d, generator=gen).to(kv_dtype)
+        store.append(live, new_k.to(DEVICE), new_v.to(DEVICE))
+        for i, row in enumerate(live):
+            hist_k[row] = torch.cat([hist_k[row], new_k[:, i : i + 1]], dim=1)
+            hist_v[row] = torch.cat([hist_v[row], new_v[:, i : i + 1]], dim=1)
+        for layer in range(layers):
+            q = _quarters(gen, len(live), hq, d).to(DEVICE)
+            got = store.decode(layer, live, q)
+            resident = _Resident(
+                [hist_k[r][layer] for r in live],
+                [hist_v[r][layer] for r in live],
+                channels[layer],
+                max_tokens=geometry.max_tokens,
+                kv_dtype=kv_dtype,
+            )
+            want = resident.decode(q, config)
+            assert torch.equal(got.positions, want.positions)
+            torch.testing.assert_close(got.out.float(), want.out.float(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(got.lse, want.lse, atol=1e-3, rtol=1e-3)
+            checks += 1
+    return checks
+
+
+@KERNEL
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "heavy", "kv_dtype"),
+    [
+        (8, 2, 32, 6, torch.bfloat16),  # group 4
+        (16, 2, 16, 5, torch.float8_e4m3fn),  # group 8, FP8 K/V
+    ],
+)
+def test_ds_offload_equals_resident_ds(
+    hq: int, hkv: int, d: int, heavy: int, kv_dtype: torch.dtype
+) -> None:
+    """Prompts of different lengths, steps across block boundaries: offload == resident."""
+    config = DSConfig(heavy_channel_num=4, heavy_token_num=heavy, sparse_decode_threshold=0)
+    checks = _offload_run(
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        prompts=[29, 6, 42],
+        steps=5,
+        config=config,
+        hot_slots=hkv * heavy,
+        kv_dtype=kv_dtype,
+        seed=hq,
+    )
+    assert checks == 10
+
+
+@KERNEL
+def test_ds_offload_dense_rows_and_a_small_hot_cache() -> None:
+    """Dense rows (below the threshold) fetch all their blocks; LRU reuse stays exact."""
+    config = DSConfig(heavy_channel_num=4, heavy_token_num=4, sparse_decode_threshold=20)
+    checks = _offload_run(
+        hq=4, hkv=2, d=16, prompts=[14, 3, 33], steps=6, config=config, hot_slots=8, seed=3
+    )
+    assert checks == 12
+
+
+def test_ds_offload_rejects_a_hot_cache_smaller_than_the_step_needs() -> None:
+    """A step needing more distinct blocks than hot_slots raises and names both numbers."""
+    config = DSConfig(heavy_channel_num=4, heavy_token_num=8, sparse_decode_threshold=0)
+    geometry = OffloadGeometry(1, 1, 2, 16, 1, 16, torch.bfloat16)
+    store = DSOffloadedKV(
+        geometry, torch.zeros(1, 1, 4, dtype=torch.int32), config=config, device="cpu"
+    )
+    gen = torch.Generator().manual_seed(0)
+    store.admit(0, _quarters(gen, 1, 40, 1, 16), _quarters(gen, 1, 40, 1, 16))
+    store.begin_step()
+    with pytest.raises(KernelInputError, match=r"needs \d+ distinct blocks .*hot_slots=2"):
+        store.decode(0, [0], _quarters(gen, 1, 4, 16))
+
+
+def test_ds_offload_decode_needs_a_step() -> None:
+    """decode before begin_step is refused."""
+    geometry = OffloadGeometry(1, 1, 4, 4, 1, 16, torch.bfloat16)
+    store = DSOffloadedKV(
+        geometry, torch.zeros(1, 1, 4, dtype=torch.int32), config=DSConfig(), device="cpu"
+    )
+    with pytest.raises(KernelInputError, match="begin_step"):
+        store.decode(0, [0], torch.zeros(1, 4, 16, dtype=torch.bfloat16))
+
+
+# -- full size (GPU) ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_full_size_llama_ds_decode_and_offload() -> None:
+    """Llama-3.1-8B geometry, 4K/3K/1K contexts, 32 channels, 256 tokens: kernel == reference,
+    offload == resident."""
+    lengths = [4096, 3001, 1030]
+    q, ks, vs, channels = _case(lengths, 32, 8, 128, 32, seed=11)
+    config = DSConfig(heavy_channel_num=32, heavy_token_num=256, sparse_decode_threshold=2048)
+    store = _Resident(ks, vs, channels, max_tokens=4100)
+    got = store.decode(q, config)
+    ref = store.decode(q, config, reference=True)
+    assert torch.equal(got.positions, ref.positions)
+    torch.testing.assert_close(got.out.float(), ref.out.float(), atol=2e-2, rtol=2e-2)
+    checks = _offload_run(
+        hq=32,
+        hkv=8,
+        d=128,
+        prompts=[4093, 2050],
+        steps=2,
+        config=config,
+        hot_slots=8 * 256 + 8,
+    )
+    assert checks == 4
