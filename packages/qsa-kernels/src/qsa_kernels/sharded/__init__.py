@@ -1,0 +1,47 @@
+"""QSA cache sharding for decode: placement adapters, exact distributed top-k, owner attention.
+
+A shard group of ``N`` ranks (a torch.distributed process group) stores each request's raw K/V
+token-interleaved and its compressed index page-interleaved (:class:`qsa_core.ShardPlacement`).
+One decode step of one QSA layer is :func:`sharded_indexer_topk` (each rank scores its own
+blocks; one all-gather of candidates; an exact merge) then :func:`owner_sparse_decode` (each rank
+attends over the selected tokens it stores; one exchange of fp32 partials; an LSE merge). All
+transport goes through :class:`ShardedDecodeBuffers`, allocated once.
+"""
+
+from qsa_kernels.sharded._attention import owner_sparse_decode, partial_attention_reference
+from qsa_kernels.sharded._buffers import CollectiveBytes, HeadLayout, ShardedDecodeBuffers
+from qsa_kernels.sharded._group import KernelPath, ShardGroup, all_gather_flat, all_to_all_flat
+from qsa_kernels.sharded._layout import (
+    LocalIndexTable,
+    local_index_table,
+    localize_token_slots,
+    shard_index_pages,
+    shard_raw_kv,
+    unshard_index_pages,
+    unshard_raw_kv,
+)
+from qsa_kernels.sharded._topk import local_topk_candidates, sharded_indexer_topk
+
+__all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
+    # -- Group, path, transport --
+    "CollectiveBytes",
+    "HeadLayout",
+    "KernelPath",
+    "ShardGroup",
+    "ShardedDecodeBuffers",
+    "all_gather_flat",
+    "all_to_all_flat",
+    # -- Placement adapters --
+    "LocalIndexTable",
+    "local_index_table",
+    "localize_token_slots",
+    "shard_index_pages",
+    "shard_raw_kv",
+    "unshard_index_pages",
+    "unshard_raw_kv",
+    # -- Decode step --
+    "local_topk_candidates",
+    "owner_sparse_decode",
+    "partial_attention_reference",
+    "sharded_indexer_topk",
+)

@@ -1,0 +1,156 @@
+"""Owner-side sparse attention: each rank attends over the selected tokens it stores.
+
+The selected blocks expand to token positions (plus the incomplete-group tail), the positions map
+through the request's slot table to logical raw slots, and each rank keeps the slots it owns as
+local slots. Each rank computes a partial ``(out, lse)`` over its tokens; the partials (fp32,
+packed ``[..., D + 1]`` with the LSE last) cross the group in one collective and are combined by
+:func:`qsa_kernels.lse_merge` in fp32. The owned token sets are disjoint and cover the selection,
+so the merge equals single-rank attention over the whole selection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels.expand import expand_blocks, expand_blocks_reference
+from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
+from qsa_kernels.sharded._buffers import HeadLayout, ShardedDecodeBuffers
+from qsa_kernels.sharded._group import KernelPath, ShardGroup, all_gather_flat, all_to_all_flat
+from qsa_kernels.sharded._layout import localize_token_slots
+from qsa_kernels.sparse_decode import gather_selected_kv, sparse_decode
+
+__all__ = ("owner_sparse_decode", "partial_attention_reference")
+
+
+def partial_attention_reference(
+    q: torch.Tensor, token_slots: torch.Tensor, kv_cache: torch.Tensor, *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the valid token slots, kept in fp32 (the partial of one owner).
+
+    Same math as :func:`qsa_kernels.sparse_decode_reference` without the final bf16 cast.
+
+    Args:
+        q: ``[B, Hq, D]`` bf16.
+        token_slots: ``[B, T]`` int32 local token slots, ``-1`` padding anywhere.
+        kv_cache: ``[NS, 2, 4, Hkv, D]`` bf16/fp8 local K/V.
+        scale: softmax scale.
+
+    Returns:
+        ``(out [B, Hq, D] fp32, lse [B, Hq] fp32)``; an empty row gives ``(0, -inf)``.
+    """
+    batch, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    k, v, valid = gather_selected_kv(token_slots, kv_cache)
+    qg = q.float().view(batch, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,bhtd->bhgt", qg, k.float()) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.where(torch.isneginf(lse), 0.0, lse)
+    probs = torch.exp(scores - finite.unsqueeze(-1))
+    out = torch.einsum("bhgt,bhtd->bhgd", probs, v.float())
+    return out.reshape(batch, hq, d), lse.reshape(batch, hq)
+
+
+def owner_sparse_decode(
+    q: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_table: torch.Tensor,
+    local_kv: torch.Tensor,
+    *,
+    shard: ShardGroup,
+    buffers: ShardedDecodeBuffers,
+    scale: float | None = None,
+    path: KernelPath = KernelPath.AUTO,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse GQA decode over the selection, each rank reading only the K/V it stores.
+
+    Collectives (``B`` rows, ``Hq`` heads of the KV group, ``N`` ranks): REPLICATED, one
+    all-gather of ``B * Hq * (D + 1) * 4`` bytes per rank; SHARDED, one all-gather of ``B * Hq /
+    N * D * 2`` bytes of queries, then one all-to-all of ``B * Hq * (D + 1) * 4`` bytes per rank.
+
+    Args:
+        q: REPLICATED ``[B, Hq, D]``; SHARDED ``[B, Hq / N, D]`` (this rank's heads ``[rank *
+            Hq / N, (rank + 1) * Hq / N)``); bf16, roped.
+        block_ids: ``[B, topk]`` int32 selected request-relative block ids (any order), ``-1``
+            padding; identical on every rank (:func:`sharded_indexer_topk`).
+        seq_lens: ``[B]`` int32/int64 tokens visible to each query (position + 1).
+        slot_table: ``[B, >= max seq_len]`` int32/int64 logical raw slot of each position
+            (``req_to_token`` rows).
+        local_kv: ``[NS_local, 2, 4, Hkv, D]`` this rank's raw K/V shard (:func:`shard_raw_kv`
+            layout); ``Hkv`` divides ``Hq``.
+        shard: this rank's shard group.
+        buffers: static buffers with ``max_rows >= B``, ``topk == block_ids.shape[1]``, and
+            ``q_heads == Hq``.
+        scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+        path: kernels or references (the kernel's partial is bf16-rounded before the fp32 merge;
+            the reference's stays fp32).
+
+    Returns:
+        ``(out, lse)``: REPLICATED ``[B, Hq, D]`` bf16 and ``[B, Hq]`` fp32 on every rank;
+        SHARDED the rank's own heads, ``[B, Hq / N, D]`` and ``[B, Hq / N]``.
+    """
+    batch = q.shape[0]
+    buffers.check_rows(batch)
+    n, d = shard.world_size, buffers.head_dim
+    hq, k = buffers.q_heads, buffers.topk
+    sharded = buffers.layout is HeadLayout.SHARDED
+    heads_in = hq // n if sharded else hq
+    if tuple(q.shape[1:]) != (heads_in, d) or buffers.world_size != n:
+        msg = (
+            f"q must be [B, {heads_in!r}, {d!r}] for {buffers.layout!r} with world_size={n!r}; "
+            f"got {tuple(q.shape)!r} (buffers for world_size={buffers.world_size!r})"
+        )
+        raise KernelInputError(msg)
+    if block_ids.shape != (batch, k):
+        msg = f"block_ids must be [B={batch!r}, topk={k!r}]; got {tuple(block_ids.shape)!r}"
+        raise KernelInputError(msg)
+    concrete = path.resolve(q.device)
+    sm_scale = d**-0.5 if scale is None else scale
+    width = 4 * k + 3
+    positions = buffers.positions[: batch * width].view(batch, width)
+    if concrete is KernelPath.TRITON:
+        expand_blocks(block_ids, seq_lens, ratio=4, token_topk=4 * k, out=positions)
+    else:
+        positions.copy_(expand_blocks_reference(block_ids, seq_lens, ratio=4, token_topk=4 * k))
+    valid = positions >= 0
+    slots = torch.gather(slot_table, 1, torch.where(valid, positions, 0).to(torch.int64))
+    slots = torch.where(valid, slots, -1)
+    local = buffers.local_slots[: batch * width].view(batch, width)
+    localize_token_slots(slots, shard.placement, shard.rank, out=local)
+
+    if sharded:
+        q_words = batch * heads_in * d
+        q_send = buffers.query_send[:q_words]
+        q_send.view(batch, heads_in, d).copy_(q)
+        q_recv = buffers.query_recv[: n * q_words]
+        all_gather_flat(shard, q_send, q_recv)
+        q_full = q_recv.view(n, batch, heads_in, d).transpose(0, 1).reshape(batch, hq, d)
+    else:
+        q_full = q.contiguous()
+
+    if concrete is KernelPath.TRITON:
+        out_b, lse = sparse_decode(q_full, local, local_kv, scale=sm_scale)
+        out = out_b.float()
+    else:
+        out, lse = partial_attention_reference(q_full, local, local_kv, scale=sm_scale)
+
+    p_words = batch * hq * (d + 1)
+    p_send = buffers.partial_send[:p_words]
+    if sharded:
+        # Destination-major: chunk j holds rank j's heads, [N, B, Hq / N, D + 1].
+        packed = p_send.view(n, batch, heads_in, d + 1)
+        packed[..., :d] = out.view(batch, n, heads_in, d).transpose(0, 1)
+        packed[..., d] = lse.view(batch, n, heads_in).transpose(0, 1)
+        p_recv = buffers.partial_recv[:p_words]
+        all_to_all_flat(shard, p_send, p_recv)
+    else:
+        packed = p_send.view(batch, hq, d + 1)
+        packed[..., :d] = out
+        packed[..., d] = lse
+        p_recv = buffers.partial_recv[: n * p_words]
+        all_gather_flat(shard, p_send, p_recv)
+    parts = p_recv.view(n, batch, heads_in, d + 1)
+    merge = lse_merge if concrete is KernelPath.TRITON else lse_merge_reference
+    return merge(parts[..., :d], parts[..., d].contiguous(), out_dtype=torch.bfloat16)

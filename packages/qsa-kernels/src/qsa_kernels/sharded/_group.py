@@ -1,0 +1,141 @@
+"""A rank's handle on its QSA shard group, and the two flat collectives the sharded path uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+import torch.distributed as dist
+
+from qsa_core import ShardPlacement
+from qsa_kernels._errors import KernelInputError
+
+__all__ = ("KernelPath", "ShardGroup", "all_gather_flat", "all_to_all_flat")
+
+
+class KernelPath(enum.Enum):
+    """Which implementation computes the per-rank math of the sharded path.
+
+    Attributes:
+        AUTO: :attr:`TRITON` for CUDA tensors, :attr:`REFERENCE` otherwise.
+        TRITON: the Triton kernels (on CPU tensors only under ``TRITON_INTERPRET=1``).
+        REFERENCE: the torch references (host-synchronising loops; not CUDA-graph safe).
+    """
+
+    AUTO = "auto"
+    TRITON = "triton"
+    REFERENCE = "reference"
+
+    def resolve(self, device: torch.device) -> KernelPath:
+        """The concrete path for tensors on ``device``."""
+        if self is KernelPath.AUTO:
+            return KernelPath.TRITON if device.type == "cuda" else KernelPath.REFERENCE
+        return self
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardGroup:
+    """One rank's view of a QSA shard group.
+
+    Attributes:
+        placement: owner and local index of raw slots and compressed pages
+            (``placement.world_size`` ranks).
+        rank: this rank's index inside the shard group, ``0 <= rank < world_size``.
+        group: the torch.distributed process group of exactly those ranks, in rank order;
+            ``None`` means the default group. Unused (and ``torch.distributed`` need not be
+            initialised) when ``world_size == 1``.
+    """
+
+    placement: ShardPlacement
+    rank: int
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        world = self.placement.world_size
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int):
+            msg = f"rank={self.rank!r} must be an int in 0..{world - 1}"
+            raise KernelInputError(msg)
+        if not 0 <= self.rank < world:
+            msg = f"rank={self.rank!r} is not allowed; allowed: 0..{world - 1}"
+            raise KernelInputError(msg)
+        if world == 1:
+            return
+        if not dist.is_initialized():
+            msg = f"world_size={world!r} > 1 needs an initialised torch.distributed process group"
+            raise KernelInputError(msg)
+        group_size = dist.get_world_size(self.group)
+        group_rank = dist.get_rank(self.group)
+        if group_size != world or group_rank != self.rank:
+            msg = (
+                f"process group has size {group_size!r} and this rank is {group_rank!r}; the "
+                f"placement says world_size={world!r}, rank={self.rank!r}"
+            )
+            raise KernelInputError(msg)
+
+    @classmethod
+    def from_process_group(
+        cls,
+        group: dist.ProcessGroup | None = None,
+        *,
+        blocks_per_page: int = 16,
+        compress_ratio: int = 4,
+    ) -> ShardGroup:
+        """The shard group of every rank of ``group`` (default: the default group)."""
+        world = dist.get_world_size(group)
+        placement = ShardPlacement(world, blocks_per_page, compress_ratio)
+        return cls(placement, dist.get_rank(group), group)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the shard group."""
+        return self.placement.world_size
+
+
+def _check_flat(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 1 or not t.is_contiguous():
+        msg = f"{name} must be a contiguous 1-D buffer view; got shape {tuple(t.shape)!r}"
+        raise KernelInputError(msg)
+
+
+def all_gather_flat(shard: ShardGroup, send: torch.Tensor, recv: torch.Tensor) -> None:
+    """All-gather ``send`` ``[n]`` from every rank into ``recv`` ``[world * n]``, rank-major.
+
+    One collective (none when ``world_size == 1``: a copy). Both are contiguous 1-D views of
+    static buffers, so the call is CUDA-graph capturable with NCCL.
+    """
+    _check_flat("send", send)
+    _check_flat("recv", recv)
+    if recv.numel() != send.numel() * shard.world_size or recv.dtype != send.dtype:
+        msg = (
+            f"recv must hold world_size={shard.world_size!r} x {send.numel()!r} {send.dtype!r}; "
+            f"got {recv.numel()!r} {recv.dtype!r}"
+        )
+        raise KernelInputError(msg)
+    if shard.world_size == 1:
+        recv.copy_(send)
+        return
+    gather = getattr(dist, "all_gather_single", None)  # newer torch; the older name warns there
+    if gather is None:
+        gather = dist.all_gather_into_tensor
+    gather(recv, send, group=shard.group)
+
+
+def all_to_all_flat(shard: ShardGroup, send: torch.Tensor, recv: torch.Tensor) -> None:
+    """All-to-all of equal chunks: chunk ``j`` of ``send`` goes to rank ``j``'s chunk ``rank``.
+
+    ``send`` and ``recv`` are contiguous 1-D ``[world * n]`` views; one collective (a copy when
+    ``world_size == 1``).
+    """
+    _check_flat("send", send)
+    _check_flat("recv", recv)
+    if recv.numel() != send.numel() or send.numel() % shard.world_size or recv.dtype != send.dtype:
+        msg = (
+            f"send and recv must be equal [world_size={shard.world_size!r} x n] buffers; got "
+            f"{send.numel()!r} {send.dtype!r} and {recv.numel()!r} {recv.dtype!r}"
+        )
+        raise KernelInputError(msg)
+    if shard.world_size == 1:
+        recv.copy_(send)
+        return
+    dist.all_to_all_single(recv, send, group=shard.group)
