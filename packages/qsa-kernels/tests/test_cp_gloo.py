@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from qsa_core import ZigzagLayout
+from qsa_kernels._errors import KernelInputError
 from qsa_kernels.cp import (
     CPRowPlan,
     all_gather_global,
@@ -129,6 +130,21 @@ def _run_rank(
     }
 
 
+def _mismatch_refused(cp_size: int, pg: dist.ProcessGroup) -> torch.Tensor:
+    """``[1]`` bool: both collectives refuse a plan whose cp_size is not the group's size."""
+    plan = CPRowPlan.from_layout(ZigzagLayout(cp_size + 1, (9,)))
+    refused = 0
+    try:
+        all_gather_global(torch.zeros(plan.rows_per_rank, 2), plan, group=pg)
+    except KernelInputError as e:
+        refused += f"cp_size is {cp_size + 1}" in str(e)
+    try:
+        reduce_scatter_rank_major(torch.zeros(9, 2), plan, group=pg)
+    except KernelInputError as e:
+        refused += f"has {cp_size} ranks" in str(e)
+    return torch.tensor([refused == 2])
+
+
 def _worker(rank: int, port: int, out_dir: Path) -> None:
     """One of the ``WORLD`` processes: join, build every CP group, run every case, save results."""
     dist.init_process_group(
@@ -142,6 +158,7 @@ def _worker(rank: int, port: int, out_dir: Path) -> None:
         for case_name in CASES:
             for name, value in _run_rank(cp_size, case_name, rank, group).items():
                 results[f"{cp_size}/{case_name}/{rank}/{name}"] = value
+        results[f"{cp_size}/mismatch/{rank}"] = _mismatch_refused(cp_size, group)
     torch.save(results, out_dir / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -249,6 +266,15 @@ def test_cp_sparse_prefill_equals_single_rank_attention(
         pad = plan.rank_major_index[plan.local_slice(rank)] < 0
         assert torch.isneginf(lses[rank][pad]).all()
         assert torch.count_nonzero(outs[rank][pad]) == 0
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES, ids=lambda c: f"C{c}")
+def test_collectives_refuse_a_plan_for_another_group_size(
+    gloo_results: dict[str, torch.Tensor], cp_size: int
+) -> None:
+    """On a real group of C ranks, a plan for C + 1 ranks raises on every rank, moving nothing."""
+    for rank in range(cp_size):
+        assert bool(gloo_results[f"{cp_size}/mismatch/{rank}"])
 
 
 def test_every_case_has_rows_and_the_small_case_leaves_ranks_idle() -> None:
