@@ -7,6 +7,31 @@ compare against.
 
 from qsa_kernels._errors import DeviceUnavailableError, KernelInputError, QSAKernelError
 from qsa_kernels._version import __version__
+from qsa_kernels.cp import (
+    CPRowPlan,
+    all_gather_global,
+    cp_sparse_prefill_reference,
+    reduce_scatter_rank_major,
+    sparse_prefill_reference,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_to_rank_major,
+    zigzag_unshard,
+)
+from qsa_kernels.double_sparsity import (
+    ChannelConfig,
+    ChannelConfigError,
+    DSConfig,
+    DSConfigError,
+    DSDecodeOutput,
+    DSOffloadedKV,
+    HeavyChannelType,
+    LabelCache,
+    ds_decode,
+    ds_decode_reference,
+    head_sparse_decode,
+    head_sparse_decode_reference,
+)
 from qsa_kernels.ds_label import LabelTopK, label_keys_reference, label_topk, label_topk_reference
 from qsa_kernels.expand import expand_blocks, expand_blocks_reference
 from qsa_kernels.fetch import (
@@ -70,4 +95,27 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "label_topk_reference",
     "merge_candidates",
     "merge_candidates_reference",
+    # -- Context-parallel prefill: zigzag rows, rank-major collectives, attention reference --
+    "CPRowPlan",
+    "all_gather_global",
+    "cp_sparse_prefill_reference",
+    "reduce_scatter_rank_major",
+    "sparse_prefill_reference",
+    "zigzag_positions",
+    "zigzag_shard",
+    "zigzag_to_rank_major",
+    "zigzag_unshard",
+    # -- Double sparsity: calibrated channels, label cache, DS decode, DS-Offload --
+    "ChannelConfig",
+    "ChannelConfigError",
+    "DSConfig",
+    "DSConfigError",
+    "DSDecodeOutput",
+    "DSOffloadedKV",
+    "HeavyChannelType",
+    "LabelCache",
+    "ds_decode",
+    "ds_decode_reference",
+    "head_sparse_decode",
+    "head_sparse_decode_reference",
 )

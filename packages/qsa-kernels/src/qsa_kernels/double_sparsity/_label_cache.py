@@ -52,8 +52,10 @@ class LabelCache:
         if dtype not in _LABEL_DTYPES:
             msg = f"dtype={dtype!r} is not allowed; allowed: {_LABEL_DTYPES!r}"
             raise DSConfigError(msg)
-        self.device = torch.device(device)
-        self.channels = channels.to(device=self.device, dtype=torch.int64).contiguous()
+        # The device of a real allocation: "cuda" resolves to "cuda:<index>", so later equality
+        # checks against tensors' devices hold.
+        self.channels = channels.to(device=torch.device(device), dtype=torch.int64).contiguous()
+        self.device = self.channels.device
         self.rows = rows
         self.max_tokens = max_tokens
         layers, hkv, c = self.channels.shape

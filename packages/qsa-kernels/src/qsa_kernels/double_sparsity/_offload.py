@@ -224,7 +224,7 @@ class DSOffloadedKV:
         if need:
             selected = torch.where(ids[:, :need] < sentinel, ids[:, :need], -1).to(torch.int32)
             # write-backs of closed blocks must land before the fetch reads the arena
-            self.kv._wait_pending()
+            self.kv.wait_for_host_writes()
             fetch_selected_blocks(
                 selected.unsqueeze(1).contiguous(),
                 row_t.to(torch.int32),

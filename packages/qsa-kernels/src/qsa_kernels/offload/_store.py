@@ -104,7 +104,6 @@ class OffloadedKV:
 
     def __init__(self, geometry: OffloadGeometry, device: torch.device) -> None:
         self.geometry = geometry
-        self.device = device
         g = geometry
         pin = device.type == "cuda"
         self.host_arena = torch.empty(
@@ -116,6 +115,8 @@ class OffloadedKV:
         self.tail = torch.zeros(
             (g.layers, g.rows, 1, *g.record_shape), dtype=g.dtype, device=device
         )
+        # The device of a real allocation ("cuda" resolves to "cuda:<index>").
+        self.device = self.hot.device
         self.tables = HotCacheTables.empty(g.layers, g.rows, g.hot_slots, g.max_blocks, device)
         self._lengths = [0] * g.rows
         self._states = [RowState.FREE] * g.rows
@@ -191,7 +192,7 @@ class OffloadedKV:
             msg = f"k and v must be {expected!r}; got {tuple(k.shape)!r} and {tuple(v.shape)!r}"
             raise KernelInputError(msg)
         self._check_active(rows)
-        self._wait_pending()  # a closed tail may still be on its way to host
+        self.wait_for_host_writes()  # a closed tail may still be on its way to host
         closed_rows: list[int] = []
         closed_blocks: list[int] = []
         for b, row in enumerate(rows):
@@ -256,7 +257,7 @@ class OffloadedKV:
         if self._step < 0:
             msg = "attend before begin_step(); every decode step needs a stamp"
             raise KernelInputError(msg)
-        self._wait_pending()
+        self.wait_for_host_writes()
         row_t = torch.tensor(list(rows), dtype=torch.int32, device=self.device)
         layer_t = torch.tensor([layer], dtype=torch.int32, device=self.device)
         slots = fetch_selected_blocks(
@@ -293,6 +294,18 @@ class OffloadedKV:
             out_dtype=torch.bfloat16,
         )
 
+    def wait_for_host_writes(self) -> None:
+        """Order the current stream after every write to the host arena or tail still in flight.
+
+        Call it before reading the arena from the device by other means (e.g. a fetch issued by
+        a caller); :meth:`append` and :meth:`attend` call it themselves. It does not block the host.
+        """
+        if self._pending:
+            stream = torch.cuda.current_stream(self.device)
+            for event in self._pending:
+                stream.wait_event(event)
+            self._pending.clear()
+
     # -- internals --
 
     def _check_row(self, row: int) -> int:
@@ -313,10 +326,3 @@ class OffloadedKV:
     def _remember(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             self._pending.append(event)
-
-    def _wait_pending(self) -> None:
-        if self._pending:
-            stream = torch.cuda.current_stream(self.device)
-            for event in self._pending:
-                stream.wait_event(event)
-            self._pending.clear()
