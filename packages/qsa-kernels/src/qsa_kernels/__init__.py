@@ -48,6 +48,19 @@ from qsa_kernels.indexer_topk import (
 )
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
+from qsa_kernels.sharded import (
+    CollectiveBytes,
+    HeadLayout,
+    KernelPath,
+    ShardedDecodeBuffers,
+    ShardGroup,
+    local_index_table,
+    localize_token_slots,
+    owner_sparse_decode,
+    shard_index_pages,
+    shard_raw_kv,
+    sharded_indexer_topk,
+)
 from qsa_kernels.sparse_decode import gather_selected_kv, sparse_decode, sparse_decode_reference
 from qsa_kernels.topk_merge import MergedTopK, merge_candidates, merge_candidates_reference
 from qsa_kernels.writeback import (
@@ -118,4 +131,16 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ds_decode_reference",
     "head_sparse_decode",
     "head_sparse_decode_reference",
+    # -- QSA cache sharding: placement adapters, distributed top-k, owner-side attention --
+    "CollectiveBytes",
+    "HeadLayout",
+    "KernelPath",
+    "ShardGroup",
+    "ShardedDecodeBuffers",
+    "local_index_table",
+    "localize_token_slots",
+    "owner_sparse_decode",
+    "shard_index_pages",
+    "shard_raw_kv",
+    "sharded_indexer_topk",
 )
