@@ -18,11 +18,10 @@ from qsa_kernels.double_sparsity import (
     LabelCache,
     ds_decode,
     ds_decode_reference,
-    head_sparse_decode,
-    head_sparse_decode_reference,
 )
 from qsa_kernels.ds_label import label_keys_reference
 from qsa_kernels.offload import OffloadGeometry
+from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -211,12 +210,12 @@ def test_label_cache_rejects_out_of_range_writes(
         call(cache)
 
 
-# -- per-KV-head sparse decode --------------------------------------------------------------------
+# -- sparse decode with a token list per KV head (what double sparsity needs) --
 
 
 @KERNEL
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(6, 2, 32), (8, 1, 16), (32, 8, 128)])
-def test_head_sparse_decode_matches_reference_with_own_lists_per_head(
+def test_sparse_decode_with_a_token_list_per_kv_head_matches_reference(
     hq: int, hkv: int, d: int
 ) -> None:
     """Each KV head attends only to its own token list; -1 padding anywhere; an empty head."""
@@ -233,8 +232,8 @@ def test_head_sparse_decode_matches_reference_with_own_lists_per_head(
     slots[torch.rand(slots.shape, generator=gen) < 0.3] = -1
     slots[1, hkv - 1] = -1  # one (row, head) attends to nothing
     slots = slots.to(DEVICE)
-    out, lse = head_sparse_decode(q, slots, kv, num_splits=1)
-    ref_out, ref_lse = head_sparse_decode_reference(q, slots, kv)
+    out, lse = sparse_decode(q, slots, kv, num_splits=1)
+    ref_out, ref_lse = sparse_decode_reference(q, slots, kv)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
     group = hq // hkv
@@ -242,12 +241,12 @@ def test_head_sparse_decode_matches_reference_with_own_lists_per_head(
     assert not out[1, (hkv - 1) * group :].any()
 
 
-def test_head_sparse_decode_rejects_shared_lists() -> None:
-    """A [B, T] (shared) token list is refused with the expected shape."""
+def test_sparse_decode_rejects_per_head_lists_for_another_head_count() -> None:
+    """A [B, H, T] list whose H is not the cache's Hkv is refused naming the expected Hkv."""
     kv = torch.zeros(2, 2, 4, 2, 16, dtype=torch.bfloat16)
     q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
-    with pytest.raises(KernelInputError, match=r"\[B=1, Hkv=2, T\] int32"):
-        head_sparse_decode_reference(q, torch.zeros(1, 5, dtype=torch.int32), kv)
+    with pytest.raises(KernelInputError, match="Hkv of kv_cache"):
+        sparse_decode_reference(q, torch.zeros(1, 3, 5, dtype=torch.int32), kv)
 
 
 # -- resident double-sparsity decode --------------------------------------------------------------

@@ -29,8 +29,6 @@ from qsa_kernels.double_sparsity import (
     LabelCache,
     ds_decode,
     ds_decode_reference,
-    head_sparse_decode,
-    head_sparse_decode_reference,
 )
 from qsa_kernels.ds_label import LabelTopK, label_keys_reference, label_topk, label_topk_reference
 from qsa_kernels.expand import expand_blocks, expand_blocks_reference
@@ -129,8 +127,6 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "LabelCache",
     "ds_decode",
     "ds_decode_reference",
-    "head_sparse_decode",
-    "head_sparse_decode_reference",
     # -- QSA cache sharding: placement adapters, distributed top-k, owner-side attention --
     "CollectiveBytes",
     "HeadLayout",

@@ -8,7 +8,7 @@ and attends exactly over those. This subpackage holds:
 * the options (:class:`DSConfig`) and the calibration file loader (:class:`ChannelConfig`);
 * the label cache (:class:`LabelCache`), preallocated per request row;
 * one layer's decode over a resident K/V store (:func:`ds_decode`, reference beside it), built on
-  a sparse decode with a token list per KV head (:func:`head_sparse_decode`);
+  :func:`qsa_kernels.sparse_decode` with one token list per KV head;
 * DS-Offload (:class:`DSOffloadedKV`): the K/V history in the host arena, the label cache on the
   device, the selected tokens' blocks fetched into the hot cache.
 """
@@ -28,10 +28,6 @@ from qsa_kernels.double_sparsity._decode import (
     positions_to_slots,
 )
 from qsa_kernels.double_sparsity._errors import ChannelConfigError, DSConfigError
-from qsa_kernels.double_sparsity._head_decode import (
-    head_sparse_decode,
-    head_sparse_decode_reference,
-)
 from qsa_kernels.double_sparsity._label_cache import LabelCache
 from qsa_kernels.double_sparsity._offload import DSOffloadedKV
 
@@ -51,8 +47,6 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ds_decode",
     "ds_decode_reference",
     "ds_positions",
-    "head_sparse_decode",
-    "head_sparse_decode_reference",
     "positions_to_slots",
     # -- Offload --
     "DSOffloadedKV",

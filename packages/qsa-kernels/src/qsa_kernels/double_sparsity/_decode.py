@@ -9,11 +9,8 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.double_sparsity._config import DSConfig
-from qsa_kernels.double_sparsity._head_decode import (
-    head_sparse_decode,
-    head_sparse_decode_reference,
-)
 from qsa_kernels.ds_label import LabelTopK, label_topk, label_topk_reference
+from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 
 __all__ = (
     "DSDecodeOutput",
@@ -141,7 +138,7 @@ def ds_decode(  # noqa: PLR0917
 
     Selects positions with :func:`ds_positions`, maps them to token slots through
     ``req_to_token`` and attends exactly over each (row, KV head)'s own tokens with
-    :func:`head_sparse_decode` (one launch for all heads).
+    :func:`qsa_kernels.sparse_decode` given ``[B, Hkv, T]`` lists (one launch for all heads).
 
     Args:
         q: ``[B, Hq, D]`` bf16 queries.
@@ -158,7 +155,7 @@ def ds_decode(  # noqa: PLR0917
     """
     positions = ds_positions(q, label_cache, channels, req_to_token, seq_lens, config=config)
     slots = positions_to_slots(positions, req_to_token)
-    out, lse = head_sparse_decode(q, slots, kv_cache, scale=scale)
+    out, lse = sparse_decode(q, slots, kv_cache, scale=scale)
     return DSDecodeOutput(out, lse, positions)
 
 
@@ -178,5 +175,5 @@ def ds_decode_reference(  # noqa: PLR0917
         q, label_cache, channels, req_to_token, seq_lens, config=config, reference=True
     )
     slots = positions_to_slots(positions, req_to_token)
-    out, lse = head_sparse_decode_reference(q, slots, kv_cache, scale=scale)
+    out, lse = sparse_decode_reference(q, slots, kv_cache, scale=scale)
     return DSDecodeOutput(out, lse, positions)

@@ -18,11 +18,11 @@ import torch
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.double_sparsity._config import DSConfig
 from qsa_kernels.double_sparsity._decode import DSDecodeOutput, ds_positions
-from qsa_kernels.double_sparsity._head_decode import head_sparse_decode
 from qsa_kernels.double_sparsity._label_cache import LabelCache
 from qsa_kernels.fetch import BLOCK_TOKENS, fetch_selected_blocks
 from qsa_kernels.lse_merge import lse_merge
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+from qsa_kernels.sparse_decode import sparse_decode
 
 __all__ = ("DSOffloadedKV",)
 
@@ -169,7 +169,7 @@ class DSOffloadedKV:
         in_hot = (positions >= 0) & (positions < closed.view(batch, 1, 1))
         block = torch.div(positions, BLOCK_TOKENS, rounding_mode="floor")
         hot_tokens = self._fetch(layer, row_t, in_hot, block, positions)
-        out_hot, lse_hot = head_sparse_decode(
+        out_hot, lse_hot = sparse_decode(
             q,
             hot_tokens,
             self.kv.hot[layer].view(g.rows * g.hot_slots, *g.record_shape),
@@ -182,7 +182,7 @@ class DSOffloadedKV:
         tail_tokens = torch.where(
             chosen, (row_t.view(batch, 1, 1) * BLOCK_TOKENS + offsets).to(torch.int32), -1
         ).to(torch.int32)
-        out_tail, lse_tail = head_sparse_decode(
+        out_tail, lse_tail = sparse_decode(
             q,
             tail_tokens.contiguous(),
             self.kv.tail[layer].view(g.rows, *g.record_shape),

@@ -19,7 +19,12 @@ def check_decode_args(
     """Validate a sparse decode call; return the softmax scale (default ``1 / sqrt(D)``)."""
     check_ndim("q", q, 3, "[B, Hq, D]")
     check_dtype("q", q, (torch.bfloat16,))
-    check_ndim("token_slots", token_slots, 2, "[B, T]")
+    if token_slots.dim() not in (2, 3):
+        msg = (
+            f"token_slots must be [B, T] (one list per row) or [B, Hkv, T] (one per KV head); "
+            f"got shape {tuple(token_slots.shape)!r}"
+        )
+        raise KernelInputError(msg)
     check_dtype("token_slots", token_slots, (torch.int32,))
     check_ndim("kv_cache", kv_cache, 5, "[NS, 2, 4, Hkv, D]")
     check_dtype("kv_cache", kv_cache, KV_DTYPES)
@@ -36,10 +41,12 @@ def check_decode_args(
     if hkv == 0 or hq % hkv:
         msg = f"Hq={hq!r} must be a positive multiple of Hkv={hkv!r}"
         raise KernelInputError(msg)
+    if token_slots.dim() == 3:
+        check_dim("token_slots", token_slots, 1, hkv, "Hkv of kv_cache")
     if not kv_cache.is_contiguous():
         msg = f"kv_cache must be contiguous; got strides {kv_cache.stride()!r}"
         raise KernelInputError(msg)
-    if q.stride(2) != 1 or token_slots.stride(1) != 1:
+    if q.stride(2) != 1 or token_slots.stride(-1) != 1:
         msg = "q and token_slots must be contiguous along their last dim"
         raise KernelInputError(msg)
     if scale is None:

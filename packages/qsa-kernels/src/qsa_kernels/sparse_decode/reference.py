@@ -40,17 +40,24 @@ def sparse_decode_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode over selected tokens (reference: gather, then fp32 attention).
 
-    Same contract as :func:`qsa_kernels.sparse_decode`.
+    Same contract as :func:`qsa_kernels.sparse_decode`, for ``[B, T]`` and ``[B, Hkv, T]`` token
+    lists alike.
     """
     sm_scale = check_decode_args(q, token_slots, kv_cache, scale)
     B, Hq, D = q.shape
     Hkv = kv_cache.shape[3]
-    k, v, valid = gather_selected_kv(token_slots, kv_cache)
-    qg = q.float().view(B, Hkv, Hq // Hkv, D)
-    scores = torch.einsum("bhgd,bhtd->bhgt", qg, k.float()) * sm_scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G], -inf for an empty row
-    finite = torch.where(torch.isneginf(lse), 0.0, lse)
-    probs = torch.exp(scores - finite.unsqueeze(-1))
-    out = torch.einsum("bhgt,bhtd->bhgd", probs, v.float())
-    return out.reshape(B, Hq, D).to(torch.bfloat16), lse.reshape(B, Hq)
+    group = Hq // Hkv
+    per_head = token_slots if token_slots.dim() == 3 else token_slots[:, None].expand(-1, Hkv, -1)
+    out = torch.empty((B, Hq, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
+    for g in range(Hkv):
+        heads = slice(g * group, (g + 1) * group)
+        k, v, valid = gather_selected_kv(per_head[:, g], kv_cache)  # k, v: [B, Hkv, T, D]
+        scores = torch.einsum("bgd,btd->bgt", q[:, heads].float(), k[:, g].float()) * sm_scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        head_lse = torch.logsumexp(scores, dim=-1)  # -inf for an empty row
+        finite = torch.where(torch.isneginf(head_lse), 0.0, head_lse)
+        probs = torch.exp(scores - finite.unsqueeze(-1))
+        out[:, heads] = torch.einsum("bgt,btd->bgd", probs, v[:, g].float())
+        lse[:, heads] = head_lse
+    return out.to(torch.bfloat16), lse

@@ -21,7 +21,7 @@ _BLOCK_N = 64
 @triton.jit  # type: ignore[untyped-decorator]
 def _sparse_decode_split_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     q_ptr,  # [B, Hq, D] bf16
-    tok_ptr,  # [B, T] int32 token slots (4 * global_slot + token), -1 padding
+    tok_ptr,  # [B, T] or [B, Hkv, T] int32 token slots (4 * global_slot + token), -1 padding
     kv_ptr,  # [NS, 2, 4, Hkv, D] fp8 e4m3 / bf16 hot cache of one layer
     o_ptr,  # [P, B, Hq, D] fp32 partial outputs
     lse_ptr,  # [P, B, Hq] fp32 partial natural-log LSE, -inf for an empty split
@@ -30,6 +30,7 @@ def _sparse_decode_split_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR091
     stride_qb,
     stride_qh,
     stride_tb,
+    stride_th,  # 0 when every KV head shares the row's list
     split,  # tokens per program, a multiple of BLOCK_N
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2
     HQ: tl.constexpr,
@@ -58,7 +59,11 @@ def _sparse_decode_split_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR091
     start = p * split
     for n0 in range(0, split, BLOCK_N):
         offs_n = start + n0 + tl.arange(0, BLOCK_N)
-        tok = tl.load(tok_ptr + b.to(tl.int64) * stride_tb + offs_n, mask=offs_n < T, other=-1)
+        tok = tl.load(
+            tok_ptr + b.to(tl.int64) * stride_tb + h * stride_th + offs_n,
+            mask=offs_n < T,
+            other=-1,
+        )
         valid = tok >= 0
         tok64 = tl.where(valid, tok, 0).to(tl.int64)
         row = ((tok64 // 4) * 8 + tok64 % 4) * HKV + h  # [NS, 2, 4, Hkv] row of K
@@ -104,18 +109,21 @@ def sparse_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode: each query row attends only to its selected tokens of the hot cache.
 
-    For row ``b`` and query head ``h`` (KV head ``h // (Hq / Hkv)``), attends over the tokens
-    ``token_slots[b, t] != -1``: ``out = softmax(scale · q · Kᵀ) · V`` and ``lse = log Σ exp(scale
-    · q · Kᵀ)`` (natural log). A row with no valid token gets ``out = 0`` and ``lse = -inf``.
+    For row ``b`` and query head ``h`` (KV head ``g = h // (Hq / Hkv)``), attends over the tokens
+    ``token_slots[b, t] != -1``, or ``token_slots[b, g, t] != -1`` when each KV head has its own
+    list (double sparsity selects per head): ``out = softmax(scale · q · Kᵀ) · V`` and
+    ``lse = log Σ exp(scale · q · Kᵀ)`` (natural log). A row with no valid token gets ``out = 0`` and ``lse = -inf``.
     Tokens are split across programs (split-K) and the parts merged by
     :func:`qsa_kernels.lse_merge`; K/V are read in place from the hot cache (FP8 is upcast to
     bf16 on load, unscaled), the dots run in bf16 with fp32 accumulation.
 
     Args:
         q: ``[B, Hq, D]`` bf16 queries; Hq a multiple of Hkv (the model's groups are 12 and 24).
-        token_slots: ``[B, T]`` int32 token slots into ``kv_cache``: ``4 * global_slot + token``
-            where ``global_slot = row * S + slot`` as returned by the fetch; ``-1`` is padding,
-            anywhere. Up to 2051 per row for QSA (512 blocks + 3 tail tokens), any ``T`` accepted.
+        token_slots: ``[B, T]`` (shared by the row's KV heads) or ``[B, Hkv, T]`` (one list per
+            KV head) int32 token slots into ``kv_cache``: ``4 * global_slot + token`` where
+            ``global_slot = row * S + slot`` as returned by the fetch; ``-1`` is padding,
+            anywhere; unit stride along ``T``. Up to 2051 per row for QSA (512 blocks + 3 tail
+            tokens), any ``T`` accepted.
         kv_cache: ``[NS, 2, 4, Hkv, D]`` one layer's hot cache (``hot[layer].view(R * S, ...)``),
             FP8 E4M3 or bf16, contiguous.
         scale: Softmax scale; ``1 / sqrt(D)`` if ``None``.
@@ -129,7 +137,7 @@ def sparse_decode(
     """
     sm_scale = check_decode_args(q, token_slots, kv_cache, scale)
     B, Hq, D = q.shape
-    T = token_slots.shape[1]
+    T = token_slots.shape[-1]
     Hkv = kv_cache.shape[3]
     group = Hq // Hkv
     splits = num_splits if num_splits is not None else _default_splits(B, Hkv, T, q.device)
@@ -149,6 +157,7 @@ def sparse_decode(
             q.stride(0),
             q.stride(1),
             token_slots.stride(0),
+            token_slots.stride(1) if token_slots.dim() == 3 else 0,
             split,
             sm_scale * _LOG2E,
             HQ=Hq,
