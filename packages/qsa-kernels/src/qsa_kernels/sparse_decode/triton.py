@@ -112,8 +112,8 @@ def sparse_decode(
     For row ``b`` and query head ``h`` (KV head ``g = h // (Hq / Hkv)``), attends over the tokens
     ``token_slots[b, t] != -1``, or ``token_slots[b, g, t] != -1`` when each KV head has its own
     list (double sparsity selects per head): ``out = softmax(scale · q · Kᵀ) · V`` and
-    ``lse = log Σ exp(scale · q · Kᵀ)`` (natural log). A row with no valid token gets ``out = 0`` and ``lse = -inf``.
-    Tokens are split across programs (split-K) and the parts merged by
+    ``lse = log Σ exp(scale · q · Kᵀ)`` (natural log). A row with no valid token gets ``out = 0``
+    and ``lse = -inf``. Tokens are split across programs (split-K) and the parts merged by
     :func:`qsa_kernels.lse_merge`; K/V are read in place from the hot cache (FP8 is upcast to
     bf16 on load, unscaled), the dots run in bf16 with fp32 accumulation.
 
