@@ -28,7 +28,7 @@ import triton
 import triton.testing
 
 from qsa_kernels.ds_label import label_topk
-from qsa_kernels.indexer_topk import _select, indexer_topk
+from qsa_kernels.indexer_topk import _radix, _select, indexer_topk
 from qsa_kernels.indexer_topk.triton import indexer_keys
 from qsa_kernels.topk_merge import merge_candidates
 
@@ -86,27 +86,27 @@ def bench_indexer(bw: float) -> list[dict[str, Any]]:
                 keys = indexer_keys(q, k, pt, sl)
                 out = torch.empty(batch, 512, dtype=torch.int32, device="cuda")
                 sel = _graph_us(lambda: _select.topk_from_keys(keys, 512, out))
-                stages = {}
-                for name, two_min, chunk in (
-                    ("1", 1 << 62, 4096),
-                    ("2x4K", 0, 4096),
-                    ("2x8K", 0, 8192),
-                    ("2x16K", 0, 16384),
-                ):
-                    _select.TWO_STAGE_MAX = 1 << 62
-                    saved = (_select.TWO_STAGE_MIN, _select.CHUNK, _select.CHUNKS_TARGET)
-                    _select.TWO_STAGE_MIN, _select.CHUNK, _select.CHUNKS_TARGET = (
-                        two_min,
-                        chunk,
-                        1 << 30,
-                    )
-                    padded = torch.full(
-                        (batch, _select.key_width(n)), _select.KEY_NONE, device="cuda"
-                    )
-                    padded[:, :n] = keys[:, :n]
-                    stages[name] = _graph_us(lambda: _select.topk_from_keys(padded, 512, out))
-                    _select.TWO_STAGE_MIN, _select.CHUNK, _select.CHUNKS_TARGET = saved
-                    _select.TWO_STAGE_MAX = 131072
+                radix = _graph_us(lambda: _radix.radix_topk_from_keys(keys, 512, out))
+                _radix.radix_topk_from_keys(keys, 512, out)
+                want = torch.empty_like(out)
+                _select.topk_from_keys(keys, 512, want)
+                exact = bool(torch.equal(out, want))
+                hist = _radix.radix_stage_hist(keys)
+                state = _radix.radix_stage_threshold(hist, 512)
+                cand = _radix.radix_stage_compact(keys, state, out)
+                stages = {
+                    "hist": _graph_us(lambda: _radix.radix_stage_hist(keys)),
+                    "threshold": _graph_us(lambda: _radix.radix_stage_threshold(hist, 512)),
+                    "threshold+compact": _graph_us(
+                        lambda: _radix.radix_stage_compact(
+                            keys, _radix.radix_stage_threshold(hist, 512), out
+                        )
+                    ),
+                    "resolve": _graph_us(
+                        lambda: _radix.radix_stage_resolve(keys, state, cand, 512, out)
+                    ),
+                    "candidates_max": int(state[:, 3].max()),
+                }
                 ref = _median_us(lambda: _torch_indexer(q, k, pt, n, 512))
                 ref_g = _graph_us(lambda: _torch_indexer(q, k, pt, n, 512))
                 nbytes = batch * (n * 128 * k.element_size() + p * 4)
@@ -120,8 +120,10 @@ def bench_indexer(bw: float) -> list[dict[str, Any]]:
                         "eager_us": tri,
                         "triton_us": tri_g,
                         "score_us": score,
-                        "select_us": sel,
-                        "select_variants_us": stages,
+                        "select_topk_us": sel,
+                        "select_us": radix,
+                        "radix_equals_topk": exact,
+                        "radix_stages_us": stages,
                         "torch_eager_us": ref,
                         "torch_us": ref_g,
                         "hbm_us": hbm,
@@ -239,16 +241,22 @@ def _markdown(
     ]
     out += [
         "",
-        "Selection alone by strategy (graph us): one `torch.topk` over the row, or per-chunk top-k "
-        "(4K/8K/16K columns) then top-k of the candidates.",
+        "Selection alone (graph us): `torch.topk` path (`_select.topk_from_keys`) against the "
+        "radix select (`_radix`, the default for rows of >= 4096 blocks) and its stages "
+        "(compaction = threshold+compact minus threshold); `cands` is the largest threshold-bin "
+        "count (the one-`tl.sort` path takes up to 2048); `same` checks the two selections agree.",
         "",
-        "| context | B | keys | one-stage | 2-stage 4K | 2-stage 8K | 2-stage 16K |",
-        "|---|---|---|---|---|---|---|",
+        "| context | B | keys | torch.topk | radix | hist | threshold | compact | resolve | cands "
+        "| same |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out += [
-        f"| {r['ctx']} | {r['B']} | {r['dtype']} | "
-        + " | ".join(f"{r['select_variants_us'][v]:.1f}" for v in ("1", "2x4K", "2x8K", "2x16K"))
-        + " |"
+        f"| {r['ctx']} | {r['B']} | {r['dtype']} | {r['select_topk_us']:.1f} | "
+        f"{r['select_us']:.1f} | {r['radix_stages_us']['hist']:.1f} | "
+        f"{r['radix_stages_us']['threshold']:.1f} | "
+        f"{r['radix_stages_us']['threshold+compact'] - r['radix_stages_us']['threshold']:.1f} | "
+        f"{r['radix_stages_us']['resolve']:.1f} | {r['radix_stages_us']['candidates_max']} | "
+        f"{r['radix_equals_topk']} |"
         for r in ind
     ]
     out += [

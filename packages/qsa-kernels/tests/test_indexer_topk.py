@@ -12,12 +12,14 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.indexer_topk import (
+    _radix,
     _select,
     indexer_scores,
     indexer_scores_reference,
     indexer_topk,
     indexer_topk_reference,
 )
+from qsa_kernels.indexer_topk import triton as indexer_triton
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -189,3 +191,85 @@ def test_two_stage_selection_equals_reference(
     monkeypatch.setattr(_select, "CHUNK", 2 * topk + 3)
     indexer_topk(q, k, pt, sl, topk=topk, out=out)
     assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
+
+
+def _row_keys(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Packed order keys of ``scores [rows, width]`` (columns ``>= n`` are non-candidates)."""
+    rows, width = scores.shape
+    keys = torch.empty((rows, width), dtype=torch.int64, device=DEVICE)
+    _select._pack_rows_kernel[(rows, -(-width // 1024))](
+        scores, lengths, keys, width, width, scores.stride(0), keys.stride(0), BLOCK=1024
+    )
+    return keys
+
+
+def _scores(mode: str, rows: int, width: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if mode == "random":
+        s = torch.rand(rows, width, generator=g) * 7
+    elif mode == "few-values":
+        s = torch.randint(0, 4, (rows, width), generator=g).float() / 8
+    elif mode == "all-equal":
+        s = torch.full((rows, width), 1.5)
+    else:  # signed zeros, with a few ones so the threshold falls among the zeros
+        s = torch.where(torch.rand(rows, width, generator=g) < 0.5, -0.0, 0.0)
+        s[:, ::97] = 1.0
+    return s.to(DEVICE)
+
+
+@KERNEL
+@pytest.mark.parametrize("mode", ["random", "few-values", "all-equal", "signed-zeros"])
+@pytest.mark.parametrize("cap", [2048, 16], ids=["sort", "overflow"])
+def test_radix_select_equals_reference(
+    mode: str, cap: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Radix select: same ids as the reference, ties to smaller ids, both resolve paths."""
+    monkeypatch.setattr(_radix, "CHUNK", 1024)
+    monkeypatch.setattr(_radix, "CAND_CAP", cap)
+    width, k = 3001, 100
+    s = _scores(mode, 5, width, seed=len(mode) + cap)
+    n = torch.tensor([width, width - 1, k, k - 1, 1024 + 7], dtype=torch.int32, device=DEVICE)
+    keys = _row_keys(s, n)
+    state = _radix.radix_stage_threshold(_radix.radix_stage_hist(keys), k)
+    out = poisoned_int(5, k)
+    _radix.radix_topk_from_keys(keys, k, out)
+    assert torch.equal(out.cpu(), _select.row_topk_reference(s, n, k).cpu())
+    assert (state[:, 2:] == 0).all()
+    _radix.radix_stage_compact(keys, state, poisoned_int(5, k))
+    overflowed = bool((state[:, 3] > cap).any())
+    if cap == 16 and mode != "random":
+        assert overflowed  # the one-program radix over the bin resolved it
+    if cap == 2048 and mode == "random":
+        assert not overflowed  # the tl.sort of the candidates resolved it
+
+
+@KERNEL
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
+@pytest.mark.parametrize(("seq_lens", "pages", "width", "topk"), CASES)
+def test_radix_indexer_topk_equals_reference(  # noqa: PLR0917
+    seq_lens: list[int],
+    pages: int,
+    width: int,
+    topk: int,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Indexer top-k through the radix select: exact ids on tie-heavy scores, bf16 and fp8."""
+    monkeypatch.setattr(indexer_triton, "RADIX_MIN_WIDTH", 1)
+    monkeypatch.setattr(_radix, "CHUNK", 1024)
+    q, k, pt, sl = _case(seq_lens, pages, width, dtype, exact=True, seed=topk + 7)
+    out = poisoned_int(len(seq_lens), topk)
+    indexer_topk(q, k, pt, sl, topk=topk, out=out)
+    assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
+
+
+@KERNEL
+def test_radix_candidate_overflow_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """All-zero indexer scores put every block in one bin: the overflow path keeps ids 0..k-1."""
+    monkeypatch.setattr(indexer_triton, "RADIX_MIN_WIDTH", 1)
+    monkeypatch.setattr(_radix, "CAND_CAP", 32)
+    q = torch.ones(2, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+    k = -torch.ones(70, 16, 128, dtype=torch.bfloat16, device=DEVICE)
+    pt = torch.randperm(70, device=DEVICE)[:64].view(1, 64).repeat(2, 1).to(torch.int32)
+    out = indexer_topk(q, k, pt, torch.tensor([4 * 1000 + 3, 4 * 600], device=DEVICE), topk=512)
+    assert out.cpu().tolist() == [list(range(512))] * 2

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels.indexer_topk import _radix
 from qsa_kernels.indexer_topk._select import interpreting, key_width, pack_key, topk_from_keys
 from qsa_kernels.indexer_topk._validate import check_indexer_inputs
 from qsa_kernels.indexer_topk.reference import BLOCKS_PER_PAGE, INDEX_HEAD_DIM, visible_blocks
@@ -23,6 +24,9 @@ from qsa_kernels.indexer_topk.reference import BLOCKS_PER_PAGE, INDEX_HEAD_DIM, 
 __all__ = ("indexer_scores", "indexer_topk")
 
 _BLOCK_N = 128
+#: Rows of at least this many blocks select by radix (:mod:`._radix`), narrower ones by
+#: ``torch.topk`` (:func:`._select.topk_from_keys`).
+RADIX_MIN_WIDTH = 4096
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -202,8 +206,22 @@ def indexer_topk(
         out = torch.empty((batch, topk), dtype=torch.int32, device=q.device)
     _check_out(out, (batch, topk), torch.int32, q.device)
     keys = indexer_keys(q, k_cache, page_table, seq_lens)
-    topk_from_keys(keys, topk, out)
+    select_from_keys(keys, topk, out)
     return out
+
+
+def select_from_keys(keys: torch.Tensor, topk: int, out: torch.Tensor) -> None:
+    """The selection half of :func:`indexer_topk`: radix select on wide rows, else ``torch.topk``.
+
+    Args:
+        keys: ``[B, W]`` int64 from :func:`indexer_keys`.
+        topk: blocks per row, ``>= 1``.
+        out: ``[B, topk]`` int32, unit last stride; ids ascending, ``-1`` padded.
+    """
+    if keys.shape[1] >= RADIX_MIN_WIDTH and topk <= _radix.MAX_K:
+        _radix.radix_topk_from_keys(keys, topk, out)
+    else:
+        topk_from_keys(keys, topk, out)
 
 
 def indexer_keys(
