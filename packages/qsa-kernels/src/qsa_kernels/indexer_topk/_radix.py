@@ -181,7 +181,7 @@ def _resolve_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
             prefix = row * 0
             rem = need
             for r in tl.static_range(16):
-                sh: tl.constexpr = 60 - 4 * r
+                sh = 60 - 4 * r
                 cnt16 = tl.zeros([16], dtype=tl.int32)
                 for start in range(0, width, FCH):
                     col = start + tl.arange(0, FCH)
