@@ -129,13 +129,27 @@ class OffloadedKV:
         """Tokens row ``row`` holds."""
         return self._lengths[self._check_row(row)]
 
-    def admit(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def admit(
+        self,
+        row: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        prefix: torch.Tensor | None = None,
+    ) -> None:
         """Take a prefilled prompt into a free row: complete blocks to host, the open block to tail.
+
+        With ``prefix`` (the records of a cached prefix, e.g. restored from a host prefix cache),
+        the prompt is ``prefix`` followed by ``k``/``v``: the prefix records go to the row's first
+        arena blocks as they are, and only the new tokens are offloaded after them.
 
         Args:
             row: a free request row.
-            k: ``[L, T, Hkv, D]`` prompt keys of every QSA layer (device, the geometry's dtype).
-            v: ``[L, T, Hkv, D]`` prompt values.
+            k: ``[L, T, Hkv, D]`` keys of every QSA layer for the tokens after the prefix
+                (device, the geometry's dtype); ``T`` may be 0 only with a prefix.
+            v: ``[L, T, Hkv, D]`` values.
+            prefix: ``[L, P, 2, 4, Hkv, D]`` records of the first ``P`` complete blocks
+                (``4 P`` tokens), any device, the geometry's dtype; ``None`` for no prefix.
         """
         self._check_row(row)
         if self._states[row] is not RowState.FREE:
@@ -149,21 +163,60 @@ class OffloadedKV:
                 f"{tuple(k.shape)!r} and {tuple(v.shape)!r}"
             )
             raise KernelInputError(msg)
-        tokens = int(k.shape[1])
-        if tokens > g.max_tokens:
-            msg = f"prompt of {tokens!r} tokens exceeds the row capacity of {g.max_tokens!r}"
+        prefix_blocks = 0 if prefix is None else int(prefix.shape[1]) if prefix.dim() == 6 else -1
+        if prefix is not None and (
+            prefix_blocks < 0
+            or tuple(prefix.shape) != (g.layers, prefix_blocks, *g.record_shape)
+            or prefix.dtype != g.dtype
+        ):
+            msg = (
+                f"prefix must be [L={g.layers}, P, {', '.join(map(str, g.record_shape))}] "
+                f"{g.dtype}; got {tuple(prefix.shape)!r} {prefix.dtype}"
+            )
+            raise KernelInputError(msg)
+        first = prefix_blocks * BLOCK_TOKENS
+        tokens = first + int(k.shape[1])
+        if tokens == 0 or tokens > g.max_tokens:
+            msg = f"a prompt of {tokens!r} tokens is not allowed; allowed: 1..{g.max_tokens!r}"
             raise KernelInputError(msg)
         self.tables.reset_rows(torch.tensor([row], device=self.device))
-        _, event = offload_prompt(k.contiguous(), v.contiguous(), self.host_arena, row)
+        if prefix is not None:
+            self.wait_for_host_writes()
+            if self.device.type == "cuda":  # the arena may still be read by queued fetches
+                torch.cuda.current_stream(self.device).synchronize()
+            self.host_arena[row, :, :prefix_blocks].copy_(prefix)
+        _, event = offload_prompt(
+            k.contiguous(), v.contiguous(), self.host_arena, row, first_block=prefix_blocks
+        )
         self._remember(event)
         closed = tokens // BLOCK_TOKENS * BLOCK_TOKENS
         open_tokens = tokens - closed
         self.tail[:, row].zero_()
         if open_tokens:
-            self.tail[:, row, 0, 0, :open_tokens] = k[:, closed:]
-            self.tail[:, row, 0, 1, :open_tokens] = v[:, closed:]
+            self.tail[:, row, 0, 0, :open_tokens] = k[:, closed - first :]
+            self.tail[:, row, 0, 1, :open_tokens] = v[:, closed - first :]
         self._lengths[row] = tokens
         self._states[row] = RowState.ACTIVE
+
+    def export_prefix(self, row: int, blocks: int) -> torch.Tensor:
+        """The records of a row's first ``blocks`` complete blocks, for a host prefix cache.
+
+        Returns:
+            ``[L, blocks, 2, 4, Hkv, D]`` contiguous host tensor (a copy; written back blocks only,
+            so ``4 × blocks`` must not exceed the row's closed tokens).
+        """
+        self._check_row(row)
+        closed_blocks = self._lengths[row] // BLOCK_TOKENS
+        if not 0 < blocks <= closed_blocks:
+            msg = (
+                f"blocks={blocks!r} is not allowed for row {row!r}; allowed: 1..{closed_blocks!r} "
+                "(its complete blocks)"
+            )
+            raise KernelInputError(msg)
+        self.wait_for_host_writes()
+        if self.device.type == "cuda":  # the host reads the arena: device writes must be done
+            torch.cuda.current_stream(self.device).synchronize()
+        return self.host_arena[row, :, :blocks].contiguous()
 
     def release(self, row: int) -> None:
         """Free a row; its arena bytes are left as they are and overwritten by the next admit."""
