@@ -1,17 +1,27 @@
-"""GPU gating shared by this package's tests.
+"""Device choice, GPU gating and poisoned allocations shared by this package's tests.
 
 Tests marked ``@pytest.mark.gpu`` skip cleanly where CUDA is absent. Under ``QSA_REQUIRE_GPU=1``
 (set by ``nox -s gpu-tests``) a missing device fails them instead, so a GPU run can never pass by
 skipping.
 
 Without CUDA the Triton kernels still run, on CPU tensors, through Triton's interpreter. Triton
-reads ``TRITON_INTERPRET`` once, when it is first imported, so it is set here, before any test
-module imports the kernels.
+reads ``TRITON_INTERPRET`` when it is first imported, so it is set here, before any test module
+imports the kernels.
+
+Kernel tests take a ``kernel_device`` argument and get exactly one value: ``"cpu"`` (id
+``interpreter``) where Triton runs interpreted, otherwise ``"cuda"`` marked ``gpu``. Tests that
+only make sense under the interpreter take ``interpreter_device`` instead, which skips where
+Triton compiles for CUDA. Output buffers come from the ``poisoned_int`` / ``poisoned_float``
+factories (on the kernel device, filled with ``int_poison`` / NaN) and ``poisoned_empty`` makes
+``torch.empty`` return the same poison, so an element a kernel never writes fails the test.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +33,30 @@ settings.load_profile("qsa")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: Written into int32 buffers before a launch so an element a kernel leaves unwritten fails a test.
+INT_POISON = -7_777_777
+
+
+@functools.cache
+def _triton_interpreted() -> bool:
+    """Whether this process's Triton kernels are interpreter functions (checked on a real one)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from qsa_kernels.lse_merge.triton import _lse_merge_kernel
+
+    return isinstance(_lse_merge_kernel, InterpretedFunction)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Give every test that takes ``kernel_device`` its one device."""
+    if "kernel_device" not in metafunc.fixturenames:
+        return
+    if _triton_interpreted():
+        device = pytest.param("cpu", id="interpreter")
+    else:
+        device = pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
+    metafunc.parametrize("kernel_device", [device])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,3 +74,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def _fail_without_gpu() -> None:
     pytest.fail("QSA_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
+
+
+@pytest.fixture(scope="session")
+def interpreter_device() -> str:
+    """``"cpu"`` for tests that only run under Triton's interpreter; skips where Triton compiles."""
+    if not _triton_interpreted():
+        pytest.skip("Triton compiles for CUDA here (TRITON_INTERPRET is not 1)")
+    return "cpu"
+
+
+@pytest.fixture
+def int_poison() -> int:
+    """The int32 poison value of :func:`poisoned_int` and :func:`poisoned_empty`."""
+    return INT_POISON
+
+
+@pytest.fixture
+def poisoned_int(kernel_device: str) -> Callable[..., torch.Tensor]:
+    """Factory: ``poisoned_int(*shape)`` is an int32 tensor on the kernel device of INT_POISON."""
+
+    def make(*shape: int) -> torch.Tensor:
+        return torch.full(shape, INT_POISON, dtype=torch.int32, device=kernel_device)
+
+    return make
+
+
+@pytest.fixture
+def poisoned_float(kernel_device: str) -> Callable[..., torch.Tensor]:
+    """Factory: ``poisoned_float(*shape)`` is an fp32 tensor on the kernel device full of NaN."""
+
+    def make(*shape: int) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=kernel_device)
+
+    return make
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the test runs, torch.empty / empty_like return NaN (floats) or INT_POISON (ints)."""
+    real_empty: Callable[..., torch.Tensor] = torch.empty
+    real_like: Callable[..., torch.Tensor] = torch.empty_like
+
+    def _poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan") if t.is_floating_point() else INT_POISON)
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return _poison(real_empty(*args, **kwargs))
+
+    def empty_like(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return _poison(real_like(*args, **kwargs))
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)

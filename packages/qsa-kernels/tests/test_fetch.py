@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import random
 
-import torch
-
-if not torch.cuda.is_available():  # CPU runs check the kernels under Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton.runtime.interpreter import InterpretedFunction
 
 from qsa_core import HotCacheState, plan_residency_step
 from qsa_kernels import (
@@ -23,20 +17,6 @@ from qsa_kernels import (
     fetch_selected_blocks_reference,
 )
 
-# Triton must see TRITON_INTERPRET before its first import; if another module imported it first
-# without it, the CPU variants cannot run and skip (conftest should set it for the whole package).
-from qsa_kernels.lse_merge.triton import _lse_merge_kernel as _interp_probe
-
-INTERPRETED = isinstance(_interp_probe, InterpretedFunction)
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            not INTERPRETED, reason="Triton was imported without TRITON_INTERPRET=1"
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 DTYPES = [torch.float8_e4m3fn, torch.bfloat16]
 
 
@@ -74,14 +54,15 @@ def _check_map_consistent(tables: HotCacheTables) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp8", "bf16"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_fetch_reproduces_core_contract_step_by_step(device: str, dtype: torch.dtype) -> None:
+def test_fetch_reproduces_core_contract_step_by_step(
+    kernel_device: str, dtype: torch.dtype
+) -> None:
     """Over mixed, all-miss, all-hit and empty steps: slots, state and records match qsa-core."""
     rng = random.Random(7)
     torch.manual_seed(7)
-    big = device == "cuda"
+    big = kernel_device == "cuda"
     L, R, S, NB, K, Hkv, D = (3, 5, 64, 300, 48, 1, 256) if big else (2, 3, 8, 40, 6, 1, 16)
-    dev = torch.device(device)
+    dev = torch.device(kernel_device)
     arena = _arena((R, L, NB, Hkv, D), dtype, pin=big)
     hot = _arena((L, R, S, Hkv, D), dtype, pin=False).to(dev)
     hot_ref = hot.clone()
@@ -126,13 +107,12 @@ def test_fetch_reproduces_core_contract_step_by_step(device: str, dtype: torch.d
         _check_map_consistent(tables)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fetch_writes_only_the_missed_slots(device: str) -> None:
+def test_fetch_writes_only_the_missed_slots(kernel_device: str) -> None:
     """A fetch rewrites exactly the victim slots; other rows, layers and slots keep their bytes."""
     torch.manual_seed(3)
-    dev = torch.device(device)
+    dev = torch.device(kernel_device)
     L, R, S, NB, Hkv, D = 2, 3, 8, 20, 1, 16
-    arena = _arena((R, L, NB, Hkv, D), torch.bfloat16, pin=device == "cuda")
+    arena = _arena((R, L, NB, Hkv, D), torch.bfloat16, pin=kernel_device == "cuda")
     hot = torch.full((L, R, S, 2, 4, Hkv, D), float("nan"), dtype=torch.bfloat16, device=dev)
     before = hot.clone()
     tables = HotCacheTables.empty(L, R, S, NB, dev)
@@ -154,11 +134,10 @@ def test_fetch_writes_only_the_missed_slots(device: str) -> None:
         )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fetch_returns_minus_one_for_all_padding(device: str) -> None:
+def test_fetch_returns_minus_one_for_all_padding(kernel_device: str) -> None:
     """An all-padding selection returns all -1 and leaves tables and hot cache unchanged."""
-    dev = torch.device(device)
-    arena = _arena((1, 1, 8, 1, 16), torch.bfloat16, pin=device == "cuda")
+    dev = torch.device(kernel_device)
+    arena = _arena((1, 1, 8, 1, 16), torch.bfloat16, pin=kernel_device == "cuda")
     hot = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16, device=dev)
     tables = HotCacheTables.empty(1, 1, 4, 8, dev)
     selected = torch.full((1, 1, 3), -1, dtype=torch.int32, device=dev)
@@ -282,16 +261,15 @@ def _state_and_selection(draw: st.DrawFn) -> tuple[list[int], list[int], list[in
     return slot_block, slot_stamp, selected, top + 1
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="Triton was imported without TRITON_INTERPRET=1")
 @settings(max_examples=60, deadline=None)
 @given(case=_state_and_selection())
 def test_kernel_matches_core_from_arbitrary_states(
-    case: tuple[list[int], list[int], list[int], int],
+    case: tuple[list[int], list[int], list[int], int], interpreter_device: str
 ) -> None:
     """From any valid state (ties, empty slots with stamps, distinct stamps) one step is exact."""
     slot_block, slot_stamp, selected, step = case
     NB, S = 40, len(slot_block)
-    dev = torch.device("cpu")
+    dev = torch.device(interpreter_device)
     tables = _tables_from_states([(slot_block, slot_stamp)], NB, dev)
     arena = _arena((1, 1, NB, 1, 4), torch.bfloat16, pin=False)
     hot = torch.zeros((1, 1, S, 2, 4, 1, 4), dtype=torch.bfloat16)
@@ -316,10 +294,9 @@ def test_kernel_matches_core_from_arbitrary_states(
         )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fetch_orders_victims_with_many_distinct_stamps(device: str) -> None:
+def test_fetch_orders_victims_with_many_distinct_stamps(kernel_device: str) -> None:
     """Victims spread over more stamps than the min-extraction rounds still follow qsa-core."""
-    dev = torch.device(device)
+    dev = torch.device(kernel_device)
     S, NB, K = 64, 200, 40
     rng = random.Random(11)
     # Every slot occupied, each with its own stamp, shuffled so slot order != age order.
@@ -327,7 +304,7 @@ def test_fetch_orders_victims_with_many_distinct_stamps(device: str) -> None:
     rng.shuffle(stamps)
     blocks = rng.sample(range(NB), S)
     tables = _tables_from_states([(blocks, stamps)], NB, dev)
-    arena = _arena((1, 1, NB, 1, 16), torch.bfloat16, pin=device == "cuda")
+    arena = _arena((1, 1, NB, 1, 16), torch.bfloat16, pin=kernel_device == "cuda")
     hot = torch.zeros((1, 1, S, 2, 4, 1, 16), dtype=torch.bfloat16, device=dev)
     hot_ref = hot.clone()
     tables_ref = tables.clone()
@@ -354,13 +331,12 @@ def test_fetch_orders_victims_with_many_distinct_stamps(device: str) -> None:
         _check_map_consistent(tables)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fetch_step_tensor_is_read_on_device_and_advanced(device: str) -> None:
+def test_fetch_step_tensor_is_read_on_device_and_advanced(kernel_device: str) -> None:
     """A [1] int64 step tensor stamps like the int step and is advanced by one per call."""
     rng = random.Random(5)
-    dev = torch.device(device)
+    dev = torch.device(kernel_device)
     L, R, S, NB, K = 2, 3, 8, 30, 5
-    arena = _arena((R, L, NB, 1, 16), torch.float8_e4m3fn, pin=device == "cuda")
+    arena = _arena((R, L, NB, 1, 16), torch.float8_e4m3fn, pin=kernel_device == "cuda")
     hot = torch.zeros((L, R, S, 2, 4, 1, 16), dtype=torch.float8_e4m3fn, device=dev)
     hot_ref = hot.clone()
     tables = HotCacheTables.empty(L, R, S, NB, dev)

@@ -2,40 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():  # CPU runs check the kernels under Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-from triton.runtime.interpreter import InterpretedFunction
+import torch
 
 from qsa_kernels import KernelInputError, lse_merge, lse_merge_reference, sparse_decode_reference
 
-# Triton must see TRITON_INTERPRET before its first import; if another module imported it first
-# without it, the CPU variants cannot run and skip (conftest should set it for the whole package).
-from qsa_kernels.lse_merge.triton import _lse_merge_kernel as _interp_probe
-
-INTERPRETED = isinstance(_interp_probe, InterpretedFunction)
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            not INTERPRETED, reason="Triton was imported without TRITON_INTERPRET=1"
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
-
 
 @pytest.mark.parametrize("parts", [1, 3, 7])
-@pytest.mark.parametrize("device", DEVICES)
-def test_merge_matches_reference_with_empty_parts(device: str, parts: int) -> None:
+def test_merge_matches_reference_with_empty_parts(kernel_device: str, parts: int) -> None:
     """-inf parts (with NaN outputs) get weight 0; all-empty rows give 0 and -inf."""
     torch.manual_seed(parts)
-    dev = torch.device(device)
+    dev = torch.device(kernel_device)
     out = torch.randn(parts, 3, 5, 24, device=dev)
     lse = torch.randn(parts, 3, 5, device=dev) * 4
     lse[:, 0, 0] = float("-inf")
@@ -51,11 +28,10 @@ def test_merge_matches_reference_with_empty_parts(device: str, parts: int) -> No
     assert not got[0, 0].any()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_merge_of_disjoint_token_sets_equals_attention_over_their_union(device: str) -> None:
+def test_merge_of_disjoint_token_sets_equals_attention_over_their_union(kernel_device: str) -> None:
     """Attention over token subsets, merged by LSE, equals attention over all tokens."""
     torch.manual_seed(5)
-    dev = torch.device(device)
+    dev = torch.device(kernel_device)
     q = torch.randn(2, 12, 32, device=dev).bfloat16()
     kv = torch.randn(20, 2, 4, 1, 32, device=dev).bfloat16()
     tokens = torch.randperm(80, device=dev)[:30].int().view(1, 30).repeat(2, 1)

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():  # CPU runs check the kernels under Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-from triton.runtime.interpreter import InterpretedFunction
+import torch
 
 from qsa_kernels import (
     KernelInputError,
@@ -20,20 +13,6 @@ from qsa_kernels import (
     writeback_blocks_reference,
 )
 
-# Triton must see TRITON_INTERPRET before its first import; if another module imported it first
-# without it, the CPU variants cannot run and skip (conftest should set it for the whole package).
-from qsa_kernels.lse_merge.triton import _lse_merge_kernel as _interp_probe
-
-INTERPRETED = isinstance(_interp_probe, InterpretedFunction)
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            not INTERPRETED, reason="Triton was imported without TRITON_INTERPRET=1"
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.gpu),
-]
 DTYPES = [torch.float8_e4m3fn, torch.bfloat16]
 
 
@@ -53,17 +32,16 @@ def _wait(event: torch.cuda.Event | None, device: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp8", "bf16"])
-@pytest.mark.parametrize("device", DEVICES)
 def test_writeback_copies_closed_blocks_exactly_and_nothing_else(
-    device: str, dtype: torch.dtype
+    kernel_device: str, dtype: torch.dtype
 ) -> None:
     """Each closed block lands at its arena place bit for bit; every other record is unchanged."""
     torch.manual_seed(11)
-    L, R, S, NB, Hkv, D = (3, 4, 16, 50, 1, 256) if device == "cuda" else (2, 3, 5, 9, 1, 16)
-    dev = torch.device(device)
+    L, R, S, NB, Hkv, D = (3, 4, 16, 50, 1, 256) if kernel_device == "cuda" else (2, 3, 5, 9, 1, 16)
+    dev = torch.device(kernel_device)
     hot = _random((L, R, S, 2, 4, Hkv, D), dtype).to(dev)
     arena = _random((R, L, NB, 2, 4, Hkv, D), dtype)
-    if device == "cuda":
+    if kernel_device == "cuda":
         arena = arena.pin_memory()
     arena_ref = arena.clone()
     entries = [(1, 0, 2, 7), (0, L - 1, S - 1, 0), (R - 1, 1, 0, NB - 1), (2, 0, 3, 4)]
@@ -71,7 +49,7 @@ def test_writeback_copies_closed_blocks_exactly_and_nothing_else(
         torch.tensor(col, dtype=torch.int32, device=dev) for col in zip(*entries, strict=True)
     )
     event = writeback_blocks(hot, arena, rows=rows, layers=layers, slots=slots, blocks=blocks)
-    _wait(event, device)
+    _wait(event, kernel_device)
     writeback_blocks_reference(
         hot.cpu(),
         arena_ref,
@@ -89,22 +67,21 @@ def test_writeback_copies_closed_blocks_exactly_and_nothing_else(
 
 @pytest.mark.parametrize("tokens", [3, 4, 37])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp8", "bf16"])
-@pytest.mark.parametrize("device", DEVICES)
 def test_offload_prompt_packs_complete_blocks_only(
-    device: str, dtype: torch.dtype, tokens: int
+    kernel_device: str, dtype: torch.dtype, tokens: int
 ) -> None:
     """Complete blocks become (4 K rows, 4 V rows) records; the open tail and other rows stay."""
     torch.manual_seed(tokens)
-    L, R, NB, Hkv, D = (12, 3, 20, 1, 256) if device == "cuda" else (2, 3, 12, 1, 16)
-    dev = torch.device(device)
+    L, R, NB, Hkv, D = (12, 3, 20, 1, 256) if kernel_device == "cuda" else (2, 3, 12, 1, 16)
+    dev = torch.device(kernel_device)
     k = _random((L, tokens, Hkv, D), dtype).to(dev)
     v = _random((L, tokens, Hkv, D), dtype).to(dev)
     arena = _random((R, L, NB, 2, 4, Hkv, D), dtype)
-    if device == "cuda":
+    if kernel_device == "cuda":
         arena = arena.pin_memory()
     arena_ref = arena.clone()
     n, event = offload_prompt(k, v, arena, 1, first_block=2)
-    _wait(event, device)
+    _wait(event, kernel_device)
     n_ref = offload_prompt_reference(k.cpu(), v.cpu(), arena_ref, 1, first_block=2)
     assert n == n_ref == tokens // 4
     assert torch.equal(arena.view(torch.uint8), arena_ref.view(torch.uint8))
