@@ -2,44 +2,24 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 import pytest
 import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.ds_label import label_keys_reference, label_topk, label_topk_reference
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-#: Under ``TRITON_INTERPRET=1`` kernel tests run on CPU tensors; otherwise on CUDA, GPU-marked.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-
-def KERNEL(func: _F) -> _F:
-    """Mark a kernel test ``gpu``, except under the interpreter where it runs on CPU."""
-    return func if INTERPRET else pytest.mark.gpu(func)
-
-
-#: Poison written into int32 outputs before a launch so an unwritten element fails a test.
-INT_POISON = -7_777_777
-
-
-def poisoned_int(*shape: int) -> torch.Tensor:
-    """An int32 tensor on the kernel device filled with :data:`INT_POISON`."""
-    return torch.full(shape, INT_POISON, dtype=torch.int32, device=DEVICE)
-
-
-def poisoned_float(*shape: int) -> torch.Tensor:
-    """An fp32 tensor on the kernel device filled with NaN."""
-    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
-
 
 def _case(  # noqa: PLR0917
-    batch: int, hq: int, hkv: int, d: int, c: int, width: int, *, exact: bool, seed: int
+    batch: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    c: int,
+    width: int,
+    *,
+    exact: bool,
+    seed: int,
+    device: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     slots = batch * width + 7
@@ -52,7 +32,7 @@ def _case(  # noqa: PLR0917
     channels = torch.stack([torch.randperm(d, generator=g)[:c] for _ in range(hkv)]).to(torch.int32)
     labels = label_keys_reference(k.to(torch.bfloat16), channels)
     r2t = torch.randperm(slots, generator=g)[: batch * width].view(batch, width).to(torch.int32)
-    return q.to(torch.bfloat16).to(DEVICE), labels.to(DEVICE), channels.to(DEVICE), r2t.to(DEVICE)
+    return q.to(torch.bfloat16).to(device), labels.to(device), channels.to(device), r2t.to(device)
 
 
 def test_reference_group_score_is_sum_over_query_heads() -> None:
@@ -85,7 +65,7 @@ def test_rejects_indivisible_heads() -> None:
         )
 
 
-@KERNEL
+@pytest.mark.usefixtures("poisoned_empty")
 @pytest.mark.parametrize(
     ("batch", "hq", "hkv", "d", "c", "width", "lens", "heavy"),
     [
@@ -95,24 +75,36 @@ def test_rejects_indivisible_heads() -> None:
     ],
 )
 def test_kernel_equals_reference_on_exact_scores(  # noqa: PLR0917
-    batch: int, hq: int, hkv: int, d: int, c: int, width: int, lens: list[int], heavy: int
+    batch: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    c: int,
+    width: int,
+    lens: list[int],
+    heavy: int,
+    kernel_device: str,
+    int_poison: int,
 ) -> None:
     """Integer-valued inputs: scores and selections (with ties) equal the reference exactly."""
-    q, labels, channels, r2t = _case(batch, hq, hkv, d, c, width, exact=True, seed=c)
-    sl = torch.tensor(lens, device=DEVICE)
+    q, labels, channels, r2t = _case(
+        batch, hq, hkv, d, c, width, exact=True, seed=c, device=kernel_device
+    )
+    sl = torch.tensor(lens, device=kernel_device)
     got = label_topk(q, labels, channels, r2t, sl, heavy_token_num=heavy)
     ref = label_topk_reference(q, labels, channels, r2t, sl, heavy_token_num=heavy)
-    assert not (got.positions == INT_POISON).any()
+    assert not (got.positions == int_poison).any()
     assert not torch.isnan(got.scores).any()
     assert torch.equal(got.scores.cpu(), ref.scores.cpu())
     assert torch.equal(got.positions.cpu(), ref.positions.cpu())
 
 
-@KERNEL
-def test_random_scores_within_fp32_rounding() -> None:
+def test_random_scores_within_fp32_rounding(kernel_device: str) -> None:
     """Gaussian inputs: scores agree to fp32 accumulation error."""
-    q, labels, channels, r2t = _case(2, 12, 1, 256, 16, 900, exact=False, seed=9)
-    sl = torch.tensor([900, 555], device=DEVICE)
+    q, labels, channels, r2t = _case(
+        2, 12, 1, 256, 16, 900, exact=False, seed=9, device=kernel_device
+    )
+    sl = torch.tensor([900, 555], device=kernel_device)
     got = label_topk(q, labels, channels, r2t, sl, heavy_token_num=128)
     ref = label_topk_reference(q, labels, channels, r2t, sl, heavy_token_num=128)
     fin = torch.isfinite(ref.scores)

@@ -2,40 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.expand import expand_blocks, expand_blocks_reference
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-#: Under ``TRITON_INTERPRET=1`` kernel tests run on CPU tensors; otherwise on CUDA, GPU-marked.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-
-def KERNEL(func: _F) -> _F:
-    """Mark a kernel test ``gpu``, except under the interpreter where it runs on CPU."""
-    return func if INTERPRET else pytest.mark.gpu(func)
-
-
-#: Poison written into int32 outputs before a launch so an unwritten element fails a test.
-INT_POISON = -7_777_777
-
-
-def poisoned_int(*shape: int) -> torch.Tensor:
-    """An int32 tensor on the kernel device filled with :data:`INT_POISON`."""
-    return torch.full(shape, INT_POISON, dtype=torch.int32, device=DEVICE)
-
-
-def poisoned_float(*shape: int) -> torch.Tensor:
-    """An fp32 tensor on the kernel device filled with NaN."""
-    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
 
 
 def test_reference_expands_blocks_then_tail() -> None:
@@ -58,7 +31,6 @@ def test_rejects_zero_ratio() -> None:
         expand_blocks_reference(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4]), ratio=0)
 
 
-@KERNEL
 @pytest.mark.parametrize(
     ("rows", "bk", "ratio", "token_topk"),
     [
@@ -68,15 +40,23 @@ def test_rejects_zero_ratio() -> None:
         pytest.param(1, 1, 4, 4, id="single"),
     ],
 )
-def test_kernel_equals_reference(rows: int, bk: int, ratio: int, token_topk: int) -> None:
+def test_kernel_equals_reference(  # noqa: PLR0917
+    rows: int,
+    bk: int,
+    ratio: int,
+    token_topk: int,
+    kernel_device: str,
+    poisoned_int: Callable[..., torch.Tensor],
+    int_poison: int,
+) -> None:
     """Random ids with padding, duplicates and out-of-range entries expand exactly like the ref."""
     g = torch.Generator().manual_seed(rows * bk)
     ids = torch.randint(-3, 2 * bk, (rows, bk), generator=g, dtype=torch.int32)
     lens = torch.randint(0, 4 * 2 * bk, (rows,), generator=g)
     lens[0] = 4 * bk  # block boundary, no tail
-    ids, lens = ids.to(DEVICE), lens.to(DEVICE)
+    ids, lens = ids.to(kernel_device), lens.to(kernel_device)
     out = poisoned_int(rows, token_topk + ratio - 1)
     expand_blocks(ids, lens, ratio=ratio, token_topk=token_topk, out=out)
-    assert not (out == INT_POISON).any()
+    assert not (out == int_poison).any()
     ref = expand_blocks_reference(ids, lens, ratio=ratio, token_topk=token_topk)
     assert torch.equal(out.cpu(), ref.cpu())

@@ -2,41 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 import pytest
 import torch
 
 from qsa_core import merge_topk
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.topk_merge import merge_candidates, merge_candidates_reference
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-#: Under ``TRITON_INTERPRET=1`` kernel tests run on CPU tensors; otherwise on CUDA, GPU-marked.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-
-def KERNEL(func: _F) -> _F:
-    """Mark a kernel test ``gpu``, except under the interpreter where it runs on CPU."""
-    return func if INTERPRET else pytest.mark.gpu(func)
-
-
-#: Poison written into int32 outputs before a launch so an unwritten element fails a test.
-INT_POISON = -7_777_777
-
-
-def poisoned_int(*shape: int) -> torch.Tensor:
-    """An int32 tensor on the kernel device filled with :data:`INT_POISON`."""
-    return torch.full(shape, INT_POISON, dtype=torch.int32, device=DEVICE)
-
-
-def poisoned_float(*shape: int) -> torch.Tensor:
-    """An fp32 tensor on the kernel device filled with NaN."""
-    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
 
 
 def _candidates(ranks: int, rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +53,6 @@ def test_nan_score_is_rejected() -> None:
         merge_candidates_reference(scores, ids)
 
 
-@KERNEL
 @pytest.mark.parametrize(
     ("ranks", "rows", "k", "topk"),
     [
@@ -93,10 +63,12 @@ def test_nan_score_is_rejected() -> None:
         pytest.param(2, 1, 2048, 2048, id="2x2048"),
     ],
 )
-def test_kernel_equals_qsa_core_merge(ranks: int, rows: int, k: int, topk: int) -> None:
+def test_kernel_equals_qsa_core_merge(
+    ranks: int, rows: int, k: int, topk: int, kernel_device: str
+) -> None:
     """Scores (bitwise, -0.0 as +0.0) and ids equal qsa_core's merge; padding is (-inf, -1)."""
     scores, ids = _candidates(ranks, rows, k, seed=ranks * k)
-    got = merge_candidates(scores.to(DEVICE), ids.to(DEVICE), topk=topk)
+    got = merge_candidates(scores.to(kernel_device), ids.to(kernel_device), topk=topk)
     ref = merge_candidates_reference(scores, ids, topk=topk)
     assert torch.equal(got.ids.cpu(), ref.ids)
     assert torch.equal(got.scores.cpu().view(torch.int32), ref.scores.view(torch.int32))
@@ -109,11 +81,10 @@ def test_kernel_equals_qsa_core_merge(ranks: int, rows: int, k: int, topk: int) 
             assert pairs == want
 
 
-@KERNEL
-def test_kernel_rejects_nan() -> None:
+def test_kernel_rejects_nan(kernel_device: str) -> None:
     """The GPU launcher refuses NaN scores on valid candidates."""
     scores, ids = _candidates(2, 2, 8, seed=4)
     ids[0, 1, 7] = 99
     scores[0, 1, 7] = float("nan")
     with pytest.raises(KernelInputError, match="NaN"):
-        merge_candidates(scores.to(DEVICE), ids.to(DEVICE))
+        merge_candidates(scores.to(kernel_device), ids.to(kernel_device))
