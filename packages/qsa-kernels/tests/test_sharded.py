@@ -41,6 +41,10 @@ CASES: tuple[tuple[str, tuple[int, ...], int, str, str], ...] = (
     ("triton-top8", (301, 77), 8, "fine", "triton"),
 )
 LAYOUTS = ("replicated", "sharded")
+#: Write routing: prefill lengths, then decode steps that close blocks and cross pages 64 / 192.
+WRITE_PREFILL = (190, 61, 5)
+WRITE_STEPS = 7
+WRITE_TOPK = 8
 #: Output tolerance per path (rtol 2^-7 on top). The reference keeps each rank's partial in fp32;
 #: ``sparse_decode`` returns its partial rounded to bf16, so an output that is a weighted sum of
 #: partials of magnitude ~1 carries up to one bf16 ulp of those partials (2^-7) in absolute terms.
@@ -113,6 +117,7 @@ def _run_case(
         KernelPath,
         ShardedDecodeBuffers,
         local_index_table,
+        owned_token_bound,
         owner_sparse_decode,
         shard_index_pages,
         shard_raw_kv,
@@ -126,7 +131,11 @@ def _run_case(
     local_index = shard_index_pages(case["index"], placement, rank)
     local_kv = shard_raw_kv(case["kv"], placement, rank)
     table = local_index_table(case["page_table"], case["seq_lens"], placement, rank)
-    result: dict[str, Any] = {"local_blocks": (table.seq_lens // 4).tolist()}
+    result: dict[str, Any] = {
+        "local_blocks": (table.seq_lens // 4).tolist(),
+        "owned_counts": _owned_counts(case, ref["ids"], placement, rank, topk),
+        "bound": owned_token_bound(placement, topk),
+    }
     for layout_name in LAYOUTS:
         layout = HeadLayout(layout_name)
         buffers = ShardedDecodeBuffers.allocate(
@@ -152,6 +161,8 @@ def _run_case(
             shard=shard,
             buffers=buffers,
             path=path,
+            # REPLICATED runs at the step's exact width, SHARDED at the static bound.
+            owned_width=None if heads is None else result["bound"],
         )
         ref_out = ref["out"] if heads is None else ref["out"][:, heads]
         ref_lse = ref["lse"] if heads is None else ref["lse"][:, heads]
@@ -167,6 +178,172 @@ def _run_case(
             "dtypes": [str(out.dtype), str(lse.dtype)],
         }
     return result
+
+
+def _owned_counts(
+    case: dict[str, torch.Tensor], ids: torch.Tensor, placement: Any, rank: int, topk: int
+) -> list[int]:
+    """Selected tokens this rank owns per row: the compacted width each row needs."""
+    from qsa_kernels.expand import expand_blocks_reference
+    from qsa_kernels.sharded import compact_owned_slots
+
+    pos = expand_blocks_reference(ids, case["seq_lens"], ratio=4, token_topk=4 * topk)
+    valid = pos >= 0
+    slots = torch.where(valid, case["slot_table"].gather(1, pos.clamp(min=0).long()), -1)
+    counts: list[int] = compact_owned_slots(slots, placement, rank)[1].tolist()
+    return counts
+
+
+def _write_scenario(seed: int) -> dict[str, Any]:
+    """Prefill then decode steps of three requests on scattered pages, as a list of writes.
+
+    Every write is ``(raw slots [M], k [M, Hkv, D], v [M, Hkv, D], block slots [M2], index rows
+    [M2, 128])``: the first is the whole prefill; then one per decode step with one token per
+    request and one block row per request (``-1`` slot where its group did not close). The
+    pending ring is replicated: every rank fills the same per-request ring of index keys and
+    compresses a group (a stand-in compressor: first key + last key, exact in bf16) when its
+    fourth token arrives, so a block that closes at a page boundary is known everywhere before
+    its owner keeps it.
+    """
+    g = torch.Generator().manual_seed(seed)
+    final = [p + WRITE_STEPS for p in WRITE_PREFILL]
+    batch = len(final)
+    npages = [-(-n // PAGE) for n in final]
+    pool_pages = sum(npages) + 5
+    order = torch.randperm(pool_pages, generator=g)
+    page_table = torch.zeros((batch, max(npages)), dtype=torch.int32)
+    slot_table = torch.zeros((batch, max(npages) * PAGE), dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(npages):
+        pages = order[used : used + count]
+        used += count
+        page_table[b, :count] = pages.to(torch.int32)
+        slots = pages[:, None] * PAGE + torch.arange(PAGE)[None, :]
+        slot_table[b, : slots.numel()] = slots.reshape(-1).to(torch.int32)
+    keys = [(torch.randint(-64, 65, (n, 128), generator=g) / 64).to(torch.bfloat16) for n in final]
+    ks = [torch.randn((n, HKV, D), generator=g).to(torch.bfloat16) for n in final]
+    vs = [torch.randn((n, HKV, D), generator=g).to(torch.bfloat16) for n in final]
+    rings = [torch.zeros((4, 128), dtype=torch.bfloat16) for _ in final]
+
+    def feed(b: int, p: int) -> tuple[int, torch.Tensor | None]:
+        rings[b][p % 4] = keys[b][p]
+        if p % 4 != 3:
+            return -1, None
+        return int(slot_table[b, p]) // 4, rings[b][0] + rings[b][3]
+
+    writes = []
+    raw, bslots, brows = [], [], []
+    for b, n in enumerate(WRITE_PREFILL):
+        raw.append(slot_table[b, :n])
+        for p in range(n):
+            slot, row = feed(b, p)
+            if row is not None:
+                bslots.append(slot)
+                brows.append(row)
+    writes.append(
+        (
+            torch.cat(raw).to(torch.int64),
+            torch.cat([k[:n] for k, n in zip(ks, WRITE_PREFILL, strict=True)]),
+            torch.cat([v[:n] for v, n in zip(vs, WRITE_PREFILL, strict=True)]),
+            torch.tensor(bslots, dtype=torch.int64),
+            torch.stack(brows),
+        )
+    )
+    for step in range(WRITE_STEPS):
+        pos = [n + step for n in WRITE_PREFILL]
+        closed = [feed(b, p) for b, p in enumerate(pos)]
+        writes.append(
+            (
+                torch.stack([slot_table[b, p] for b, p in enumerate(pos)]).to(torch.int64),
+                torch.stack([ks[b][p] for b, p in enumerate(pos)]),
+                torch.stack([vs[b][p] for b, p in enumerate(pos)]),
+                torch.tensor([c[0] for c in closed], dtype=torch.int64),
+                torch.stack([c[1] if c[1] is not None else torch.zeros(128) for c in closed]).to(
+                    torch.bfloat16
+                ),
+            )
+        )
+    return {
+        "writes": writes,
+        "seq_lens": torch.tensor(final, dtype=torch.int32),
+        "page_table": page_table,
+        "slot_table": slot_table,
+        "pool_pages": pool_pages,
+        "q_index": (torch.randint(-128, 129, (batch, 4, 128), generator=g) / 64).to(torch.bfloat16),
+        "q": torch.randn((batch, HQ, D), generator=g).to(torch.bfloat16),
+    }
+
+
+def _run_writes(shard: Any) -> dict[str, Any]:
+    """Route every write of the scenario to its owner; compare shards and a decode step."""
+    from qsa_kernels.sharded import (
+        HeadLayout,
+        KernelPath,
+        ShardedDecodeBuffers,
+        index_write_targets,
+        local_index_table,
+        owner_sparse_decode,
+        raw_write_targets,
+        shard_index_pages,
+        shard_raw_kv,
+        sharded_indexer_topk,
+        write_owned_index_blocks,
+        write_owned_raw_kv,
+    )
+
+    sc = _write_scenario(SEED + 7)
+    placement, rank, n = shard.placement, shard.rank, shard.world_size
+    kv = torch.zeros((sc["pool_pages"] * PAGE // 4, 2, 4, HKV, D), dtype=torch.bfloat16)
+    index = torch.zeros((sc["pool_pages"], 16, 128), dtype=torch.bfloat16)
+    local_kv = shard_raw_kv(kv, placement, rank)
+    local_index = shard_index_pages(index, placement, rank)
+    owned_rows = 0
+    for slots, k, v, bslots, brows in sc["writes"]:
+        kv[slots // 4, 0, slots % 4] = k  # the single-rank pool write
+        kv[slots // 4, 1, slots % 4] = v
+        closed = bslots >= 0
+        index.view(-1, 128)[bslots[closed]] = brows[closed]
+        targets = raw_write_targets(slots, placement, rank)
+        owned_rows += int(targets.owned.sum())
+        write_owned_raw_kv(local_kv, targets, k, v)
+        write_owned_index_blocks(local_index, index_write_targets(bslots, placement, rank), brows)
+    case = {**sc, "kv": kv, "index": index}
+    ref = _single_rank(case, WRITE_TOPK)
+    buffers = ShardedDecodeBuffers.allocate(
+        world_size=n,
+        max_rows=4,
+        topk=WRITE_TOPK,
+        q_heads=HQ,
+        head_dim=D,
+        layout=HeadLayout.REPLICATED,
+        device="cpu",
+    )
+    table = local_index_table(sc["page_table"], sc["seq_lens"], placement, rank)
+    path = KernelPath.REFERENCE
+    merged = sharded_indexer_topk(
+        sc["q_index"], local_index, table, shard=shard, buffers=buffers, path=path
+    )
+    out, lse = owner_sparse_decode(
+        sc["q"],
+        merged.ids,
+        sc["seq_lens"],
+        sc["slot_table"],
+        local_kv,
+        shard=shard,
+        buffers=buffers,
+        path=path,
+    )
+    return {
+        "kv_equal": bool(torch.equal(local_kv, shard_raw_kv(kv, placement, rank))),
+        "index_equal": bool(torch.equal(local_index, shard_index_pages(index, placement, rank))),
+        "owned_rows": owned_rows,
+        "total_rows": sum(int(w[0].numel()) for w in sc["writes"]),
+        "index_blocks_written": int((index.view(-1, 128) != 0).any(dim=1).sum()),
+        "ids_equal": sorted(map(sorted, merged.ids.tolist()))
+        == sorted(map(sorted, ref["ids"].tolist())),
+        "out_close": _close(out.float(), ref["out"].float(), rtol=2**-7, atol=1e-3),
+        "lse_close": _close(lse, ref["lse"], rtol=1e-5, atol=1e-5),
+    }
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, *, rtol: float, atol: float) -> str:
@@ -197,6 +374,7 @@ def _worker(rank: int, port: int, out_dir: Path) -> None:
             results[f"{n}/{name}"] = _run_case(
                 shard, name=name, lengths=lengths, topk=topk, key_kind=key_kind, path_name=path_name
             )
+        results[f"{n}/writes"] = _run_writes(shard)
     dist.barrier()
     dist.destroy_process_group()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
@@ -239,8 +417,19 @@ def _entries(runs: dict[int, dict[str, Any]]) -> list[tuple[int, int, str, dict[
     for rank, per_case in runs.items():
         for key, result in per_case.items():
             n, name = key.split("/", 1)
-            out.append((int(n), rank, name, result))
+            if name != "writes":
+                out.append((int(n), rank, name, result))
     return out
+
+
+def _write_entries(runs: dict[int, dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    """``{(N, rank): result}`` of the write-routing scenario."""
+    return {
+        (int(key.split("/")[0]), rank): result
+        for rank, per_case in runs.items()
+        for key, result in per_case.items()
+        if key.endswith("/writes")
+    }
 
 
 def test_every_world_size_and_case_ran(runs: dict[int, dict[str, Any]]) -> None:
@@ -248,6 +437,53 @@ def test_every_world_size_and_case_ran(runs: dict[int, dict[str, Any]]) -> None:
     seen = {(n, rank, name) for n, rank, name, _ in _entries(runs)}
     expected = {(n, rank, c[0]) for n in range(1, WORLD + 1) for rank in range(n) for c in CASES}
     assert seen == expected
+    assert set(_write_entries(runs)) == {(n, r) for n in range(1, WORLD + 1) for r in range(n)}
+
+
+def test_compacted_owned_width_shrinks_with_world_size(runs: dict[int, dict[str, Any]]) -> None:
+    """Per-rank owned counts partition each row's selection and stay within the static bound."""
+    per_row: dict[tuple[int, str], list[list[int]]] = {}
+    for n, _rank, name, r in _entries(runs):
+        assert max(r["owned_counts"]) <= r["bound"], (n, name)
+        per_row.setdefault((n, name), []).append(r["owned_counts"])
+    for (n, name), counts in per_row.items():
+        single = per_row[1, name][0]
+        assert [sum(c) for c in zip(*counts, strict=True)] == single, (n, name)
+        topk = next(c[2] for c in CASES if c[0] == name)
+        if n in {2, 4}:  # every 4-token block splits evenly: the width is exactly 1 / N
+            assert max(max(c) for c in counts) <= (4 * topk + 3 + n - 1) // n, (n, name)
+
+
+def test_routed_writes_build_exactly_the_single_rank_shards(
+    runs: dict[int, dict[str, Any]],
+) -> None:
+    """After prefill + decode writes, each rank's K/V and index equal the single-rank shards."""
+    bad = [
+        key for key, r in _write_entries(runs).items() if not (r["kv_equal"] and r["index_equal"])
+    ]
+    assert bad == []
+
+
+def test_routed_raw_writes_land_on_exactly_one_rank(runs: dict[int, dict[str, Any]]) -> None:
+    """Summed over a group's ranks, every raw row of every write is stored exactly once."""
+    entries = _write_entries(runs)
+    for n in range(1, WORLD + 1):
+        group = [entries[n, r] for r in range(n)]
+        assert sum(r["owned_rows"] for r in group) == group[0]["total_rows"], n
+        if n > 1:
+            assert all(0 < r["owned_rows"] < r["total_rows"] for r in group), n
+        # 47 + 15 + 1 prefill blocks, then 2 + 2 + 2 closed by the decode steps.
+        assert group[0]["index_blocks_written"] == 69
+
+
+def test_decode_on_routed_shards_matches_single_rank(runs: dict[int, dict[str, Any]]) -> None:
+    """A decode step on the routed shards selects the same blocks and output as one rank."""
+    bad = [
+        (key, r["out_close"], r["lse_close"])
+        for key, r in _write_entries(runs).items()
+        if not r["ids_equal"] or r["out_close"] or r["lse_close"]
+    ]
+    assert bad == []
 
 
 def test_selected_block_set_equals_single_rank_indexer(runs: dict[int, dict[str, Any]]) -> None:

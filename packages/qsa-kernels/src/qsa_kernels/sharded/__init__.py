@@ -4,8 +4,10 @@ A shard group of ``N`` ranks (a torch.distributed process group) stores each req
 token-interleaved and its compressed index page-interleaved (:class:`qsa_core.ShardPlacement`).
 One decode step of one QSA layer is :func:`sharded_indexer_topk` (each rank scores its own
 blocks; one all-gather of candidates; an exact merge) then :func:`owner_sparse_decode` (each rank
-attends over the selected tokens it stores; one exchange of fp32 partials; an LSE merge). All
-transport goes through :class:`ShardedDecodeBuffers`, allocated once.
+attends over the selected tokens it stores, compacted to a width that shrinks with ``N``; one
+exchange of fp32 partials; an LSE merge). All transport goes through
+:class:`ShardedDecodeBuffers`, allocated once. Writes of new raw K/V rows
+and closed index blocks are routed to their owners (``*_write_targets``, ``write_owned_*``).
 """
 
 from qsa_kernels.sharded._attention import owner_sparse_decode, partial_attention_reference
@@ -13,14 +15,24 @@ from qsa_kernels.sharded._buffers import CollectiveBytes, HeadLayout, ShardedDec
 from qsa_kernels.sharded._group import KernelPath, ShardGroup, all_gather_flat, all_to_all_flat
 from qsa_kernels.sharded._layout import (
     LocalIndexTable,
+    compact_owned_slots,
     local_index_table,
     localize_token_slots,
+    owned_token_bound,
     shard_index_pages,
     shard_raw_kv,
     unshard_index_pages,
     unshard_raw_kv,
 )
 from qsa_kernels.sharded._topk import local_topk_candidates, sharded_indexer_topk
+from qsa_kernels.sharded._writes import (
+    LocalWriteTargets,
+    index_write_targets,
+    raw_write_targets,
+    route_write_rows,
+    write_owned_index_blocks,
+    write_owned_raw_kv,
+)
 
 __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     # -- Group, path, transport --
@@ -33,12 +45,21 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "all_to_all_flat",
     # -- Placement adapters --
     "LocalIndexTable",
+    "compact_owned_slots",
     "local_index_table",
     "localize_token_slots",
+    "owned_token_bound",
     "shard_index_pages",
     "shard_raw_kv",
     "unshard_index_pages",
     "unshard_raw_kv",
+    # -- Write routing --
+    "LocalWriteTargets",
+    "index_write_targets",
+    "raw_write_targets",
+    "route_write_rows",
+    "write_owned_index_blocks",
+    "write_owned_raw_kv",
     # -- Decode step --
     "local_topk_candidates",
     "owner_sparse_decode",

@@ -2,13 +2,17 @@
 
 The selected blocks expand to token positions (plus the incomplete-group tail), the positions map
 through the request's slot table to logical raw slots, and each rank keeps the slots it owns as
-local slots. Each rank computes a partial ``(out, lse)`` over its tokens; the partials (fp32,
+local slots, compacted to the front of each row (:func:`compact_owned_slots`) so the attention
+kernel runs over a width that shrinks with ``N`` instead of the full ``4 * topk + 3``. Each rank
+computes a partial ``(out, lse)`` over its tokens; the partials (fp32,
 packed ``[..., D + 1]`` with the LSE last) cross the group in one collective and are combined by
 :func:`qsa_kernels.lse_merge` in fp32. The owned token sets are disjoint and cover the selection,
 so the merge equals single-rank attention over the whole selection.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -17,10 +21,12 @@ from qsa_kernels.expand import expand_blocks, expand_blocks_reference
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
 from qsa_kernels.sharded._buffers import HeadLayout, ShardedDecodeBuffers
 from qsa_kernels.sharded._group import KernelPath, ShardGroup, all_gather_flat, all_to_all_flat
-from qsa_kernels.sharded._layout import localize_token_slots
+from qsa_kernels.sharded._layout import compact_owned_slots
 from qsa_kernels.sparse_decode import gather_selected_kv, sparse_decode
 
 __all__ = ("owner_sparse_decode", "partial_attention_reference")
+
+logger = logging.getLogger(__name__)
 
 
 def partial_attention_reference(
@@ -63,6 +69,8 @@ def owner_sparse_decode(
     buffers: ShardedDecodeBuffers,
     scale: float | None = None,
     path: KernelPath = KernelPath.AUTO,
+    owned_width: int | None = None,
+    check_width: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode over the selection, each rank reading only the K/V it stores.
 
@@ -86,10 +94,23 @@ def owner_sparse_decode(
         scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
         path: kernels or references (the kernel's partial is bf16-rounded before the fp32 merge;
             the reference's stays fp32).
+        owned_width: token columns ``T`` the local attention runs over, after the owned slots
+            are compacted to the front of each row. ``None``: the step's largest owned count
+            (exact for any slot table; one host synchronisation to read it, so eager only).
+            An int (``owned_token_bound(placement, topk)`` for page-contiguous slot tables, in
+            ``1 .. 4 * topk + 3``): a static width, no synchronisation beyond ``check_width``;
+            the CUDA-graph setting.
+        check_width: with an int ``owned_width``, verify that no row owns more tokens (one
+            host synchronisation; raises instead of silently dropping tokens). Pass ``False``
+            under graph capture, where the slot-table layout must guarantee the bound.
 
     Returns:
         ``(out, lse)``: REPLICATED ``[B, Hq, D]`` bf16 and ``[B, Hq]`` fp32 on every rank;
         SHARDED the rank's own heads, ``[B, Hq / N, D]`` and ``[B, Hq / N]``.
+
+    Raises:
+        KernelInputError: bad shapes, an ``owned_width`` outside ``1 .. 4 * topk + 3``, or (with
+            ``check_width``) a row owning more than ``owned_width`` selected tokens.
     """
     batch = q.shape[0]
     buffers.check_rows(batch)
@@ -106,9 +127,17 @@ def owner_sparse_decode(
     if block_ids.shape != (batch, k):
         msg = f"block_ids must be [B={batch!r}, topk={k!r}]; got {tuple(block_ids.shape)!r}"
         raise KernelInputError(msg)
+    width = 4 * k + 3
+    width_obj: object = owned_width
+    if owned_width is not None and (
+        isinstance(width_obj, bool)
+        or not isinstance(width_obj, int)
+        or not 1 <= owned_width <= width
+    ):
+        msg = f"owned_width={owned_width!r} is not allowed; allowed: None or 1..{width!r}"
+        raise KernelInputError(msg)
     concrete = path.resolve(q.device)
     sm_scale = d**-0.5 if scale is None else scale
-    width = 4 * k + 3
     positions = buffers.positions[: batch * width].view(batch, width)
     if concrete is KernelPath.TRITON:
         expand_blocks(block_ids, seq_lens, ratio=4, token_topk=4 * k, out=positions)
@@ -118,7 +147,19 @@ def owner_sparse_decode(
     slots = torch.gather(slot_table, 1, torch.where(valid, positions, 0).to(torch.int64))
     slots = torch.where(valid, slots, -1)
     local = buffers.local_slots[: batch * width].view(batch, width)
-    localize_token_slots(slots, shard.placement, shard.rank, out=local)
+    _, counts = compact_owned_slots(slots, shard.placement, shard.rank, out=local)
+    if owned_width is None:
+        columns = int(counts.max()) if batch else 0  # the one host synchronisation
+    else:
+        columns = owned_width
+        if check_width and batch and bool((counts > columns).any()):
+            msg = (
+                f"a row owns {int(counts.max())!r} selected tokens on rank {shard.rank!r}, more "
+                f"than owned_width={columns!r}"
+            )
+            raise KernelInputError(msg)
+    logger.debug("rank %d attends over %d of %d token columns", shard.rank, columns, width)
+    local = local[:, : max(columns, 1)]
 
     if sharded:
         q_words = batch * heads_in * d

@@ -24,8 +24,10 @@ from qsa_kernels._errors import KernelInputError
 
 __all__ = (
     "LocalIndexTable",
+    "compact_owned_slots",
     "local_index_table",
     "localize_token_slots",
+    "owned_token_bound",
     "shard_index_pages",
     "shard_raw_kv",
     "unshard_index_pages",
@@ -172,6 +174,80 @@ def localize_token_slots(
         return local.to(torch.int32)
     out.copy_(local)
     return out
+
+
+def owned_token_bound(
+    placement: ShardPlacement, topk: int, *, contiguous_blocks: bool = True
+) -> int:
+    """Most selected tokens one rank can own in one decode row: the static compacted width.
+
+    A row selects ``topk`` blocks of ``r = compress_ratio`` tokens plus at most ``r - 1`` tail
+    tokens. When each block's tokens sit on ``r`` consecutive raw slots (true whenever the raw
+    page size is a multiple of ``r`` and ``req_to_token`` is page-contiguous, as SGLang's paged
+    allocator with QSA's page of 64 guarantees), ``c`` consecutive slots give one rank at most
+    ``ceil(c / N)`` of them, so the bound is ``topk * ceil(r / N) + ceil((r - 1) / N)``
+    (``N = 1, 2, 3, 4`` and ``topk = 512``: 2051, 1026, 1025, 513). Without that layout
+    guarantee every selected token can land on one rank and the bound is ``topk * r + r - 1``.
+
+    Args:
+        placement: the shard group's placement.
+        topk: blocks selected per row, ``>= 1``.
+        contiguous_blocks: whether every block occupies ``r`` consecutive raw slots.
+
+    Raises:
+        KernelInputError: ``topk < 1``.
+    """
+    checked: object = topk
+    if isinstance(checked, bool) or not isinstance(checked, int) or topk < 1:
+        msg = f"topk={topk!r} must be a positive int"
+        raise KernelInputError(msg)
+    r = placement.compress_ratio
+    n = placement.world_size if contiguous_blocks else 1
+    return topk * -(-r // n) + -(-(r - 1) // n)
+
+
+def compact_owned_slots(
+    slots: torch.Tensor, placement: ShardPlacement, rank: int, *, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s owned local slots of each row, moved to the front in their original order.
+
+    A fixed-size permutation of each row (cumulative sums and one scatter): no host
+    synchronisation and no data-dependent shape, so it is CUDA-graph capturable.
+
+    Args:
+        slots: ``[B, T]`` int32/int64 logical raw slots, ``-1`` (any negative) padding.
+        placement: the shard group's placement.
+        rank: this rank.
+        out: optional ``[B, T]`` int32 destination (fully written; must not alias ``slots``).
+
+    Returns:
+        ``(local [B, T] int32, counts [B] int32)``: row ``b`` holds its ``counts[b]`` owned local
+        slots (``slot // N`` of each ``slot % N == rank``) in the order they appear in
+        ``slots[b]``, then ``-1``. Attention over ``local[:, :w]`` with ``w >= counts.max()``
+        equals attention over all of ``local``.
+    """
+    check_ndim("slots", slots, 2, "[B, T]")
+    _check_rank(placement, rank)
+    n = placement.world_size
+    batch, width = slots.shape
+    owned = (slots >= 0) & (torch.remainder(slots, n) == rank)
+    local = torch.where(owned, torch.div(slots, n, rounding_mode="floor"), -1).to(torch.int32)
+    before = torch.cumsum(owned.to(torch.int64), dim=1)
+    counts = before[:, -1] if width else torch.zeros(batch, dtype=torch.int64, device=slots.device)
+    col = torch.arange(width, device=slots.device)
+    # Owned entry -> its rank among owned; non-owned -> count + its rank among non-owned.
+    dest = torch.where(owned, before - 1, counts[:, None] + col[None, :] - before)
+    if out is not None and (out.shape != slots.shape or out.dtype != torch.int32):
+        msg = (
+            f"out must be [B, T]={tuple(slots.shape)!r} int32; got {tuple(out.shape)!r} "
+            f"{out.dtype!r}"
+        )
+        raise KernelInputError(msg)
+    target = (
+        torch.empty((batch, width), dtype=torch.int32, device=slots.device) if out is None else out
+    )
+    target.scatter_(1, dest, local)
+    return target, counts.to(torch.int32)
 
 
 class LocalIndexTable(NamedTuple):
