@@ -97,7 +97,8 @@ class ShardedDecodeBuffers:
         query_send: ``[max_rows * Hq / N * D]`` bf16 (empty for REPLICATED).
         query_recv: ``[N * max_rows * Hq / N * D]`` bf16 (empty for REPLICATED).
         positions: ``[max_rows * (4 * topk + 3)]`` int32 selected token positions.
-        local_slots: ``[max_rows * (4 * topk + 3)]`` int32 owned local token slots.
+        local_slots: ``[max_rows * (4 * topk + 3)]`` int32 owned local token slots, compacted to
+            the front of each row (the full width is the worst case: every token on one rank).
         partial_send: ``[max_rows * Hq * (D + 1)]`` fp32.
         partial_recv: ``[N * max_rows * Hq * (D + 1)]`` (REPLICATED) or ``[max_rows * Hq * (D +
             1)]`` (SHARDED) fp32.
