@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -21,37 +19,18 @@ from qsa_kernels.indexer_topk import (
 )
 from qsa_kernels.indexer_topk import triton as indexer_triton
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-#: Under ``TRITON_INTERPRET=1`` kernel tests run on CPU tensors; otherwise on CUDA, GPU-marked.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-
-def KERNEL(func: _F) -> _F:
-    """Mark a kernel test ``gpu``, except under the interpreter where it runs on CPU."""
-    return func if INTERPRET else pytest.mark.gpu(func)
-
-
-#: Poison written into int32 outputs before a launch so an unwritten element fails a test.
-INT_POISON = -7_777_777
-
-
-def poisoned_int(*shape: int) -> torch.Tensor:
-    """An int32 tensor on the kernel device filled with :data:`INT_POISON`."""
-    return torch.full(shape, INT_POISON, dtype=torch.int32, device=DEVICE)
-
-
-def poisoned_float(*shape: int) -> torch.Tensor:
-    """An fp32 tensor on the kernel device filled with NaN."""
-    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
-
-
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 def _case(
-    seq_lens: list[int], pages: int, width: int, dtype: torch.dtype, *, exact: bool, seed: int
+    seq_lens: list[int],
+    pages: int,
+    width: int,
+    dtype: torch.dtype,
+    *,
+    exact: bool,
+    seed: int,
+    device: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random indexer inputs; ``exact`` draws small integers so every dot product is exact."""
     g = torch.Generator().manual_seed(seed)
@@ -65,10 +44,10 @@ def _case(
     perm = torch.randperm(pages, generator=g)
     pt = torch.stack([perm[torch.randperm(pages, generator=g)[:width]] for _ in range(batch)])
     return (
-        q.to(dtype).to(DEVICE),
-        k.to(dtype).to(DEVICE),
-        pt.to(torch.int32).to(DEVICE),
-        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        q.to(dtype).to(device),
+        k.to(dtype).to(device),
+        pt.to(torch.int32).to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )
 
 
@@ -122,25 +101,34 @@ CASES = [
 ]
 
 
-@KERNEL
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
 @pytest.mark.parametrize(("seq_lens", "pages", "width", "topk"), CASES)
-def test_topk_equals_reference_on_exact_scores(
-    seq_lens: list[int], pages: int, width: int, topk: int, dtype: torch.dtype
+def test_topk_equals_reference_on_exact_scores(  # noqa: PLR0917
+    seq_lens: list[int],
+    pages: int,
+    width: int,
+    topk: int,
+    dtype: torch.dtype,
+    kernel_device: str,
+    poisoned_int: Callable[..., torch.Tensor],
+    int_poison: int,
 ) -> None:
     """Exactly representable dots (many ties): the kernel's ids equal the reference's."""
-    q, k, pt, sl = _case(seq_lens, pages, width, dtype, exact=True, seed=topk)
+    q, k, pt, sl = _case(seq_lens, pages, width, dtype, exact=True, seed=topk, device=kernel_device)
     out = poisoned_int(len(seq_lens), topk)
     indexer_topk(q, k, pt, sl, topk=topk, out=out)
-    assert not (out == INT_POISON).any()
+    assert not (out == int_poison).any()
     assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
 
 
-@KERNEL
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
-def test_scores_match_reference_within_fp32_rounding(dtype: torch.dtype) -> None:
+def test_scores_match_reference_within_fp32_rounding(
+    dtype: torch.dtype, kernel_device: str, poisoned_float: Callable[..., torch.Tensor]
+) -> None:
     """Random keys: scores agree to fp32 accumulation error and -inf marks invisible blocks."""
-    q, k, pt, sl = _case([4 * 700 + 3, 4 * 31 + 2, 1], 64, 50, dtype, exact=False, seed=3)
+    q, k, pt, sl = _case(
+        [4 * 700 + 3, 4 * 31 + 2, 1], 64, 50, dtype, exact=False, seed=3, device=kernel_device
+    )
     out = poisoned_float(3, 50 * 16)
     indexer_scores(q, k, pt, sl, out=out)
     ref = indexer_scores_reference(q, k, pt, sl)
@@ -150,10 +138,11 @@ def test_scores_match_reference_within_fp32_rounding(dtype: torch.dtype) -> None
     torch.testing.assert_close(out[fin].cpu(), ref[fin].cpu(), rtol=1e-5, atol=1e-5)
 
 
-@KERNEL
-def test_random_selection_differs_only_at_fp32_near_ties() -> None:
+def test_random_selection_differs_only_at_fp32_near_ties(kernel_device: str) -> None:
     """Random keys: any block picked by one side only scores within rounding of the k-th score."""
-    q, k, pt, sl = _case([4 * 900, 4 * 1300 + 1], 96, 90, torch.bfloat16, exact=False, seed=5)
+    q, k, pt, sl = _case(
+        [4 * 900, 4 * 1300 + 1], 96, 90, torch.bfloat16, exact=False, seed=5, device=kernel_device
+    )
     out = indexer_topk(q, k, pt, sl, topk=512)
     ref = indexer_topk_reference(q, k, pt, sl, topk=512)
     scores = indexer_scores_reference(q, k, pt, sl)
@@ -165,26 +154,33 @@ def test_random_selection_differs_only_at_fp32_near_ties() -> None:
             assert abs(scores[row, blk].item() - kth) <= 1e-5 * max(1.0, abs(kth))
 
 
-@KERNEL
-def test_all_zero_scores_select_the_smallest_ids() -> None:
+def test_all_zero_scores_select_the_smallest_ids(kernel_device: str) -> None:
     """Queries anti-aligned with every key give score 0 everywhere: ids 0..k-1 win."""
-    q = torch.ones(2, 4, 128, dtype=torch.bfloat16, device=DEVICE)
-    k = -torch.ones(70, 16, 128, dtype=torch.bfloat16, device=DEVICE)
-    pt = torch.randperm(70, device=DEVICE)[:64].view(1, 64).repeat(2, 1).to(torch.int32)
-    out = indexer_topk(q, k, pt, torch.tensor([4 * 1000 + 3, 4 * 600], device=DEVICE), topk=512)
+    q = torch.ones(2, 4, 128, dtype=torch.bfloat16, device=kernel_device)
+    k = -torch.ones(70, 16, 128, dtype=torch.bfloat16, device=kernel_device)
+    pt = torch.randperm(70, device=kernel_device)[:64].view(1, 64).repeat(2, 1).to(torch.int32)
+    sl = torch.tensor([4 * 1000 + 3, 4 * 600], device=kernel_device)
+    out = indexer_topk(q, k, pt, sl, topk=512)
     assert out.cpu().tolist() == [list(range(512))] * 2
 
 
-@KERNEL
 @pytest.mark.parametrize(("seq_lens", "pages", "width", "topk"), CASES)
-def test_two_stage_selection_equals_reference(
-    seq_lens: list[int], pages: int, width: int, topk: int, monkeypatch: pytest.MonkeyPatch
+def test_two_stage_selection_equals_reference(  # noqa: PLR0917
+    seq_lens: list[int],
+    pages: int,
+    width: int,
+    topk: int,
+    monkeypatch: pytest.MonkeyPatch,
+    kernel_device: str,
+    poisoned_int: Callable[..., torch.Tensor],
 ) -> None:
     """Per-chunk top-k then top-k of the candidates keeps the exact set, ties included."""
     monkeypatch.setattr(_select, "CHUNK", topk + 1)
     monkeypatch.setattr(_select, "TWO_STAGE_MIN", 100)
     monkeypatch.setattr(_select, "TWO_STAGE_MAX", 1 << 30)
-    q, k, pt, sl = _case(seq_lens, pages, width, torch.bfloat16, exact=True, seed=topk + 1)
+    q, k, pt, sl = _case(
+        seq_lens, pages, width, torch.bfloat16, exact=True, seed=topk + 1, device=kernel_device
+    )
     out = poisoned_int(len(seq_lens), topk)
     indexer_topk(q, k, pt, sl, topk=topk, out=out)
     assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
@@ -196,14 +192,14 @@ def test_two_stage_selection_equals_reference(
 def _row_keys(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Packed order keys of ``scores [rows, width]`` (columns ``>= n`` are non-candidates)."""
     rows, width = scores.shape
-    keys = torch.empty((rows, width), dtype=torch.int64, device=DEVICE)
+    keys = torch.empty((rows, width), dtype=torch.int64, device=scores.device)
     _select._pack_rows_kernel[(rows, -(-width // 1024))](
         scores, lengths, keys, width, width, scores.stride(0), keys.stride(0), BLOCK=1024
     )
     return keys
 
 
-def _scores(mode: str, rows: int, width: int, seed: int) -> torch.Tensor:
+def _scores(mode: str, rows: int, width: int, seed: int, device: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if mode == "random":
         s = torch.rand(rows, width, generator=g) * 7
@@ -214,21 +210,26 @@ def _scores(mode: str, rows: int, width: int, seed: int) -> torch.Tensor:
     else:  # signed zeros, with a few ones so the threshold falls among the zeros
         s = torch.where(torch.rand(rows, width, generator=g) < 0.5, -0.0, 0.0)
         s[:, ::97] = 1.0
-    return s.to(DEVICE)
+    return s.to(device)
 
 
-@KERNEL
 @pytest.mark.parametrize("mode", ["random", "few-values", "all-equal", "signed-zeros"])
 @pytest.mark.parametrize("cap", [2048, 16], ids=["sort", "overflow"])
 def test_radix_select_equals_reference(
-    mode: str, cap: int, monkeypatch: pytest.MonkeyPatch
+    mode: str,
+    cap: int,
+    monkeypatch: pytest.MonkeyPatch,
+    kernel_device: str,
+    poisoned_int: Callable[..., torch.Tensor],
 ) -> None:
     """Radix select: same ids as the reference, ties to smaller ids, both resolve paths."""
     monkeypatch.setattr(_radix, "CHUNK", 1024)
     monkeypatch.setattr(_radix, "CAND_CAP", cap)
     width, k = 3001, 100
-    s = _scores(mode, 5, width, seed=len(mode) + cap)
-    n = torch.tensor([width, width - 1, k, k - 1, 1024 + 7], dtype=torch.int32, device=DEVICE)
+    s = _scores(mode, 5, width, seed=len(mode) + cap, device=kernel_device)
+    n = torch.tensor(
+        [width, width - 1, k, k - 1, 1024 + 7], dtype=torch.int32, device=kernel_device
+    )
     keys = _row_keys(s, n)
     state = _radix.radix_stage_threshold(_radix.radix_stage_hist(keys), k)
     out = poisoned_int(5, k)
@@ -243,7 +244,6 @@ def test_radix_select_equals_reference(
         assert not overflowed  # the tl.sort of the candidates resolved it
 
 
-@KERNEL
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
 @pytest.mark.parametrize(("seq_lens", "pages", "width", "topk"), CASES)
 def test_radix_indexer_topk_equals_reference(  # noqa: PLR0917
@@ -253,23 +253,29 @@ def test_radix_indexer_topk_equals_reference(  # noqa: PLR0917
     topk: int,
     dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
+    kernel_device: str,
+    poisoned_int: Callable[..., torch.Tensor],
 ) -> None:
     """Indexer top-k through the radix select: exact ids on tie-heavy scores, bf16 and fp8."""
     monkeypatch.setattr(indexer_triton, "RADIX_MIN_WIDTH", 1)
     monkeypatch.setattr(_radix, "CHUNK", 1024)
-    q, k, pt, sl = _case(seq_lens, pages, width, dtype, exact=True, seed=topk + 7)
+    q, k, pt, sl = _case(
+        seq_lens, pages, width, dtype, exact=True, seed=topk + 7, device=kernel_device
+    )
     out = poisoned_int(len(seq_lens), topk)
     indexer_topk(q, k, pt, sl, topk=topk, out=out)
     assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
 
 
-@KERNEL
-def test_radix_candidate_overflow_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_radix_candidate_overflow_stays_exact(
+    monkeypatch: pytest.MonkeyPatch, kernel_device: str
+) -> None:
     """All-zero indexer scores put every block in one bin: the overflow path keeps ids 0..k-1."""
     monkeypatch.setattr(indexer_triton, "RADIX_MIN_WIDTH", 1)
     monkeypatch.setattr(_radix, "CAND_CAP", 32)
-    q = torch.ones(2, 4, 128, dtype=torch.bfloat16, device=DEVICE)
-    k = -torch.ones(70, 16, 128, dtype=torch.bfloat16, device=DEVICE)
-    pt = torch.randperm(70, device=DEVICE)[:64].view(1, 64).repeat(2, 1).to(torch.int32)
-    out = indexer_topk(q, k, pt, torch.tensor([4 * 1000 + 3, 4 * 600], device=DEVICE), topk=512)
+    q = torch.ones(2, 4, 128, dtype=torch.bfloat16, device=kernel_device)
+    k = -torch.ones(70, 16, 128, dtype=torch.bfloat16, device=kernel_device)
+    pt = torch.randperm(70, device=kernel_device)[:64].view(1, 64).repeat(2, 1).to(torch.int32)
+    sl = torch.tensor([4 * 1000 + 3, 4 * 600], device=kernel_device)
+    out = indexer_topk(q, k, pt, sl, topk=512)
     assert out.cpu().tolist() == [list(range(512))] * 2
