@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
@@ -22,17 +21,6 @@ from qsa_kernels.double_sparsity import (
 from qsa_kernels.ds_label import label_keys_reference
 from qsa_kernels.offload import OffloadGeometry
 from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-#: Under ``TRITON_INTERPRET=1`` kernel tests run on CPU tensors; otherwise on CUDA, GPU-marked.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-
-def KERNEL(func: _F) -> _F:
-    """Mark a kernel test ``gpu``, except under the interpreter where it runs on CPU."""
-    return func if INTERPRET else pytest.mark.gpu(func)
 
 
 def _quarters(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -103,25 +91,27 @@ class _Resident:
         channels: torch.Tensor,
         *,
         max_tokens: int,
+        device: str,
         kv_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         rows = len(ks)
+        self.device = device
         hkv, d = ks[0].shape[1:]
         self.labels = LabelCache(
-            channels.unsqueeze(0), rows=rows, max_tokens=max_tokens, device=DEVICE
+            channels.unsqueeze(0), rows=rows, max_tokens=max_tokens, device=device
         )
         records = torch.zeros(rows, max_tokens, 2, hkv, d, dtype=kv_dtype)
         for r, (k, v) in enumerate(zip(ks, vs, strict=True)):
             records[r, : k.shape[0], 0] = k.to(kv_dtype)
             records[r, : k.shape[0], 1] = v.to(kv_dtype)
-            self.labels.write_prompt(0, r, k.to(kv_dtype).to(DEVICE))
+            self.labels.write_prompt(0, r, k.to(kv_dtype).to(device))
         # [R, M, 2, Hkv, D] -> records [R * M / 4, 2, 4, Hkv, D]
         self.kv = (
             records.view(rows, max_tokens // 4, 4, 2, hkv, d)
             .permute(0, 1, 3, 2, 4, 5)
             .reshape(rows * max_tokens // 4, 2, 4, hkv, d)
             .contiguous()
-            .to(DEVICE)
+            .to(device)
         )
         self.lengths = [int(k.shape[0]) for k in ks]
         self.req_to_token = self.labels.slots(range(rows), max(self.lengths))
@@ -129,7 +119,7 @@ class _Resident:
     def decode(self, q: torch.Tensor, config: DSConfig, *, reference: bool = False) -> Any:
         fn = ds_decode_reference if reference else ds_decode
         return fn(
-            q.to(DEVICE),
+            q.to(self.device),
             self.kv,
             self.labels.layer(0),
             self.labels.channels[0],
@@ -213,16 +203,15 @@ def test_label_cache_rejects_out_of_range_writes(
 # -- sparse decode with a token list per KV head (what double sparsity needs) --
 
 
-@KERNEL
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(6, 2, 32), (8, 1, 16), (32, 8, 128)])
 def test_sparse_decode_with_a_token_list_per_kv_head_matches_reference(
-    hq: int, hkv: int, d: int
+    hq: int, hkv: int, d: int, kernel_device: str
 ) -> None:
     """Each KV head attends only to its own token list; -1 padding anywhere; an empty head."""
     gen = torch.Generator().manual_seed(hq * 7 + hkv)
     records, batch, width = 9, 3, 21
-    kv = torch.randn(records, 2, 4, hkv, d, generator=gen).to(torch.bfloat16).to(DEVICE)
-    q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kv = torch.randn(records, 2, 4, hkv, d, generator=gen).to(torch.bfloat16).to(kernel_device)
+    q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16).to(kernel_device)
     slots = torch.stack(
         [
             torch.stack([torch.randperm(records * 4, generator=gen)[:width] for _ in range(hkv)])
@@ -231,7 +220,7 @@ def test_sparse_decode_with_a_token_list_per_kv_head_matches_reference(
     ).to(torch.int32)
     slots[torch.rand(slots.shape, generator=gen) < 0.3] = -1
     slots[1, hkv - 1] = -1  # one (row, head) attends to nothing
-    slots = slots.to(DEVICE)
+    slots = slots.to(kernel_device)
     out, lse = sparse_decode(q, slots, kv, num_splits=1)
     ref_out, ref_lse = sparse_decode_reference(q, slots, kv)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
@@ -252,7 +241,6 @@ def test_sparse_decode_rejects_per_head_lists_for_another_head_count() -> None:
 # -- resident double-sparsity decode --------------------------------------------------------------
 
 
-@KERNEL
 @pytest.mark.parametrize(
     ("hq", "hkv", "d", "c", "lengths", "heavy"),
     [
@@ -262,12 +250,14 @@ def test_sparse_decode_rejects_per_head_lists_for_another_head_count() -> None:
     ],
 )
 def test_ds_decode_equals_plain_double_sparsity(  # noqa: PLR0917
-    hq: int, hkv: int, d: int, c: int, lengths: list[int], heavy: int
+    hq: int, hkv: int, d: int, c: int, lengths: list[int], heavy: int, kernel_device: str
 ) -> None:
     """Kernel and reference select the plain definition's tokens and match its attention."""
     q, ks, vs, channels = _case(lengths, hq, hkv, d, c, seed=hq + d)
     config = DSConfig(heavy_channel_num=c, heavy_token_num=heavy, sparse_decode_threshold=0)
-    store = _Resident(ks, vs, channels, max_tokens=4 * math.ceil(max(lengths) / 4) + 4)
+    store = _Resident(
+        ks, vs, channels, max_tokens=4 * math.ceil(max(lengths) / 4) + 4, device=kernel_device
+    )
     want, chosen = _expected(q, ks, vs, channels, config, 1 / math.sqrt(d))
     for reference in (False, True):
         got = store.decode(q, config, reference=reference)
@@ -277,7 +267,6 @@ def test_ds_decode_equals_plain_double_sparsity(  # noqa: PLR0917
     assert any(len({tuple(h) for h in row}) > 1 for row in chosen if len(row[0]) == heavy)
 
 
-@KERNEL
 @pytest.mark.parametrize(
     "config",
     [
@@ -286,11 +275,11 @@ def test_ds_decode_equals_plain_double_sparsity(  # noqa: PLR0917
     ],
     ids=["heavy_covers_context", "below_threshold"],
 )
-def test_ds_decode_falls_back_to_dense_attention(config: DSConfig) -> None:
+def test_ds_decode_falls_back_to_dense_attention(config: DSConfig, kernel_device: str) -> None:
     """When every row fits heavy_token_num or is below the threshold, DS equals dense attention."""
     lengths = [33, 9, 50]
     q, ks, vs, channels = _case(lengths, 8, 2, 32, 4, seed=5)
-    store = _Resident(ks, vs, channels, max_tokens=52)
+    store = _Resident(ks, vs, channels, max_tokens=52, device=kernel_device)
     got = store.decode(q, config)
     for b, n in enumerate(lengths):
         assert _positions_as_lists(got.positions)[b] == [list(range(n))] * 2
@@ -300,23 +289,22 @@ def test_ds_decode_falls_back_to_dense_attention(config: DSConfig) -> None:
             torch.testing.assert_close(got.out[b, h].float().cpu(), p @ v, atol=2e-2, rtol=2e-2)
 
 
-@KERNEL
-def test_ds_decode_fallback_is_per_row() -> None:
+def test_ds_decode_fallback_is_per_row(kernel_device: str) -> None:
     """A short row below the threshold does not turn its long batch-mate dense."""
     lengths = [70, 12]
     q, ks, vs, channels = _case(lengths, 8, 2, 32, 4, seed=9)
     config = DSConfig(heavy_channel_num=4, heavy_token_num=8, sparse_decode_threshold=40)
-    got = _Resident(ks, vs, channels, max_tokens=72).decode(q, config)
+    got = _Resident(ks, vs, channels, max_tokens=72, device=kernel_device).decode(q, config)
     per_row = _positions_as_lists(got.positions)
     assert [len(h) for h in per_row[0]] == [8, 8]
     assert per_row[1] == [list(range(12))] * 2
     assert got.positions.shape[2] == 12
 
 
-def test_ds_decode_rejects_lengths_outside_the_slot_table() -> None:
+def test_ds_decode_rejects_lengths_outside_the_slot_table(kernel_device: str) -> None:
     """seq_lens beyond req_to_token's width (or zero) are refused with the bound."""
     q, ks, vs, channels = _case([8], 4, 2, 16, 4, seed=3)
-    store = _Resident(ks, vs, channels, max_tokens=8)
+    store = _Resident(ks, vs, channels, max_tokens=8, device=kernel_device)
     with pytest.raises(KernelInputError, match=r"seq_lens\[0\]=9 .*\[1, 8\]"):
         ds_decode_reference(
             q,
@@ -341,6 +329,7 @@ def _offload_run(
     steps: int,
     config: DSConfig,
     hot_slots: int,
+    device: str,
     kv_dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
 ) -> int:
@@ -350,31 +339,32 @@ def _offload_run(
     max_blocks = math.ceil((max(prompts) + steps) / 4) + 1
     channels = _channels(gen, layers, hkv, d, config.heavy_channel_num)
     geometry = OffloadGeometry(layers, rows, hot_slots, max_blocks, hkv, d, kv_dtype)
-    store = DSOffloadedKV(geometry, channels, config=config, device=DEVICE)
+    store = DSOffloadedKV(geometry, channels, config=config, device=device)
     live = list(range(1, rows))  # row 0 stays free
     hist_k: dict[int, torch.Tensor] = {}
     hist_v: dict[int, torch.Tensor] = {}
     for row, n in zip(live, prompts, strict=True):
         hist_k[row] = _quarters(gen, layers, n, hkv, d).to(kv_dtype)
         hist_v[row] = torch.randn(layers, n, hkv, d, generator=gen).to(kv_dtype)
-        store.admit(row, hist_k[row].to(DEVICE), hist_v[row].to(DEVICE))
+        store.admit(row, hist_k[row].to(device), hist_v[row].to(device))
     checks = 0
     for _ in range(steps):
         store.begin_step()
         new_k = _quarters(gen, layers, len(live), hkv, d).to(kv_dtype)
         new_v = torch.randn(layers, len(live), hkv, d, generator=gen).to(kv_dtype)
-        store.append(live, new_k.to(DEVICE), new_v.to(DEVICE))
+        store.append(live, new_k.to(device), new_v.to(device))
         for i, row in enumerate(live):
             hist_k[row] = torch.cat([hist_k[row], new_k[:, i : i + 1]], dim=1)
             hist_v[row] = torch.cat([hist_v[row], new_v[:, i : i + 1]], dim=1)
         for layer in range(layers):
-            q = _quarters(gen, len(live), hq, d).to(DEVICE)
+            q = _quarters(gen, len(live), hq, d).to(device)
             got = store.decode(layer, live, q)
             resident = _Resident(
                 [hist_k[r][layer] for r in live],
                 [hist_v[r][layer] for r in live],
                 channels[layer],
                 max_tokens=geometry.max_tokens,
+                device=device,
                 kv_dtype=kv_dtype,
             )
             want = resident.decode(q, config)
@@ -385,7 +375,6 @@ def _offload_run(
     return checks
 
 
-@KERNEL
 @pytest.mark.parametrize(
     ("hq", "hkv", "d", "heavy", "kv_dtype"),
     [
@@ -393,8 +382,8 @@ def _offload_run(
         (16, 2, 16, 5, torch.float8_e4m3fn),  # group 8, FP8 K/V
     ],
 )
-def test_ds_offload_equals_resident_ds(
-    hq: int, hkv: int, d: int, heavy: int, kv_dtype: torch.dtype
+def test_ds_offload_equals_resident_ds(  # noqa: PLR0917
+    hq: int, hkv: int, d: int, heavy: int, kv_dtype: torch.dtype, kernel_device: str
 ) -> None:
     """Prompts of different lengths, steps across block boundaries: offload == resident."""
     config = DSConfig(heavy_channel_num=4, heavy_token_num=heavy, sparse_decode_threshold=0)
@@ -406,18 +395,26 @@ def test_ds_offload_equals_resident_ds(
         steps=5,
         config=config,
         hot_slots=hkv * heavy,
+        device=kernel_device,
         kv_dtype=kv_dtype,
         seed=hq,
     )
     assert checks == 10
 
 
-@KERNEL
-def test_ds_offload_dense_rows_and_a_small_hot_cache() -> None:
+def test_ds_offload_dense_rows_and_a_small_hot_cache(kernel_device: str) -> None:
     """Dense rows (below the threshold) fetch all their blocks; LRU reuse stays exact."""
     config = DSConfig(heavy_channel_num=4, heavy_token_num=4, sparse_decode_threshold=20)
     checks = _offload_run(
-        hq=4, hkv=2, d=16, prompts=[14, 3, 33], steps=6, config=config, hot_slots=8, seed=3
+        hq=4,
+        hkv=2,
+        d=16,
+        prompts=[14, 3, 33],
+        steps=6,
+        config=config,
+        hot_slots=8,
+        device=kernel_device,
+        seed=3,
     )
     assert checks == 12
 
@@ -456,7 +453,7 @@ def test_full_size_llama_ds_decode_and_offload() -> None:
     lengths = [4096, 3001, 1030]
     q, ks, vs, channels = _case(lengths, 32, 8, 128, 32, seed=11)
     config = DSConfig(heavy_channel_num=32, heavy_token_num=256, sparse_decode_threshold=2048)
-    store = _Resident(ks, vs, channels, max_tokens=4100)
+    store = _Resident(ks, vs, channels, max_tokens=4100, device="cuda")
     got = store.decode(q, config)
     ref = store.decode(q, config, reference=True)
     assert torch.equal(got.positions, ref.positions)
@@ -469,5 +466,6 @@ def test_full_size_llama_ds_decode_and_offload() -> None:
         steps=2,
         config=config,
         hot_slots=8 * 256 + 8,
+        device="cuda",
     )
     assert checks == 4

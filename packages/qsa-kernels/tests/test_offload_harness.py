@@ -136,11 +136,9 @@ def _run(case: Case, device: torch.device) -> None:
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"row {row}"
 
 
-def test_offloaded_decode_matches_resident_on_cpu_interpreter() -> None:
+def test_offloaded_decode_matches_resident_on_cpu_interpreter(interpreter_device: str) -> None:
     """Small geometry under Triton's interpreter: same outputs, arena holds every closed block."""
-    if torch.cuda.is_available():
-        pytest.skip("the GPU variant covers this where CUDA exists")
-    _run(SMALL, torch.device("cpu"))
+    _run(SMALL, torch.device(interpreter_device))
 
 
 @pytest.mark.gpu
