@@ -9,8 +9,21 @@ machine before serving.
 """
 
 from qsa_sglang_plugin._activation import ActivationRecord, activate
+from qsa_sglang_plugin._adapters import (
+    DIGEST_SERVER_FIELDS,
+    SGLangBypass,
+    SGLangBypassReason,
+    cache_namespace_from_sglang,
+    capacity_plan_from_sglang,
+    config_digest_from_sglang,
+    mm_items_from_sglang,
+    processor_fingerprint_from_sglang,
+    prompt_identity_from_sglang,
+    spatial_merge_size_of,
+)
 from qsa_sglang_plugin._errors import (
     ActivationError,
+    AdapterError,
     ConfigurationError,
     FingerprintMismatchError,
     ForeignHookError,
@@ -31,8 +44,20 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "HiSparseMode",
     "Switches",
     "parse_switches",
+    # adapters from SGLang objects to the libraries
+    "DIGEST_SERVER_FIELDS",
+    "SGLangBypass",
+    "SGLangBypassReason",
+    "cache_namespace_from_sglang",
+    "capacity_plan_from_sglang",
+    "config_digest_from_sglang",
+    "mm_items_from_sglang",
+    "processor_fingerprint_from_sglang",
+    "prompt_identity_from_sglang",
+    "spatial_merge_size_of",
     # errors
     "ActivationError",
+    "AdapterError",
     "ConfigurationError",
     "FingerprintMismatchError",
     "ForeignHookError",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = (
     "ActivationError",
+    "AdapterError",
     "ConfigurationError",
     "FingerprintMismatchError",
     "ForeignHookError",
@@ -45,3 +46,7 @@ class ConfigurationError(ActivationError):
 
 class LaunchError(RuntimeError):
     """The launcher could not bring the server to a verified ready state."""
+
+
+class AdapterError(ValueError):
+    """An SGLang object cannot be translated into the libraries' terms (a bad or missing value)."""

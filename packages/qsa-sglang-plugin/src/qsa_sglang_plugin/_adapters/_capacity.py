@@ -1,0 +1,86 @@
+"""SGLang server arguments and text config -> ``qsa_core.CapacityPlan``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from qsa_core import CapacityPlan, KVDType, QSAConfigError, QSAProfile, plan_capacity
+from qsa_sglang_plugin._adapters._namespace import resolved_args
+from qsa_sglang_plugin._errors import AdapterError
+
+__all__ = ("capacity_plan_from_sglang",)
+
+
+def _text_config(config: Any) -> Mapping[str, object]:
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    if isinstance(config, Mapping):
+        return config
+    msg = f"expected an HF text config or a mapping, got {type(config)!r}"
+    raise AdapterError(msg)
+
+
+def capacity_plan_from_sglang(
+    server_args: Any,
+    hf_text_config: Any,
+    gpu_budget_bytes: int,
+    host_budget_bytes: int,
+) -> CapacityPlan:
+    """Price the per-rank memory of the operator's flags with and without host offload.
+
+    Reads ``--tp-size``, ``--kv-cache-dtype`` (``auto`` = bf16), ``--page-size`` (``None`` = the
+    QSA default 64), ``--context-length`` (``None`` = the config's ``max_position_embeddings``)
+    and ``--max-running-requests``.
+
+    Args:
+        server_args: SGLang's ``ServerArgs`` (resolved values are read) or any object with those
+            attribute names (``argparse.Namespace``).
+        hf_text_config: The checkpoint's text config (HF object or mapping); a top-level config
+            with ``text_config`` is accepted too.
+        gpu_budget_bytes: GPU bytes for KV and per-request state, per rank.
+        host_budget_bytes: Pinned host bytes, per rank.
+
+    Returns:
+        ``qsa_core.plan_capacity`` of the profile at those flags.
+
+    Raises:
+        AdapterError: no usable QSA profile, an unsupported KV dtype, no context length, or no
+            ``--max-running-requests``; the message names the flag.
+        qsa_core.CapacityError: a budget or size ``plan_capacity`` refuses.
+    """
+    view = resolved_args(server_args)
+    config = _text_config(hf_text_config)
+    page_size = getattr(view, "page_size", None)
+    try:
+        profile = (
+            QSAProfile.from_text_config(config)
+            if page_size is None
+            else QSAProfile.from_text_config(config, page_size=int(page_size))
+        )
+        kv_dtype = KVDType.parse(str(getattr(view, "kv_cache_dtype", "auto")))
+    except QSAConfigError as exc:
+        raise AdapterError(f"no capacity plan for these flags: {exc}") from exc
+    context_len = getattr(view, "context_length", None)
+    if context_len is None:
+        text = config.get("text_config", config)
+        context_len = text.get("max_position_embeddings") if isinstance(text, Mapping) else None
+    if context_len is None:
+        msg = "--context-length=None and the config has no max_position_embeddings; give one"
+        raise AdapterError(msg)
+    requests = getattr(view, "max_running_requests", None)
+    if requests is None:
+        msg = (
+            "--max-running-requests=None; the plan needs the request count "
+            "(allowed: a positive integer)"
+        )
+        raise AdapterError(msg)
+    return plan_capacity(
+        profile,
+        tp_size=int(view.tp_size),
+        kv_dtype=kv_dtype,
+        gpu_budget_bytes=gpu_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+        context_len=int(context_len),
+        num_requests=int(requests),
+    )

@@ -1,0 +1,187 @@
+"""SGLang server arguments and model config -> ``qsa_hostcache.CacheNamespace``.
+
+The namespace holds everything besides token ids and image identities that must agree for two
+prefixes to share cached bytes. What goes into the config digest, and what is left out, is listed
+in :data:`DIGEST_SERVER_FIELDS` and ``docs/plugin.md`` ("Adapters").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any, Final
+
+from qsa_sglang_plugin._errors import AdapterError
+
+if TYPE_CHECKING:  # qsa_hostcache imports torch; the entry point must stay cheap
+    from qsa_hostcache import CacheNamespace
+
+__all__ = (
+    "DIGEST_SERVER_FIELDS",
+    "cache_namespace_from_sglang",
+    "config_digest_from_sglang",
+    "kv_storage_dtype",
+    "resolved_args",
+)
+
+#: ``ServerArgs`` fields (resolved values) that change the bytes a checkpoint holds for given
+#: tokens: the storage layout (page size, KV dtype), the weights actually loaded (model dtype,
+#: quantization and its scale file, load format: ``dummy`` loads random weights), the recurrent
+#: state dtype, and the kernels whose rounding reaches later layers' K/V and state (attention
+#: backends, deterministic mode). Left out on purpose: context length, chunk size, request and
+#: memory limits, CUDA graphs, radix/hierarchical cache flags, ports, logging and sampling
+#: defaults. They cap or schedule work but do not change the bytes computed for a token prefix.
+DIGEST_SERVER_FIELDS: Final = (
+    "page_size",
+    "kv_cache_dtype",
+    "dtype",
+    "quantization",
+    "quantization_param_path",
+    "load_format",
+    "mamba_ssm_dtype",
+    "attention_backend",
+    "prefill_attention_backend",
+    "decode_attention_backend",
+    "linear_attn_backend",
+    "enable_deterministic_inference",
+)
+
+#: ``--kv-cache-dtype`` spellings -> the storage dtype name torch gives them.
+_KV_DTYPE_NAMES: Final = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "float16": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+}
+
+
+def resolved_args(server_args: Any) -> Any:
+    """A read view of ``server_args`` that gives resolved values.
+
+    SGLang keeps values that resolution decided (e.g. ``page_size=64`` for QSA) in a declaration
+    overlay; ``resolving_view`` reads through it. Any other object (``argparse.Namespace``) is
+    returned as it is.
+    """
+    if type(server_args).__module__.startswith("sglang."):
+        from sglang.srt.arg_groups.model_override_base import resolving_view
+
+        return resolving_view(server_args)
+    return server_args
+
+
+def _hf_config(model_or_hf_config: Any) -> Any:
+    return getattr(model_or_hf_config, "hf_config", model_or_hf_config)
+
+
+def _config_dict(hf_config: Any) -> dict[str, Any]:
+    if hasattr(hf_config, "to_dict"):
+        return dict(hf_config.to_dict())
+    if isinstance(hf_config, dict):
+        return dict(hf_config)
+    msg = f"expected an SGLang ModelConfig, an HF config or a dict, got {type(hf_config)!r}"
+    raise AdapterError(msg)
+
+
+def _model_dtype(model_or_hf_config: Any) -> str:
+    dtype = getattr(model_or_hf_config, "dtype", None)
+    if dtype is None or getattr(model_or_hf_config, "hf_config", None) is None:
+        cfg = _config_dict(_hf_config(model_or_hf_config))
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        text = cfg.get("text_config")
+        if dtype is None and isinstance(text, dict):
+            dtype = text.get("torch_dtype") or text.get("dtype")
+    if dtype is None:
+        msg = "the model config names no dtype (torch_dtype); cannot resolve --kv-cache-dtype auto"
+        raise AdapterError(msg)
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The K/V storage dtype as torch names it: ``auto`` is the model dtype.
+
+    Raises:
+        AdapterError: an unknown ``--kv-cache-dtype`` spelling.
+    """
+    key = str(kv_cache_dtype).strip().lower()
+    if key == "auto":
+        return model_dtype
+    if key not in _KV_DTYPE_NAMES:
+        allowed = ", ".join(repr(k) for k in ("auto", *_KV_DTYPE_NAMES))
+        msg = f"--kv-cache-dtype={kv_cache_dtype!r} is not known; allowed: {allowed}"
+        raise AdapterError(msg)
+    return _KV_DTYPE_NAMES[key]
+
+
+def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
+    """SHA-256 (hex) over the checkpoint config and :data:`DIGEST_SERVER_FIELDS`.
+
+    The whole HF config (``to_dict()``, ``--json-model-override-args`` already applied) goes in:
+    any field of it can change the model's arithmetic, and listing a subset would miss the next
+    one. Values are encoded as canonical JSON (sorted keys; non-JSON values by ``str``).
+    """
+    view = resolved_args(server_args)
+    payload = {
+        "hf_config": _config_dict(_hf_config(model_config)),
+        "model_dtype": _model_dtype(model_config),
+        "server": {name: getattr(view, name, None) for name in DIGEST_SERVER_FIELDS},
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cache_namespace_from_sglang(
+    server_args: Any,
+    model_config: Any,
+    tp_rank: int,
+    *,
+    cache_salt: str | None = None,
+    lora_id: str | None = None,
+    extra_key: str | None = None,
+) -> CacheNamespace:
+    """The host prefix cache namespace of one TP rank (and, with the keywords, one request).
+
+    Args:
+        server_args: SGLang's resolved ``ServerArgs`` (or an object with the same fields).
+        model_config: SGLang's ``ModelConfig`` (its ``hf_config`` and ``dtype`` are read) or the
+            checkpoint's HF config.
+        tp_rank: This rank, in ``[0, --tp-size)``.
+        cache_salt: The request's ``cache_salt``, if any.
+        lora_id: The request's LoRA adapter id or path, if any.
+        extra_key: The request's ``extra_key``, if any.
+
+    Returns:
+        ``model`` = ``--model-path`` plus ``@--revision`` when set; ``dtype`` = the K/V storage
+        dtype (``auto`` -> the model dtype); ``tp_size``/``tp_rank``; ``config_digest`` =
+        :func:`config_digest_from_sglang`; ``salt`` = a JSON object of the request's salt, LoRA
+        and extra key, or ``None`` when all three are unset.
+
+    Raises:
+        AdapterError: no model path, an unknown KV dtype or a config without a dtype.
+        qsa_hostcache.InvalidKeyError: ``tp_rank`` outside ``[0, tp_size)``.
+    """
+    from qsa_hostcache import CacheNamespace
+
+    view = resolved_args(server_args)
+    model_path = getattr(view, "model_path", None)
+    if not model_path:
+        raise AdapterError(f"--model-path={model_path!r} is not allowed; allowed: a path or name")
+    revision = getattr(view, "revision", None)
+    model = f"{model_path}@{revision}" if revision else str(model_path)
+    dtype = kv_storage_dtype(str(view.kv_cache_dtype), _model_dtype(model_config))
+    parts = {"cache_salt": cache_salt, "lora": lora_id, "extra_key": extra_key}
+    salt = (
+        None
+        if all(v is None for v in parts.values())
+        else json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    )
+    return CacheNamespace(
+        model=model,
+        dtype=dtype,
+        tp_size=int(view.tp_size),
+        tp_rank=tp_rank,
+        config_digest=config_digest_from_sglang(server_args, model_config),
+        salt=salt,
+    )
