@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # qsa_hostcache imports torch; the entry point must stay chea
 
 __all__ = (
     "DIGEST_SERVER_FIELDS",
+    "IGNORED_CONFIG_KEYS",
     "cache_namespace_from_sglang",
     "config_digest_from_sglang",
     "kv_storage_dtype",
@@ -45,6 +46,10 @@ DIGEST_SERVER_FIELDS: Final = (
     "linear_attn_backend",
     "enable_deterministic_inference",
 )
+
+#: Keys SGLang writes into the HF config from flags that do not change the bytes
+#: (``--context-length`` is copied to ``context_len``); dropped from the digest.
+IGNORED_CONFIG_KEYS: Final = frozenset({"context_len"})
 
 #: ``--kv-cache-dtype`` spellings -> the storage dtype name torch gives them.
 _KV_DTYPE_NAMES: Final = {
@@ -120,11 +125,16 @@ def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
 
     The whole HF config (``to_dict()``, ``--json-model-override-args`` already applied) goes in:
     any field of it can change the model's arithmetic, and listing a subset would miss the next
-    one. Values are encoded as canonical JSON (sorted keys; non-JSON values by ``str``).
+    one; only :data:`IGNORED_CONFIG_KEYS` are dropped. Values are encoded as canonical JSON
+    (sorted keys; non-JSON values by ``str``).
     """
     view = resolved_args(server_args)
     payload = {
-        "hf_config": _config_dict(_hf_config(model_config)),
+        "hf_config": {
+            key: value
+            for key, value in _config_dict(_hf_config(model_config)).items()
+            if key not in IGNORED_CONFIG_KEYS
+        },
         "model_dtype": _model_dtype(model_config),
         "server": {name: getattr(view, name, None) for name in DIGEST_SERVER_FIELDS},
     }
