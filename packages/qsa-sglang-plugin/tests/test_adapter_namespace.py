@@ -211,3 +211,34 @@ def test_plan_needs_a_request_count_and_a_qsa_config(resolve: Resolve) -> None:
     plan = capacity_plan_from_sglang(plain, cfg.hf_text_config, GIB, GIB)
     assert plan.context_len == 262144
     assert plan.kv_dtype is KVDType.BF16
+
+
+def test_doctor_prints_the_plan_of_the_operators_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With a readable config.json the doctor adds a plan line and qsa-core's rendered table."""
+    from qsa_core import render_plan
+    from qsa_sglang_plugin import doctor
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(QWEN38_FLASH_NEXT_TEXT_CONFIG)))
+    flags = ["--tp-size", "2", "--kv-cache-dtype", "fp8_e4m3", "--context-length", "262144"]
+    budgets = ["--gpu-budget-gib", "9", "--host-budget-gib", "12", "--max-running-requests", "8"]
+    doctor.main(["--model-path", str(tmp_path), *flags, *budgets])
+    out = capsys.readouterr().out
+    assert "[  OK] capacity plan: 8 x 262144 tokens at TP2 fp8_e4m3: offload fits 8" in out
+    expected = plan_capacity(
+        QWEN38_FLASH_NEXT,
+        tp_size=2,
+        kv_dtype=KVDType.FP8_E4M3,
+        gpu_budget_bytes=9 * GIB,
+        host_budget_bytes=12 * GIB,
+        context_len=262144,
+        num_requests=8,
+    )
+    assert render_plan(expected).rstrip("\n") in out
+    doctor.main(["--model-path", str(tmp_path / "absent"), *flags, *budgets])
+    assert "[WARN] capacity plan:" in capsys.readouterr().out
+    doctor.main(["--model-path", str(tmp_path), *flags])
+    assert "give --gpu-budget-gib, --host-budget-gib, --max-running-requests" in (
+        capsys.readouterr().out
+    )

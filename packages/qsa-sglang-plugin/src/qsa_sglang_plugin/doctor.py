@@ -2,14 +2,17 @@
 
 Usage::
 
-    python -m qsa_sglang_plugin.doctor [--tp-size N]
-    qsa-hisparse doctor [--tp-size N]
+    python -m qsa_sglang_plugin.doctor [--tp-size N] [--model-path DIR --gpu-budget-gib G
+        --host-budget-gib H --max-running-requests R [--kv-cache-dtype D] [--context-length L]]
+    qsa-hisparse doctor ...
 
 Checks installed versions against the supported set, the plugin entry point and
 ``SGLANG_PLUGINS``, the switches, the fingerprints of every hooked SGLang module, GPU presence and
 compute capability (through ``nvidia-smi``), the locked-memory limit (``ulimit -l``) and free host
-memory against the prefix-cache budget of the TP ranks on this host, and the NUMA layout. Prints
-one line per check and exits 1 when any check fails (serving would fail), else 0.
+memory against the prefix-cache budget of the TP ranks on this host, and the NUMA layout. With
+``--model-path`` whose ``config.json`` is readable, it also prices the per-rank memory of those
+flags (``qsa_core.plan_capacity`` through the plugin's adapter) and prints the plan. Prints one
+line per check and exits 1 when any check fails (serving would fail), else 0.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib.metadata
+import json
 import os
 import resource
 import shutil
@@ -27,13 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from qsa_sglang_plugin._errors import ActivationError, SwitchError
+from qsa_core import CapacityError, render_plan
+from qsa_sglang_plugin._adapters import capacity_plan_from_sglang
+from qsa_sglang_plugin._errors import ActivationError, AdapterError, SwitchError
 from qsa_sglang_plugin._fingerprints import verify_fingerprints
 from qsa_sglang_plugin._hooks import HOOKS
 from qsa_sglang_plugin._switches import ENV_SGLANG_PLUGINS, PLUGIN_NAME, Switches, parse_switches
 from qsa_sglang_plugin._versions import SUPPORTED_VERSIONS, installed_versions, version_mismatches
 
-__all__ = ("MIN_COMPUTE_CAPABILITY", "Check", "Status", "main", "run_checks")
+__all__ = ("MIN_COMPUTE_CAPABILITY", "Check", "Status", "main", "plan_check", "run_checks")
 
 #: The QSA kernels need bf16 tensor cores (Ampere or newer).
 MIN_COMPUTE_CAPABILITY: Final = (8, 0)
@@ -193,12 +199,59 @@ def _check_numa(root: Path = Path("/sys/devices/system/node")) -> Check:
     return Check("numa", Status.OK, f"{len(nodes)} node(s); " + "; ".join(parts))
 
 
-def run_checks(environ: Mapping[str, str], *, tp_size: int = 1) -> tuple[Check, ...]:
+def plan_check(flags: argparse.Namespace) -> tuple[Check, str | None]:
+    """The capacity plan of the operator's flags: a report line and the rendered table.
+
+    ``flags`` holds ``model_path``, ``tp_size``, ``kv_cache_dtype``, ``context_length``,
+    ``max_running_requests``, ``gpu_budget_gib`` and ``host_budget_gib`` (the doctor's options).
+    """
+    config_path = Path(flags.model_path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return Check("capacity plan", Status.WARN, f"{config_path} not readable: {exc}"), None
+    missing = [
+        f"--{name.replace('_', '-')}"
+        for name in ("gpu_budget_gib", "host_budget_gib", "max_running_requests")
+        if getattr(flags, name) is None
+    ]
+    if missing:
+        return Check("capacity plan", Status.WARN, f"give {', '.join(missing)} to plan"), None
+    server_args = argparse.Namespace(
+        tp_size=flags.tp_size,
+        kv_cache_dtype=flags.kv_cache_dtype,
+        page_size=None,
+        context_length=flags.context_length,
+        max_running_requests=flags.max_running_requests,
+    )
+    try:
+        plan = capacity_plan_from_sglang(
+            server_args,
+            config,
+            int(flags.gpu_budget_gib * (1 << 30)),
+            int(flags.host_budget_gib * (1 << 30)),
+        )
+    except (AdapterError, CapacityError, ValueError) as exc:
+        return Check("capacity plan", Status.FAIL, str(exc)), None
+    detail = (
+        f"{plan.num_requests} x {plan.context_len} tokens at TP{plan.tp_size} "
+        f"{plan.kv_dtype.value}: offload fits {plan.max_requests_offloaded}, resident fits "
+        f"{plan.max_requests_resident} (per rank, GPU {_fmt_bytes(plan.gpu_budget_bytes)}, "
+        f"host {_fmt_bytes(plan.host_budget_bytes)})"
+    )
+    status = Status.OK if plan.max_requests_offloaded >= plan.num_requests else Status.WARN
+    return Check("capacity plan", status, detail), render_plan(plan)
+
+
+def run_checks(
+    environ: Mapping[str, str], *, tp_size: int = 1, plan: Check | None = None
+) -> tuple[Check, ...]:
     """Every check, in report order.
 
     Args:
         environ: the environment the server would get (switches, ``SGLANG_PLUGINS``).
         tp_size: TP ranks on this host; each pins its own prefix-cache budget.
+        plan: the capacity-plan line (:func:`plan_check`), appended last when given.
     """
     checks = [_check_versions(), _check_entry_point(environ)]
     switches: Switches | None
@@ -226,6 +279,8 @@ def run_checks(environ: Mapping[str, str], *, tp_size: int = 1) -> tuple[Check, 
     checks.append(_check_memlock(budget))
     checks.append(_check_host_memory(budget))
     checks.append(_check_numa())
+    if plan is not None:
+        checks.append(plan)
     return tuple(checks)
 
 
@@ -237,12 +292,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--tp-size", type=int, default=1, help="TP ranks that will run on this host (default 1)"
     )
+    parser.add_argument(
+        "--model-path", help="local checkpoint directory; its config.json is priced (optional)"
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as for SGLang (default auto)")
+    parser.add_argument("--context-length", type=int, help="tokens per request (default: config)")
+    parser.add_argument("--max-running-requests", type=int, help="requests to plan for")
+    parser.add_argument("--gpu-budget-gib", type=float, help="GPU GiB for KV and state, per rank")
+    parser.add_argument("--host-budget-gib", type=float, help="pinned host GiB, per rank")
     opts = parser.parse_args(argv)
     if opts.tp_size < 1:
         parser.error(f"--tp-size={opts.tp_size!r} is not allowed; allowed: a positive integer")
-    checks = run_checks(os.environ, tp_size=opts.tp_size)
+    plan, table = (None, None) if opts.model_path is None else plan_check(opts)
+    checks = run_checks(os.environ, tp_size=opts.tp_size, plan=plan)
     for check in checks:
         sys.stdout.write(f"{check}\n")
+    if table is not None:
+        sys.stdout.write(table if table.endswith("\n") else f"{table}\n")
     failed = [c.name for c in checks if c.status is Status.FAIL]
     if failed:
         sys.stdout.write(f"serving would fail: {', '.join(failed)}\n")
