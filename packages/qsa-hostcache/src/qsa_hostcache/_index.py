@@ -20,7 +20,8 @@ from __future__ import annotations
 import enum
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from qsa_hostcache._errors import CheckpointTooLarge, LeaseError, TicketStateError
 from qsa_hostcache._keys import TOKEN_BYTES, PageHasher, PrefixKey
@@ -103,7 +104,6 @@ class _Census:
     pinned: int = 0
     used_blocks: int = 0
     payload_bytes: int = 0
-    page_counts: dict[int, int] = field(default_factory=dict)
 
 
 class PrefixIndex:
@@ -308,24 +308,21 @@ class PrefixIndex:
         if pages > 0 and query.page_size == self.page_size:
             hashes = query.page_hashes(self.hasher, pages)
             ends = self._ends
-            if len(ends) < pages:  # few entries: test each entry's end against the query's chain
-                candidates = [
-                    e
-                    for h, bucket in ends.items()
-                    for e in bucket
-                    if e.num_pages <= pages
-                    and hashes[e.num_pages - 1] == h
-                    and e.state is EntryState.READY
-                ]
-            else:  # few pages: intersect the query's chain with the end hashes
-                candidates = [
-                    e
-                    for h in ends.keys() & set(hashes[:pages])
-                    for e in ends[h]
-                    if e.num_pages <= pages
-                    and hashes[e.num_pages - 1] == h
-                    and e.state is EntryState.READY
-                ]
+            # Test each entry's end against the query's chain when there are few end hashes;
+            # otherwise intersect the query's chain with the end hashes.
+            buckets: Iterable[tuple[int, list[IndexEntry]]] = (
+                ends.items()
+                if len(ends) < pages
+                else ((h, ends[h]) for h in ends.keys() & set(hashes[:pages]))
+            )
+            candidates = [
+                e
+                for h, bucket in buckets
+                for e in bucket
+                if e.num_pages <= pages
+                and hashes[e.num_pages - 1] == h
+                and e.state is EntryState.READY
+            ]
             candidates.sort(key=lambda e: e.num_pages, reverse=True)
             for entry in candidates:
                 if entry.is_prefix_of(query):
