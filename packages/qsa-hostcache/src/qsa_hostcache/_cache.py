@@ -170,14 +170,7 @@ class PublishTicket:
             raise TicketStateError(
                 f"write needs a 'reserved' ticket; entry {self.entry_id!r} is {self._state.value!r}"
             )
-        layout = self._entry.layout
-        items = []
-        for name, tensor in segments.items():
-            i = layout.index(name)
-            if name in self._written:
-                raise SegmentError(f"segment {name!r} was already written")
-            _check_fits(layout.segments[i], tensor)
-            items.append((layout.offsets[i], tensor))
+        items = _placed(self._entry.layout, segments, self._written)
         self._fences.append(self._cache._arena.write(self._entry.blocks, items))
         self._written.update(segments)
 
@@ -254,6 +247,26 @@ class PublishTicket:
             f"PublishTicket(entry_id={self.entry_id!r}, num_tokens={self.num_tokens!r}, "
             f"state={self._state.value!r})"
         )
+
+
+def _placed(
+    layout: CheckpointLayout,
+    tensors: Mapping[str, torch.Tensor],
+    written: set[str] | frozenset[str] = frozenset(),
+) -> list[tuple[int, torch.Tensor]]:
+    """``(stream offset, tensor)`` for each named tensor, after checking it fits its segment.
+
+    Raises:
+        SegmentError: An unknown name, a name in ``written``, or a tensor that does not fit.
+    """
+    items = []
+    for name, tensor in tensors.items():
+        i = layout.index(name)
+        if name in written:
+            raise SegmentError(f"segment {name!r} was already written")
+        _check_fits(layout.segments[i], tensor)
+        items.append((layout.offsets[i], tensor))
+    return items
 
 
 def _check_fits(spec: SegmentSpec, tensor: torch.Tensor) -> None:
@@ -485,14 +498,8 @@ class HostPrefixCache:
         if not lease.active or lease._cache is not self:
             raise LeaseError(f"restore needs an active lease of this cache, got {lease.match!r}")
         entry = lease._entry
-        layout = entry.layout
-        items = []
-        nbytes = 0
-        for name, tensor in into.items():
-            i = layout.index(name)
-            _check_fits(layout.segments[i], tensor)
-            items.append((layout.offsets[i], tensor))
-            nbytes += layout.segments[i].nbytes
+        items = _placed(entry.layout, into)
+        nbytes = sum(t.numel() * t.element_size() for _, t in items)  # each equals its spec's
         fence = self._arena.read(entry.blocks, items)
         with self._lock:
             self._index.counters.restores += 1
