@@ -17,6 +17,7 @@ from qsa_kernels.double_sparsity import (
     LabelCache,
     ds_decode,
     ds_decode_reference,
+    ds_positions,
 )
 from qsa_kernels.ds_label import label_keys_reference
 from qsa_kernels.offload import OffloadGeometry
@@ -299,6 +300,34 @@ def test_ds_decode_fallback_is_per_row(kernel_device: str) -> None:
     assert [len(h) for h in per_row[0]] == [8, 8]
     assert per_row[1] == [list(range(12))] * 2
     assert got.positions.shape[2] == 12
+
+
+def test_ds_positions_list_each_rows_tokens_first_then_minus_one_padding() -> None:
+    """Dense and sparse rows of one batch: tokens at the front, -1 up to the batch width."""
+    lengths = [70, 12, 5, 30]  # one sparse row, three dense rows of different lengths
+    q, ks, vs, channels = _case(lengths, 8, 2, 32, 4, seed=11)
+    config = DSConfig(heavy_channel_num=4, heavy_token_num=8, sparse_decode_threshold=40)
+    store = _Resident(ks, vs, channels, max_tokens=72, device="cpu")
+    positions = ds_positions(
+        q,
+        store.labels.layer(0),
+        store.labels.channels[0],
+        store.req_to_token,
+        lengths,
+        config=config,
+        reference=True,
+    )
+    assert positions.dtype == torch.int32
+    assert tuple(positions.shape) == (4, 2, 30)  # width = longest dense row
+    pad = torch.full((2, 22), -1, dtype=torch.int32)
+    sparse = positions[0, :, :8]
+    assert bool((sparse >= 0).all())
+    assert bool((sparse[:, 1:] > sparse[:, :-1]).all())
+    assert torch.equal(positions[0, :, 8:], pad)
+    for b, n in enumerate(lengths[1:], start=1):
+        want = torch.full((2, 30), -1, dtype=torch.int32)
+        want[:, :n] = torch.arange(n, dtype=torch.int32)
+        assert torch.equal(positions[b], want), b
 
 
 def test_ds_decode_rejects_lengths_outside_the_slot_table(kernel_device: str) -> None:
