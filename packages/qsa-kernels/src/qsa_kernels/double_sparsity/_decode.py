@@ -104,11 +104,16 @@ def ds_positions(
             heavy_token_num=heavy,
         ).positions
         positions[idx, :, :heavy] = chosen.to(torch.int32)
-    for b, d in enumerate(dense):
-        if d:
-            positions[b, :, : lengths[b]] = torch.arange(
-                lengths[b], dtype=torch.int32, device=q.device
-            )
+    dense_rows = [b for b, d in enumerate(dense) if d]
+    if dense_rows:
+        # One fill for every dense row: position t where t < seq_len, else the -1 padding.
+        ramp = torch.arange(width, dtype=torch.int32, device=q.device)
+        dense_lens = torch.tensor(
+            [lengths[b] for b in dense_rows], dtype=torch.int32, device=q.device
+        )
+        filled = torch.where(ramp < dense_lens[:, None], ramp, -1)
+        idx = torch.tensor(dense_rows, dtype=torch.long, device=q.device)
+        positions[idx] = filled[:, None, :].expand(-1, hkv, -1)
     return positions
 
 
