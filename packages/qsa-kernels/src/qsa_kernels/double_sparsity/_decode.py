@@ -128,6 +128,28 @@ def positions_to_slots(positions: torch.Tensor, req_to_token: torch.Tensor) -> t
     return torch.where(positions >= 0, slots, -1).to(torch.int32).contiguous()
 
 
+def _decode(  # noqa: PLR0917
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: Sequence[int],
+    *,
+    config: DSConfig,
+    scale: float | None,
+    reference: bool,
+) -> DSDecodeOutput:
+    """Select, map to token slots, attend: kernels, or their torch references if ``reference``."""
+    positions = ds_positions(
+        q, label_cache, channels, req_to_token, seq_lens, config=config, reference=reference
+    )
+    slots = positions_to_slots(positions, req_to_token)
+    attend = sparse_decode_reference if reference else sparse_decode
+    out, lse = attend(q, slots, kv_cache, scale=scale)
+    return DSDecodeOutput(out, lse, positions)
+
+
 def ds_decode(  # noqa: PLR0917
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -149,19 +171,30 @@ def ds_decode(  # noqa: PLR0917
         q: ``[B, Hq, D]`` bf16 queries.
         kv_cache: ``[NS, 2, 4, Hkv, D]`` FP8 E4M3 / bf16 records; token slot ``4 * record + j``.
         label_cache: ``[4 * NS, Hkv, C]`` bf16/fp16 label rows indexed by the same token slot.
-        channels: ``[Hkv, C]`` heavy channels of this layer.
+        channels: ``[Hkv, C]`` int32/int64 heavy channels of this layer.
         req_to_token: ``[B, S]`` int32/int64 token slot of each logical position.
-        seq_lens: ``B`` host ints, context lengths.
+        seq_lens: ``B`` host ints, context lengths in tokens, ``1 <= seq_len <= S``.
         config: the double-sparsity options.
         scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
 
     Returns:
         :class:`DSDecodeOutput`.
+
+    Raises:
+        KernelInputError: On a ``seq_lens`` entry outside ``[1, S]``, a wrong count of them, or a
+            bad shape, dtype or device of the tensors.
     """
-    positions = ds_positions(q, label_cache, channels, req_to_token, seq_lens, config=config)
-    slots = positions_to_slots(positions, req_to_token)
-    out, lse = sparse_decode(q, slots, kv_cache, scale=scale)
-    return DSDecodeOutput(out, lse, positions)
+    return _decode(
+        q,
+        kv_cache,
+        label_cache,
+        channels,
+        req_to_token,
+        seq_lens,
+        config=config,
+        scale=scale,
+        reference=False,
+    )
 
 
 def ds_decode_reference(  # noqa: PLR0917
@@ -176,9 +209,14 @@ def ds_decode_reference(  # noqa: PLR0917
     scale: float | None = None,
 ) -> DSDecodeOutput:
     """Torch reference of :func:`ds_decode` (reference selection, gather, fp32 attention)."""
-    positions = ds_positions(
-        q, label_cache, channels, req_to_token, seq_lens, config=config, reference=True
+    return _decode(
+        q,
+        kv_cache,
+        label_cache,
+        channels,
+        req_to_token,
+        seq_lens,
+        config=config,
+        scale=scale,
+        reference=True,
     )
-    slots = positions_to_slots(positions, req_to_token)
-    out, lse = sparse_decode_reference(q, slots, kv_cache, scale=scale)
-    return DSDecodeOutput(out, lse, positions)
