@@ -6,6 +6,7 @@ worker can write a large checkpoint while the scheduler thread matches.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
@@ -526,23 +527,7 @@ class HostPrefixCache:
             c = self._index.counters
             census = self._index.census()
             return CacheStats(
-                lookups=c.lookups,
-                hits=c.hits,
-                lookup_tokens=c.lookup_tokens,
-                hit_tokens=c.hit_tokens,
-                publishes=c.publishes,
-                bytes_in=c.bytes_in,
-                restores=c.restores,
-                bytes_out=c.bytes_out,
-                evictions=c.evictions,
-                evicted_bytes=c.evicted_bytes,
-                refusals=c.refusals,
-                too_large=c.too_large,
-                duplicates=c.duplicates,
-                aborts=c.aborts,
-                stale_publishes=c.stale_publishes,
-                invalidations=c.invalidations,
-                invalidated_entries=c.invalidated_entries,
+                **dataclasses.asdict(c),
                 entries=census.reserved + census.ready + census.retired,
                 ready_entries=census.ready,
                 reserved_entries=census.reserved,
