@@ -399,7 +399,7 @@ def _int_field(cfg: Mapping[str, object], name: str, default: object = _MISSING)
             msg = f"config field {name!r} is missing; a QSA text config must define it"
             raise QSAConfigError(msg)
         value = default
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         msg = f"config field {name}={value!r} is not allowed; it must be an integer"
         raise QSAConfigError(msg)
     return value
@@ -414,7 +414,7 @@ def _int_list_field(cfg: Mapping[str, object], name: str) -> tuple[int, ...]:
         raise QSAConfigError(msg)
     out: list[int] = []
     for position, item in enumerate(value):
-        if not isinstance(item, int) or isinstance(item, bool):
+        if not is_int(item):
             msg = f"config field {name}[{position}]={item!r} is not allowed; it must be an integer"
             raise QSAConfigError(msg)
         out.append(item)
@@ -433,7 +433,7 @@ def _qsa_layers(cfg: Mapping[str, object], num_layers: int) -> tuple[int, ...]:
         return tuple(i for i, kind in enumerate(layer_types) if kind in QSA_LAYER_TYPES)
     interval = cfg.get("full_attention_interval")
     if interval is not None:
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        if not is_int(interval) or interval < 1:
             msg = (
                 f"config field full_attention_interval={interval!r} is not allowed; it must "
                 "be a positive integer"
