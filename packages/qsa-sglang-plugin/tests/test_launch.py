@@ -106,6 +106,24 @@ def _child_pid(tmp_path: Path) -> int:
     return int((tmp_path / "child.pid").read_text())
 
 
+def _launch_fails(
+    mode: str,
+    argv: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> str:
+    """Run the launcher on the stand-in in ``mode``; check it fails and stops the server's child.
+
+    Returns:
+        The launcher's stderr.
+    """
+    monkeypatch.setenv("STANDIN_MODE", mode)
+    assert launch.main(argv) == 1
+    assert not _alive(_child_pid(tmp_path))
+    return capsys.readouterr().err
+
+
 def test_server_exiting_early_fails_and_leaves_no_orphan(
     standin: Path,
     tmp_path: Path,
@@ -113,10 +131,8 @@ def test_server_exiting_early_fails_and_leaves_no_orphan(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The server's early exit status is reported, and its still-running child is stopped."""
-    monkeypatch.setenv("STANDIN_MODE", "exit-early")
-    assert launch.main(_argv(standin, tmp_path)) == 1
-    assert "exited with status 3 before it was ready" in capsys.readouterr().err
-    assert not _alive(_child_pid(tmp_path))
+    err = _launch_fails("exit-early", _argv(standin, tmp_path), tmp_path, monkeypatch, capsys)
+    assert "exited with status 3 before it was ready" in err
 
 
 def test_rank_that_never_reports_times_out_naming_it(
@@ -126,14 +142,11 @@ def test_rank_that_never_reports_times_out_naming_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """With --tp-size 3 and records from ranks 0 and 1 only, the timeout names rank (2, 0)."""
-    monkeypatch.setenv("STANDIN_MODE", "missing-rank")
     argv = _argv(standin, tmp_path, "--tp-size", "3", timeout=4.0)
-    assert launch.main(argv) == 1
-    err = capsys.readouterr().err
+    err = _launch_fails("missing-rank", argv, tmp_path, monkeypatch, capsys)
     assert "timed out after 4 s" in err
     assert "(TP rank, PP rank) (2, 0)" in err
     assert "/health" not in err
-    assert not _alive(_child_pid(tmp_path))
 
 
 def test_health_that_never_answers_times_out(
@@ -143,12 +156,10 @@ def test_health_that_never_answers_times_out(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Records alone are not readiness: without /health the launcher times out and says so."""
-    monkeypatch.setenv("STANDIN_MODE", "never-healthy")
-    assert launch.main(_argv(standin, tmp_path, timeout=3.0)) == 1
-    err = capsys.readouterr().err
+    argv = _argv(standin, tmp_path, timeout=3.0)
+    err = _launch_fails("never-healthy", argv, tmp_path, monkeypatch, capsys)
     assert "/health to answer 200" in err
     assert "(TP rank, PP rank)" not in err
-    assert not _alive(_child_pid(tmp_path))
 
 
 def test_duplicate_rank_record_is_rejected(
@@ -157,10 +168,10 @@ def test_duplicate_rank_record_is_rejected(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Two scheduler records for one TP rank fail readiness ("exactly one per rank")."""
-    monkeypatch.setenv("STANDIN_MODE", "duplicate")
-    assert launch.main(_argv(standin, tmp_path, "--tp-size", "2")) == 1
-    assert "duplicates the record of pid" in capsys.readouterr().err
+    """Two scheduler records for one TP rank fail readiness and stop the server's process group."""
+    argv = _argv(standin, tmp_path, "--tp-size", "2")
+    err = _launch_fails("duplicate", argv, tmp_path, monkeypatch, capsys)
+    assert "duplicates the record of pid" in err
 
 
 @pytest.mark.parametrize(
