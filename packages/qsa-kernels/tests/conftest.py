@@ -14,13 +14,20 @@ only make sense under the interpreter take ``interpreter_device`` instead, which
 Triton compiles for CUDA. Output buffers come from the ``poisoned_int`` / ``poisoned_float``
 factories (on the kernel device, filled with ``int_poison`` / NaN) and ``poisoned_empty`` makes
 ``torch.empty`` return the same poison, so an element a kernel never writes fails the test.
+
+Multi-process tests (gloo over ``127.0.0.1``) start their ranks with ``spawn_workers``.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,3 +134,52 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", empty_like)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn_workers(script: str, world: int, out_dir: Path, timeout_s: float) -> None:
+    """Run ``python script RANK PORT OUT_DIR`` for every rank at once and wait for all of them.
+
+    The ranks share a fresh TCP port on 127.0.0.1 (gloo over loopback, one OpenMP thread each).
+    A rank still running ``timeout_s`` seconds after the start is killed; if any rank was killed
+    or exited non-zero the test fails with every rank's exit code and combined stdout/stderr.
+    """
+    port = _free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), str(port), str(out_dir)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + timeout_s
+    logs: list[str] = []
+    failed = False
+    for proc in procs:
+        try:
+            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+            failed = True
+        logs.append(log)
+        failed = failed or proc.returncode != 0
+    if failed:
+        codes = [p.returncode for p in procs]
+        pytest.fail(f"workers of {script!r} failed, exit codes {codes!r}:\n" + "\n---\n".join(logs))
+
+
+@pytest.fixture(scope="session")
+def spawn_workers() -> Callable[[str, int, Path, float], None]:
+    """``spawn_workers(script, world, out_dir, timeout_s)``: run every rank, fail on any failure."""
+    return _spawn_workers

@@ -10,11 +10,8 @@ integer-valued reduce-scatter, fp32 tolerance for attention.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,43 +161,14 @@ def _worker(rank: int, port: int, out_dir: Path) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def gloo_results(
+    tmp_path_factory: pytest.TempPathFactory,
+    spawn_workers: Callable[[str, int, Path, float], None],
+) -> dict[str, torch.Tensor]:
     """Start the worker processes once, wait for them, and merge what every rank saved."""
     out_dir = tmp_path_factory.mktemp("cp_gloo")
-    port = _free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(rank), str(port), str(out_dir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(WORLD)
-    ]
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    logs: list[str] = []
-    failed = False
-    for proc in procs:
-        try:
-            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
-            failed = True
-        logs.append(log)
-        failed = failed or proc.returncode != 0
-    if failed:
-        codes = [p.returncode for p in procs]
-        pytest.fail(f"gloo workers failed, exit codes {codes!r}:\n" + "\n---\n".join(logs))
+    spawn_workers(__file__, WORLD, out_dir, WORKER_TIMEOUT_S)
     merged: dict[str, torch.Tensor] = {}
     for rank in range(WORLD):
         merged.update(torch.load(out_dir / f"rank{rank}.pt"))

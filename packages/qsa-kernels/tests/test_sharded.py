@@ -18,10 +18,8 @@ order-stable across call sizes); the ``ties`` case uses integer keys so many sco
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +47,8 @@ WRITE_TOPK = 8
 #: ``sparse_decode`` returns its partial rounded to bf16, so an output that is a weighted sum of
 #: partials of magnitude ~1 carries up to one bf16 ulp of those partials (2^-7) in absolute terms.
 OUT_ATOL = {"reference": 1e-3, "triton": 2**-6}
+#: Seconds all four ranks together may take before they are killed and the fixture fails.
+WORKER_TIMEOUT_S = 240
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -383,31 +383,14 @@ def _worker(rank: int, port: int, out_dir: Path) -> None:
 # ------------------------------------------------------------------------------ test side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory,
+    spawn_workers: Callable[[str, int, Path, float], None],
+) -> dict[int, dict[str, Any]]:
     """Results of every (world size, case) on every rank: ``{rank: {"N/case": {...}}}``."""
     out_dir = tmp_path_factory.mktemp("sharded")
-    port = _free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(rank), str(port), str(out_dir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(WORLD)
-    ]
-    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-3000:]}"
+    spawn_workers(__file__, WORLD, out_dir, WORKER_TIMEOUT_S)
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)}
 
 
