@@ -1,4 +1,4 @@
-"""Input validation shared by the decode-path launchers and references.
+"""Input validation and launch-size helpers shared by the decode-path launchers and references.
 
 Every check raises :class:`~qsa_kernels._errors.KernelInputError` naming the argument, the value
 received and what is allowed. Shapes are reported as tuples, never as tensor contents.
@@ -6,6 +6,7 @@ received and what is allowed. Shapes are reported as tuples, never as tensor con
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +20,7 @@ __all__ = (
     "check_ndim",
     "check_same_device",
     "next_pow2",
+    "sm_count",
 )
 
 #: K/V element types the decode path accepts.
@@ -60,3 +62,16 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
 def next_pow2(n: int) -> int:
     """Smallest power of two ``>= max(n, 1)``."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.cache
+def _cuda_sm_count(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def sm_count(device: torch.device, *, cpu: int) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (queried once per device); ``cpu`` otherwise.
+
+    ``cpu`` is the stand-in a launcher sizes its grid with under the Triton interpreter.
+    """
+    return _cuda_sm_count(device) if device.type == "cuda" else cpu

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from qsa_kernels._checks import next_pow2
+from qsa_kernels._checks import next_pow2, sm_count
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._uva import device_view
 from qsa_kernels.fetch._tables import HotCacheTables
@@ -177,13 +175,6 @@ def _copy_misses_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
             tl.store(step_ptr, tl.load(step_ptr) + 1)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def fetch_selected_blocks(
     selected: torch.Tensor,
     rows: torch.Tensor,
@@ -299,7 +290,7 @@ def fetch_selected_blocks(
     words = hot[0, 0, 0].numel() * hot.element_size() // 4
     host_words = device_view(host_arena, device).view(torch.int32)
     hot_words = hot.view(torch.int32)
-    programs = min(G * K, _sm_count(device) * copy_programs_per_sm)
+    programs = min(G * K, sm_count(device, cpu=2) * copy_programs_per_sm)
     _copy_misses_kernel[(programs,)](
         host_words,
         hot_words,

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_kernels._checks import next_pow2
+from qsa_kernels._checks import next_pow2, sm_count
 from qsa_kernels.lse_merge.triton import lse_merge
 from qsa_kernels.sparse_decode._validate import check_decode_args
 
@@ -93,9 +93,7 @@ def _sparse_decode_split_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR091
 
 def _default_splits(B: int, Hkv: int, T: int, device: torch.device) -> int:
     """Enough splits to give every SM two programs, but at least one ``BLOCK_N`` tile each."""
-    sms = 8
-    if device.type == "cuda":
-        sms = int(torch.cuda.get_device_properties(device).multi_processor_count)
+    sms = sm_count(device, cpu=8)
     return max(1, min(-(-2 * sms // max(B * Hkv, 1)), -(-T // _BLOCK_N)))
 
 
