@@ -45,7 +45,7 @@ __all__ = (
 )
 
 #: Raw K/V rows each lease keeps after the staging region (row 0 padding, 4 open-block rows).
-TAIL_ROWS_PER_LEASE = 5
+_TAIL_ROWS_PER_LEASE = 5
 #: Bytes of one pending-ring RoPE coordinate (3 axes × int64).
 _ROPE_POSITION_BYTES = 3 * 8
 _RING_DTYPE_BYTES = 2  # the pending ring is always bf16
@@ -246,7 +246,7 @@ def _layout(
         * p.ngram_size
         * _CONV_STATE_BYTES
     )
-    staging_tokens = ctx + TAIL_ROWS_PER_LEASE * n + page
+    staging_tokens = ctx + _TAIL_ROWS_PER_LEASE * n + page
     hot_total = hot_slots + reserved_hot_slots
     host_blocks = _host_blocks(p, ctx)
 
@@ -288,7 +288,7 @@ def _layout(
             MemoryPartKind.PREFILL_AREA,
             gpu,
             staging_tokens * raw_tok if offloaded else 0,
-            f"({ctx} + 5×{n} + {page}) tok × {raw_tok} B"
+            f"({ctx} + {_TAIL_ROWS_PER_LEASE}×{n} + {page}) tok × {raw_tok} B"
             if offloaded
             else "prefill writes the raw K/V pool",
         ),
@@ -310,7 +310,7 @@ def _layout(
     return MemoryLayout(offloaded, n, parts)
 
 
-def _check_positive(name: str, value: int, minimum: int = 1) -> None:
+def _check_int_at_least(name: str, value: int, minimum: int = 1) -> None:
     if not is_int(value) or value < minimum:
         msg = f"{name}={value!r} is not allowed; it must be an integer >= {minimum}"
         raise CapacityError(msg)
@@ -354,12 +354,12 @@ def plan_capacity(
             recurrent heads that do not split over ``tp_size``.
         QSAConfigError: ``tp_size`` does not split the KV heads.
     """
-    _check_positive("tp_size", tp_size)
-    _check_positive("context_len", context_len)
-    _check_positive("num_requests", num_requests, minimum=0)
-    _check_positive("gpu_budget_bytes", gpu_budget_bytes, minimum=0)
-    _check_positive("host_budget_bytes", host_budget_bytes, minimum=0)
-    _check_positive("reserved_hot_slots", reserved_hot_slots, minimum=0)
+    _check_int_at_least("tp_size", tp_size)
+    _check_int_at_least("context_len", context_len)
+    _check_int_at_least("num_requests", num_requests, minimum=0)
+    _check_int_at_least("gpu_budget_bytes", gpu_budget_bytes, minimum=0)
+    _check_int_at_least("host_budget_bytes", host_budget_bytes, minimum=0)
+    _check_int_at_least("reserved_hot_slots", reserved_hot_slots, minimum=0)
     hot = 4 * profile.block_topk if hot_slots is None else hot_slots
     if not is_int(hot) or hot < profile.block_topk:
         msg = (
@@ -368,7 +368,7 @@ def plan_capacity(
         )
         raise CapacityError(msg)
     if state_slots is not None:
-        _check_positive("state_slots", state_slots, minimum=0)
+        _check_int_at_least("state_slots", state_slots, minimum=0)
     profile.kv_heads_per_rank(tp_size)
 
     def layout(n: int, offloaded: bool, slots: int) -> MemoryLayout:
