@@ -105,9 +105,6 @@ class Packer:
     def optional_integers(self, values: Sequence[int] | None) -> Packer:
         return self.none() if values is None else self.integers(values)
 
-    def optional_text(self, value: str | None) -> Packer:
-        return self.none() if value is None else self.text(value)
-
     def argument(self, value: object, path: str = "args", depth: int = 0) -> Packer:
         """Append one preprocessing argument value in canonical form.
 

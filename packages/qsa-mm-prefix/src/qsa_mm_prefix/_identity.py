@@ -33,8 +33,9 @@ from qsa_mm_prefix._types import (
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_FROM_CALLER = "caller"
-_DTYPE_FROM_BUFFER = "buffer"
+# Which side gave an image key's dtype or shape: the caller or the buffer itself.
+_FROM_CALLER = "caller"
+_FROM_BUFFER = "buffer"
 
 
 def _view(content: BufferLike) -> memoryview:
@@ -130,9 +131,9 @@ def image_key(item: MultimodalItem, *, order: int, processor: ProcessorFingerpri
             raise ContentError(
                 f"shape {item.shape!r} ({count} elements) cannot describe {nbytes} content bytes"
             )
-    dtype_source = _DTYPE_FROM_BUFFER if item.dtype is None else _DTYPE_FROM_CALLER
+    dtype_source = _FROM_BUFFER if item.dtype is None else _FROM_CALLER
     dtype = view.format if item.dtype is None else item.dtype
-    shape_source = _DTYPE_FROM_BUFFER if item.shape is None else _DTYPE_FROM_CALLER
+    shape_source = _FROM_BUFFER if item.shape is None else _FROM_CALLER
     shape = item.shape if item.shape is not None else tuple(view.shape or ())
     digest_of_content = _digest_view(view)
     digest = (
