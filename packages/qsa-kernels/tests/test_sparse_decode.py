@@ -115,3 +115,15 @@ def test_sparse_decode_rejects_fp32_queries() -> None:
     kv = torch.zeros(4, 2, 4, 1, 32, dtype=torch.bfloat16)
     with pytest.raises(KernelInputError, match="q has dtype"):
         sparse_decode_reference(torch.zeros(1, 12, 32), torch.zeros(1, 3, dtype=torch.int32), kv)
+
+
+@pytest.mark.parametrize("strided", ["q", "token_slots"])
+def test_sparse_decode_rejects_a_non_unit_last_stride_naming_the_tensor(strided: str) -> None:
+    """A q or token_slots view with a strided last dim is refused with its name and strides."""
+    q, slots, kv = _case((2, 4, 8, 16, 8), torch.bfloat16, "cpu", seed=7)
+    if strided == "q":
+        q = torch.cat([q, q], dim=2)[:, :, ::2]
+    else:
+        slots = torch.cat([slots, slots], dim=1)[:, ::2]
+    with pytest.raises(KernelInputError, match=rf"{strided} must have unit stride .*got strides"):
+        sparse_decode_reference(q, slots, kv)

@@ -127,3 +127,12 @@ def test_writeback_rejects_mismatched_index_lengths() -> None:
     two = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(KernelInputError, match="slots"):
         writeback_blocks(hot, arena, rows=one, layers=one, slots=two, blocks=one)
+
+
+def test_offload_prompt_rejects_a_non_contiguous_v_naming_it() -> None:
+    """A v view with gaps between its tokens is refused with its name, shape and strides."""
+    k = torch.zeros((1, 8, 1, 16), dtype=torch.bfloat16)
+    v = torch.zeros((1, 8, 2, 16), dtype=torch.bfloat16)[:, :, :1]
+    arena = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match=r"v must be contiguous; got shape \(1, 8, 1, 16\)"):
+        offload_prompt_reference(k, v, arena, 0)

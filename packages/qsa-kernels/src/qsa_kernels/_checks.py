@@ -15,10 +15,12 @@ from qsa_kernels._errors import KernelInputError
 
 __all__ = (
     "KV_DTYPES",
+    "check_contiguous",
     "check_dim",
     "check_dtype",
     "check_ndim",
     "check_same_device",
+    "check_unit_last_stride",
     "next_pow2",
     "sm_count",
 )
@@ -56,6 +58,25 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.device != device:
             msg = f"{name} is on {t.device!r}; expected {device!r}"
+            raise KernelInputError(msg)
+
+
+def check_contiguous(**tensors: torch.Tensor) -> None:
+    """Reject any tensor that is not contiguous, naming it with its shape and strides."""
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            msg = (
+                f"{name} must be contiguous; got shape {tuple(t.shape)!r} with strides "
+                f"{t.stride()!r}"
+            )
+            raise KernelInputError(msg)
+
+
+def check_unit_last_stride(**tensors: torch.Tensor) -> None:
+    """Reject any tensor whose last dim does not have stride 1, naming it with its strides."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            msg = f"{name} must have unit stride on its last dim; got strides {t.stride()!r}"
             raise KernelInputError(msg)
 
 

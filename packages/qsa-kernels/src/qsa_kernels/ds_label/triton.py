@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_kernels._errors import KernelInputError
+from qsa_kernels._checks import check_unit_last_stride
 from qsa_kernels.ds_label.reference import LabelTopK, check_label_inputs
 from qsa_kernels.indexer_topk._select import interpreting, row_topk
 
@@ -108,9 +108,7 @@ def label_topk(
     batch, hq, _ = q.shape
     _, hkv, c = label_cache.shape
     width = req_to_token.shape[1]
-    if label_cache.stride(2) != 1 or q.stride(2) != 1:
-        msg = "q and label_cache need unit stride on their last dim"
-        raise KernelInputError(msg)
+    check_unit_last_stride(q=q, label_cache=label_cache)
     scores = torch.empty((batch, hkv, width), dtype=torch.float32, device=q.device)
     positions = torch.empty((batch, hkv, heavy_token_num), dtype=torch.int32, device=q.device)
     if batch == 0 or width == 0:

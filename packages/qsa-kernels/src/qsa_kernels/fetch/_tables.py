@@ -18,7 +18,14 @@ import dataclasses
 
 import torch
 
-from qsa_kernels._checks import KV_DTYPES, check_dim, check_dtype, check_ndim, check_same_device
+from qsa_kernels._checks import (
+    KV_DTYPES,
+    check_contiguous,
+    check_dim,
+    check_dtype,
+    check_ndim,
+    check_same_device,
+)
 from qsa_kernels._errors import KernelInputError
 
 __all__ = ("BLOCK_TOKENS", "HotCacheTables", "check_kv_layouts")
@@ -60,14 +67,9 @@ class HotCacheTables:
         check_same_device(
             self.slot_block.device, slot_stamp=self.slot_stamp, block_slot=self.block_slot
         )
-        for name, t in (
-            ("slot_block", self.slot_block),
-            ("slot_stamp", self.slot_stamp),
-            ("block_slot", self.block_slot),
-        ):
-            if not t.is_contiguous():
-                msg = f"{name} must be contiguous; got strides {t.stride()!r}"
-                raise KernelInputError(msg)
+        check_contiguous(
+            slot_block=self.slot_block, slot_stamp=self.slot_stamp, block_slot=self.block_slot
+        )
 
     @classmethod
     def empty(
@@ -150,9 +152,7 @@ def check_kv_layouts(hot: torch.Tensor, host_arena: torch.Tensor, tables: HotCac
             f"{tuple(hot.shape[3:])!r}"
         )
         raise KernelInputError(msg)
-    if not hot.is_contiguous() or not host_arena.is_contiguous():
-        msg = "hot and host_arena must be contiguous"
-        raise KernelInputError(msg)
+    check_contiguous(hot=hot, host_arena=host_arena)
     check_same_device(tables.device, hot=hot)
     record_bytes = hot[0, 0, 0].numel() * hot.element_size()
     if record_bytes % 4:

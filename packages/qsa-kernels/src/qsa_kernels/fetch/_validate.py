@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from qsa_kernels._checks import check_dim, check_dtype, check_ndim, check_same_device
+from qsa_kernels._checks import (
+    check_contiguous,
+    check_dim,
+    check_dtype,
+    check_ndim,
+    check_same_device,
+)
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.fetch._tables import HotCacheTables, check_kv_layouts
 
@@ -31,9 +37,7 @@ def check_fetch_args(
     check_dim("rows", rows, 0, selected.shape[0], "B of selected")
     check_dim("layers", layers, 0, selected.shape[1], "NL of selected")
     check_same_device(tables.device, selected=selected, rows=rows, layers=layers)
-    if not selected.is_contiguous():
-        msg = f"selected must be contiguous; got strides {selected.stride()!r}"
-        raise KernelInputError(msg)
+    check_contiguous(selected=selected)
     if selected.shape[2] > tables.slots:
         msg = (
             f"selected has K={selected.shape[2]!r} entries per row but a hot cache has only "

@@ -6,7 +6,14 @@ import math
 
 import torch
 
-from qsa_kernels._checks import KV_DTYPES, check_dim, check_dtype, check_ndim, check_same_device
+from qsa_kernels._checks import (
+    KV_DTYPES,
+    check_dim,
+    check_dtype,
+    check_ndim,
+    check_same_device,
+    check_unit_last_stride,
+)
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.fetch._tables import BLOCK_TOKENS
 
@@ -46,9 +53,7 @@ def check_decode_args(
     if not kv_cache.is_contiguous():
         msg = f"kv_cache must be contiguous; got strides {kv_cache.stride()!r}"
         raise KernelInputError(msg)
-    if q.stride(2) != 1 or token_slots.stride(-1) != 1:
-        msg = "q and token_slots must be contiguous along their last dim"
-        raise KernelInputError(msg)
+    check_unit_last_stride(q=q, token_slots=token_slots)
     if scale is None:
         return 1.0 / math.sqrt(q.shape[2])
     if not math.isfinite(scale) or scale <= 0:

@@ -8,6 +8,7 @@ import torch
 
 from qsa_kernels._checks import (
     KV_DTYPES,
+    check_contiguous,
     check_dim,
     check_dtype,
     check_ndim,
@@ -46,9 +47,7 @@ def check_blocks_args(
         check_dtype(name, t, (torch.int32,))
         check_dim(name, t, 0, rows.shape[0], "N of rows")
     check_same_device(hot.device, rows=rows, layers=layers, slots=slots, blocks=blocks)
-    if not hot.is_contiguous() or not host_arena.is_contiguous():
-        msg = "hot and host_arena must be contiguous"
-        raise KernelInputError(msg)
+    check_contiguous(hot=hot, host_arena=host_arena)
 
 
 def check_prompt_args(
@@ -63,9 +62,7 @@ def check_prompt_args(
             f"k ({tuple(k.shape)!r}, {k.dtype!r}, {k.device!r})"
         )
         raise KernelInputError(msg)
-    if not k.is_contiguous() or not v.is_contiguous() or not host_arena.is_contiguous():
-        msg = "k, v and host_arena must be contiguous"
-        raise KernelInputError(msg)
+    check_contiguous(k=k, v=v, host_arena=host_arena)
     check_ndim("host_arena", host_arena, 7, "[R, L, NB, 2, 4, Hkv, D]")
     if host_arena.dtype != k.dtype:
         msg = f"host_arena dtype {host_arena.dtype!r} must equal k dtype {k.dtype!r}"
