@@ -89,6 +89,18 @@ def _raw_attribute(target: str) -> object:
     return getattr(owner, attr)
 
 
+def _refuse_foreign(
+    registry_hooks: Mapping[str, Sequence[tuple[Any, Any, Any]]],
+    targets: Sequence[str],
+    own: Mapping[str, Callable[..., Any]],
+) -> None:
+    """Raise :class:`ForeignHookError` listing :func:`_foreign_entries`, if there are any."""
+    foreign = _foreign_entries(registry_hooks, targets, own)
+    if foreign:
+        msg = f"other hooks are registered on or around {PLUGIN_NAME} targets: {foreign!r}"
+        raise ForeignHookError(msg)
+
+
 def _foreign_entries(
     registry_hooks: Mapping[str, Sequence[tuple[Any, Any, Any]]],
     targets: Sequence[str],
@@ -98,11 +110,9 @@ def _foreign_entries(
     found = []
     for reg_target, entries in registry_hooks.items():
         for hook_type, hook, source in entries:
-            ours = _is_ours(source) and own.get(reg_target) is hook
-            if ours:
-                continue
             if _is_ours(source):
-                found.append(f"{reg_target} (an entry claiming plugin {PLUGIN_NAME!r})")
+                if own.get(reg_target) is not hook:
+                    found.append(f"{reg_target} (an entry claiming plugin {PLUGIN_NAME!r})")
                 continue
             if any(_overlaps(reg_target, t) for t in targets):
                 who = getattr(source, "plugin_name", None) or "unknown source"
@@ -137,10 +147,7 @@ def activate() -> None:
     )
 
     targets = [s.target for s in specs]
-    foreign = _foreign_entries(HookRegistry._hooks, targets, {})
-    if foreign:
-        msg = f"other hooks are registered on or around {PLUGIN_NAME} targets: {foreign!r}"
-        raise ForeignHookError(msg)
+    _refuse_foreign(HookRegistry._hooks, targets, {})
     already = sorted(t for t in HookRegistry._patched if any(_overlaps(t, x) for x in targets))
     if already:
         msg = f"targets already patched before {PLUGIN_NAME} activated: {already!r}"
@@ -196,10 +203,7 @@ def verify_active() -> None:
     if changed:
         msg = f"targets were re-patched after {PLUGIN_NAME} activated: {changed!r}"
         raise HookNotAppliedError(msg)
-    foreign = _foreign_entries(HookRegistry._hooks, list(_STATE.installed), _STATE.hooks)
-    if foreign:
-        msg = f"other hooks are registered on or around {PLUGIN_NAME} targets: {foreign!r}"
-        raise ForeignHookError(msg)
+    _refuse_foreign(HookRegistry._hooks, list(_STATE.installed), _STATE.hooks)
 
 
 @dataclass(frozen=True, slots=True)
