@@ -16,11 +16,11 @@ import enum
 import torch
 
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels.fetch._tables import BLOCK_TOKENS
 
 __all__ = ("CollectiveBytes", "HeadLayout", "ShardedDecodeBuffers")
 
 _CANDIDATE_WORDS = 2  # fp32 score, int32 global block id (bit-cast to fp32)
-_TOKENS = 4
 
 
 class HeadLayout(enum.Enum):
@@ -157,7 +157,7 @@ class ShardedDecodeBuffers:
         dev = torch.device(device)
         n, rows = world_size, max_rows
         cand = rows * topk * _CANDIDATE_WORDS
-        tokens = rows * (_TOKENS * topk + _TOKENS - 1)
+        tokens = rows * (BLOCK_TOKENS * topk + BLOCK_TOKENS - 1)
         partial = rows * q_heads * (head_dim + 1)
         sharded = layout is HeadLayout.SHARDED
         query = rows * (q_heads // n) * head_dim if sharded else 0

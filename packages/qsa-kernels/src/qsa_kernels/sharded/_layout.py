@@ -21,6 +21,7 @@ import torch
 from qsa_core import ShardPlacement
 from qsa_kernels._checks import check_ndim
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels.fetch._tables import BLOCK_TOKENS
 
 __all__ = (
     "LocalIndexTable",
@@ -34,8 +35,6 @@ __all__ = (
     "unshard_raw_kv",
 )
 
-_TOKENS = 4  # tokens per record of the K/V layout (== QSA compress ratio)
-
 
 def _check_rank(placement: ShardPlacement, rank: int) -> None:
     if not 0 <= rank < placement.world_size:
@@ -45,7 +44,7 @@ def _check_rank(placement: ShardPlacement, rank: int) -> None:
 
 def _local_records(placement: ShardPlacement, num_records: int) -> int:
     """Records of every rank's local shard of ``num_records`` logical records (equal on all)."""
-    return -(-placement.local_capacity(num_records * _TOKENS) // _TOKENS)
+    return -(-placement.local_capacity(num_records * BLOCK_TOKENS) // BLOCK_TOKENS)
 
 
 def shard_raw_kv(kv: torch.Tensor, placement: ShardPlacement, rank: int) -> torch.Tensor:
@@ -65,15 +64,17 @@ def shard_raw_kv(kv: torch.Tensor, placement: ShardPlacement, rank: int) -> torc
     check_ndim("kv", kv, 5, "[NS, 2, 4, Hkv, D]")
     _check_rank(placement, rank)
     ns, _, tokens, hkv, d = kv.shape
-    if tokens != _TOKENS:
-        msg = f"kv must have {_TOKENS} tokens per record (dim 2); got shape {tuple(kv.shape)!r}"
+    if tokens != BLOCK_TOKENS:
+        msg = (
+            f"kv must have {BLOCK_TOKENS} tokens per record (dim 2); got shape {tuple(kv.shape)!r}"
+        )
         raise KernelInputError(msg)
     n = placement.world_size
     records = _local_records(placement, ns)
-    by_token = kv.transpose(0, 1).reshape(2, ns * _TOKENS, hkv, d)[:, rank::n]
-    out = torch.zeros((2, records * _TOKENS, hkv, d), dtype=kv.dtype, device=kv.device)
+    by_token = kv.transpose(0, 1).reshape(2, ns * BLOCK_TOKENS, hkv, d)[:, rank::n]
+    out = torch.zeros((2, records * BLOCK_TOKENS, hkv, d), dtype=kv.dtype, device=kv.device)
     out[:, : by_token.shape[1]] = by_token
-    return out.view(2, records, _TOKENS, hkv, d).transpose(0, 1).contiguous()
+    return out.view(2, records, BLOCK_TOKENS, hkv, d).transpose(0, 1).contiguous()
 
 
 def unshard_raw_kv(
@@ -94,18 +95,20 @@ def unshard_raw_kv(
     first = shards[0]
     check_ndim("shards[0]", first, 5, "[NS_local, 2, 4, Hkv, D]")
     hkv, d = first.shape[3], first.shape[4]
-    out = torch.empty((2, num_records * _TOKENS, hkv, d), dtype=first.dtype, device=first.device)
+    out = torch.empty(
+        (2, num_records * BLOCK_TOKENS, hkv, d), dtype=first.dtype, device=first.device
+    )
     for rank, shard in enumerate(shards):
-        if tuple(shard.shape) != (records, 2, _TOKENS, hkv, d):
+        if tuple(shard.shape) != (records, 2, BLOCK_TOKENS, hkv, d):
             msg = (
                 f"shards[{rank}] has shape {tuple(shard.shape)!r}; expected "
-                f"{(records, 2, _TOKENS, hkv, d)!r}"
+                f"{(records, 2, BLOCK_TOKENS, hkv, d)!r}"
             )
             raise KernelInputError(msg)
-        count = placement.raw_slots_on_rank(num_records * _TOKENS, rank)
-        tokens = shard.transpose(0, 1).reshape(2, records * _TOKENS, hkv, d)
+        count = placement.raw_slots_on_rank(num_records * BLOCK_TOKENS, rank)
+        tokens = shard.transpose(0, 1).reshape(2, records * BLOCK_TOKENS, hkv, d)
         out[:, rank::n] = tokens[:, :count]
-    return out.view(2, num_records, _TOKENS, hkv, d).transpose(0, 1).contiguous()
+    return out.view(2, num_records, BLOCK_TOKENS, hkv, d).transpose(0, 1).contiguous()
 
 
 def shard_index_pages(pages: torch.Tensor, placement: ShardPlacement, rank: int) -> torch.Tensor:

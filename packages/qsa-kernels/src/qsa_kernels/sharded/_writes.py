@@ -25,6 +25,7 @@ import torch
 from qsa_core import ShardPlacement
 from qsa_kernels._checks import check_ndim
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels.fetch._tables import BLOCK_TOKENS
 from qsa_kernels.sharded._layout import _check_rank
 
 __all__ = (
@@ -35,8 +36,6 @@ __all__ = (
     "write_owned_index_blocks",
     "write_owned_raw_kv",
 )
-
-_TOKENS = 4  # tokens per record of the raw K/V layout
 
 
 class LocalWriteTargets(NamedTuple):
@@ -177,8 +176,8 @@ def write_owned_raw_kv(
             )
             raise KernelInputError(msg)
     dst, src = _redirect(targets)
-    rec = torch.div(dst, _TOKENS, rounding_mode="floor")
-    pos = torch.remainder(dst, _TOKENS)
+    rec = torch.div(dst, BLOCK_TOKENS, rounding_mode="floor")
+    pos = torch.remainder(dst, BLOCK_TOKENS)
     for half, rows in ((0, k), (1, v)):
         view = local_kv[:, half]  # [NS_local, 4, Hkv, D], a view of the shard
         values = torch.cat([rows, view[0, 0].unsqueeze(0)]).index_select(0, src)
