@@ -106,14 +106,10 @@ class Switches:
 def _positive_int(name: str, raw: str, *, zero_allowed: bool) -> int:
     text = raw.strip()
     allowed = "0 (off) or a positive integer" if zero_allowed else "a positive integer"
-    if not text.isascii() or not text.isdigit():
+    if not (text.isascii() and text.isdigit()) or (int(text) == 0 and not zero_allowed):
         msg = f"{name}={raw!r} is not allowed; allowed: unset, or {allowed}"
         raise SwitchError(msg)
-    value = int(text)
-    if value == 0 and not zero_allowed:
-        msg = f"{name}={raw!r} is not allowed; allowed: unset, or {allowed}"
-        raise SwitchError(msg)
-    return value
+    return int(text)
 
 
 def parse_switches(environ: Mapping[str, str]) -> Switches:
