@@ -43,6 +43,7 @@ __all__ = (
     "read_records",
     "verify_active",
     "verify_final",
+    "write_atomic",
     "write_record",
 )
 
@@ -293,17 +294,26 @@ def write_record(record: ActivationRecord, directory: Path) -> Path:
     """
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / record.filename
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    write_atomic(final, record.to_json())
+    return final
+
+
+def write_atomic(final: Path, text: str) -> None:
+    """Write ``text`` to ``final`` through a synced ``.tmp-*.json`` file in the same directory.
+
+    Readers see the old file or the whole new one, never a partial write; :func:`read_records`
+    skips the temporary files.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=final.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(record.to_json())
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return final
 
 
 def read_records(directory: Path) -> tuple[list[ActivationRecord], list[str]]:

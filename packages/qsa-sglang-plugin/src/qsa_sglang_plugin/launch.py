@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Final
 
-from qsa_sglang_plugin._activation import ActivationRecord, read_records
+from qsa_sglang_plugin._activation import ActivationRecord, read_records, write_atomic
 from qsa_sglang_plugin._errors import LaunchError, SwitchError
 from qsa_sglang_plugin._switches import (
     ENV_ACTIVATION_DIR,
@@ -278,10 +278,7 @@ def _write_ready(directory: Path, address: str, records: Sequence[ActivationReco
         "address": address,
         "schedulers": [{"pid": r.pid, "tp_rank": r.tp_rank, "pp_rank": r.pp_rank} for r in records],
     }
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-ready-", dir=directory)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(payload, fh, indent=2, sort_keys=True)
-    os.replace(tmp, directory / "ready.json")
+    write_atomic(directory / "ready.json", json.dumps(payload, indent=2, sort_keys=True))
 
 
 def _parser() -> argparse.ArgumentParser:
