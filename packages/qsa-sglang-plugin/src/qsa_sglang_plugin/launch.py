@@ -256,16 +256,20 @@ class _Server:
         """Signal the group, wait up to ``grace`` s for every member, then SIGKILL; reap."""
         if _live_group_members(self.pid):
             self.signal_group(first)
-        deadline = time.monotonic() + grace
-        while _live_group_members(self.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _live_group_members(self.pid):
+        if not self._wait_empty(grace):
             logger.warning("server group %d did not stop in %.1f s; killing it", self.pid, grace)
             self.signal_group(signal.SIGKILL)
-            deadline = time.monotonic() + 10.0
-            while _live_group_members(self.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self._wait_empty(10.0)
         return self.reap()
+
+    def _wait_empty(self, seconds: float) -> bool:
+        """Poll until no live member of the group is left or ``seconds`` pass; True if empty."""
+        deadline = time.monotonic() + seconds
+        while _live_group_members(self.pid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def reap(self) -> int:
         if self._reaped is None:
