@@ -25,7 +25,6 @@ from qsa_kernels.double_sparsity._decode import (
     ds_decode,
     ds_decode_reference,
     ds_positions,
-    positions_to_slots,
 )
 from qsa_kernels.double_sparsity._errors import ChannelConfigError, DSConfigError
 from qsa_kernels.double_sparsity._label_cache import LabelCache
@@ -47,7 +46,6 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ds_decode",
     "ds_decode_reference",
     "ds_positions",
-    "positions_to_slots",
     # -- Offload --
     "DSOffloadedKV",
 )
