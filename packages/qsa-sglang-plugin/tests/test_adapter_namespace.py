@@ -14,6 +14,7 @@ import pytest
 from qsa_core import (
     QWEN38_FLASH_NEXT,
     QWEN38_FLASH_NEXT_TEXT_CONFIG,
+    CapacityPlan,
     KVDType,
     MemoryPartKind,
     plan_capacity,
@@ -27,6 +28,21 @@ from qsa_sglang_plugin import (
 
 GIB = 1 << 30
 MIB = 1 << 20
+
+
+def _tp2_fp8_plan() -> CapacityPlan:
+    """qsa-core's plan for the flags the capacity tests pass: TP2, FP8, 8 x 262,144 tokens."""
+    return plan_capacity(
+        QWEN38_FLASH_NEXT,
+        tp_size=2,
+        kv_dtype=KVDType.FP8_E4M3,
+        gpu_budget_bytes=9 * GIB,
+        host_budget_bytes=12 * GIB,
+        context_len=262144,
+        num_requests=8,
+    )
+
+
 Resolve = Callable[..., tuple[Any, Any]]
 
 
@@ -176,15 +192,7 @@ def test_plan_at_the_originals_flags_matches_qsa_core(resolve: Resolve) -> None:
         "8",
     )
     plan = capacity_plan_from_sglang(args, QWEN38_FLASH_NEXT_TEXT_CONFIG, 9 * GIB, 12 * GIB)
-    assert plan == plan_capacity(
-        QWEN38_FLASH_NEXT,
-        tp_size=2,
-        kv_dtype=KVDType.FP8_E4M3,
-        gpu_budget_bytes=9 * GIB,
-        host_budget_bytes=12 * GIB,
-        context_len=262144,
-        num_requests=8,
-    )
+    assert plan == _tp2_fp8_plan()
     off = plan.offloaded
     assert (plan.raw_bytes_per_token, plan.index_bytes_per_token) == (6144, 768)
     assert plan.host_bytes_per_request == 1536 * MIB
@@ -226,15 +234,7 @@ def test_doctor_prints_the_plan_of_the_operators_flags(
     doctor.main(["--model-path", str(tmp_path), *flags, *budgets])
     out = capsys.readouterr().out
     assert "[  OK] capacity plan: 8 x 262144 tokens at TP2 fp8_e4m3: offload fits 8" in out
-    expected = plan_capacity(
-        QWEN38_FLASH_NEXT,
-        tp_size=2,
-        kv_dtype=KVDType.FP8_E4M3,
-        gpu_budget_bytes=9 * GIB,
-        host_budget_bytes=12 * GIB,
-        context_len=262144,
-        num_requests=8,
-    )
+    expected = _tp2_fp8_plan()
     assert render_plan(expected).rstrip("\n") in out
     doctor.main(["--model-path", str(tmp_path / "absent"), *flags, *budgets])
     assert "[WARN] capacity plan:" in capsys.readouterr().out
