@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -150,43 +151,40 @@ def test_fetch_returns_minus_one_for_all_padding(kernel_device: str) -> None:
     assert not hot.any()
 
 
+def _tiny_fetch(
+    fetch: Callable[..., torch.Tensor],
+    selected: list[int],
+    arena_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Run ``fetch`` for one request and one layer with S=4 slots and NB=8 blocks."""
+    zero = torch.zeros(1, dtype=torch.int32)
+    return fetch(
+        torch.tensor([[selected]], dtype=torch.int32),
+        zero,
+        zero,
+        step=1,
+        tables=HotCacheTables.empty(1, 1, 4, 8, torch.device("cpu")),
+        hot=torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16),
+        host_arena=torch.zeros((1, 1, 8, 2, 4, 1, 16), dtype=arena_dtype),
+    )
+
+
 def test_fetch_rejects_more_entries_than_slots() -> None:
     """K > S cannot be served and is refused with both numbers in the message."""
-    tables = HotCacheTables.empty(1, 1, 4, 8, torch.device("cpu"))
-    hot = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16)
-    arena = torch.zeros((1, 1, 8, 2, 4, 1, 16), dtype=torch.bfloat16)
-    selected = torch.full((1, 1, 5), -1, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(KernelInputError, match=r"K=5.*S=4"):
-        fetch_selected_blocks(
-            selected, zero, zero, step=1, tables=tables, hot=hot, host_arena=arena
-        )
+        _tiny_fetch(fetch_selected_blocks, [-1] * 5)
 
 
 def test_fetch_rejects_mismatched_arena_dtype() -> None:
     """The arena and hot cache must share a dtype; the message names both."""
-    tables = HotCacheTables.empty(1, 1, 4, 8, torch.device("cpu"))
-    hot = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16)
-    arena = torch.zeros((1, 1, 8, 2, 4, 1, 16), dtype=torch.float8_e4m3fn)
-    selected = torch.full((1, 1, 2), -1, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(KernelInputError, match="float8_e4m3fn"):
-        fetch_selected_blocks_reference(
-            selected, zero, zero, step=1, tables=tables, hot=hot, host_arena=arena
-        )
+        _tiny_fetch(fetch_selected_blocks_reference, [-1, -1], torch.float8_e4m3fn)
 
 
 def test_fetch_reference_rejects_duplicate_ids() -> None:
     """Duplicate valid ids in one row violate the contract and are refused by the reference."""
-    tables = HotCacheTables.empty(1, 1, 4, 8, torch.device("cpu"))
-    hot = torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16)
-    arena = torch.zeros((1, 1, 8, 2, 4, 1, 16), dtype=torch.bfloat16)
-    selected = torch.tensor([[[3, -1, 3]]], dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(KernelInputError, match="distinct"):
-        fetch_selected_blocks_reference(
-            selected, zero, zero, step=1, tables=tables, hot=hot, host_arena=arena
-        )
+        _tiny_fetch(fetch_selected_blocks_reference, [3, -1, 3])
 
 
 @settings(max_examples=40, deadline=None)
