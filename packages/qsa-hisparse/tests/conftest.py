@@ -17,6 +17,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The same GPU gating stands in every package that has GPU tests: each package's tests run in an
+# environment holding only that package and its dependencies, so there is no shared test module.
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     del config
     if torch.cuda.is_available():

@@ -18,6 +18,8 @@ settings.register_profile("qsa", deadline=None)
 settings.load_profile("qsa")
 
 
+# The same GPU gating stands in every package that has GPU tests: each package's tests run in an
+# environment holding only that package and its dependencies, so there is no shared test module.
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     del config
     if torch.cuda.is_available():
