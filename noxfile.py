@@ -23,7 +23,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-from typing import assert_never
 
 import nox
 
@@ -48,21 +47,6 @@ class Package(enum.StrEnum):
     MM_PREFIX = "qsa-mm-prefix"
     SGLANG_PLUGIN = "qsa-sglang-plugin"
     HISPARSE = "qsa-hisparse"
-
-
-def _import_name(package: Package) -> str:
-    match package:
-        case (
-            Package.CORE
-            | Package.KERNELS
-            | Package.HOSTCACHE
-            | Package.MM_PREFIX
-            | Package.SGLANG_PLUGIN
-            | Package.HISPARSE
-        ):
-            return package.value.replace("-", "_")
-        case _:
-            assert_never(package)
 
 
 def _package_dir(package: Package) -> pathlib.Path:

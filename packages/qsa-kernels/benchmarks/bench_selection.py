@@ -1,7 +1,8 @@
 """Benchmark the selection kernels: indexer scoring + top-k, candidate merge, label scoring.
 
 Writes ``<out-dir>/selection.md`` (table, machine, versions, command) and
-``<out-dir>/selection.json``. Needs CUDA; exits with status 2 and a message otherwise.
+``<out-dir>/selection.json``. Needs CUDA; exits with status 77 (skipped: no hardware) and a
+message otherwise.
 
 Bytes are counted as the fewest the op must read from HBM: for the indexer, every complete
 compressed key of the row once (``n_blocks * 128 * elem`` bytes; 64 B per token in bf16, 32 B in
@@ -314,7 +315,7 @@ def main() -> int:
         print(
             "bench_selection: CUDA is not available; these benchmarks need a GPU", file=sys.stderr
         )
-        return 2
+        return 77  # the bench session reads 77 as "skipped: no hardware"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     bw = _hbm_bandwidth()
     meta = {
