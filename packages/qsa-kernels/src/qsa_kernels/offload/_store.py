@@ -79,20 +79,6 @@ class OffloadGeometry:
         """One block of one layer: ``[2, 4, Hkv, D]`` (its K rows, then its V rows)."""
         return (2, BLOCK_TOKENS, self.kv_heads, self.head_dim)
 
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of the pinned host arena."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return (
-            self.rows
-            * self.layers
-            * self.max_blocks
-            * 2
-            * BLOCK_TOKENS
-            * self.kv_heads
-            * (self.head_dim * itemsize)
-        )
-
 
 class OffloadedKV:
     """One rank's QSA K/V under host offload (see the module docstring).
