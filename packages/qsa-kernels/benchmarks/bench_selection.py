@@ -8,20 +8,21 @@ Bytes are counted as the fewest the op must read from HBM: for the indexer, ever
 compressed key of the row once (``n_blocks * 128 * elem`` bytes; 64 B per token in bf16, 32 B in
 fp8) plus the page-table entries; for label scoring, ``S * Hkv * C * 2`` label bytes plus the
 ``req_to_token`` entries. HBM time is those bytes over a measured device-to-device copy bandwidth.
-The indexer is also timed in halves: scoring alone (keys in, packed int64 order keys out) and
-selection alone (top-k of those keys and the ascending id sort), the latter one-stage and two-stage.
+The indexer is also timed by part: scoring alone (keys in, packed int64 order keys out), both
+selection paths end to end (``torch.topk`` and the radix select), and the radix select's stages.
 """
 
 # ruff: noqa: B023 - each timed closure runs inside the loop iteration that defines it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import pathlib
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ import triton.testing
 
 from qsa_kernels.ds_label import label_topk
 from qsa_kernels.indexer_topk import _radix, _select, indexer_topk
+from qsa_kernels.indexer_topk import triton as indexer_triton
 from qsa_kernels.indexer_topk.triton import indexer_keys
 from qsa_kernels.topk_merge import merge_candidates
 
@@ -70,6 +72,17 @@ def _torch_indexer(
     return torch.topk(key, topk, dim=1).indices.sort(dim=1).values.int()
 
 
+@contextlib.contextmanager
+def _radix_min_width(width: int) -> Iterator[None]:
+    """Route :func:`indexer_topk` through one selection path for the duration."""
+    saved = indexer_triton.RADIX_MIN_WIDTH
+    indexer_triton.RADIX_MIN_WIDTH = width
+    try:
+        yield
+    finally:
+        indexer_triton.RADIX_MIN_WIDTH = saved
+
+
 def bench_indexer(bw: float) -> list[dict[str, Any]]:
     rows = []
     for ctx in (32 * 1024, 256 * 1024, 1024 * 1024):
@@ -81,37 +94,45 @@ def bench_indexer(bw: float) -> list[dict[str, Any]]:
                 k = torch.randn(batch * p + 1, 16, 128, device="cuda").to(dtype)
                 pt = torch.randperm(batch * p + 1, device="cuda")[: batch * p].view(batch, p).int()
                 sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-                tri = _median_us(lambda: indexer_topk(q, k, pt, sl, topk=512))
-                tri_g = _graph_us(lambda: indexer_topk(q, k, pt, sl, topk=512))
+
+                def run() -> torch.Tensor:
+                    return indexer_topk(q, k, pt, sl, topk=512)
+
+                uses_radix = p * 16 >= indexer_triton.RADIX_MIN_WIDTH
+                tri = _median_us(run)
+                tri_g = _graph_us(run)
+                with _radix_min_width(1 << 62):
+                    topk_path = _graph_us(run)
+                    want = run()
+                with _radix_min_width(1):
+                    radix_path = _graph_us(run)
+                    same = bool(torch.equal(run(), want))
                 score = _graph_us(lambda: indexer_keys(q, k, pt, sl))
+
+                def score_hist() -> tuple[torch.Tensor, torch.Tensor]:
+                    ws = _radix.new_workspace(batch, q.device)
+                    return indexer_keys(q, k, pt, sl, radix=(ws, 512)), ws
+
+                def score_hist_flags() -> torch.Tensor:
+                    keys, ws = score_hist()
+                    _radix.stage_flags(keys, ws, 512)
+                    return ws
+
                 keys = indexer_keys(q, k, pt, sl)
                 out = torch.empty(batch, 512, dtype=torch.int32, device="cuda")
-                sel = _graph_us(lambda: _select.topk_from_keys(keys, 512, out))
-                try:
-                    radix = _graph_us(lambda: _radix.radix_topk_from_keys(keys, 512, out))
-                    _radix.radix_topk_from_keys(keys, 512, out)
-                    want = torch.empty_like(out)
-                    _select.topk_from_keys(keys, 512, want)
-                    exact = bool(torch.equal(out, want))
-                    hist = _radix.radix_stage_hist(keys)
-                    state = _radix.radix_stage_threshold(hist, 512)
-                    cand = _radix.radix_stage_compact(keys, state, out)
-                    stages = {
-                        "hist": _graph_us(lambda: _radix.radix_stage_hist(keys)),
-                        "threshold": _graph_us(lambda: _radix.radix_stage_threshold(hist, 512)),
-                        "threshold+compact": _graph_us(
-                            lambda: _radix.radix_stage_compact(
-                                keys, _radix.radix_stage_threshold(hist, 512), out
-                            )
-                        ),
-                        "resolve": _graph_us(
-                            lambda: _radix.radix_stage_resolve(keys, state, cand, 512, out)
-                        ),
-                        "candidates_max": int(state[:, 3].max()),
-                    }
-                except Exception as exc:  # a radix failure must not hide the other numbers
-                    print(f"bench_selection: radix select failed: {exc!r}", file=sys.stderr)
-                    radix, exact, stages = math.nan, False, {}
+                cum = {
+                    "score_hist": _graph_us(score_hist),
+                    "score_hist_flags": _graph_us(score_hist_flags),
+                }
+                stages = {
+                    "score_hist": cum["score_hist"],
+                    "flags": cum["score_hist_flags"] - cum["score_hist"],
+                    "write": radix_path - cum["score_hist_flags"],
+                    "topk_select": _graph_us(lambda: _select.topk_from_keys(keys, 512, out)),
+                    "candidates_max": int(
+                        score_hist_flags()[:, _radix.COPIES * _radix.BINS + 2].max()
+                    ),
+                }
                 ref = _median_us(lambda: _torch_indexer(q, k, pt, n, 512))
                 ref_g = _graph_us(lambda: _torch_indexer(q, k, pt, n, 512))
                 nbytes = batch * (n * 128 * k.element_size() + p * 4)
@@ -122,20 +143,20 @@ def bench_indexer(bw: float) -> list[dict[str, Any]]:
                         "B": batch,
                         "dtype": str(dtype).removeprefix("torch."),
                         "bytes": nbytes,
+                        "path": "radix" if uses_radix else "torch.topk",
                         "eager_us": tri,
                         "triton_us": tri_g,
                         "score_us": score,
-                        "select_topk_us": sel,
-                        "select_us": radix,
-                        "radix_equals_topk": exact,
-                        "radix_stages_us": stages,
+                        "topk_path_us": topk_path,
+                        "radix_path_us": radix_path,
+                        "radix_equals_topk": same,
+                        "stages_us": stages,
                         "torch_eager_us": ref,
                         "torch_us": ref_g,
                         "hbm_us": hbm,
                         "speedup_vs_torch": ref_g / tri_g,
                         "x_hbm": tri_g / hbm,
                         "score_x_hbm": score / hbm,
-                        "select_x_hbm": sel / hbm,
                     }
                 )
                 print(rows[-1], flush=True)
@@ -229,30 +250,32 @@ def _markdown(
         "## Indexer scoring + top-512 (decode)",
         "",
         "GPU time from CUDA-graph replay (how decode runs under SGLang); `eager` columns include "
-        "host launch overhead. Ratios use the graph times.",
+        "host launch overhead. Ratios use the graph times. `total` is `indexer_topk` as shipped "
+        "(`path`: the radix select for rows of at least `RADIX_MIN_WIDTH` blocks, else "
+        "`torch.topk`); `score` is scoring alone (packed keys out, no histogram).",
         "",
-        "| context | B | keys | bytes read | HBM us | total us | score us | select us "
-        "| total/HBM | score/HBM | select/HBM | torch us | torch/total | eager us "
-        "| torch eager us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| context | B | keys | bytes read | HBM us | path | total us | score us | total/HBM "
+        "| score/HBM | torch us | torch/total | eager us | torch eager us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out += [
         f"| {r['ctx']} | {r['B']} | {r['dtype']} | {r['bytes']} | {r['hbm_us']:.1f} | "
-        f"{r['triton_us']:.1f} | {r['score_us']:.1f} | {r['select_us']:.1f} | "
-        f"{r['x_hbm']:.2f} | {r['score_x_hbm']:.2f} | {r['select_x_hbm']:.2f} | "
-        f"{r['torch_us']:.1f} | {r['speedup_vs_torch']:.2f} | {r['eager_us']:.1f} | "
-        f"{r['torch_eager_us']:.1f} |"
+        f"{r['path']} | {r['triton_us']:.1f} | {r['score_us']:.1f} | {r['x_hbm']:.2f} | "
+        f"{r['score_x_hbm']:.2f} | {r['torch_us']:.1f} | {r['speedup_vs_torch']:.2f} | "
+        f"{r['eager_us']:.1f} | {r['torch_eager_us']:.1f} |"
         for r in ind
     ]
     out += [
         "",
-        "Selection alone (graph us): `torch.topk` path (`_select.topk_from_keys`) against the "
-        "radix select (`_radix`; off by default, see `RADIX_MIN_WIDTH`) and its stages "
-        "(compaction = threshold+compact minus threshold); `cands` is the largest threshold-bin "
-        "count (the one-`tl.sort` path takes up to 2048); `same` checks the two selections agree.",
+        "Both selection paths end to end (graph us), and the radix path's passes: scoring with "
+        "the fused histogram (its zeroed workspace included), then what the flag pass (with the "
+        "threshold key) and the ordered write add; `topk select` is the `torch.topk` selection "
+        "alone; "
+        "`cands` is the largest threshold-bin count (ranking takes up to "
+        f"{_radix.CAND_CAP}); `same` checks the two paths agree.",
         "",
-        "| context | B | keys | torch.topk | radix | hist | threshold | compact | resolve | cands "
-        "| same |",
+        "| context | B | keys | torch.topk path | radix path | score+hist | flags | write "
+        "| topk select | cands | same |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     out += [_stage_row(r) for r in ind]
@@ -287,13 +310,11 @@ def _markdown(
 
 
 def _stage_row(r: dict[str, Any]) -> str:
-    st = r["radix_stages_us"]
-    nan = math.nan
-    compact = st.get("threshold+compact", nan) - st.get("threshold", nan)
+    st = r["stages_us"]
     return (
-        f"| {r['ctx']} | {r['B']} | {r['dtype']} | {r['select_topk_us']:.1f} | "
-        f"{r['select_us']:.1f} | {st.get('hist', nan):.1f} | {st.get('threshold', nan):.1f} | "
-        f"{compact:.1f} | {st.get('resolve', nan):.1f} | {st.get('candidates_max', -1)} | "
+        f"| {r['ctx']} | {r['B']} | {r['dtype']} | {r['topk_path_us']:.1f} | "
+        f"{r['radix_path_us']:.1f} | {st['score_hist']:.1f} | {st['flags']:.1f} | "
+        f"{st['write']:.1f} | {st['topk_select']:.1f} | {st['candidates_max']} | "
         f"{r['radix_equals_topk']} |"
     )
 

@@ -213,8 +213,36 @@ def _scores(mode: str, rows: int, width: int, seed: int, device: str) -> torch.T
     return s.to(device)
 
 
-@pytest.mark.parametrize("mode", ["random", "few-values", "all-equal", "signed-zeros"])
-@pytest.mark.parametrize("cap", [2048, 16], ids=["sort", "overflow"])
+MODES = ["random", "few-values", "all-equal", "signed-zeros"]
+
+
+def _hist_reference(keys: torch.Tensor) -> torch.Tensor:
+    """``[rows, BINS]``: per row, the count of real keys per radix digit."""
+    valid = keys != _select.KEY_NONE
+    digit = torch.clamp(keys >> _radix.SHIFT, 0, _radix.BINS - 1)
+    rows = [torch.bincount(d[v], minlength=_radix.BINS) for d, v in zip(digit, valid, strict=True)]
+    return torch.stack(rows).to(torch.int32)
+
+
+def _hist_of(ws: torch.Tensor) -> torch.Tensor:
+    """The histogram a workspace holds, its copies summed: ``[rows, BINS]``."""
+    copies = ws[:, : _radix.COPIES * _radix.BINS].view(-1, _radix.COPIES, _radix.BINS)
+    return copies.sum(1, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_radix_histogram_counts_every_real_key(mode: str, kernel_device: str) -> None:
+    """Pass 1 counts each real key once, bin 0 (zeros) through its per-tile path included."""
+    s = _scores(mode, 3, 2999, seed=len(mode), device=kernel_device)
+    n = torch.tensor([2999, 1500, 0], dtype=torch.int32, device=kernel_device)
+    keys = _row_keys(s, n)
+    ws = _radix.new_workspace(3, keys.device)
+    _radix.stage_hist(keys, ws, 100)
+    assert torch.equal(_hist_of(ws).cpu(), _hist_reference(keys.cpu()))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cap", [1024, 16], ids=["rank", "overflow"])
 def test_radix_select_equals_reference(
     mode: str,
     cap: int,
@@ -222,7 +250,7 @@ def test_radix_select_equals_reference(
     kernel_device: str,
     poisoned_int: Callable[..., torch.Tensor],
 ) -> None:
-    """Radix select: same ids as the reference, ties to smaller ids, both resolve paths."""
+    """Radix select: same ids as the reference, ties to smaller ids, both threshold paths."""
     monkeypatch.setattr(_radix, "CHUNK", 1024)
     monkeypatch.setattr(_radix, "CAND_CAP", cap)
     width, k = 3001, 100
@@ -231,17 +259,18 @@ def test_radix_select_equals_reference(
         [width, width - 1, k, k - 1, 1024 + 7], dtype=torch.int32, device=kernel_device
     )
     keys = _row_keys(s, n)
-    state = _radix.radix_stage_threshold(_radix.radix_stage_hist(keys), k)
     out = poisoned_int(5, k)
     _radix.radix_topk_from_keys(keys, k, out)
     assert torch.equal(out.cpu(), _select.row_topk_reference(s, n, k).cpu())
-    assert (state[:, 2:] == 0).all()
-    _radix.radix_stage_compact(keys, state, poisoned_int(5, k))
-    overflowed = bool((state[:, 3] > cap).any())
+    ws = _radix.new_workspace(5, keys.device)
+    _radix.stage_hist(keys, ws, k)
+    _radix.stage_flags(keys, ws, k)
+    candidates = ws[:, _radix.COPIES * _radix.BINS + 2]
+    overflowed = bool((candidates > cap).any())
     if cap == 16 and mode != "random":
-        assert overflowed  # the one-program radix over the bin resolved it
-    if cap == 2048 and mode == "random":
-        assert not overflowed  # the tl.sort of the candidates resolved it
+        assert overflowed  # the 4-bit radix over the row's bin resolved it
+    if cap == 1024 and mode == "random":
+        assert not overflowed  # ranking the candidates resolved it
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
@@ -256,7 +285,10 @@ def test_radix_indexer_topk_equals_reference(  # noqa: PLR0917
     kernel_device: str,
     poisoned_int: Callable[..., torch.Tensor],
 ) -> None:
-    """Indexer top-k through the radix select: exact ids on tie-heavy scores, bf16 and fp8."""
+    """Indexer top-k through the radix select: exact ids on tie-heavy scores, bf16 and fp8.
+
+    The histogram the scoring kernel fills is the one stage 1 computes from its keys.
+    """
     monkeypatch.setattr(indexer_triton, "RADIX_MIN_WIDTH", 1)
     monkeypatch.setattr(_radix, "CHUNK", 1024)
     q, k, pt, sl = _case(
@@ -265,6 +297,9 @@ def test_radix_indexer_topk_equals_reference(  # noqa: PLR0917
     out = poisoned_int(len(seq_lens), topk)
     indexer_topk(q, k, pt, sl, topk=topk, out=out)
     assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
+    fused = _radix.new_workspace(len(seq_lens), q.device)
+    keys = indexer_triton.indexer_keys(q, k, pt, sl, radix=(fused, topk))
+    assert torch.equal(_hist_of(fused).cpu(), _hist_reference(keys.cpu()))
 
 
 def test_radix_candidate_overflow_stays_exact(

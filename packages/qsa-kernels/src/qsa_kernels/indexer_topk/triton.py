@@ -24,10 +24,10 @@ from qsa_kernels.indexer_topk.reference import BLOCKS_PER_PAGE, INDEX_HEAD_DIM, 
 __all__ = ("indexer_scores", "indexer_topk")
 
 _BLOCK_N = 128
-#: Rows of at least this many blocks select by radix (:mod:`._radix`), narrower ones by
-#: ``torch.topk`` (:func:`._select.topk_from_keys`). Off by default (``2**62``) until the radix
-#: select has passed the GPU tests and measured faster on the GPU.
-RADIX_MIN_WIDTH = 1 << 62
+_SCORE_WARPS = 4
+#: Rows of at least this many blocks select by radix (:mod:`._radix`, histogram fused into the
+#: scoring kernel), narrower ones by ``torch.topk`` (:func:`._select.topk_from_keys`).
+RADIX_MIN_WIDTH = 4096
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -37,6 +37,7 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     pt_ptr,  # [B, P] int32 / int64 page ids
     n_ptr,  # [B] int32 complete blocks per row
     out_ptr,  # [B, out_width] fp32 scores, or int64 packed keys when WRITE_KEYS
+    ws_ptr,  # [B, WORKSPACE_COLS] int32 zeroed radix workspace when WRITE_HIST, else unused
     width,
     out_width,
     stride_qb,
@@ -45,6 +46,8 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     stride_ks,
     stride_ptb,
     stride_ob,
+    stride_w,
+    topk,
     SCALE: tl.constexpr,  # constexpr: sqrt(128) folds into the division
     HEADS: tl.constexpr,  # constexpr: 4 index heads
     HEADS_PAD: tl.constexpr,  # constexpr: tl.dot needs >= 16 columns; padded heads are zero
@@ -53,6 +56,10 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     BLOCK_N: tl.constexpr,  # constexpr: blocks per program
     DOT_FP32: tl.constexpr,  # constexpr: fp32 operands (exact for bf16/fp8) in the interpreter
     WRITE_KEYS: tl.constexpr,  # constexpr: store packed order keys instead of scores
+    WRITE_HIST: tl.constexpr,  # constexpr: also run pass 1 of the radix select (histogram)
+    HIST_SH: tl.constexpr,  # constexpr: radix digit shift
+    HIST_NB: tl.constexpr,  # constexpr: radix histogram bins
+    HIST_COPIES: tl.constexpr,  # constexpr: radix histogram copies per row
 ):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -76,12 +83,17 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
             dots = tl.dot(keys.to(tl.bfloat16), tl.trans(qv.to(tl.bfloat16)))
         total = tl.sum(tl.maximum(dots, 0.0), 1)
         score = tl.math.div_rn(total, SCALE)
+        if WRITE_HIST:
+            key = pack_key(score, j, m)
+            _radix.hist_add(ws_ptr + b * stride_w, tile, key, m, HIST_SH, HIST_NB, HIST_COPIES)
     else:
         score = tl.zeros([BLOCK_N], dtype=tl.float32)
     if WRITE_KEYS:
         tl.store(out_ptr + b * stride_ob + j, pack_key(score, j, m), mask=j < out_width)
     else:
         tl.store(out_ptr + b * stride_ob + j, tl.where(m, score, float("-inf")), mask=j < out_width)
+    if WRITE_HIST:
+        _radix.hist_done(ws_ptr + b * stride_w, tl.num_programs(1), topk, HIST_NB, HIST_COPIES)
 
 
 def _launch_scores(  # noqa: PLR0917
@@ -91,6 +103,8 @@ def _launch_scores(  # noqa: PLR0917
     n_blocks: torch.Tensor,
     out: torch.Tensor,
     width: int,
+    ws: torch.Tensor | None = None,
+    topk: int = 0,
 ) -> None:
     batch, out_width = out.shape
     if batch == 0 or out_width == 0:
@@ -105,6 +119,7 @@ def _launch_scores(  # noqa: PLR0917
         page_table,
         n_blocks,
         out,
+        out if ws is None else ws,
         width,
         out_width,
         q.stride(0),
@@ -113,6 +128,8 @@ def _launch_scores(  # noqa: PLR0917
         k_cache.stride(1),
         page_table.stride(0),
         out.stride(0),
+        0 if ws is None else ws.stride(0),
+        topk,
         SCALE=math.sqrt(INDEX_HEAD_DIM),
         HEADS=4,
         HEADS_PAD=16,
@@ -121,7 +138,11 @@ def _launch_scores(  # noqa: PLR0917
         BLOCK_N=_BLOCK_N,
         DOT_FP32=interpreting(),
         WRITE_KEYS=out.dtype == torch.int64,
-        num_warps=4,
+        WRITE_HIST=ws is not None,
+        HIST_SH=_radix.SHIFT,
+        HIST_NB=_radix.BINS,
+        HIST_COPIES=_radix.COPIES,
+        num_warps=_SCORE_WARPS,
     )
 
 
@@ -206,38 +227,54 @@ def indexer_topk(
     if out is None:
         out = torch.empty((batch, topk), dtype=torch.int32, device=q.device)
     _check_out(out, (batch, topk), torch.int32, q.device)
-    keys = indexer_keys(q, k_cache, page_table, seq_lens)
-    select_from_keys(keys, topk, out)
+    if page_table.shape[1] * BLOCKS_PER_PAGE >= RADIX_MIN_WIDTH:
+        ws = _radix.new_workspace(batch, q.device)
+        _radix.select(_keys(q, k_cache, page_table, seq_lens, ws, topk), ws, topk, out)
+    else:
+        topk_from_keys(_keys(q, k_cache, page_table, seq_lens), topk, out)
     return out
 
 
-def select_from_keys(keys: torch.Tensor, topk: int, out: torch.Tensor) -> None:
-    """The selection half of :func:`indexer_topk`: radix select on wide rows, else ``torch.topk``.
-
-    Args:
-        keys: ``[B, W]`` int64 from :func:`indexer_keys`.
-        topk: blocks per row, ``>= 1``.
-        out: ``[B, topk]`` int32, unit last stride; ids ascending, ``-1`` padded.
-    """
-    if keys.shape[1] >= RADIX_MIN_WIDTH and topk <= _radix.MAX_K:
-        _radix.radix_topk_from_keys(keys, topk, out)
-    else:
-        topk_from_keys(keys, topk, out)
-
-
 def indexer_keys(
-    q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    radix: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Packed order keys of every block: the scoring half of :func:`indexer_topk`.
+
+    Args:
+        q: ``[B, 4, 128]`` bf16 or float8_e4m3fn.
+        k_cache: ``[pages, 16, 128]`` bf16 or float8_e4m3fn.
+        page_table: ``[B, P]`` int32/int64.
+        seq_lens: ``[B]`` int32/int64 tokens (query position + 1).
+        radix: optional ``(workspace, topk)``: a zeroed ``[B, WORKSPACE_COLS]`` int32
+            (:func:`._radix.new_workspace`) that the kernel also fills with pass 1 of the radix
+            select for ``topk`` (the histogram of the keys and the threshold bin).
 
     Returns:
         ``[B, W]`` int64 with ``W >= P * 16`` (:func:`._select.key_width`): block ``j < n`` holds
         ``(ordered(score) << 32) | (0xFFFFFFFF - j)``, every other column ``INT64_MIN``.
     """
     check_indexer_inputs(q, k_cache, page_table, seq_lens)
+    if radix is None:
+        return _keys(q, k_cache, page_table, seq_lens)
+    return _keys(q, k_cache, page_table, seq_lens, *radix)
+
+
+def _keys(  # noqa: PLR0917
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ws: torch.Tensor | None = None,
+    topk: int = 0,
+) -> torch.Tensor:
     batch, pages = page_table.shape
     width = pages * BLOCKS_PER_PAGE
     n_blocks = visible_blocks(seq_lens, pages)
     keys = torch.empty((batch, key_width(width)), dtype=torch.int64, device=q.device)
-    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, keys, width)
+    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, keys, width, ws, topk)
     return keys
