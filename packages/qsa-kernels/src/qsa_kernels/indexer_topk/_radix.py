@@ -72,7 +72,7 @@ def _digit(key, SH: tl.constexpr, NB: tl.constexpr):  # type: ignore[no-untyped-
     return tl.minimum(tl.maximum(key >> SH, 0), NB - 1).to(tl.int32)
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def hist_add(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     ws_row_ptr, program, key, valid, SH: tl.constexpr, NB: tl.constexpr, COPIES: tl.constexpr
 ):
@@ -85,7 +85,7 @@ def hist_add(  # type: ignore[no-untyped-def]  # noqa: PLR0917
         tl.atomic_add(hist, zeros, sem="relaxed")
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def hist_done(ws_row_ptr, programs, k, NB: tl.constexpr, COPIES: tl.constexpr):  # type: ignore[no-untyped-def]
     """Call once per program after its :func:`hist_add`; the row's last one finds the threshold."""
     fields = ws_row_ptr + COPIES * NB
@@ -127,7 +127,7 @@ def _hist_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     hist_done(ws_ptr + row * stride_w, tl.num_programs(1), k, NB, COPIES)
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _rank_threshold(cand_row_ptr, cnt, need, RI: tl.constexpr, RJ: tl.constexpr):  # type: ignore[no-untyped-def]
     """The ``need``-th largest of ``cnt`` distinct candidate keys, by pairwise ranking."""
     thr = tl.full((), _KEY_NONE, tl.int64)
@@ -144,14 +144,14 @@ def _rank_threshold(cand_row_ptr, cnt, need, RI: tl.constexpr, RJ: tl.constexpr)
     return thr
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _tile_counts(col, sel, span, MT: tl.constexpr):  # type: ignore[no-untyped-def]
     """``[MT]`` int32: how many of the ``sel`` columns fall in each tile ``col // span``."""
     owner = (col // span)[:, None] == tl.arange(0, MT)[None, :]
     return tl.sum((owner & sel[:, None]).to(tl.int32), 0)
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _radix_threshold(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     row_keys_ptr, width, t, need, SH: tl.constexpr, NB: tl.constexpr, FCH: tl.constexpr
 ):
