@@ -121,12 +121,20 @@ def poisoned_float(kernel_device: str) -> Callable[..., torch.Tensor]:
 
 @pytest.fixture
 def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While the test runs, torch.empty / empty_like return NaN (floats) or INT_POISON (ints)."""
+    """While the test runs, torch.empty / empty_like return NaN (floats) or INT_POISON (ints).
+
+    Integer types too narrow for INT_POISON get their largest value, bool gets True.
+    """
     real_empty: Callable[..., torch.Tensor] = torch.empty
     real_like: Callable[..., torch.Tensor] = torch.empty_like
 
     def _poison(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan") if t.is_floating_point() else INT_POISON)
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        if t.dtype == torch.bool:
+            return t.fill_(True)
+        info = torch.iinfo(t.dtype)  # narrow ints (flags) get their largest value
+        return t.fill_(INT_POISON if info.min <= INT_POISON <= info.max else info.max)
 
     def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
         return _poison(real_empty(*args, **kwargs))

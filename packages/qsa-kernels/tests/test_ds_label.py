@@ -7,6 +7,7 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.ds_label import label_keys_reference, label_topk, label_topk_reference
+from qsa_kernels.indexer_topk import _select
 
 
 def _case(  # noqa: PLR0917
@@ -74,7 +75,9 @@ def test_rejects_indivisible_heads() -> None:
         pytest.param(2, 6, 2, 64, 5, 333, [333, 129], 37, id="odd-c5-k37"),
     ],
 )
+@pytest.mark.parametrize("radix_min_width", [1 << 62, 1], ids=["torch-topk", "radix"])
 def test_kernel_equals_reference_on_exact_scores(  # noqa: PLR0917
+    radix_min_width: int,
     batch: int,
     hq: int,
     hkv: int,
@@ -85,8 +88,13 @@ def test_kernel_equals_reference_on_exact_scores(  # noqa: PLR0917
     heavy: int,
     kernel_device: str,
     int_poison: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Integer-valued inputs: scores and selections (with ties) equal the reference exactly."""
+    """Integer-valued inputs: scores and selections (with ties) equal the reference exactly.
+
+    Both selection paths: ``torch.topk`` and the radix select (negative and zero scores included).
+    """
+    monkeypatch.setattr(_select, "RADIX_MIN_WIDTH", radix_min_width)
     q, labels, channels, r2t = _case(
         batch, hq, hkv, d, c, width, exact=True, seed=c, device=kernel_device
     )

@@ -164,37 +164,12 @@ def test_all_zero_scores_select_the_smallest_ids(kernel_device: str) -> None:
     assert out.cpu().tolist() == [list(range(512))] * 2
 
 
-@pytest.mark.parametrize(("seq_lens", "pages", "width", "topk"), CASES)
-def test_two_stage_selection_equals_reference(  # noqa: PLR0917
-    seq_lens: list[int],
-    pages: int,
-    width: int,
-    topk: int,
-    monkeypatch: pytest.MonkeyPatch,
-    kernel_device: str,
-    poisoned_int: Callable[..., torch.Tensor],
-) -> None:
-    """Per-chunk top-k then top-k of the candidates keeps the exact set, ties included."""
-    monkeypatch.setattr(_select, "CHUNK", topk + 1)
-    monkeypatch.setattr(_select, "TWO_STAGE_MIN", 100)
-    monkeypatch.setattr(_select, "TWO_STAGE_MAX", 1 << 30)
-    q, k, pt, sl = _case(
-        seq_lens, pages, width, torch.bfloat16, exact=True, seed=topk + 1, device=kernel_device
-    )
-    out = poisoned_int(len(seq_lens), topk)
-    indexer_topk(q, k, pt, sl, topk=topk, out=out)
-    assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
-    monkeypatch.setattr(_select, "CHUNK", 2 * topk + 3)
-    indexer_topk(q, k, pt, sl, topk=topk, out=out)
-    assert torch.equal(out.cpu(), indexer_topk_reference(q, k, pt, sl, topk=topk).cpu())
-
-
 def _row_keys(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Packed order keys of ``scores [rows, width]`` (columns ``>= n`` are non-candidates)."""
     rows, width = scores.shape
     keys = torch.empty((rows, width), dtype=torch.int64, device=scores.device)
     _select._pack_rows_kernel[(rows, -(-width // 1024))](
-        scores, lengths, keys, width, width, scores.stride(0), keys.stride(0), BLOCK=1024
+        scores, lengths, keys, width, scores.stride(0), keys.stride(0), BLOCK=1024
     )
     return keys
 
@@ -289,7 +264,7 @@ def test_radix_indexer_topk_equals_reference(  # noqa: PLR0917
 
     The histogram the scoring kernel fills is the one stage 1 computes from its keys.
     """
-    monkeypatch.setattr(indexer_triton, "RADIX_MIN_WIDTH", 1)
+    monkeypatch.setattr(_select, "RADIX_MIN_WIDTH", 1)
     monkeypatch.setattr(_radix, "CHUNK", 1024)
     q, k, pt, sl = _case(
         seq_lens, pages, width, dtype, exact=True, seed=topk + 7, device=kernel_device
@@ -306,7 +281,7 @@ def test_radix_candidate_overflow_stays_exact(
     monkeypatch: pytest.MonkeyPatch, kernel_device: str
 ) -> None:
     """All-zero indexer scores put every block in one bin: the overflow path keeps ids 0..k-1."""
-    monkeypatch.setattr(indexer_triton, "RADIX_MIN_WIDTH", 1)
+    monkeypatch.setattr(_select, "RADIX_MIN_WIDTH", 1)
     monkeypatch.setattr(_radix, "CAND_CAP", 32)
     q = torch.ones(2, 4, 128, dtype=torch.bfloat16, device=kernel_device)
     k = -torch.ones(70, 16, 128, dtype=torch.bfloat16, device=kernel_device)

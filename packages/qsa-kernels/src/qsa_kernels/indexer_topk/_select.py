@@ -4,16 +4,12 @@ The order is score descending with ties to the smaller index. Each candidate bec
 64-bit key ``(ordered(score) << 32) | (0xFFFFFFFF - index)``: ``ordered`` maps the fp32 bits to a
 signed 32-bit integer that increases with the value (``-0.0`` canonicalised to ``+0.0`` first), and
 the inverted index makes the smaller index the larger key among equal scores. Non-candidates get
-``INT64_MIN``. Keys of distinct indices are distinct, so the top ``k`` keys are one exact set and
-``torch.topk`` (a multi-block radix select on the GPU) finds it with no tie ambiguity. A small
-kernel then decodes the ids and sorts them ascending.
+``INT64_MIN``. Keys of distinct indices are distinct, so the top ``k`` keys are one exact set.
 
-Rows with more than :data:`TWO_STAGE_MIN` (and at most :data:`TWO_STAGE_MAX`) columns are selected
-in two stages: the top ``k`` of each chunk (:func:`chunk_for`: about :data:`CHUNKS_TARGET` chunks,
-at least :data:`CHUNK` columns), then the top ``k`` of those candidates. The global top ``k`` of a
-row restricted to one chunk is inside that chunk's top ``k``, so the result is the same set.
-Measured on an H200 at 64K columns per row, the two stages took 68.5 us against 75 us for one
-``torch.topk`` over the row.
+:func:`topk_from_keys` selects rows of at least :data:`RADIX_MIN_WIDTH` columns with the radix
+select (:mod:`._radix`: no ``torch.topk``, no sort) and narrower rows with ``torch.topk`` (a
+multi-block radix select on the GPU) followed by a small kernel that decodes the ids and sorts
+them ascending.
 """
 
 from __future__ import annotations
@@ -24,16 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from qsa_kernels.indexer_topk import _radix
+
 #: ``INT64_MIN``: the key of a non-candidate; below every real key.
 KEY_NONE = -(2**63)
-#: Fewest columns per first-stage chunk of the two-stage selection.
-CHUNK = 4096
-#: Chunks per row the two-stage selection aims for (the second stage sees ``CHUNKS_TARGET * k``).
-CHUNKS_TARGET = 16
-#: Rows wider than this many columns (and at most :data:`TWO_STAGE_MAX`) use two stages.
-TWO_STAGE_MIN = 32768
-#: Above this width one ``torch.topk`` over the row measured faster (256K columns: 108 vs 125 us).
-TWO_STAGE_MAX = 131072
+#: Rows of at least this many columns select by :mod:`._radix`, narrower ones by ``torch.topk``.
+#: Measured on an H200 (``docs/bench/selection.md``): at 16K-256K columns the radix select with its
+#: histogram fused into indexer scoring took 30-82 us where the ``torch.topk`` path took 44-121 us.
+RADIX_MIN_WIDTH = 4096
 _PACK_BLOCK = 1024
 
 
@@ -66,9 +60,8 @@ def pack_key(score, index, valid):  # type: ignore[no-untyped-def]
 def _pack_rows_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     scores_ptr,  # [rows, width] fp32
     lengths_ptr,  # [rows] int32 / int64: candidates are columns [0, n)
-    keys_ptr,  # [rows, key_width] int64, key_width >= width
+    keys_ptr,  # [rows, width] int64
     width,
-    key_width,
     stride_s,
     stride_k,
     BLOCK: tl.constexpr,  # constexpr: columns per program
@@ -78,7 +71,7 @@ def _pack_rows_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     n = tl.load(lengths_ptr + row).to(tl.int64)
     valid = (col < n) & (col < width)
     s = tl.load(scores_ptr + row * stride_s + col, mask=valid, other=0.0)
-    tl.store(keys_ptr + row * stride_k + col, pack_key(s, col, valid), mask=col < key_width)
+    tl.store(keys_ptr + row * stride_k + col, pack_key(s, col, valid), mask=col < width)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -100,32 +93,6 @@ def _ids_ascending_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     tl.store(out_ptr + row * stride_o + c, tl.where(ids == 2147483647, -1, ids), mask=c < K)
 
 
-def chunk_for(width: int) -> int:
-    """First-stage chunk columns for rows of ``width``: ``max(CHUNK, pow2(ceil(width / 16)))``."""
-    per_chunk = -(-width // CHUNKS_TARGET)
-    return max(CHUNK, 1 << max(0, per_chunk - 1).bit_length())
-
-
-def key_width(width: int) -> int:
-    """Key-buffer columns for rows of ``width`` candidates (a chunk multiple if two-stage)."""
-    if TWO_STAGE_MIN < width <= TWO_STAGE_MAX:
-        chunk = chunk_for(width)
-        return -(-width // chunk) * chunk
-    return width
-
-
-def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``min(k, width)`` largest keys of each row of ``keys [rows, width]`` int64, any order."""
-    rows, width = keys.shape
-    kk = min(k, width)
-    chunk = chunk_for(width)
-    if TWO_STAGE_MIN < width <= TWO_STAGE_MAX and width % chunk == 0 and kk < chunk < width:
-        chunks = width // chunk
-        part = torch.topk(keys.view(rows * chunks, chunk), kk, dim=1, sorted=False).values
-        keys = part.view(rows, chunks * kk)
-    return torch.topk(keys, kk, dim=1, sorted=False).values
-
-
 def topk_from_keys(keys: torch.Tensor, k: int, out: torch.Tensor) -> None:
     """Write the ids of the top ``k`` keys of each row into ``out`` ``[rows, k]`` int32, ascending.
 
@@ -140,7 +107,10 @@ def topk_from_keys(keys: torch.Tensor, k: int, out: torch.Tensor) -> None:
     if width == 0:
         out.fill_(-1)
         return
-    top = top_keys(keys, k)
+    if width >= RADIX_MIN_WIDTH:
+        _radix.radix_topk_from_keys(keys, k, out)
+        return
+    top = torch.topk(keys, min(k, width), dim=1, sorted=False).values
     _ids_ascending_kernel[(rows,)](
         top,
         out,
@@ -167,15 +137,13 @@ def row_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Ten
     rows, width = scores.shape
     if rows == 0:
         return
-    kw = key_width(width)
-    keys = torch.empty((rows, kw), dtype=torch.int64, device=scores.device)
-    if kw > 0:
-        _pack_rows_kernel[(rows, triton.cdiv(kw, _PACK_BLOCK))](
+    keys = torch.empty((rows, width), dtype=torch.int64, device=scores.device)
+    if width > 0:
+        _pack_rows_kernel[(rows, triton.cdiv(width, _PACK_BLOCK))](
             scores,
             lengths,
             keys,
             width,
-            kw,
             scores.stride(0),
             keys.stride(0),
             BLOCK=_PACK_BLOCK,

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.indexer_topk import _radix
-from qsa_kernels.indexer_topk._select import interpreting, key_width, pack_key, topk_from_keys
+from qsa_kernels.indexer_topk import _radix, _select
+from qsa_kernels.indexer_topk._select import interpreting, pack_key, topk_from_keys
 from qsa_kernels.indexer_topk._validate import check_indexer_inputs
 from qsa_kernels.indexer_topk.reference import BLOCKS_PER_PAGE, INDEX_HEAD_DIM, visible_blocks
 
@@ -25,9 +25,6 @@ __all__ = ("indexer_scores", "indexer_topk")
 
 _BLOCK_N = 128
 _SCORE_WARPS = 4
-#: Rows of at least this many blocks select by radix (:mod:`._radix`, histogram fused into the
-#: scoring kernel), narrower ones by ``torch.topk`` (:func:`._select.topk_from_keys`).
-RADIX_MIN_WIDTH = 4096
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -227,7 +224,7 @@ def indexer_topk(
     if out is None:
         out = torch.empty((batch, topk), dtype=torch.int32, device=q.device)
     _check_out(out, (batch, topk), torch.int32, q.device)
-    if page_table.shape[1] * BLOCKS_PER_PAGE >= RADIX_MIN_WIDTH:
+    if page_table.shape[1] * BLOCKS_PER_PAGE >= _select.RADIX_MIN_WIDTH:
         ws = _radix.new_workspace(batch, q.device)
         _radix.select(_keys(q, k_cache, page_table, seq_lens, ws, topk), ws, topk, out)
     else:
@@ -255,7 +252,7 @@ def indexer_keys(
             select for ``topk`` (the histogram of the keys and the threshold bin).
 
     Returns:
-        ``[B, W]`` int64 with ``W >= P * 16`` (:func:`._select.key_width`): block ``j < n`` holds
+        ``[B, P * 16]`` int64: block ``j < n`` holds
         ``(ordered(score) << 32) | (0xFFFFFFFF - j)``, every other column ``INT64_MIN``.
     """
     check_indexer_inputs(q, k_cache, page_table, seq_lens)
@@ -275,6 +272,6 @@ def _keys(  # noqa: PLR0917
     batch, pages = page_table.shape
     width = pages * BLOCKS_PER_PAGE
     n_blocks = visible_blocks(seq_lens, pages)
-    keys = torch.empty((batch, key_width(width)), dtype=torch.int64, device=q.device)
+    keys = torch.empty((batch, width), dtype=torch.int64, device=q.device)
     _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, keys, width, ws, topk)
     return keys
