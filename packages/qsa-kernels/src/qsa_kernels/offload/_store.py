@@ -108,6 +108,11 @@ class OffloadedKV:
         self._states = [RowState.FREE] * g.rows
         self._step = -1
         self._pending: list[torch.cuda.Event] = []
+        self._layer_ids = torch.arange(g.layers, dtype=torch.int32, device=self.device)
+        self._block_offsets = torch.arange(BLOCK_TOKENS, dtype=torch.int32, device=self.device)
+        # Per batch of rows: (row ids, open-block token ids) on the device, reused by every layer
+        # until a row's length changes.
+        self._row_indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- request lifecycle --
 
@@ -181,7 +186,7 @@ class OffloadedKV:
         if open_tokens:
             self.tail[:, row, 0, 0, :open_tokens] = k[:, closed - first :]
             self.tail[:, row, 0, 1, :open_tokens] = v[:, closed - first :]
-        self._lengths[row] = tokens
+        self._set_length(row, tokens)
         self._states[row] = RowState.ACTIVE
 
     def export_prefix(self, row: int, blocks: int) -> torch.Tensor:
@@ -208,7 +213,7 @@ class OffloadedKV:
         """Free a row; its arena bytes are left as they are and overwritten by the next admit."""
         self._check_row(row)
         self._states[row] = RowState.FREE
-        self._lengths[row] = 0
+        self._set_length(row, 0)
 
     # -- one decode step --
 
@@ -231,35 +236,42 @@ class OffloadedKV:
             msg = f"k and v must be {expected!r}; got {tuple(k.shape)!r} and {tuple(v.shape)!r}"
             raise KernelInputError(msg)
         self._check_active(rows)
-        self.wait_for_host_writes()  # a closed tail may still be on its way to host
-        closed_rows: list[int] = []
-        closed_blocks: list[int] = []
-        for b, row in enumerate(rows):
-            position = self._lengths[row]
-            if position >= g.max_tokens:
+        positions = [self._lengths[row] for row in rows]
+        for row, position in zip(rows, positions, strict=True):
+            if position >= g.max_tokens:  # checked for every row before anything is written
                 msg = f"row {row!r} is full ({g.max_tokens!r} tokens)"
                 raise KernelInputError(msg)
-            offset = position % BLOCK_TOKENS
-            if offset == 0:
-                self.tail[:, row].zero_()
-            self.tail[:, row, 0, 0, offset] = k[:, b]
-            self.tail[:, row, 0, 1, offset] = v[:, b]
-            self._lengths[row] = position + 1
+        self.wait_for_host_writes()  # a closed tail may still be on its way to host
+        offsets = [position % BLOCK_TOKENS for position in positions]
+        fresh = [row for row, offset in zip(rows, offsets, strict=True) if offset == 0]
+        if fresh:
+            self.tail[:, torch.tensor(fresh, device=self.device)] = 0
+        index = torch.tensor([list(rows), offsets]).to(self.device)
+        self.tail[:, index[0], 0, 0, index[1]] = k
+        self.tail[:, index[0], 0, 1, index[1]] = v
+        closed_rows: list[int] = []
+        closed_blocks: list[int] = []
+        for row, position, offset in zip(rows, positions, offsets, strict=True):
+            self._set_length(row, position + 1)
             if offset == BLOCK_TOKENS - 1:
                 closed_rows.append(row)
                 closed_blocks.append(position // BLOCK_TOKENS)
         if closed_rows:
             n = len(closed_rows)
-            layer_ids = torch.arange(g.layers, dtype=torch.int32).repeat_interleave(n)
-            row_ids = torch.tensor(closed_rows, dtype=torch.int32).repeat(g.layers)
-            block_ids = torch.tensor(closed_blocks, dtype=torch.int32).repeat(g.layers)
+            ids = torch.stack(  # (row, layer, block) of every closed block, one copy to device
+                (
+                    torch.tensor(closed_rows).repeat(g.layers),
+                    torch.arange(g.layers).repeat_interleave(n),
+                    torch.tensor(closed_blocks).repeat(g.layers),
+                )
+            ).to(device=self.device, dtype=torch.int32)
             event = writeback_blocks(
                 self.tail,
                 self.host_arena,
-                rows=row_ids.to(self.device),
-                layers=layer_ids.to(self.device),
+                rows=ids[0],
+                layers=ids[1],
                 slots=torch.zeros(n * g.layers, dtype=torch.int32, device=self.device),
-                blocks=block_ids.to(self.device),
+                blocks=ids[2],
             )
             self._remember(event)
 
@@ -297,34 +309,22 @@ class OffloadedKV:
             msg = "attend before begin_step(); every decode step needs a stamp"
             raise KernelInputError(msg)
         self.wait_for_host_writes()
-        row_t = torch.tensor(list(rows), dtype=torch.int32, device=self.device)
-        layer_t = torch.tensor([layer], dtype=torch.int32, device=self.device)
+        row_t, tail_tokens = self._indices_of(rows)
         slots = fetch_selected_blocks(
             blocks.to(torch.int32).unsqueeze(1),
             row_t,
-            layer_t,
+            self._layer_ids[layer : layer + 1],
             step=self._step,
             tables=self.tables,
             hot=self.hot,
             host_arena=self.host_arena,
         )[:, 0]
-        offsets = torch.arange(BLOCK_TOKENS, dtype=torch.int32, device=self.device)
         hot_tokens = torch.where(
-            slots.unsqueeze(-1) >= 0, slots.unsqueeze(-1) * BLOCK_TOKENS + offsets, -1
+            slots.unsqueeze(-1) >= 0, slots.unsqueeze(-1) * BLOCK_TOKENS + self._block_offsets, -1
         ).reshape(len(rows), -1)
         hot_records = self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape)
         out_hot, lse_hot = sparse_decode(q, hot_tokens, hot_records, scale=scale)
 
-        open_counts = torch.tensor(
-            [self._lengths[r] % BLOCK_TOKENS for r in rows],
-            dtype=torch.int32,
-        ).to(self.device)
-        tail_offsets = offsets[: BLOCK_TOKENS - 1]
-        tail_tokens = torch.where(
-            tail_offsets < open_counts.unsqueeze(-1),
-            row_t.unsqueeze(-1) * BLOCK_TOKENS + tail_offsets,
-            -1,
-        )
         tail_records = self.tail[layer].view(g.rows, *g.record_shape)
         out_tail, lse_tail = sparse_decode(q, tail_tokens, tail_records, scale=scale)
         return lse_merge(
@@ -361,6 +361,31 @@ class OffloadedKV:
             if self._states[self._check_row(row)] is not RowState.ACTIVE:
                 msg = f"row {row!r} is {self._states[row].value!r}; it must be active"
                 raise KernelInputError(msg)
+
+    def _set_length(self, row: int, tokens: int) -> None:
+        self._lengths[row] = tokens
+        self._row_indices.clear()
+
+    def _indices_of(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B] int32 row ids, [B, 3] int32 open-block token ids, -1 padded)`` on the device.
+
+        Built with one host-to-device copy on a batch's first layer, then reused by every layer
+        until a row's length changes.
+        """
+        key = tuple(rows)
+        cached = self._row_indices.get(key)
+        if cached is None:
+            counts = [self._lengths[row] % BLOCK_TOKENS for row in rows]
+            index = torch.tensor([list(rows), counts], dtype=torch.int32).to(self.device)
+            row_t, open_counts = index[0], index[1]
+            offsets = self._block_offsets[: BLOCK_TOKENS - 1]
+            tail_tokens = torch.where(
+                offsets < open_counts.unsqueeze(-1),
+                row_t.unsqueeze(-1) * BLOCK_TOKENS + offsets,
+                -1,
+            )
+            cached = self._row_indices[key] = (row_t, tail_tokens)
+        return cached
 
     def _remember(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
