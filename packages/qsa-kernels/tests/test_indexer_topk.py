@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.indexer_topk import (
@@ -246,6 +248,52 @@ def test_radix_select_equals_reference(
         assert overflowed  # the 4-bit radix over the row's bin resolved it
     if cap == 1024 and mode == "random":
         assert not overflowed  # ranking the candidates resolved it
+
+
+@st.composite
+def _radix_rows(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows of scores with few distinct values (ties), signed zeros, negatives and gaps."""
+    rows = draw(st.integers(1, 3))
+    width = draw(st.integers(1, 2600))
+    values = draw(
+        st.lists(
+            st.sampled_from([-2.5, -0.0, 0.0, 1e-40, 0.5, 1.0, 1.0625, 7.0, 3e38]),
+            min_size=1,
+            max_size=6,
+        )
+    )
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(0, len(values), (rows, width), generator=g)
+    s = torch.tensor(values)[pick]
+    if draw(st.booleans()):  # some distinct scores among the ties
+        s = s + torch.rand(rows, width, generator=g) * draw(st.sampled_from([1e-3, 1.0]))
+    n = torch.tensor([draw(st.integers(0, width)) for _ in range(rows)], dtype=torch.int32)
+    return s, n, draw(st.integers(1, 700))
+
+
+@settings(max_examples=80, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_radix_rows(), cap=st.sampled_from([8, 64, 1024]), tiles=st.sampled_from([1, 2, 4]))
+def test_radix_select_equals_reference_on_drawn_rows(
+    case: tuple[torch.Tensor, torch.Tensor, int],
+    cap: int,
+    tiles: int,
+    monkeypatch: pytest.MonkeyPatch,
+    interpreter_device: str,
+) -> None:
+    """Any mix of ties, signed zeros, negatives, lengths and k; small caps force the overflow path.
+
+    Small ``CHUNK`` and ``MAX_TILES`` give rows of several tiles with several chunks each, so the
+    per-tile offsets and the column-ordered write are exercised across tile edges.
+    """
+    s, n, k = case
+    monkeypatch.setattr(_radix, "CHUNK", 256)
+    monkeypatch.setattr(_radix, "MAX_TILES", tiles)
+    monkeypatch.setattr(_radix, "CAND_CAP", cap)
+    keys = _row_keys(s.to(interpreter_device), n.to(interpreter_device))
+    out = torch.full((s.shape[0], k), 12345, dtype=torch.int32)
+    _radix.radix_topk_from_keys(keys, k, out)
+    assert torch.equal(out, _select.row_topk_reference(s, n, k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])

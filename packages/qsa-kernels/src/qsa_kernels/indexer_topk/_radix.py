@@ -45,7 +45,7 @@ COPIES = 4
 CAND_CAP = 1024
 #: Keys per loop step of the histogram, flag and write passes.
 CHUNK = 4096
-#: At most this many flag and write programs per row.
+#: At most this many flag and write programs per row (a power of two).
 MAX_TILES = 32
 #: Keys per loop step of the overflow path.
 _FALLBACK_CHUNK = 1024
@@ -60,8 +60,6 @@ _CAND_COUNT = tl.constexpr(2)  # keys of the threshold bin seen (the first CAND_
 _BIN = tl.constexpr(3)  # threshold bin, -1: every key is taken
 _ABOVE = tl.constexpr(4)  # keys above the threshold bin
 _TILE_SEL = tl.constexpr(5)  # MAX_TILES per-tile counts, then MAX_TILES per-tile output offsets
-#: int32 columns of one workspace row (:func:`new_workspace`).
-WORKSPACE_COLS = COPIES * BINS + _TILE_SEL.value + 2 * MAX_TILES
 
 _KEY_NONE = tl.constexpr(-(2**63))
 _KEY_MAX = tl.constexpr(2**63 - 1)
@@ -105,7 +103,7 @@ def hist_done(ws_row_ptr, programs, k, NB: tl.constexpr, COPIES: tl.constexpr): 
 @triton.jit  # type: ignore[untyped-decorator]
 def _hist_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     keys_ptr,  # [rows, width] int64
-    ws_ptr,  # [rows, WORKSPACE_COLS] int32, zeroed
+    ws_ptr,  # [rows, COPIES * BINS + 5 + 2 * MAX_TILES] int32, zeroed
     width,
     span,  # keys per program, a CH multiple
     k,
@@ -184,7 +182,7 @@ def _radix_threshold(  # type: ignore[no-untyped-def]  # noqa: PLR0917
 @triton.jit  # type: ignore[untyped-decorator]
 def _flag_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     keys_ptr,  # [rows, width] int64
-    ws_ptr,  # [rows, WORKSPACE_COLS] int32 after pass 1
+    ws_ptr,  # [rows, COPIES * BINS + 5 + 2 * MAX_TILES] int32 after pass 1
     flags_ptr,  # [rows, width] int8, every element written
     cand_ptr,  # [rows, CAP + 1] int64: keys of the threshold bin, then the threshold key
     width,
@@ -262,7 +260,7 @@ def _flag_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
 @triton.jit  # type: ignore[untyped-decorator]
 def _write_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     keys_ptr,  # [rows, width] int64
-    ws_ptr,  # [rows, WORKSPACE_COLS] int32 after pass 2
+    ws_ptr,  # [rows, COPIES * BINS + 5 + 2 * MAX_TILES] int32 after pass 2
     flags_ptr,  # [rows, width] int8
     cand_ptr,  # [rows, CAP + 1] int64: the threshold key at CAP
     out_ptr,  # [rows, >= k] int32
@@ -311,8 +309,13 @@ def tiles_for(width: int) -> tuple[int, int]:
 
 
 def new_workspace(rows: int, device: torch.device) -> torch.Tensor:
-    """A zeroed ``[rows, WORKSPACE_COLS]`` int32 workspace: one per select, never reused."""
-    return torch.zeros((rows, WORKSPACE_COLS), dtype=torch.int32, device=device)
+    """A zeroed int32 workspace for one select of ``rows`` rows, never reused.
+
+    Each row holds the :data:`COPIES` histograms, then the ticket, counter and threshold fields,
+    then two :data:`MAX_TILES` arrays (per-tile counts and output offsets).
+    """
+    cols = COPIES * BINS + _TILE_SEL.value + 2 * MAX_TILES
+    return torch.zeros((rows, cols), dtype=torch.int32, device=device)
 
 
 def stage_hist(keys: torch.Tensor, ws: torch.Tensor, k: int) -> None:

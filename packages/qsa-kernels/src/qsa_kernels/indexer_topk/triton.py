@@ -34,7 +34,7 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     pt_ptr,  # [B, P] int32 / int64 page ids
     n_ptr,  # [B] int32 complete blocks per row
     out_ptr,  # [B, out_width] fp32 scores, or int64 packed keys when WRITE_KEYS
-    ws_ptr,  # [B, WORKSPACE_COLS] int32 zeroed radix workspace when WRITE_HIST, else unused
+    ws_ptr,  # [B, ...] int32 zeroed radix workspace (_radix.new_workspace) when WRITE_HIST
     width,
     out_width,
     stride_qb,
@@ -247,7 +247,7 @@ def indexer_keys(
         k_cache: ``[pages, 16, 128]`` bf16 or float8_e4m3fn.
         page_table: ``[B, P]`` int32/int64.
         seq_lens: ``[B]`` int32/int64 tokens (query position + 1).
-        radix: optional ``(workspace, topk)``: a zeroed ``[B, WORKSPACE_COLS]`` int32
+        radix: optional ``(workspace, topk)``: a zeroed ``[B, ...]`` int32 workspace
             (:func:`._radix.new_workspace`) that the kernel also fills with pass 1 of the radix
             select for ``topk`` (the histogram of the keys and the threshold bin).
 
