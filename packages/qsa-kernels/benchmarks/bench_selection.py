@@ -135,7 +135,9 @@ def bench_indexer(bw: float) -> list[dict[str, Any]]:
                     "write": radix_path - cum["score_hist_flags"],
                     "topk_select": _torch_select_us(keys, out),
                     "candidates_max": int(
-                        score_hist_flags()[:, _radix.COPIES * _radix.BINS + 2].max()
+                        score_hist_flags()[
+                            :, _radix.COPIES * _radix.BINS + _radix._CAND_COUNT.value
+                        ].max()
                     ),
                 }
                 ref = _median_us(lambda: _torch_indexer(q, k, pt, n, 512))

@@ -242,7 +242,7 @@ def test_radix_select_equals_reference(
     ws = _radix.new_workspace(5, keys.device)
     _radix.stage_hist(keys, ws, k)
     _radix.stage_flags(keys, ws, k)
-    candidates = ws[:, _radix.COPIES * _radix.BINS + 2]
+    candidates = ws[:, _radix.COPIES * _radix.BINS + _radix._CAND_COUNT.value]
     overflowed = bool((candidates > cap).any())
     if cap == 16 and mode != "random":
         assert overflowed  # the 4-bit radix over the row's bin resolved it

@@ -1,12 +1,15 @@
 """Exact row-wise top-k on packed 64-bit keys by a one-digit radix select (no ``torch.topk``).
 
 Same contract as :func:`._select.topk_from_keys`: keys ``[rows, width]`` int64 from
-:func:`._select.pack_key` (distinct per row, ``INT64_MIN`` for non-candidates); output the ids of
-the top ``k`` keys in ascending order, ``-1`` padded. Nothing is sorted: each output slice is
-written in column order at an offset known in advance. Three launches after one zeroed
-workspace, no host synchronisation and fixed-size buffers, so the select can be captured in a CUDA
-graph. Each pass does its per-row epilogue in the row's last program to finish (an acq_rel ticket
-counter), so no extra launch waits on it:
+:func:`._select.pack_key` whose index field is the key's column (distinct per row, ``INT64_MIN``
+for non-candidates); output the columns of the top ``k`` keys in ascending order, ``-1`` padded.
+Nothing is sorted: each output slice is written in column order at an offset known in advance.
+Three launches after one zeroed workspace, no host synchronisation and fixed-size buffers, so the
+select can be captured in a CUDA graph. Passes 1 and 2 end with a per-row epilogue in the row's
+last program to finish, so no extra launch waits on it. That program is found by a ticket counter:
+every program writes its results, passes a CTA barrier (so every warp's writes precede the
+release), takes an ``acq_rel`` ticket, and the last one reads the others' results with ``.cg``
+loads (from L2, past any stale L1 line):
 
 1. Histogram (:func:`hist_add` + :func:`hist_done`, fused into the indexer's scoring kernel, or
    :func:`_hist_kernel`): per row, the count of real keys per digit ``clamp(key >> 51, 0, 4095)``.
@@ -14,15 +17,17 @@ counter), so no extra launch waits on it:
    mantissa bits; it is monotone in the key, so a bin is one contiguous key range. A key outside
    bin 0 is one relaxed global atomic into one of :data:`COPIES` copies of the row's histogram
    (chosen by program, to spread contention on popular bins); bin 0 (zeros, negatives) takes one
-   atomic per tile. Epilogue: the threshold bin ``t`` (where the count from the top reaches
-   ``k``; ``-1`` when the row has at most ``k`` keys) and the count of keys above it.
+   atomic per :func:`hist_add` call. Epilogue: the threshold bin ``t`` (where the count from the
+   top reaches ``k``; ``-1`` when the row has at most ``k`` keys) and the count of keys above it.
 2. :func:`_flag_kernel` (grid ``[rows, tiles]``): one int8 flag per column (2: above ``t``, 1: in
    ``t``, 0: below or not a key), the tile's count of 2s, and the keys of bin ``t`` appended to a
    candidate buffer of :data:`CAND_CAP` keys per row. Epilogue: the exact threshold key, i.e. the
    ``(k - above)``-th largest key of bin ``t``, by ranking the candidates against each other;
-   when the bin holds more than :data:`CAND_CAP` keys (ties, all-equal scores), by a 4-bit radix
-   over the row's bin-``t`` keys instead (16 passes over the row: slow, exact). Then each tile's
-   output offset: the exclusive prefix sum of its selected keys.
+   when the bin holds more than :data:`CAND_CAP` keys (ties, all-equal scores, or signed scores
+   whose threshold falls among the negatives, which all share bin 0), by a 4-bit radix over the
+   row's bin-``t`` keys instead (16 passes over the row by one program: exact, but about 1.3 ms
+   for a 256K-column row on an H200). Then each tile's output offset: the exclusive prefix sum
+   of its selected keys.
 3. :func:`_write_kernel` (grid ``[rows, tiles]``): each tile writes its selected ids in column
    order at its offset; the last tile pads the row with ``-1``.
 
@@ -42,7 +47,9 @@ SHIFT = 51
 #: Copies of each row's histogram; program ``i`` counts into copy ``i % COPIES``.
 COPIES = 4
 #: Candidates (keys in the threshold bin) resolved by ranking; more take the slow exact path.
-CAND_CAP = 1024
+#: Ranking costs grow with the count actually found, not with the cap: random bf16 indexer rows
+#: of 64K blocks put about 250 keys in the bin for k = 512 and about 900 for k = 2048.
+CAND_CAP = 4096
 #: Keys per loop step of the histogram, flag and write passes.
 CHUNK = 4096
 #: At most this many flag and write programs per row (a power of two).
@@ -87,6 +94,7 @@ def hist_add(  # type: ignore[no-untyped-def]  # noqa: PLR0917
 def hist_done(ws_row_ptr, programs, k, NB: tl.constexpr, COPIES: tl.constexpr):  # type: ignore[no-untyped-def]
     """Call once per program after its :func:`hist_add`; the row's last one finds the threshold."""
     fields = ws_row_ptr + COPIES * NB
+    tl.debug_barrier()  # every warp's histogram atomics precede the ticket's release
     if tl.atomic_add(fields + _TICKET_HIST, 1, sem="acq_rel") == programs - 1:
         bins = tl.arange(0, NB)
         counts = tl.zeros([NB], dtype=tl.int32)
@@ -103,7 +111,7 @@ def hist_done(ws_row_ptr, programs, k, NB: tl.constexpr, COPIES: tl.constexpr): 
 @triton.jit  # type: ignore[untyped-decorator]
 def _hist_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     keys_ptr,  # [rows, width] int64
-    ws_ptr,  # [rows, COPIES * BINS + 5 + 2 * MAX_TILES] int32, zeroed
+    ws_ptr,  # [rows, new_workspace columns] int32, zeroed
     width,
     span,  # keys per program, a CH multiple
     k,
@@ -182,9 +190,9 @@ def _radix_threshold(  # type: ignore[no-untyped-def]  # noqa: PLR0917
 @triton.jit  # type: ignore[untyped-decorator]
 def _flag_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     keys_ptr,  # [rows, width] int64
-    ws_ptr,  # [rows, COPIES * BINS + 5 + 2 * MAX_TILES] int32 after pass 1
+    ws_ptr,  # [rows, new_workspace columns] int32 after pass 1
     flags_ptr,  # [rows, width] int8, every element written
-    cand_ptr,  # [rows, CAP + 1] int64: keys of the threshold bin, then the threshold key
+    cand_ptr,  # [rows, CAP + 1] int64: keys of the threshold bin, then (slot CAP) the threshold key
     width,
     span,
     k,
@@ -224,6 +232,7 @@ def _flag_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
             pos = base + tl.cumsum(eq, 0) - 1
             tl.store(cand_row + pos, key, mask=(eq > 0) & (pos < CAP))
     tl.store(fields + _TILE_SEL + tile, n_up)
+    tl.debug_barrier()  # every warp's candidate stores precede the ticket's release
     if tl.atomic_add(fields + _TICKET_FLAGS, 1, sem="acq_rel") == tiles - 1:
         # Epilogue, in the row's last program: the threshold key and every tile's offset.
         cnt = tl.load(fields + _CAND_COUNT, cache_modifier=".cg")
@@ -254,15 +263,15 @@ def _flag_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
         )
         per_tile += from_bin
         tl.store(fields + _TILE_SEL + MT + tid, tl.cumsum(per_tile, 0) - per_tile, mask=tid < tiles)
-        tl.store(cand_row + CAP, thr)
+        tl.store(cand_row + CAP, thr)  # the threshold-key slot, after the CAP candidates
 
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _write_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     keys_ptr,  # [rows, width] int64
-    ws_ptr,  # [rows, COPIES * BINS + 5 + 2 * MAX_TILES] int32 after pass 2
+    ws_ptr,  # [rows, new_workspace columns] int32 after pass 2
     flags_ptr,  # [rows, width] int8
-    cand_ptr,  # [rows, CAP + 1] int64: the threshold key at CAP
+    cand_ptr,  # [rows, CAP + 1] int64: the threshold key in slot CAP
     out_ptr,  # [rows, >= k] int32
     width,
     span,
@@ -302,7 +311,10 @@ def _write_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
 
 
 def tiles_for(width: int) -> tuple[int, int]:
-    """Programs per row and keys per program for the histogram, flag and write passes."""
+    """Programs per row and keys per program of :func:`_hist_kernel` and the flag and write passes.
+
+    (The histogram fused into indexer scoring runs on the scoring kernel's grid instead.)
+    """
     tiles = max(1, min(MAX_TILES, triton.cdiv(width, CHUNK)))
     span = triton.cdiv(triton.cdiv(width, tiles), CHUNK) * CHUNK
     return triton.cdiv(width, span), span
@@ -333,6 +345,7 @@ def stage_flags(keys: torch.Tensor, ws: torch.Tensor, k: int) -> tuple[torch.Ten
     rows, width = keys.shape
     tiles, span = tiles_for(width)
     flags = torch.empty((rows, width), dtype=torch.int8, device=keys.device)
+    # CAND_CAP keys of the threshold bin, then the threshold-key slot.
     cand = torch.empty((rows, CAND_CAP + 1), dtype=torch.int64, device=keys.device)
     _flag_kernel[(rows, tiles)](
         keys, ws, flags, cand, width, span, k, keys.stride(0), ws.stride(0), flags.stride(0),
@@ -367,19 +380,14 @@ def select(keys: torch.Tensor, ws: torch.Tensor, k: int, out: torch.Tensor) -> N
 
 
 def radix_topk_from_keys(keys: torch.Tensor, k: int, out: torch.Tensor) -> None:
-    """Contract of :func:`._select.topk_from_keys` (``k >= 1``), by radix select.
+    """Contract of :func:`._select.topk_from_keys`, by radix select (that function dispatches here).
 
     Args:
-        keys: ``[rows, width]`` int64 packed keys (:func:`._select.pack_key`), unit last stride.
+        keys: ``[rows, width]`` int64 packed keys (:func:`._select.pack_key`) whose index field is
+            the key's column, unit last stride; ``rows >= 1`` and ``width >= 1``.
         k: ids per row, ``>= 1``.
         out: ``[rows, k]`` int32, unit last stride; ids ascending, ``-1`` after the real ones.
     """
-    rows, width = keys.shape
-    if rows == 0:
-        return
-    if width == 0:
-        out.fill_(-1)
-        return
-    ws = new_workspace(rows, keys.device)
+    ws = new_workspace(keys.shape[0], keys.device)
     stage_hist(keys, ws, k)
     select(keys, ws, k, out)

@@ -93,11 +93,17 @@ def _ids_ascending_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     tl.store(out_ptr + row * stride_o + c, tl.where(ids == 2147483647, -1, ids), mask=c < K)
 
 
+def uses_radix(width: int) -> bool:
+    """Whether rows of ``width`` columns select by the radix select (else ``torch.topk``)."""
+    return width >= RADIX_MIN_WIDTH
+
+
 def topk_from_keys(keys: torch.Tensor, k: int, out: torch.Tensor) -> None:
     """Write the ids of the top ``k`` keys of each row into ``out`` ``[rows, k]`` int32, ascending.
 
     Args:
-        keys: ``[rows, width]`` int64 packed keys (:func:`pack_key`), contiguous.
+        keys: ``[rows, width]`` int64 packed keys (:func:`pack_key`) whose index field is the
+            key's column, contiguous.
         k: ids per row, ``>= 1``.
         out: ``[rows, k]`` int32, unit last stride; ``-1`` after the ids of real keys.
     """
@@ -107,7 +113,7 @@ def topk_from_keys(keys: torch.Tensor, k: int, out: torch.Tensor) -> None:
     if width == 0:
         out.fill_(-1)
         return
-    if width >= RADIX_MIN_WIDTH:
+    if uses_radix(width):
         _radix.radix_topk_from_keys(keys, k, out)
         return
     top = torch.topk(keys, min(k, width), dim=1, sorted=False).values

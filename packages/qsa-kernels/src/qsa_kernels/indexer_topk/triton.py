@@ -3,8 +3,10 @@
 The scoring kernel reads each row's complete compressed keys once through the page table (one
 program per ``BLOCK_N`` blocks, a ``[BLOCK_N, 128] x [128, 16]`` tensor-core product against the 4
 zero-padded query heads). :func:`indexer_scores` stores fp32 scores; :func:`indexer_topk` instead
-stores the packed 64-bit order key of each block (:mod:`._select`), so the exact top ``k`` is one
-``torch.topk`` over distinct integers followed by a small kernel that sorts the ids ascending.
+stores the packed 64-bit order key of each block (:mod:`._select`), distinct integers whose top
+``k`` is one exact set. Rows of at least ``_select.RADIX_MIN_WIDTH`` blocks select it with the
+radix select (:mod:`._radix`), whose histogram pass runs inside the scoring kernel; narrower rows
+with ``torch.topk`` and a small kernel that sorts the ids ascending.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     n_ptr,  # [B] int32 complete blocks per row
     out_ptr,  # [B, out_width] fp32 scores, or int64 packed keys when WRITE_KEYS
     ws_ptr,  # [B, ...] int32 zeroed radix workspace (_radix.new_workspace) when WRITE_HIST
-    width,
     out_width,
     stride_qb,
     stride_qh,
@@ -99,7 +100,6 @@ def _launch_scores(  # noqa: PLR0917
     page_table: torch.Tensor,
     n_blocks: torch.Tensor,
     out: torch.Tensor,
-    width: int,
     ws: torch.Tensor | None = None,
     topk: int = 0,
 ) -> None:
@@ -117,7 +117,6 @@ def _launch_scores(  # noqa: PLR0917
         n_blocks,
         out,
         out if ws is None else ws,
-        width,
         out_width,
         q.stride(0),
         q.stride(1),
@@ -184,7 +183,7 @@ def indexer_scores(
         out = torch.empty(shape, dtype=torch.float32, device=q.device)
     _check_out(out, shape, torch.float32, q.device)
     n_blocks = visible_blocks(seq_lens, pages)
-    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, out, shape[1])
+    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, out)
     return out
 
 
@@ -224,7 +223,7 @@ def indexer_topk(
     if out is None:
         out = torch.empty((batch, topk), dtype=torch.int32, device=q.device)
     _check_out(out, (batch, topk), torch.int32, q.device)
-    if page_table.shape[1] * BLOCKS_PER_PAGE >= _select.RADIX_MIN_WIDTH:
+    if _select.uses_radix(page_table.shape[1] * BLOCKS_PER_PAGE):
         ws = _radix.new_workspace(batch, q.device)
         _radix.select(_keys(q, k_cache, page_table, seq_lens, ws, topk), ws, topk, out)
     else:
@@ -273,5 +272,5 @@ def _keys(  # noqa: PLR0917
     width = pages * BLOCKS_PER_PAGE
     n_blocks = visible_blocks(seq_lens, pages)
     keys = torch.empty((batch, width), dtype=torch.int64, device=q.device)
-    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, keys, width, ws, topk)
+    _launch_scores(q, k_cache, page_table.contiguous(), n_blocks, keys, ws, topk)
     return keys
