@@ -337,3 +337,36 @@ def test_radix_candidate_overflow_stays_exact(
     sl = torch.tensor([4 * 1000 + 3, 4 * 600], device=kernel_device)
     out = indexer_topk(q, k, pt, sl, topk=512)
     assert out.cpu().tolist() == [list(range(512))] * 2
+
+
+@pytest.mark.gpu
+def test_radix_indexer_topk_replays_from_a_cuda_graph_on_new_queries() -> None:
+    """Captured once, replayed on new queries: exact ids every time (workspace zeroed per replay).
+
+    The rows are wide enough for the radix path (4800 blocks), of three lengths, one at a page
+    edge; integer-valued inputs make every score exact, so the reference decides the ids.
+    """
+    q, k, pt, sl = _case(
+        [4 * 4800, 4 * 16 * 200 + 3, 4 * 4097],
+        1000,
+        300,
+        torch.bfloat16,
+        exact=True,
+        seed=5,
+        device="cuda",
+    )
+    assert _select.uses_radix(pt.shape[1] * 16)
+    out = torch.empty(3, 512, dtype=torch.int32, device="cuda")
+    indexer_topk(q, k, pt, sl, topk=512, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        indexer_topk(q, k, pt, sl, topk=512, out=out)
+    g = torch.Generator().manual_seed(6)
+    for replay in range(3):
+        q.copy_(torch.randint(-2, 3, tuple(q.shape), generator=g).to(q.dtype))
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = indexer_topk_reference(q, k, pt, sl, topk=512)
+        assert torch.equal(out, want), replay
