@@ -20,6 +20,7 @@ from qsa_kernels.indexer_topk import (
     indexer_topk_reference,
 )
 from qsa_kernels.indexer_topk import triton as indexer_triton
+from qsa_kernels.indexer_topk._keys import KEY_NONE
 
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -195,7 +196,7 @@ MODES = ["random", "few-values", "all-equal", "signed-zeros"]
 
 def _hist_reference(keys: torch.Tensor) -> torch.Tensor:
     """``[rows, BINS]``: per row, the count of real keys per radix digit."""
-    valid = keys != _select.KEY_NONE
+    valid = keys != KEY_NONE
     digit = torch.clamp(keys >> _radix.SHIFT, 0, _radix.BINS - 1)
     rows = [torch.bincount(d[v], minlength=_radix.BINS) for d, v in zip(digit, valid, strict=True)]
     return torch.stack(rows).to(torch.int32)
@@ -279,21 +280,22 @@ def test_radix_select_equals_reference_on_drawn_rows(
     cap: int,
     tiles: int,
     monkeypatch: pytest.MonkeyPatch,
-    interpreter_device: str,
+    kernel_device: str,
 ) -> None:
     """Any mix of ties, signed zeros, negatives, lengths and k; small caps force the overflow path.
 
     Small ``CHUNK`` and ``MAX_TILES`` give rows of several tiles with several chunks each, so the
-    per-tile offsets and the column-ordered write are exercised across tile edges.
+    per-tile offsets, the last-program epilogues and the column-ordered write are exercised across
+    tile edges (on a GPU, with the programs of a row running concurrently).
     """
     s, n, k = case
     monkeypatch.setattr(_radix, "CHUNK", 256)
     monkeypatch.setattr(_radix, "MAX_TILES", tiles)
     monkeypatch.setattr(_radix, "CAND_CAP", cap)
-    keys = _row_keys(s.to(interpreter_device), n.to(interpreter_device))
-    out = torch.full((s.shape[0], k), 12345, dtype=torch.int32)
+    keys = _row_keys(s.to(kernel_device), n.to(kernel_device))
+    out = torch.full((s.shape[0], k), 12345, dtype=torch.int32, device=kernel_device)
     _radix.radix_topk_from_keys(keys, k, out)
-    assert torch.equal(out, _select.row_topk_reference(s, n, k))
+    assert torch.equal(out.cpu(), _select.row_topk_reference(s, n, k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qsa_kernels.indexer_topk._keys import KEY_NONE_JIT
+
 #: Histogram bins of the radix digit.
 BINS = 4096
 #: The digit is ``clamp(key >> SHIFT, 0, BINS - 1)``.
@@ -68,7 +70,6 @@ _BIN = tl.constexpr(3)  # threshold bin, -1: every key is taken
 _ABOVE = tl.constexpr(4)  # keys above the threshold bin
 _TILE_SEL = tl.constexpr(5)  # MAX_TILES per-tile counts, then MAX_TILES per-tile output offsets
 
-_KEY_NONE = tl.constexpr(-(2**63))
 _KEY_MAX = tl.constexpr(2**63 - 1)
 
 
@@ -128,25 +129,25 @@ def _hist_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     hi = tl.minimum(lo + span, width)
     for start in range(lo, hi, CH):
         col = start + tl.arange(0, CH)
-        key = tl.load(keys_ptr + row * stride_k + col, mask=col < hi, other=_KEY_NONE)
-        hist_add(ws_ptr + row * stride_w, tile, key, key != _KEY_NONE, SH, NB, COPIES)
+        key = tl.load(keys_ptr + row * stride_k + col, mask=col < hi, other=KEY_NONE_JIT)
+        hist_add(ws_ptr + row * stride_w, tile, key, key != KEY_NONE_JIT, SH, NB, COPIES)
     hist_done(ws_ptr + row * stride_w, tl.num_programs(1), k, NB, COPIES)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _rank_threshold(cand_row_ptr, cnt, need, RI: tl.constexpr, RJ: tl.constexpr):  # type: ignore[no-untyped-def]
     """The ``need``-th largest of ``cnt`` distinct candidate keys, by pairwise ranking."""
-    thr = tl.full((), _KEY_NONE, tl.int64)
+    thr = tl.full((), KEY_NONE_JIT, tl.int64)
     for i0 in range(0, cnt, RI):
         ci = i0 + tl.arange(0, RI)
-        ki = tl.load(cand_row_ptr + ci, mask=ci < cnt, other=_KEY_NONE, cache_modifier=".cg")
+        ki = tl.load(cand_row_ptr + ci, mask=ci < cnt, other=KEY_NONE_JIT, cache_modifier=".cg")
         rank = tl.zeros([RI], dtype=tl.int32)
         for j0 in range(0, cnt, RJ):
             cj = j0 + tl.arange(0, RJ)
-            kj = tl.load(cand_row_ptr + cj, mask=cj < cnt, other=_KEY_NONE, cache_modifier=".cg")
+            kj = tl.load(cand_row_ptr + cj, mask=cj < cnt, other=KEY_NONE_JIT, cache_modifier=".cg")
             rank += tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), 1)
         hit = (rank == need - 1) & (ci < cnt)
-        thr = tl.maximum(thr, tl.max(tl.where(hit, ki, _KEY_NONE)))
+        thr = tl.maximum(thr, tl.max(tl.where(hit, ki, KEY_NONE_JIT)))
     return thr
 
 
@@ -170,10 +171,10 @@ def _radix_threshold(  # type: ignore[no-untyped-def]  # noqa: PLR0917
         cnt16 = tl.zeros([16], dtype=tl.int32)
         for start in range(0, width, FCH):
             col = start + tl.arange(0, FCH)
-            key = tl.load(row_keys_ptr + col, mask=col < width, other=_KEY_NONE)
-            match = (key != _KEY_NONE) & (_digit(key, SH, NB) == t)
+            key = tl.load(row_keys_ptr + col, mask=col < width, other=KEY_NONE_JIT)
+            match = (key != KEY_NONE_JIT) & (_digit(key, SH, NB) == t)
             # Unsigned order of the key: flip the sign bit.
-            u = key ^ _KEY_NONE
+            u = key ^ KEY_NONE_JIT
             if r > 0:
                 match = match & ((u >> (sh + 4)) == (prefix >> (sh + 4)))
             dig = ((u >> sh) & 15).to(tl.int32)
@@ -184,7 +185,7 @@ def _radix_threshold(  # type: ignore[no-untyped-def]  # noqa: PLR0917
         dsel = tl.max(tl.where(pick, b16, -1))
         rem -= tl.sum(tl.where(b16 > dsel, cnt16, 0))
         prefix = prefix | (dsel.to(tl.int64) << sh)
-    return prefix ^ _KEY_NONE
+    return prefix ^ KEY_NONE_JIT
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -220,8 +221,8 @@ def _flag_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     n_up = 0
     for start in range(lo, hi, CH):
         col = start + tl.arange(0, CH)
-        key = tl.load(keys_ptr + row * stride_k + col, mask=col < hi, other=_KEY_NONE)
-        d = tl.where(key != _KEY_NONE, _digit(key, SH, NB), -2)
+        key = tl.load(keys_ptr + row * stride_k + col, mask=col < hi, other=KEY_NONE_JIT)
+        d = tl.where(key != KEY_NONE_JIT, _digit(key, SH, NB), -2)
         flag = tl.where(d > t, 2, tl.where(d == t, 1, 0)).to(tl.int8)
         tl.store(flags_ptr + row * stride_f + col, flag, mask=col < hi)
         n_up += tl.sum((d > t).to(tl.int32))
@@ -246,7 +247,9 @@ def _flag_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
                 thr = _rank_threshold(cand_row, cnt, need, RI, RJ)
                 for c0 in range(0, cnt, RJ):
                     c = c0 + tl.arange(0, RJ)
-                    ck = tl.load(cand_row + c, mask=c < cnt, other=_KEY_NONE, cache_modifier=".cg")
+                    ck = tl.load(
+                        cand_row + c, mask=c < cnt, other=KEY_NONE_JIT, cache_modifier=".cg"
+                    )
                     ccol = (4294967295 - (ck & 4294967295)).to(tl.int32)
                     from_bin += _tile_counts(ccol, (ck >= thr) & (c < cnt), span, MT)
             else:
@@ -254,9 +257,9 @@ def _flag_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
                 for start in range(0, width, FCH):
                     col = start + tl.arange(0, FCH)
                     key = tl.load(
-                        keys_ptr + row * stride_k + col, mask=col < width, other=_KEY_NONE
+                        keys_ptr + row * stride_k + col, mask=col < width, other=KEY_NONE_JIT
                     )
-                    hit = (key != _KEY_NONE) & (_digit(key, SH, NB) == t) & (key >= thr)
+                    hit = (key != KEY_NONE_JIT) & (_digit(key, SH, NB) == t) & (key >= thr)
                     from_bin += _tile_counts(col, hit, span, MT)
         per_tile = tl.load(
             fields + _TILE_SEL + tid, mask=tid < tiles, other=0, cache_modifier=".cg"

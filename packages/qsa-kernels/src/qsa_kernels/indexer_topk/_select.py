@@ -21,9 +21,8 @@ import triton
 import triton.language as tl
 
 from qsa_kernels.indexer_topk import _radix
+from qsa_kernels.indexer_topk._keys import KEY_NONE_JIT
 
-#: ``INT64_MIN``: the key of a non-candidate; below every real key.
-KEY_NONE = -(2**63)
 #: Rows of at least this many columns select by :mod:`._radix`, narrower ones by ``torch.topk``.
 #: Measured on an H200 (``docs/bench/selection.md``): at 16K-256K columns the radix select with its
 #: histogram fused into indexer scoring took 30-82 us where the ``torch.topk`` path took 44-121 us.
@@ -53,7 +52,7 @@ def pack_key(score, index, valid):  # type: ignore[no-untyped-def]
     """``(ordered(score) << 32) | (0xFFFFFFFF - index)`` as int64, ``INT64_MIN`` where invalid."""
     hi = ordered_bits(score).to(tl.int64)
     key = (hi << 32) | (4294967295 - index.to(tl.int64))
-    return tl.where(valid, key, -9223372036854775807 - 1)
+    return tl.where(valid, key, KEY_NONE_JIT)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -86,8 +85,8 @@ def _ids_ascending_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
 ):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, K_PAD)
-    key = tl.load(top_ptr + row * stride_t + c, mask=c < kk, other=-9223372036854775807 - 1)
-    none = key == -9223372036854775807 - 1
+    key = tl.load(top_ptr + row * stride_t + c, mask=c < kk, other=KEY_NONE_JIT)
+    none = key == KEY_NONE_JIT
     ids = tl.where(none, 2147483647, 4294967295 - (key & 4294967295)).to(tl.int32)
     ids = tl.sort(ids)
     tl.store(out_ptr + row * stride_o + c, tl.where(ids == 2147483647, -1, ids), mask=c < K)

@@ -22,6 +22,7 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.indexer_topk import indexer_scores, indexer_scores_reference
+from qsa_kernels.indexer_topk._keys import KEY_NONE
 from qsa_kernels.sharded._buffers import ShardedDecodeBuffers
 from qsa_kernels.sharded._group import KernelPath, ShardGroup, all_gather_flat
 from qsa_kernels.sharded._layout import LocalIndexTable
@@ -29,7 +30,6 @@ from qsa_kernels.topk_merge import MergedTopK, merge_candidates, merge_candidate
 
 __all__ = ("local_topk_candidates", "sharded_indexer_topk")
 
-_INT64_MIN = -(2**63)
 _LOW32 = 0xFFFFFFFF
 
 
@@ -68,12 +68,12 @@ def local_topk_candidates(
     s = torch.where(scores == 0, 0.0, scores)
     bits = s.view(torch.int32)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
-    keys = torch.where(valid, (ordered << 32) | (_LOW32 - gid), _INT64_MIN)
+    keys = torch.where(valid, (ordered << 32) | (_LOW32 - gid), KEY_NONE)
     if width < topk:
-        pad = torch.full((batch, topk - width), _INT64_MIN, dtype=torch.int64, device=dev)
+        pad = torch.full((batch, topk - width), KEY_NONE, dtype=torch.int64, device=dev)
         keys = torch.cat([keys, pad], dim=1)
     top = torch.topk(keys, topk, dim=1, sorted=False).values
-    live = top != _INT64_MIN
+    live = top != KEY_NONE
     hi = (top >> 32).to(torch.int32)
     top_scores = torch.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).view(torch.float32)
     top_ids = (_LOW32 - (top & _LOW32)).to(torch.int32)

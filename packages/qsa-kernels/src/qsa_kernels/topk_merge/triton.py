@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels.indexer_topk._keys import KEY_NONE_JIT
 from qsa_kernels.indexer_topk._select import pack_key
 from qsa_kernels.topk_merge.reference import MergedTopK, check_merge_inputs
 
@@ -52,9 +53,9 @@ def _merge_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     u = s.to(tl.int32, bitcast=True)
     ordered = tl.where(u >= 0, u, u ^ 0x7FFFFFFF).to(tl.int64)
     key = (ordered << 32) | (4294967295 - ids.to(tl.int64))
-    key = tl.where(ids >= 0, key, -9223372036854775807 - 1)
+    key = tl.where(ids >= 0, key, KEY_NONE_JIT)
     key = tl.sort(key, descending=True)
-    valid = key != -9223372036854775807 - 1
+    valid = key != KEY_NONE_JIT
     hi = (key >> 32).to(tl.int32)
     bits = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF)
     score = tl.where(valid, bits.to(tl.float32, bitcast=True), float("-inf"))
@@ -102,8 +103,8 @@ def _merge_unpack_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < TOPK
-    key = tl.load(key_ptr + row * stride_key + c, mask=m, other=-9223372036854775807 - 1)
-    valid = key != -9223372036854775807 - 1
+    key = tl.load(key_ptr + row * stride_key + c, mask=m, other=KEY_NONE_JIT)
+    valid = key != KEY_NONE_JIT
     hi = (key >> 32).to(tl.int32)
     bits = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF)
     score = tl.where(valid, bits.to(tl.float32, bitcast=True), float("-inf"))
