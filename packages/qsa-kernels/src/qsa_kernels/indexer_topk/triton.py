@@ -54,7 +54,7 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     BLOCK_N: tl.constexpr,  # constexpr: blocks per program
     DOT_FP32: tl.constexpr,  # constexpr: fp32 operands (exact for bf16/fp8) in the interpreter
     WRITE_KEYS: tl.constexpr,  # constexpr: store packed order keys instead of scores
-    WRITE_HIST: tl.constexpr,  # constexpr: also run pass 1 of the radix select (histogram)
+    WRITE_HIST: tl.constexpr,  # constexpr: with WRITE_KEYS, also run pass 1 of the radix select
     HIST_SH: tl.constexpr,  # constexpr: radix digit shift
     HIST_NB: tl.constexpr,  # constexpr: radix histogram bins
     HIST_COPIES: tl.constexpr,  # constexpr: radix histogram copies per row
@@ -81,17 +81,17 @@ def _indexer_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
             dots = tl.dot(keys.to(tl.bfloat16), tl.trans(qv.to(tl.bfloat16)))
         total = tl.sum(tl.maximum(dots, 0.0), 1)
         score = tl.math.div_rn(total, SCALE)
-        if WRITE_HIST:
-            key = pack_key(score, j, m)
-            _radix.hist_add(ws_ptr + b * stride_w, tile, key, m, HIST_SH, HIST_NB, HIST_COPIES)
     else:
         score = tl.zeros([BLOCK_N], dtype=tl.float32)
     if WRITE_KEYS:
-        tl.store(out_ptr + b * stride_ob + j, pack_key(score, j, m), mask=j < out_width)
+        key = pack_key(score, j, m)
+        tl.store(out_ptr + b * stride_ob + j, key, mask=j < out_width)
+        if WRITE_HIST:  # pass 1 of the radix select counts the same keys (none past n)
+            ws_row = ws_ptr + b * stride_w
+            _radix.hist_add(ws_row, tile, key, m, HIST_SH, HIST_NB, HIST_COPIES)
+            _radix.hist_done(ws_row, tl.num_programs(1), topk, HIST_NB, HIST_COPIES)
     else:
         tl.store(out_ptr + b * stride_ob + j, tl.where(m, score, float("-inf")), mask=j < out_width)
-    if WRITE_HIST:
-        _radix.hist_done(ws_ptr + b * stride_w, tl.num_programs(1), topk, HIST_NB, HIST_COPIES)
 
 
 def _launch_scores(  # noqa: PLR0917
