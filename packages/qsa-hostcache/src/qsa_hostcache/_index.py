@@ -259,10 +259,7 @@ class PrefixIndex:
         Raises:
             TicketStateError: The entry is not RESERVED.
         """
-        if entry.state is not EntryState.RESERVED:
-            raise TicketStateError(
-                f"entry {entry.entry_id!r} is {entry.state.value!r}; only 'reserved' commits"
-            )
+        _require_reserved(entry, "commits")
         if entry.epoch != self.epoch:
             self.counters.stale_publishes += 1
             self._unlink_end(entry)
@@ -281,10 +278,7 @@ class PrefixIndex:
         Raises:
             TicketStateError: The entry is not RESERVED.
         """
-        if entry.state is not EntryState.RESERVED:
-            raise TicketStateError(
-                f"entry {entry.entry_id!r} is {entry.state.value!r}; only 'reserved' aborts"
-            )
+        _require_reserved(entry, "aborts")
         self.counters.aborts += 1
         self._unlink_end(entry)
         self._free(entry)
@@ -398,3 +392,10 @@ class PrefixIndex:
         self._alloc.free(entry.blocks)
         entry.state = EntryState.FREED
         del self._entries[entry.entry_id]
+
+
+def _require_reserved(entry: IndexEntry, action: str) -> None:
+    if entry.state is not EntryState.RESERVED:
+        raise TicketStateError(
+            f"entry {entry.entry_id!r} is {entry.state.value!r}; only 'reserved' {action}"
+        )
