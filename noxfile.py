@@ -47,6 +47,7 @@ class Package(enum.StrEnum):
     MM_PREFIX = "qsa-mm-prefix"
     SGLANG_PLUGIN = "qsa-sglang-plugin"
     HISPARSE = "qsa-hisparse"
+    TESTING = "qsa-testing"
 
 
 def _package_dir(package: Package) -> pathlib.Path:

@@ -1,0 +1,60 @@
+"""qsa-testing: test support for the QSA HiSparse workspace; never installed for serving.
+
+Tiny dummy models written at test time (:func:`tiny_qwen4_exp`, :func:`tiny_llama`), named
+stand-ins for what a machine cannot run as is (:mod:`qsa_testing.standins`), and real SGLang
+0.5.23 servers for tests (:func:`start_engine`, :class:`EnginePool`, and the ``engines`` fixture
+of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens.
+"""
+
+from qsa_testing._compare import assert_same_generation, logprob_gap
+from qsa_testing._engine import (
+    Engine,
+    EngineConfig,
+    GenerateRequest,
+    Generation,
+    Platform,
+    current_platform,
+    platform_standins,
+    running_engine,
+    start_engine,
+)
+from qsa_testing._errors import (
+    EngineConfigError,
+    EngineRequestError,
+    EngineStartError,
+    ModelSpecError,
+    StandInError,
+)
+from qsa_testing._models import TinyModel, TinyModelKind, tiny_llama, tiny_qwen4_exp
+from qsa_testing._pool import EnginePool, EngineStart
+from qsa_testing._version import __version__
+
+__all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
+    "__version__",
+    # tiny models
+    "TinyModel",
+    "TinyModelKind",
+    "tiny_llama",
+    "tiny_qwen4_exp",
+    # engines
+    "Engine",
+    "EngineConfig",
+    "EnginePool",
+    "EngineStart",
+    "GenerateRequest",
+    "Generation",
+    "Platform",
+    "current_platform",
+    "platform_standins",
+    "running_engine",
+    "start_engine",
+    # comparisons
+    "assert_same_generation",
+    "logprob_gap",
+    # errors
+    "EngineConfigError",
+    "EngineRequestError",
+    "EngineStartError",
+    "ModelSpecError",
+    "StandInError",
+)

@@ -1,0 +1,238 @@
+"""Tiny dummy checkpoints, written at test time: a ``config.json`` and nothing else.
+
+SGLang builds random weights for them with ``load_format="dummy"``, so no checkpoint is needed.
+The QSA rules of the tiny Qwen4Exp (indexer heads and head dim, budget, compress ratio, page size)
+are those of Qwen3.8-Flash-Next, taken from :data:`qsa_core.QWEN38_FLASH_NEXT`, so the indexer's
+selection is really sparse above ``budget + compress_ratio - 1`` tokens (2,051); only widths and
+depths shrink.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import random
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from qsa_core import QWEN38_FLASH_NEXT, QSAProfile
+from qsa_testing._errors import ModelSpecError
+
+__all__ = (
+    "FIRST_PROMPT_TOKEN",
+    "TinyModel",
+    "TinyModelKind",
+    "tiny_llama",
+    "tiny_qwen4_exp",
+)
+
+#: Token ids below this are special (pad 0, bos 1, eos 2); prompts never contain them.
+FIRST_PROMPT_TOKEN: Final = 3
+_VOCAB: Final = 512
+#: Ids of the vision special tokens; prompts stay below them.
+_IMAGE_TOKEN: Final = 500
+
+
+class TinyModelKind(enum.StrEnum):
+    """The architecture a tiny model instantiates."""
+
+    QWEN4_EXP = "Qwen4ExpForConditionalGeneration"
+    LLAMA = "LlamaForCausalLM"
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModel:
+    """A tiny model: a name for logs and paths, and its ``config.json``.
+
+    Two models are equal when their names and kinds are (a name is unique per variant).
+
+    Attributes:
+        name: a short identifier, unique per variant (used as the directory name).
+        kind: the architecture.
+        config: the full ``config.json`` content (read-only).
+    """
+
+    name: str
+    kind: TinyModelKind
+    config: Mapping[str, Any] = field(compare=False)
+
+    @property
+    def text_config(self) -> Mapping[str, Any]:
+        """The language model's config (``text_config`` for Qwen4Exp, the top level otherwise)."""
+        inner = self.config.get("text_config")
+        return inner if isinstance(inner, Mapping) else self.config
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the language model."""
+        return int(self.text_config["vocab_size"])
+
+    @property
+    def prompt_token_limit(self) -> int:
+        """One past the largest token id a prompt uses (specials and vision tokens excluded)."""
+        return _IMAGE_TOKEN if self.kind is TinyModelKind.QWEN4_EXP else self.vocab_size
+
+    def qsa_profile(self) -> QSAProfile:
+        """The QSA geometry SGLang will see (raises for a model without QSA layers)."""
+        if self.kind is not TinyModelKind.QWEN4_EXP:
+            msg = f"model {self.name!r} ({self.kind.value}) has no QSA layers"
+            raise ModelSpecError(msg)
+        return QSAProfile.from_text_config(self.text_config)
+
+    def prompt(self, length: int, *, seed: int) -> tuple[int, ...]:
+        """``length`` token ids drawn with a fixed seed from the model's ordinary tokens."""
+        if length < 1:
+            msg = f"length={length!r} is not allowed; it must be a positive integer"
+            raise ModelSpecError(msg)
+        rng = random.Random(seed)
+        return tuple(
+            rng.randrange(FIRST_PROMPT_TOKEN, self.prompt_token_limit) for _ in range(length)
+        )
+
+    def write(self, directory: Path) -> Path:
+        """Write ``<directory>/<name>/config.json`` (idempotent) and return the model path."""
+        path = directory / self.name
+        path.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(_plain(self.config), indent=1, sort_keys=True)
+        target = path / "config.json"
+        if not target.exists() or target.read_text(encoding="utf-8") != text:
+            target.write_text(text, encoding="utf-8")
+        return path
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _frozen(value: dict[str, Any]) -> Mapping[str, Any]:
+    return types.MappingProxyType(
+        {k: _frozen(v) if isinstance(v, dict) else v for k, v in value.items()}
+    )
+
+
+def _mrope_section(head_dim: int, partial_rotary_factor: float) -> list[int]:
+    """Three M-RoPE sections (temporal, height, width) that add up to half the rotary dims."""
+    half = int(head_dim * partial_rotary_factor) // 2
+    third = (half + 1) // 3
+    return [half - 2 * third, third, third]
+
+
+def tiny_qwen4_exp(*, kv_heads: int = 2, model_shaped: bool = False) -> TinyModel:
+    """A Qwen4Exp with 3 Gated DeltaNet layers and 1 QSA layer (layer 3).
+
+    Args:
+        kv_heads: K/V heads of the QSA layer, 2 (Qwen3.8-Flash-Next) or 1 (one TP2 rank's share).
+        model_shaped: the real attention geometry of a QSA layer (24 query heads, head dim 256)
+            instead of 4 query heads of dim 64; the width of the rest stays small.
+
+    Raises:
+        ModelSpecError: ``kv_heads`` is not 1 or 2.
+    """
+    if kv_heads not in (1, 2):
+        msg = f"kv_heads={kv_heads!r} is not supported; allowed: 1, 2"
+        raise ModelSpecError(msg)
+    real = QWEN38_FLASH_NEXT
+    q_heads, head_dim = (real.num_attention_heads, real.head_dim) if model_shaped else (4, 64)
+    rotary = 0.25
+    text: dict[str, Any] = {
+        "model_type": "qwen4_exp_text",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "full_attention_interval": 4,
+        "num_attention_heads": q_heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "partial_rotary_factor": rotary,
+        "rope_theta": 10_000_000.0,
+        "max_position_embeddings": 8192,
+        "rope_scaling": {
+            "rope_type": "default",
+            "mrope_section": _mrope_section(head_dim, rotary),
+            "mrope_interleaved": True,
+        },
+        "attn_output_gate": True,
+        "rms_norm_eps": 1e-6,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hc_count": 2,
+        "hc_lowrank": 8,
+        # The QSA rules of the real model.
+        "indexer_n_heads": real.index_n_heads,
+        "indexer_kv_heads": real.index_kv_heads,
+        "indexer_head_dim": real.index_head_dim,
+        "indexer_budget": real.budget,
+        "indexer_compress_ratio": real.compress_ratio,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "mtp_num_hidden_layers": 0,
+    }
+    config = {
+        "architectures": [TinyModelKind.QWEN4_EXP.value],
+        "model_type": "qwen4_exp",
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "image_token_id": _IMAGE_TOKEN,
+        "video_token_id": _IMAGE_TOKEN + 1,
+        "vision_start_token_id": _IMAGE_TOKEN + 2,
+        "vision_end_token_id": _IMAGE_TOKEN + 3,
+        "text_config": text,
+        "vision_config": {
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "in_channels": 3,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [],
+        },
+    }
+    shape = "shaped" if model_shaped else "small"
+    return TinyModel(f"qwen4exp-{shape}-kv{kv_heads}", TinyModelKind.QWEN4_EXP, _frozen(config))
+
+
+def tiny_llama() -> TinyModel:
+    """A 2-layer Llama with grouped-query attention (4 query heads, 2 K/V heads of dim 16)."""
+    config = {
+        "architectures": [TinyModelKind.LLAMA.value],
+        "model_type": "llama",
+        "vocab_size": _VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10_000.0,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+    return TinyModel("llama-2l", TinyModelKind.LLAMA, _frozen(config))
