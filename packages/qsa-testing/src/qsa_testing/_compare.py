@@ -1,0 +1,86 @@
+"""Comparing generations: same tokens, and logprobs equal within a stated tolerance.
+
+Dummy weights often greedy-decode one repeated token, so token equality alone proves little;
+every comparison here also checks each step's logprob and its top alternatives, and says which
+step differed and by how much.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from qsa_testing._engine import Generation
+
+__all__ = ("assert_same_generation", "logprob_gap")
+
+
+def logprob_gap(expected: Generation, actual: Generation) -> float:
+    """The largest absolute difference between the two runs' per-step logprobs.
+
+    Covers the chosen token's logprob and every top alternative both runs returned for the same
+    token id; ``inf`` when the runs chose different tokens or returned different step counts.
+    """
+    if expected.output_ids != actual.output_ids:
+        return float("inf")
+    gap = 0.0
+    for want, got in zip(expected.logprobs, actual.logprobs, strict=True):
+        gap = max(gap, abs(want - got))
+    for want_top, got_top in zip(expected.top_logprobs, actual.top_logprobs, strict=True):
+        got_by_id = dict(got_top)
+        for token, logprob in want_top:
+            if token in got_by_id:
+                gap = max(gap, abs(logprob - got_by_id[token]))
+    return gap
+
+
+def _steps(generation: Generation) -> Sequence[str]:
+    return [
+        f"{token}:{logprob:+.6f}"
+        for token, logprob in zip(generation.output_ids, generation.logprobs, strict=True)
+    ]
+
+
+def assert_same_generation(
+    expected: Generation, actual: Generation, *, atol: float = 0.0, what: str = "generation"
+) -> None:
+    """Fail unless both runs chose the same tokens with logprobs within ``atol``.
+
+    With ``atol=0.0`` (the default) the logprobs must be bit-identical, as two runs of one code
+    path on one machine are. The top alternatives must name the same tokens in the same order.
+
+    Raises:
+        AssertionError: naming the first differing step, both values and the largest gap.
+    """
+    if expected.output_ids != actual.output_ids:
+        first = next(
+            (
+                i
+                for i, (a, b) in enumerate(
+                    zip(expected.output_ids, actual.output_ids, strict=False)
+                )
+                if a != b
+            ),
+            min(len(expected.output_ids), len(actual.output_ids)),
+        )
+        msg = (
+            f"{what}: token ids differ from step {first}:\n  expected {_steps(expected)}\n"
+            f"  actual   {_steps(actual)}"
+        )
+        raise AssertionError(msg)
+    for step, (want, got) in enumerate(
+        zip(expected.top_logprobs, actual.top_logprobs, strict=True)
+    ):
+        if [t for t, _ in want] != [t for t, _ in got]:
+            msg = f"{what}: top alternatives differ at step {step}: expected {want}, actual {got}"
+            raise AssertionError(msg)
+    gap = logprob_gap(expected, actual)
+    if gap > atol:
+        worst = max(
+            range(len(expected.logprobs)),
+            key=lambda i: abs(expected.logprobs[i] - actual.logprobs[i]),
+        )
+        msg = (
+            f"{what}: logprobs differ by up to {gap:.3g} (allowed {atol:.3g}); step {worst}: "
+            f"expected {expected.logprobs[worst]!r}, actual {actual.logprobs[worst]!r}"
+        )
+        raise AssertionError(msg)

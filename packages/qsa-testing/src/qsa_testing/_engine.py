@@ -1,0 +1,565 @@
+"""A real SGLang 0.5.23 server for tests: configured once, started in its own process group.
+
+:func:`start_engine` writes the tiny model, starts ``python -m qsa_testing._host`` (SGLang's own
+plugin loading, ``ServerArgs`` and HTTP server, nothing replaced) with the stand-ins the machine
+needs, and waits until ``/health`` answers. :class:`Engine` sends requests over loopback and stops
+the whole process group when closed, so no scheduler or detokenizer outlives a test session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from qsa_testing._errors import EngineConfigError, EngineRequestError, EngineStartError
+from qsa_testing._models import TinyModel, TinyModelKind
+from qsa_testing.standins import (
+    APPLIED_MARKER,
+    CPU_STANDINS,
+    CUDA_STANDINS,
+    ENV_STANDINS,
+    StandIn,
+    boot_directory,
+)
+
+__all__ = (
+    "ENV_CUDA_GRAPHS",
+    "ENV_PLATFORM",
+    "PLUGIN_ENTRY_POINT",
+    "Engine",
+    "EngineConfig",
+    "FrozenArgs",
+    "GenerateRequest",
+    "Generation",
+    "Platform",
+    "current_platform",
+    "platform_standins",
+    "running_engine",
+    "start_engine",
+)
+
+#: Overrides the platform an engine is configured for (``cpu`` or ``cuda``).
+ENV_PLATFORM: Final = "QSA_TESTING_PLATFORM"
+#: ``1``: CUDA engines capture decode CUDA graphs (``0``, the default: eager decode). A
+#: configuration's own ``disable_cuda_graph`` wins.
+ENV_CUDA_GRAPHS: Final = "QSA_TESTING_CUDA_GRAPHS"
+#: The plugin's entry-point name in ``sglang.srt.plugins``.
+PLUGIN_ENTRY_POINT: Final = "qsa_hisparse"
+#: ``SGLANG_PLUGINS`` for an engine without the plugin: an allow-list no entry point matches.
+_NO_PLUGINS: Final = "qsa-testing-no-plugins"
+_SWITCH_PREFIX: Final = "SGLANG_QSA_"
+_LOG_TAIL_LINES: Final = 60
+
+
+class Platform(enum.StrEnum):
+    """Where an engine runs."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@functools.cache
+def current_platform() -> Platform:
+    """``QSA_TESTING_PLATFORM`` if set, else CUDA when torch sees a device, else CPU."""
+    forced = os.environ.get(ENV_PLATFORM)
+    if forced:
+        try:
+            return Platform(forced)
+        except ValueError:
+            allowed = [p.value for p in Platform]
+            msg = f"{ENV_PLATFORM}={forced!r} is not allowed; allowed: {allowed!r}"
+            raise EngineConfigError(msg) from None
+    import torch
+
+    return Platform.CUDA if torch.cuda.is_available() else Platform.CPU
+
+
+def cuda_graphs_requested() -> bool:
+    """Whether ``QSA_TESTING_CUDA_GRAPHS`` asks CUDA engines for decode CUDA graphs."""
+    raw = os.environ.get(ENV_CUDA_GRAPHS, "0")
+    if raw not in ("0", "1"):
+        msg = f"{ENV_CUDA_GRAPHS}={raw!r} is not allowed; allowed: '0', '1'"
+        raise EngineConfigError(msg)
+    return raw == "1"
+
+
+class FrozenArgs(Mapping[str, Any]):
+    """A read-only, hashable mapping (items kept sorted by key), for configuration values."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Any] | None = None) -> None:
+        self._items = tuple(sorted((items or {}).items()))
+
+    def __getitem__(self, key: str) -> Any:
+        for name, value in self._items:
+            if name == key:
+                return value
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple((name, json.dumps(value, sort_keys=True)) for name, value in self._items))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, FrozenArgs):
+            return self._items == other._items
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+    def __repr__(self) -> str:
+        return f"FrozenArgs({dict(self._items)!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One engine: the model, whether the plugin loads, its switches and server arguments.
+
+    Two equal configurations describe the same engine; ``replica`` tells apart otherwise equal
+    ones (two fresh engines that must agree).
+
+    Attributes:
+        model: the tiny model to serve.
+        plugin: load the ``qsa_hisparse`` entry point (``SGLANG_PLUGINS`` allows only it); when
+            False no plugin loads at all (upstream SGLang).
+        switches: ``SGLANG_QSA_*`` environment variables for every process of the engine.
+        server_args: ``ServerArgs`` fields that override the harness defaults (JSON values).
+        standins: stand-ins added to those the platform needs (e.g. a sensitivity check's).
+        replica: distinguishes otherwise equal engines.
+    """
+
+    model: TinyModel
+    plugin: bool = True
+    switches: Mapping[str, str] = field(default_factory=FrozenArgs)
+    server_args: Mapping[str, Any] = field(default_factory=FrozenArgs)
+    standins: AbstractSet[StandIn] = frozenset()
+    replica: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value in self.server_args.items():
+            try:
+                json.dumps(value)
+            except TypeError:
+                msg = f"server_args[{name!r}]={value!r} is not JSON-serialisable"
+                raise EngineConfigError(msg) from None
+        object.__setattr__(self, "switches", FrozenArgs(self.switches))
+        object.__setattr__(self, "server_args", FrozenArgs(self.server_args))
+        object.__setattr__(self, "standins", frozenset(StandIn(s) for s in self.standins))
+        for name, value in self.switches.items():
+            if not name.startswith(_SWITCH_PREFIX) or not isinstance(value, str):
+                msg = (
+                    f"switch {name}={value!r} is not allowed; switches are {_SWITCH_PREFIX}* "
+                    "environment variables with string values"
+                )
+                raise EngineConfigError(msg)
+        if self.switches and not self.plugin:
+            msg = f"switches {dict(self.switches)!r} need plugin=True; the plugin is off"
+            raise EngineConfigError(msg)
+        reserved = {"model_path", "host", "port"} & set(self.server_args)
+        if reserved:
+            msg = f"server_args {sorted(reserved)!r} are set by the harness; leave them out"
+            raise EngineConfigError(msg)
+
+    @property
+    def label(self) -> str:
+        """A short, filesystem-safe name for logs: model, plugin state, switches, overrides."""
+        parts = [self.model.name, "plugin" if self.plugin else "upstream"]
+        parts += [f"{k.removeprefix(_SWITCH_PREFIX).lower()}={v}" for k, v in self.switches.items()]
+        parts += [f"{k}={v}" for k, v in self.server_args.items()]
+        parts += sorted(s.value for s in self.standins)
+        if self.replica:
+            parts.append(f"replica{self.replica}")
+        safe = "-".join(parts)
+        return "".join(c if c.isalnum() or c in "-_=." else "_" for c in safe)[:120]
+
+
+#: Server arguments every engine gets; a configuration's ``server_args`` override them.
+_COMMON_ARGS: Final[Mapping[str, Any]] = {
+    "load_format": "dummy",
+    "skip_tokenizer_init": True,
+    "dtype": "bfloat16",
+    "random_seed": 0,
+    "context_length": 4096,
+    "max_total_tokens": 16384,
+    "chunked_prefill_size": 8192,
+    "max_running_requests": 4,
+    "disable_radix_cache": True,
+    "enable_multimodal": False,
+    "skip_server_warmup": True,
+    "sampling_backend": "pytorch",
+    "log_level": "info",
+}
+_PLATFORM_ARGS: Final[Mapping[Platform, Mapping[str, Any]]] = {
+    Platform.CPU: {
+        "device": "cpu",
+        "attention_backend": "torch_native",
+        "disable_cuda_graph": True,
+        "mem_fraction_static": 0.3,
+    },
+    Platform.CUDA: {
+        "device": "cuda",
+        "attention_backend": "triton",
+        "mem_fraction_static": 0.3,
+        "cuda_graph_max_bs_decode": 4,
+    },
+}
+_MODEL_ARGS: Final[Mapping[TinyModelKind, Mapping[str, Any]]] = {
+    TinyModelKind.QWEN4_EXP: {
+        "page_size": 64,
+        "mamba_ssm_dtype": "float32",
+        "linear_attn_backend": "triton",
+    },
+    TinyModelKind.LLAMA: {},
+}
+#: Stand-ins of every engine: dummy weights that give logprobs varying per step and per prompt.
+_COMMON_STANDINS: Final = frozenset({StandIn.DUMMY_WEIGHT_RANGE})
+_PLATFORM_STANDINS: Final[Mapping[Platform, frozenset[StandIn]]] = {
+    Platform.CPU: _COMMON_STANDINS | CPU_STANDINS,
+    Platform.CUDA: _COMMON_STANDINS | CUDA_STANDINS,
+}
+
+
+def platform_standins(platform: Platform) -> frozenset[StandIn]:
+    """The stand-ins every engine on ``platform`` gets (a configuration may add more)."""
+    return _PLATFORM_STANDINS[platform]
+
+
+_PLATFORM_ENV: Final[Mapping[Platform, Mapping[str, str]]] = {
+    Platform.CPU: {"SGLANG_USE_CPU_ENGINE": "1"},
+    Platform.CUDA: {"SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1"},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One greedy ``/generate`` call by token ids.
+
+    Attributes:
+        input_ids: the prompt.
+        max_new_tokens: tokens to generate.
+        top_logprobs: alternatives returned per generated token (0 for none).
+    """
+
+    input_ids: tuple[int, ...]
+    max_new_tokens: int = 8
+    top_logprobs: int = 5
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body SGLang's ``/generate`` takes."""
+        return {
+            "input_ids": list(self.input_ids),
+            "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0},
+            "return_logprob": True,
+            "top_logprobs_num": self.top_logprobs,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What a ``/generate`` call returned, in the fields tests compare.
+
+    Attributes:
+        output_ids: generated token ids.
+        logprobs: natural-log probability of each generated token.
+        top_logprobs: per generated token, ``(token_id, logprob)`` of the top alternatives.
+        prompt_tokens: prompt length the server counted.
+        cached_tokens: prompt tokens the server reported as served from a cache.
+        finish_reason: SGLang's finish type (``length``, ``stop``, ...).
+    """
+
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str
+
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any]) -> Generation:
+        """Parse one ``/generate`` reply."""
+        meta = reply["meta_info"]
+        tops = meta.get("output_top_logprobs") or []
+        return cls(
+            output_ids=tuple(int(t) for t in reply["output_ids"]),
+            logprobs=tuple(float(entry[0]) for entry in meta["output_token_logprobs"]),
+            top_logprobs=tuple(
+                tuple((int(entry[1]), float(entry[0])) for entry in step or ()) for step in tops
+            ),
+            prompt_tokens=int(meta["prompt_tokens"]),
+            cached_tokens=int(meta.get("cached_tokens") or 0),
+            finish_reason=str((meta.get("finish_reason") or {}).get("type")),
+        )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return "(no log written)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class Engine:
+    """A running SGLang server: requests over loopback, logs in a file, one process group.
+
+    Use :func:`start_engine`; close it (or use it as a context manager) to stop every process.
+    """
+
+    def __init__(
+        self, config: EngineConfig, process: subprocess.Popen[bytes], port: int, log_path: Path
+    ) -> None:
+        self.config = config
+        self.address = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.start_seconds = 0.0
+        self._process = process
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def _call(self, path: str, body: Mapping[str, Any] | None, timeout: float) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.address + path,
+            data=data,
+            headers={"Content-Type": "application/json"},
+            method="GET" if body is None else "POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                payload: bytes = reply.read()
+                return payload
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            msg = f"{path} answered {exc.code}: {detail}; log: {self.log_path}"
+            raise EngineRequestError(msg) from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            alive = "running" if self._process.poll() is None else "exited"
+            msg = (
+                f"{path} failed ({exc}); the server is {alive}; log {self.log_path}, tail:\n"
+                f"{_tail(self.log_path)}"
+            )
+            raise EngineRequestError(msg) from None
+
+    def get_json(self, path: str, *, timeout: float = 60.0) -> Any:
+        """``GET path`` and its JSON reply."""
+        return json.loads(self._call(path, None, timeout))
+
+    def post_json(self, path: str, body: Mapping[str, Any], *, timeout: float = 600.0) -> Any:
+        """``POST path`` with a JSON body and its JSON reply."""
+        return json.loads(self._call(path, body, timeout))
+
+    def generate(self, request: GenerateRequest, *, timeout: float = 600.0) -> Generation:
+        """One greedy generation."""
+        return Generation.from_reply(self.post_json("/generate", request.body(), timeout=timeout))
+
+    def flush_cache(self) -> None:
+        """``POST /flush_cache``; raises when SGLang refuses it."""
+        self._call("/flush_cache", {}, 60.0)
+
+    # ---- logs -----------------------------------------------------------------------------------
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of the server's log."""
+        return _tail(self.log_path, lines)
+
+    def standins_applied(self) -> frozenset[tuple[StandIn, str]]:
+        """``(stand-in, module)`` pairs the engine's processes logged as applied."""
+        found = set()
+        for line in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if APPLIED_MARKER in line:
+                name, _, rest = line.split(APPLIED_MARKER, 1)[1].strip().partition(" on ")
+                found.add((StandIn(name), rest.split(" ", 1)[0]))
+        return frozenset(found)
+
+    # ---- lifetime -------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """True while the server's main process lives."""
+        return self._process.poll() is None
+
+    def close(self, grace: float = 30.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+        Raises:
+            EngineStartError: a process of the group survived SIGKILL.
+        """
+        pgid = self._process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        if not _wait_group_gone(pgid, grace):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            if not _wait_group_gone(pgid, 10.0):
+                msg = f"processes of group {pgid} survived SIGKILL; log: {self.log_path}"
+                raise EngineStartError(msg)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=5)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie group leader still counts for killpg; reap it if it is ours.
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pgid, os.WNOHANG)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_group_gone(pgid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not _group_alive(pgid):
+            return True
+        time.sleep(0.2)
+    return not _group_alive(pgid)
+
+
+def _server_args(
+    config: EngineConfig, platform: Platform, model_path: Path, port: int
+) -> dict[str, Any]:
+    args: dict[str, Any] = {**_COMMON_ARGS, **_PLATFORM_ARGS[platform]}
+    if platform is Platform.CUDA:
+        args["disable_cuda_graph"] = not cuda_graphs_requested()
+    args.update(_MODEL_ARGS[config.model.kind])
+    args.update(dict(config.server_args))
+    args.update(model_path=str(model_path), host="127.0.0.1", port=port)
+    return args
+
+
+def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SWITCH_PREFIX)}
+    env.update(_PLATFORM_ENV[platform])
+    env.update(dict(config.switches))
+    env["SGLANG_PLUGINS"] = PLUGIN_ENTRY_POINT if config.plugin else _NO_PLUGINS
+    if config.plugin:
+        activation = workdir / "activation"
+        activation.mkdir(exist_ok=True)
+        env["SGLANG_QSA_HISPARSE_ACTIVATION_DIR"] = str(activation)
+    standins = platform_standins(platform) | config.standins
+    env[ENV_STANDINS] = ",".join(sorted(s.value for s in standins))
+    paths = [str(boot_directory()), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start_engine(
+    config: EngineConfig, workdir: Path, *, timeout: float = 900.0, poll: float = 1.0
+) -> Engine:
+    """Write the model, start the server in a new process group and wait until it is healthy.
+
+    Args:
+        config: the engine.
+        workdir: a directory for the model, the log (``server.log``) and the launch record.
+        timeout: seconds to wait for ``/health`` to answer 200.
+        poll: seconds between health checks.
+
+    Raises:
+        EngineStartError: the server exited or did not become healthy in time; the message holds
+            the log path and its tail. Nothing of the engine is left running.
+    """
+    platform = current_platform()
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_path = config.model.write(workdir / "models")
+    port = _free_port()
+    args = _server_args(config, platform, model_path, port)
+    launch = workdir / "launch.json"
+    launch.write_text(json.dumps({"label": config.label, "server_args": args}, indent=1))
+    log_path = workdir / "server.log"
+    env = _environment(config, platform, workdir)
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "qsa_testing._host", str(launch)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=workdir,
+            start_new_session=True,
+        )
+    engine = Engine(config, process, port, log_path)
+    try:
+        _wait_healthy(engine, process, timeout, poll)
+    except BaseException:
+        engine.close(grace=5.0)
+        raise
+    engine.start_seconds = time.monotonic() - started
+    return engine
+
+
+def _wait_healthy(
+    engine: Engine, process: subprocess.Popen[bytes], timeout: float, poll: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = process.poll()
+        if code is not None:
+            msg = (
+                f"engine {engine.config.label} exited with status {code} before it was healthy; "
+                f"log {engine.log_path}, tail:\n{engine.log_tail()}"
+            )
+            raise EngineStartError(msg)
+        try:
+            with urllib.request.urlopen(engine.address + "/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, TimeoutError, ConnectionError):
+            pass
+        time.sleep(poll)
+    msg = (
+        f"engine {engine.config.label} was not healthy after {timeout:.0f} s; "
+        f"log {engine.log_path}, tail:\n{engine.log_tail()}"
+    )
+    raise EngineStartError(msg)
+
+
+@contextlib.contextmanager
+def running_engine(config: EngineConfig, workdir: Path, **kwargs: Any) -> Iterator[Engine]:
+    """:func:`start_engine` as a context manager that always stops the engine."""
+    engine = start_engine(config, workdir, **kwargs)
+    try:
+        yield engine
+    finally:
+        engine.close()

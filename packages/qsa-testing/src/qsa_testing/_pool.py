@@ -1,0 +1,104 @@
+"""Engines shared by a whole test session: each configuration starts once, results are kept.
+
+Starting an engine costs one to three minutes on two cores, and a tiny engine holds about 4 GiB of
+host memory, so the pool keeps at most ``max_live`` engines running (one by default) and
+remembers every generation it has served. A test that compares a configuration against upstream
+therefore never needs both engines at once: the upstream results are looked up, not recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from qsa_testing._engine import Engine, EngineConfig, GenerateRequest, Generation, start_engine
+from qsa_testing._errors import EngineConfigError
+
+__all__ = ("ENV_MAX_LIVE_ENGINES", "EnginePool", "EngineStart")
+
+#: Overrides how many engines a pool keeps running at once.
+ENV_MAX_LIVE_ENGINES: Final = "QSA_TESTING_MAX_LIVE_ENGINES"
+_logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStart:
+    """One engine start, for the session's cost report.
+
+    Attributes:
+        label: the configuration's label.
+        seconds: wall time from spawning the server to its first healthy answer.
+        log_path: the server's log.
+    """
+
+    label: str
+    seconds: float
+    log_path: Path
+
+
+class EnginePool:
+    """Engines keyed by configuration, started on first use, stopped least recently used first."""
+
+    def __init__(self, workdir: Path, *, max_live: int | None = None) -> None:
+        if max_live is None:
+            raw = os.environ.get(ENV_MAX_LIVE_ENGINES, "1")
+            max_live = int(raw) if raw.isdigit() else 0
+        if max_live < 1:
+            msg = f"max_live={max_live!r} is not allowed; it must be a positive integer"
+            raise EngineConfigError(msg)
+        self._workdir = workdir
+        self._max_live = max_live
+        self._live: OrderedDict[EngineConfig, Engine] = OrderedDict()
+        self._results: dict[tuple[EngineConfig, GenerateRequest], Generation] = {}
+        self._dirs: dict[EngineConfig, Path] = {}
+        self.starts: list[EngineStart] = []
+        self.last_used: Engine | None = None
+
+    def _directory(self, config: EngineConfig) -> Path:
+        if config not in self._dirs:
+            self._dirs[config] = self._workdir / f"{len(self._dirs):02d}-{config.label}"
+        return self._dirs[config]
+
+    def engine(self, config: EngineConfig) -> Engine:
+        """The running engine of ``config``, started (after stopping the oldest) if needed."""
+        engine = self._live.get(config)
+        if engine is not None and engine.running:
+            self._live.move_to_end(config)
+            self.last_used = engine
+            return engine
+        if engine is not None:
+            self._live.pop(config)
+            engine.close(grace=5.0)
+        while len(self._live) >= self._max_live:
+            _, oldest = self._live.popitem(last=False)
+            oldest.close()
+        _logger.info("starting engine %s", config.label)
+        engine = start_engine(config, self._directory(config))
+        self.starts.append(EngineStart(config.label, engine.start_seconds, engine.log_path))
+        self._live[config] = engine
+        self.last_used = engine
+        return engine
+
+    def generate(self, config: EngineConfig, request: GenerateRequest) -> Generation:
+        """``request`` served by ``config``'s engine, once per session."""
+        key = (config, request)
+        if key not in self._results:
+            self._results[key] = self.engine(config).generate(request)
+        return self._results[key]
+
+    def generate_all(
+        self, config: EngineConfig, requests: Iterable[GenerateRequest]
+    ) -> tuple[Generation, ...]:
+        """Each of ``requests`` served by ``config``'s engine, in order, each once per session."""
+        return tuple(self.generate(config, request) for request in requests)
+
+    def close(self) -> None:
+        """Stop every running engine."""
+        while self._live:
+            _, engine = self._live.popitem(last=False)
+            engine.close()

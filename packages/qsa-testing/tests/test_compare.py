@@ -1,0 +1,68 @@
+"""Generation comparisons fail on any token or logprob difference, and say where."""
+
+from __future__ import annotations
+
+import pytest
+
+from qsa_testing import Generation, assert_same_generation, logprob_gap
+
+
+def _gen(
+    ids: tuple[int, ...], lps: tuple[float, ...], tops: tuple[int, ...] = (7, 8)
+) -> Generation:
+    return Generation(
+        output_ids=ids,
+        logprobs=lps,
+        top_logprobs=tuple(tuple((t, lp - i) for i, t in enumerate(tops)) for lp in lps),
+        prompt_tokens=10,
+        cached_tokens=0,
+        finish_reason="length",
+    )
+
+
+def test_identical_generations_pass_at_zero_tolerance() -> None:
+    a = _gen((5, 5, 6), (-1.0, -2.0, -3.0))
+    assert_same_generation(a, _gen((5, 5, 6), (-1.0, -2.0, -3.0)))
+    assert logprob_gap(a, a) == 0.0
+
+
+def test_a_logprob_difference_fails_and_names_the_step() -> None:
+    a = _gen((5, 5, 6), (-1.0, -2.0, -3.0))
+    b = _gen((5, 5, 6), (-1.0, -2.0 + 1e-6, -3.0))
+    assert logprob_gap(a, b) == pytest.approx(1e-6)
+    with pytest.raises(AssertionError, match="step 1"):
+        assert_same_generation(a, b)
+    assert_same_generation(a, b, atol=1e-5)
+
+
+def test_a_token_difference_fails_and_names_the_first_step() -> None:
+    a = _gen((5, 5, 6), (-1.0, -2.0, -3.0))
+    b = _gen((5, 9, 6), (-1.0, -2.0, -3.0))
+    assert logprob_gap(a, b) == float("inf")
+    with pytest.raises(AssertionError, match="token ids differ from step 1"):
+        assert_same_generation(a, b, atol=10.0)
+
+
+def test_different_top_alternatives_fail() -> None:
+    a = _gen((5,), (-1.0,), tops=(7, 8))
+    b = _gen((5,), (-1.0,), tops=(8, 7))
+    with pytest.raises(AssertionError, match="top alternatives differ at step 0"):
+        assert_same_generation(a, b)
+
+
+def test_generation_parses_sglang_replies() -> None:
+    reply = {
+        "output_ids": [485, 12],
+        "meta_info": {
+            "prompt_tokens": 3000,
+            "cached_tokens": 64,
+            "finish_reason": {"type": "length", "length": 2},
+            "output_token_logprobs": [[-4.9, 485, None], [-4.3, 12, None]],
+            "output_top_logprobs": [[[-4.9, 485, None], [-5.0, 3, None]], [[-4.3, 12, None]]],
+        },
+    }
+    g = Generation.from_reply(reply)
+    assert g.output_ids == (485, 12)
+    assert g.logprobs == (-4.9, -4.3)
+    assert g.top_logprobs == (((485, -4.9), (3, -5.0)), ((12, -4.3),))
+    assert (g.prompt_tokens, g.cached_tokens, g.finish_reason) == (3000, 64, "length")

@@ -1,0 +1,106 @@
+"""Engine configurations: validated at once, hashable, and turned into the server's arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qsa_testing import (
+    EngineConfig,
+    EngineConfigError,
+    Platform,
+    platform_standins,
+    tiny_llama,
+    tiny_qwen4_exp,
+)
+from qsa_testing._engine import _environment, _server_args
+from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, StandIn, boot_directory
+
+
+def test_equal_configurations_are_one_engine_and_replicas_are_not() -> None:
+    a = EngineConfig(tiny_qwen4_exp(), server_args={"chunked_prefill_size": 1024, "x": 1})
+    b = EngineConfig(tiny_qwen4_exp(), server_args={"x": 1, "chunked_prefill_size": 1024})
+    assert a == b
+    assert hash(a) == hash(b)
+    assert EngineConfig(tiny_llama(), replica=1) != EngineConfig(tiny_llama())
+    assert len({a, b, EngineConfig(tiny_llama()), EngineConfig(tiny_llama(), replica=1)}) == 3
+
+
+def test_switches_must_be_string_valued_qsa_variables() -> None:
+    with pytest.raises(EngineConfigError, match="PATH='/x' is not allowed"):
+        EngineConfig(tiny_llama(), switches={"PATH": "/x"})
+    with pytest.raises(EngineConfigError, match="SGLANG_QSA_HISPARSE_V3=1"):
+        EngineConfig(tiny_llama(), switches={"SGLANG_QSA_HISPARSE_V3": 1})  # type: ignore[dict-item]
+
+
+def test_switches_without_the_plugin_are_refused() -> None:
+    with pytest.raises(EngineConfigError, match="need plugin=True"):
+        EngineConfig(tiny_llama(), plugin=False, switches={"SGLANG_QSA_HISPARSE_V3": "p2-offload"})
+
+
+def test_harness_owned_server_args_are_refused() -> None:
+    with pytest.raises(EngineConfigError, match=r"\['port'\] are set by the harness"):
+        EngineConfig(tiny_llama(), server_args={"port": 1})
+    with pytest.raises(EngineConfigError, match="not JSON-serialisable"):
+        EngineConfig(tiny_llama(), server_args={"page_size": object()})
+
+
+def test_unknown_standins_are_refused() -> None:
+    with pytest.raises(ValueError, match="no_such"):
+        EngineConfig(tiny_llama(), standins=frozenset({"no_such"}))  # type: ignore[arg-type]
+
+
+def test_overrides_win_and_the_harness_sets_model_host_and_port(tmp_path: Path) -> None:
+    config = EngineConfig(tiny_qwen4_exp(), server_args={"chunked_prefill_size": 1024})
+    args = _server_args(config, Platform.CPU, tmp_path / "m", 4321)
+    assert args["chunked_prefill_size"] == 1024
+    assert (args["model_path"], args["host"], args["port"]) == (
+        str(tmp_path / "m"),
+        "127.0.0.1",
+        4321,
+    )
+    assert (args["device"], args["load_format"], args["page_size"]) == ("cpu", "dummy", 64)
+    assert args["enable_multimodal"] is False
+    assert "page_size" not in _server_args(EngineConfig(tiny_llama()), Platform.CPU, tmp_path, 1)
+    assert _server_args(config, Platform.CUDA, tmp_path, 1)["device"] == "cuda"
+
+
+def test_environment_names_plugins_switches_and_standins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB", "7")  # must not leak in
+    upstream = _environment(EngineConfig(tiny_llama(), plugin=False), Platform.CPU, tmp_path)
+    assert upstream["SGLANG_PLUGINS"] != "qsa_hisparse"
+    assert "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB" not in upstream
+    assert upstream["SGLANG_USE_CPU_ENGINE"] == "1"
+    standins = set(upstream[ENV_STANDINS].split(","))
+    assert standins == {s.value for s in platform_standins(Platform.CPU)}
+    assert {s.value for s in CPU_STANDINS | {StandIn.DUMMY_WEIGHT_RANGE}} == standins
+    assert upstream["PYTHONPATH"].split(":")[0] == str(boot_directory())
+
+    config = EngineConfig(
+        tiny_llama(),
+        switches={"SGLANG_QSA_HISPARSE_V3": "p2-offload"},
+        standins={StandIn.PERTURB_DECODE_SELECTION},
+    )
+    env = _environment(config, Platform.CUDA, tmp_path)
+    assert env["SGLANG_PLUGINS"] == "qsa_hisparse"
+    assert env["SGLANG_QSA_HISPARSE_V3"] == "p2-offload"
+    assert set(env[ENV_STANDINS].split(",")) == {
+        s.value for s in platform_standins(Platform.CUDA) | {StandIn.PERTURB_DECODE_SELECTION}
+    }
+    assert Path(env["SGLANG_QSA_HISPARSE_ACTIVATION_DIR"]).is_dir()
+
+
+def test_labels_are_filesystem_safe_and_tell_configurations_apart() -> None:
+    configs = [
+        EngineConfig(tiny_qwen4_exp(), plugin=False),
+        EngineConfig(tiny_qwen4_exp()),
+        EngineConfig(tiny_qwen4_exp(), server_args={"chunked_prefill_size": 1024}),
+        EngineConfig(tiny_qwen4_exp(), plugin=False, replica=1),
+        EngineConfig(tiny_qwen4_exp(), switches={"SGLANG_QSA_HISPARSE_V3": "p2-offload"}),
+    ]
+    labels = [c.label for c in configs]
+    assert len(set(labels)) == len(labels)
+    assert all("/" not in label and " " not in label for label in labels)
