@@ -406,6 +406,11 @@ class Engine:
     # ---- lifetime -------------------------------------------------------------------------------
 
     @property
+    def process_group(self) -> int:
+        """The id of the process group that holds every process of the server."""
+        return self._process.pid
+
+    @property
     def running(self) -> bool:
         """True while the server's main process lives."""
         return self._process.poll() is None

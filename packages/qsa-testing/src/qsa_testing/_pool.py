@@ -8,6 +8,7 @@ therefore never needs both engines at once: the upstream results are looked up, 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections import OrderedDict
@@ -55,14 +56,17 @@ class EnginePool:
         self._max_live = max_live
         self._live: OrderedDict[EngineConfig, Engine] = OrderedDict()
         self._results: dict[tuple[EngineConfig, GenerateRequest], Generation] = {}
-        self._dirs: dict[EngineConfig, Path] = {}
         self.starts: list[EngineStart] = []
         self.last_used: Engine | None = None
 
     def _directory(self, config: EngineConfig) -> Path:
-        if config not in self._dirs:
-            self._dirs[config] = self._workdir / f"{len(self._dirs):02d}-{config.label}"
-        return self._dirs[config]
+        """A fresh directory per start, so a restarted engine keeps its earlier log."""
+        return self._workdir / f"{len(self.starts):02d}-{config.label}"
+
+    @property
+    def report_path(self) -> Path:
+        """Where :meth:`close` writes the session's report."""
+        return self._workdir / "report.json"
 
     def engine(self, config: EngineConfig) -> Engine:
         """The running engine of ``config``, started (after stopping the oldest) if needed."""
@@ -98,7 +102,31 @@ class EnginePool:
         return tuple(self.generate(config, request) for request in requests)
 
     def close(self) -> None:
-        """Stop every running engine."""
-        while self._live:
-            _, engine = self._live.popitem(last=False)
-            engine.close()
+        """Stop every running engine and write ``report.json`` (see :meth:`write_report`)."""
+        try:
+            while self._live:
+                _, engine = self._live.popitem(last=False)
+                engine.close()
+        finally:
+            self.write_report(self.report_path)
+
+    def write_report(self, path: Path) -> None:
+        """Every engine start and every generation served, as JSON, for reading after a run."""
+        report = {
+            "starts": [
+                {"label": s.label, "seconds": round(s.seconds, 1), "log": str(s.log_path)}
+                for s in self.starts
+            ],
+            "generations": [
+                {
+                    "engine": config.label,
+                    "prompt_tokens": len(request.input_ids),
+                    "prompt_head": list(request.input_ids[:8]),
+                    "output_ids": list(result.output_ids),
+                    "logprobs": list(result.logprobs),
+                    "cached_tokens": result.cached_tokens,
+                }
+                for (config, request), result in self._results.items()
+            ],
+        }
+        path.write_text(json.dumps(report, indent=1), encoding="utf-8")

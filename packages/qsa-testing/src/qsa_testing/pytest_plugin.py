@@ -56,3 +56,4 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{start.seconds:7.1f} s  {start.label}  ({start.log_path})")
     total = sum(start.seconds for start in pool.starts)
     terminalreporter.write_line(f"{total:7.1f} s  in all, {len(pool.starts)} engines")
+    terminalreporter.write_line(f"generations served: {pool.report_path}")

@@ -1,0 +1,55 @@
+"""A real engine starts, serves, refuses bad requests by name, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from qsa_testing import (
+    EngineConfig,
+    EngineRequestError,
+    EngineStartError,
+    GenerateRequest,
+    start_engine,
+    tiny_llama,
+)
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_engine_serves_a_request_and_close_stops_every_process(tmp_path: Path) -> None:
+    model = tiny_llama()
+    engine = start_engine(EngineConfig(model, plugin=False), tmp_path)
+    try:
+        assert engine.running
+        assert engine.start_seconds > 0
+        request = GenerateRequest(model.prompt(40, seed=9), max_new_tokens=4, top_logprobs=3)
+        generation = engine.generate(request)
+        assert generation.prompt_tokens == 40
+        assert len(generation.output_ids) == 4
+        assert all(len(step) == 3 for step in generation.top_logprobs)
+        assert engine.generate(request) == generation
+        with pytest.raises(EngineRequestError, match=r"/no_such_route answered 404"):
+            engine.get_json("/no_such_route")
+    finally:
+        engine.close()
+    assert _group_gone(engine.process_group), "close() left a process of the group"
+    assert "[qsa-testing] stand-in applied: dummy_weight_range" in engine.log_tail(10_000)
+
+
+def test_a_server_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path: Path) -> None:
+    config = EngineConfig(tiny_llama(), plugin=False, server_args={"no_such_server_arg": 1})
+    with pytest.raises(
+        EngineStartError,
+        match=r"(?s)exited with status 1 .*Unexpected keyword argument 'no_such_server_arg'",
+    ):
+        start_engine(config, tmp_path, timeout=300)
+    assert (tmp_path / "server.log").is_file()
