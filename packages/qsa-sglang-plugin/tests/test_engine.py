@@ -1,0 +1,135 @@
+"""Real SGLang 0.5.23 engines serving tiny dummy models, with and without this plugin.
+
+Upstream SGLang (no plugin loaded) is the reference every wiring test compares against. These
+tests pin that the reference is worth comparing against: it is deterministic across fresh
+engines, its dummy weights carry signal, chunking does not change it, and a one-block change in
+what decode attention reads shows in the logprobs. Then: the plugin loaded with no switch set
+changes nothing.
+
+Each configuration's engine starts once per session (``engines`` fixture); results are kept, so a
+comparison never needs two engines at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from qsa_testing import (
+    EngineConfig,
+    EnginePool,
+    GenerateRequest,
+    Generation,
+    assert_same_generation,
+    current_platform,
+    logprob_gap,
+    platform_standins,
+    tiny_llama,
+    tiny_qwen4_exp,
+)
+from qsa_testing.standins import STANDINS, StandIn
+
+QWEN = tiny_qwen4_exp()
+LLAMA = tiny_llama()
+
+#: Longer than the selection budget plus one open block (2,051 tokens): decode is really sparse.
+LONG = GenerateRequest(QWEN.prompt(3000, seed=1), max_new_tokens=8)
+OTHER = GenerateRequest(QWEN.prompt(3000, seed=2), max_new_tokens=8)
+#: Shorter than the budget: every token is selected.
+SHORT = GenerateRequest(QWEN.prompt(300, seed=3), max_new_tokens=8)
+QWEN_REQUESTS = (LONG, OTHER, SHORT)
+LLAMA_REQUESTS = (
+    GenerateRequest(LLAMA.prompt(500, seed=4), max_new_tokens=8),
+    GenerateRequest(LLAMA.prompt(37, seed=5), max_new_tokens=8),
+)
+
+UPSTREAM = EngineConfig(QWEN, plugin=False)
+UPSTREAM_TWIN = EngineConfig(QWEN, plugin=False, replica=1)
+PLUGIN_IDLE = EngineConfig(QWEN)
+CHUNKED = EngineConfig(QWEN, plugin=False, server_args={"chunked_prefill_size": 1024})
+PERTURBED = EngineConfig(QWEN, plugin=False, standins={StandIn.PERTURB_DECODE_SELECTION})
+LLAMA_UPSTREAM = EngineConfig(LLAMA, plugin=False)
+LLAMA_TWIN = EngineConfig(LLAMA, plugin=False, replica=1)
+LLAMA_PLUGIN_IDLE = EngineConfig(LLAMA)
+
+
+def _qwen(engines: EnginePool, config: EngineConfig) -> tuple[Generation, ...]:
+    return engines.generate_all(config, QWEN_REQUESTS)
+
+
+def test_long_prompt_outgrows_the_selection_budget() -> None:
+    profile = QWEN.qsa_profile()
+    dense_limit = profile.budget + profile.compress_ratio - 1
+    assert dense_limit == 2051
+    assert len(LONG.input_ids) > dense_limit
+    assert len(SHORT.input_ids) < dense_limit
+
+
+def test_upstream_engines_with_one_seed_agree_bit_for_bit(engines: EnginePool) -> None:
+    first = _qwen(engines, UPSTREAM)
+    second = _qwen(engines, UPSTREAM_TWIN)
+    for request, a, b in zip(QWEN_REQUESTS, first, second, strict=True):
+        assert a.prompt_tokens == len(request.input_ids)
+        assert len(a.output_ids) == request.max_new_tokens
+        assert_same_generation(a, b, what=f"{len(request.input_ids)}-token prompt")
+
+
+def test_dummy_weights_give_logprobs_that_vary_per_step_and_per_prompt(
+    engines: EnginePool,
+) -> None:
+    long, other, short = _qwen(engines, UPSTREAM)
+    for generation in (long, other, short):
+        assert len(set(generation.logprobs)) > 1, generation
+        assert all(len(step) == LONG.top_logprobs for step in generation.top_logprobs)
+    assert long.logprobs != other.logprobs
+    assert long.logprobs != short.logprobs
+
+
+def test_chunked_prefill_equals_unchunked(engines: EnginePool) -> None:
+    for request, whole, chunked in zip(
+        QWEN_REQUESTS, _qwen(engines, UPSTREAM), _qwen(engines, CHUNKED), strict=True
+    ):
+        assert_same_generation(whole, chunked, what=f"{len(request.input_ids)}-token prompt")
+
+
+def test_a_wrong_block_in_decode_attention_changes_the_logprobs(engines: EnginePool) -> None:
+    reference = engines.generate(UPSTREAM, LONG)
+    perturbed = engines.generate(PERTURBED, LONG)
+    # The first token comes from prefill, which the perturbation leaves alone ...
+    assert perturbed.logprobs[0] == reference.logprobs[0]
+    # ... every later one from a decode step that read one block less.
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_generation(reference, perturbed)
+    decode_gaps = [
+        abs(a - b) for a, b in zip(reference.logprobs[1:], perturbed.logprobs[1:], strict=True)
+    ]
+    assert min(decode_gaps) > 0.0, decode_gaps
+
+
+def test_plugin_loaded_without_switches_equals_upstream(engines: EnginePool) -> None:
+    for request, upstream, plugin in zip(
+        QWEN_REQUESTS, _qwen(engines, UPSTREAM), _qwen(engines, PLUGIN_IDLE), strict=True
+    ):
+        assert_same_generation(upstream, plugin, what=f"{len(request.input_ids)}-token prompt")
+
+
+def test_engine_applies_exactly_the_platform_standins(engines: EnginePool) -> None:
+    applied = engines.engine(PLUGIN_IDLE).standins_applied()
+    assert {name for name, _ in applied} == platform_standins(current_platform())
+    for name in platform_standins(current_platform()):
+        assert {module for n, module in applied if n is name} == set(STANDINS[name].modules)
+
+
+def test_upstream_llama_engines_with_one_seed_agree_bit_for_bit(engines: EnginePool) -> None:
+    first = engines.generate_all(LLAMA_UPSTREAM, LLAMA_REQUESTS)
+    second = engines.generate_all(LLAMA_TWIN, LLAMA_REQUESTS)
+    for a, b in zip(first, second, strict=True):
+        assert len(set(a.logprobs)) > 1, a
+        assert_same_generation(a, b, what="tiny Llama")
+    assert logprob_gap(first[0], first[1]) > 0.0
+
+
+def test_plugin_loaded_without_switches_equals_upstream_on_llama(engines: EnginePool) -> None:
+    upstream = engines.generate_all(LLAMA_UPSTREAM, LLAMA_REQUESTS)
+    plugin = engines.generate_all(LLAMA_PLUGIN_IDLE, LLAMA_REQUESTS)
+    for a, b in zip(upstream, plugin, strict=True):
+        assert_same_generation(a, b, what="tiny Llama")
