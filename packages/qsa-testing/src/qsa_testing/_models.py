@@ -124,13 +124,17 @@ def _mrope_section(head_dim: int, partial_rotary_factor: float) -> list[int]:
     return [half - 2 * third, third, third]
 
 
-def tiny_qwen4_exp(*, kv_heads: int = 2, model_shaped: bool = False) -> TinyModel:
+def tiny_qwen4_exp(
+    *, kv_heads: int = 2, model_shaped: bool = False, max_position_embeddings: int = 8192
+) -> TinyModel:
     """A Qwen4Exp with 3 Gated DeltaNet layers and 1 QSA layer (layer 3).
 
     Args:
         kv_heads: K/V heads of the QSA layer, 2 (Qwen3.8-Flash-Next) or 1 (one TP2 rank's share).
         model_shaped: the real attention geometry of a QSA layer (24 query heads, head dim 256)
             instead of 4 query heads of dim 64; the width of the rest stays small.
+        max_position_embeddings: the longest context the config allows (262,144 for checks of
+            the real model's capacity plan; engines here use 4,096).
 
     Raises:
         ModelSpecError: ``kv_heads`` is not 1 or 2.
@@ -154,7 +158,7 @@ def tiny_qwen4_exp(*, kv_heads: int = 2, model_shaped: bool = False) -> TinyMode
         "head_dim": head_dim,
         "partial_rotary_factor": rotary,
         "rope_theta": 10_000_000.0,
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": max_position_embeddings,
         "rope_scaling": {
             "rope_type": "default",
             "mrope_section": _mrope_section(head_dim, rotary),
@@ -212,7 +216,10 @@ def tiny_qwen4_exp(*, kv_heads: int = 2, model_shaped: bool = False) -> TinyMode
         },
     }
     shape = "shaped" if model_shaped else "small"
-    return TinyModel(f"qwen4exp-{shape}-kv{kv_heads}", TinyModelKind.QWEN4_EXP, _frozen(config))
+    name = f"qwen4exp-{shape}-kv{kv_heads}"
+    if max_position_embeddings != 8192:
+        name += f"-ctx{max_position_embeddings}"
+    return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config))
 
 
 def tiny_llama() -> TinyModel:
