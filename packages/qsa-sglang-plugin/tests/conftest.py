@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
 from qsa_testing import tiny_qwen4_exp
 
 # Wall-clock deadlines are meaningless on a shared 2-core CI machine; examples must still pass.
