@@ -7,6 +7,7 @@ Common invocations:
     nox -s "tests(qsa-core)"  # one package
     nox -s lint typecheck     # ruff check + format check; mypy --strict on the libraries
     nox -s gpu-tests          # on a CUDA machine: every GPU test, with the machine's own torch
+    nox -s gpu-engine         # on the GPU machine: real SGLang engines from .gpu-payload wheels
     nox -s bench              # benchmarks; results land in docs/bench/
 
 CPU sessions install from ``uv.lock`` with ``uv sync --locked --package <member>``, so a package
@@ -20,9 +21,16 @@ from __future__ import annotations
 import enum
 import os
 import pathlib
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
+import threading
+import time
+import tomllib
+from typing import IO
 
 import nox
 
@@ -106,6 +114,258 @@ def gpu_tests(session: nox.Session) -> None:
             env=env,
             external=True,
         )
+
+
+# ==== Real engines on the GPU machine =============================================================
+
+#: What ``tools/build_engine_payload.sh`` builds: ``engine/`` (sglang 0.5.23, sglang-kernel 0.4.5
+#: and the dependencies the GPU machine lacks) and ``nox/`` (nox itself, to bootstrap this session).
+GPU_PAYLOAD = ROOT / ".gpu-payload"
+#: Where the payload is installed and the engine runs keep their files on the GPU machine.
+_GPU_ENGINE_HOME = pathlib.Path("/tmp/qsa-gpu-engine")
+#: Seconds a pytest run gets, after ``--deadline`` is spent, to stop its engines after SIGINT.
+_ENGINE_RUN_GRACE = 45.0
+
+
+def _install_engine_payload(session: nox.Session) -> pathlib.Path:
+    """Install ``.gpu-payload/engine`` offline into a target directory, once per payload."""
+    wheels = sorted((GPU_PAYLOAD / "engine").glob("*.whl"))
+    if not wheels:
+        session.error(
+            f"no wheels under {GPU_PAYLOAD / 'engine'}: build them where PyPI is reachable with "
+            "tools/build_engine_payload.sh and carry .gpu-payload"
+        )
+    site = _GPU_ENGINE_HOME / "site"
+    stamp = site / ".qsa-gpu-payload"
+    listing = "".join(f"{w.name} {w.stat().st_size}\n" for w in wheels)
+    if stamp.is_file() and stamp.read_text() == listing:
+        session.log(f"the payload's {len(wheels)} wheels are already installed in {site}")
+        return site
+    shutil.rmtree(site, ignore_errors=True)
+    session.log(f"installing {len(wheels)} wheels of {GPU_PAYLOAD / 'engine'} into {site}")
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps"]
+    pip += ["--no-compile", "--no-cache-dir", "--disable-pip-version-check", "--target", str(site)]
+    if subprocess.run([*pip, *map(str, wheels)], check=False).returncode != 0:
+        session.error(f"pip could not install the payload into {site}; see its output above")
+    stamp.write_text(listing)
+    return site
+
+
+def _write_workspace_dists(directory: pathlib.Path) -> None:
+    """Write a minimal ``.dist-info`` (name, version, entry points) for every workspace package.
+
+    The packages are served from their ``src/`` on ``PYTHONPATH``, uninstalled; SGLang finds the
+    plugin through its ``sglang.srt.plugins`` entry point, and the plugin reads its own version,
+    both through ``importlib.metadata``, which needs these records on ``sys.path``.
+    """
+    shutil.rmtree(directory, ignore_errors=True)
+    for package in Package:
+        pyproject = tomllib.loads((_package_dir(package) / "pyproject.toml").read_text())
+        version_file = _package_dir(package) / pyproject["tool"]["hatch"]["version"]["path"]
+        found = re.search(r'^__version__ = "([^"]+)"', version_file.read_text(), re.MULTILINE)
+        if found is None:
+            raise RuntimeError(f"{version_file} defines no __version__")
+        name = package.value.replace("-", "_")
+        info = directory / f"{name}-{found.group(1)}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {package.value}\nVersion: {found.group(1)}\n"
+        )
+        groups = pyproject["project"].get("entry-points", {})
+        lines = [
+            line
+            for group, points in groups.items()
+            for line in (f"[{group}]", *(f"{k} = {v}" for k, v in points.items()), "")
+        ]
+        if lines:
+            (info / "entry_points.txt").write_text("\n".join(lines))
+
+
+def _engine_posargs(
+    session: nox.Session,
+) -> tuple[pathlib.Path | None, list[str], float, bool, list[str]]:
+    """Parse ``--out DIR``, ``--graphs 0|1|both``, ``--deadline S``, ``--concurrent``.
+
+    Returns the output directory, the graph modes, the deadline in seconds, whether the modes run
+    side by side, and the remaining arguments, which go to pytest.
+    """
+    out = os.environ.get("OUT") or None
+    graphs, deadline, concurrent, rest = ["0", "1"], float("inf"), False, []
+    args = list(session.posargs)
+    while args:
+        arg = args.pop(0)
+        if arg in ("--out", "--graphs", "--deadline") and not args:
+            session.error(f"{arg} needs a value")
+        if arg == "--out":
+            out = args.pop(0)
+        elif arg == "--graphs":
+            value = args.pop(0)
+            if value not in ("0", "1", "both"):
+                session.error(f"--graphs {value!r} is not allowed; allowed: 0, 1, both")
+            graphs = ["0", "1"] if value == "both" else [value]
+        elif arg == "--deadline":
+            deadline = float(args.pop(0))
+        elif arg == "--concurrent":
+            concurrent = True
+        else:
+            rest.append(arg)
+    return (pathlib.Path(out) if out else None), graphs, deadline, concurrent, rest
+
+
+def _pump(stream: IO[str], log: pathlib.Path, echo: bool) -> None:
+    with log.open("w", encoding="utf-8") as sink:
+        for line in iter(stream.readline, ""):
+            sink.write(line)
+            sink.flush()
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+
+def _bundle_engine_logs(
+    basetemps: list[pathlib.Path], extra: list[pathlib.Path], target: pathlib.Path
+) -> None:
+    """Pack the runs' engine logs, launch records and ``report.json``, and ``extra``, together."""
+    with tarfile.open(target, "w:gz") as bundle:
+        for basetemp in basetemps:
+            for path in sorted(basetemp.rglob("*")):
+                if path.name in ("server.log", "launch.json", "report.json") and path.is_file():
+                    bundle.add(path, arcname=f"{basetemp.name}/{path.relative_to(basetemp)}")
+        for path in extra:
+            if path.is_file():
+                bundle.add(path, arcname=path.name)
+
+
+#: The engine tests split by model, so that ``--concurrent`` can run them side by side: each
+#: group's engines are only ever compared with engines of the same group. ``(name, -k expression)``.
+_ENGINE_TEST_GROUPS = (("qwen", "not llama"), ("llama", "llama"))
+
+
+def _select(pytest_args: list[str], expression: str) -> list[str]:
+    """``pytest_args`` with ``-k`` narrowed to ``expression`` (and any ``-k`` given)."""
+    args, given = list(pytest_args), []
+    while "-k" in args:
+        at = args.index("-k")
+        given.append(args[at + 1])
+        del args[at : at + 2]
+    combined = " and ".join(f"({e})" for e in [*given, expression])
+    return [*args, "-k", combined]
+
+
+@nox.session(name="gpu-engine", python=False)
+def gpu_engine(session: nox.Session) -> None:
+    """Real SGLang 0.5.23 engines on the GPU machine: decode CUDA graphs off, then on.
+
+    Installs ``.gpu-payload/engine`` offline (``tools/build_engine_payload.sh`` builds it), runs the
+    qsa-testing GPU tests (the CUDA stand-ins), then the plugin's engine tests once per
+    ``QSA_TESTING_CUDA_GRAPHS`` value, with this machine's own python, torch and triton.
+
+    Arguments after ``--``: ``--out DIR`` (default ``$OUT``) receives ``junit-standins.xml`` and,
+    per graph mode ``G``, ``engine-graphsG-<group>.log`` (the pytest output of the Qwen4Exp and the
+    Llama tests) and ``engine-graphsG.tar.gz`` (their junit reports, ``report.json`` files and
+    every engine's log);
+    ``--graphs 0|1|both`` (default both); ``--concurrent`` runs every mode and group side by side
+    on the one GPU (each with its own Triton cache: engines compared with one another must read
+    the autotuning choices of one tuner); ``--deadline S`` interrupts engine runs still going after
+    S seconds, so their reports and logs are still written. Anything else goes to pytest for the
+    engine tests, e.g. ``-k upstream_engines``.
+    """
+    started = time.monotonic()
+    out, graphs, deadline, concurrent, pytest_args = _engine_posargs(session)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    _GPU_ENGINE_HOME.mkdir(parents=True, exist_ok=True)
+    site = _install_engine_payload(session)
+    dists = _GPU_ENGINE_HOME / "dists"
+    _write_workspace_dists(dists)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(site), str(dists), _src_path()]),
+        "QSA_REQUIRE_GPU": "1",
+        "QSA_TESTING_PLATFORM": "cuda",
+        "PYTHONUNBUFFERED": "1",
+    }
+    failed = []
+    junit = [f"--junitxml={out / 'junit-standins.xml'}"] if out is not None else []
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *junit]
+    session.log(f"CUDA stand-ins: {' '.join(command)}")
+    status = subprocess.run(
+        command, cwd=_package_dir(Package.TESTING), env={**os.environ, **env}, check=False
+    ).returncode
+    if status != 0:
+        failed.append(f"qsa-testing GPU tests (pytest status {status})")
+
+    logs_dir = out if out is not None else _GPU_ENGINE_HOME
+    runs: list[tuple[str, subprocess.Popen[str], threading.Thread, pathlib.Path]] = []
+    for mode in graphs:
+        for group, expression in _ENGINE_TEST_GROUPS:
+            name = f"graphs{mode}-{group}"
+            log = logs_dir / f"engine-{name}.log"
+            command = [
+                sys.executable,
+                "-m",
+                "pytest",
+                "tests/test_engine.py",
+                "-p",
+                "no:cacheprovider",
+                f"--basetemp={_GPU_ENGINE_HOME / f'pytest-{name}'}",
+                f"--junitxml={_GPU_ENGINE_HOME / f'junit-engine-{name}.xml'}",
+                "-v",
+                *_select(pytest_args, expression),
+            ]
+            run_env = {**os.environ, **env, "QSA_TESTING_CUDA_GRAPHS": mode}
+            if concurrent:
+                run_env["TRITON_CACHE_DIR"] = str(_GPU_ENGINE_HOME / f"triton-{name}")
+            session.log(f"QSA_TESTING_CUDA_GRAPHS={mode}: {' '.join(command)} (log {log})")
+            process = subprocess.Popen(
+                command,
+                cwd=_package_dir(Package.SGLANG_PLUGIN),
+                env=run_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            assert process.stdout is not None
+            pump = threading.Thread(target=_pump, args=(process.stdout, log, not concurrent))
+            pump.start()
+            runs.append((name, process, pump, log))
+            if not concurrent:
+                _finish_engine_run(process, pump, started + deadline)
+    for name, process, pump, log in runs:
+        status = _finish_engine_run(process, pump, started + deadline)
+        if concurrent:
+            tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-30:]
+            session.log(f"{name}, last lines of {log}:\n" + "\n".join(tail))
+        if status not in (0, 5):  # 5: the -k given selects none of this group's tests
+            failed.append(f"{name} (pytest status {status})")
+    if out is not None:
+        for mode in graphs:
+            names = [f"graphs{mode}-{group}" for group, _ in _ENGINE_TEST_GROUPS]
+            _bundle_engine_logs(
+                [_GPU_ENGINE_HOME / f"pytest-{n}" for n in names],
+                [_GPU_ENGINE_HOME / f"junit-engine-{n}.xml" for n in names],
+                out / f"engine-graphs{mode}.tar.gz",
+            )
+    session.log(f"gpu-engine took {time.monotonic() - started:.0f} s")
+    if failed:
+        session.error("failed: " + ", ".join(failed))
+
+
+def _finish_engine_run(
+    process: subprocess.Popen[str], pump: threading.Thread, deadline: float
+) -> int:
+    """Wait for a pytest run; past ``deadline`` interrupt it (pytest then stops its engines)."""
+    remaining = deadline - time.monotonic()
+    try:
+        process.wait(timeout=None if remaining == float("inf") else max(0.0, remaining))
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=_ENGINE_RUN_GRACE)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    pump.join()
+    return process.returncode
 
 
 # ==== Benchmarks and demo =========================================================================
