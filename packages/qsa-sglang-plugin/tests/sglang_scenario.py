@@ -35,7 +35,10 @@ def scenario_on(model_dir: str) -> dict[str, Any]:
     original_resolve = server_args_mod.ServerArgs.__dict__["resolve_once"]
     original_configure = scheduler_mod.configure_scheduler_process
     load_plugins()
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+
     report: dict[str, Any] = {
+        "radix_cache_backends": registered_radix_cache_backends(),
         "registry": {
             t: [[ht.value, getattr(src, "plugin_name", None)] for ht, _h, src in entries]
             for t, entries in HookRegistry._hooks.items()
@@ -50,7 +53,9 @@ def scenario_on(model_dir: str) -> dict[str, Any]:
         report["overlap_on"] = None
     except BaseException as exc:
         report["overlap_on"] = _error(exc)
-    server_args = _resolve(model_dir, "--disable-overlap-schedule")
+    server_args = _resolve(
+        model_dir, "--disable-overlap-schedule", "--radix-cache-backend", "qsa_hisparse"
+    )
     report["supported_resolved"] = True
 
     from sglang.srt.runtime_context import SpawnRanks, publish
@@ -83,6 +88,7 @@ def scenario_off_then_on(model_dir: str) -> dict[str, Any]:
     """Switches off: nothing registered. Then on, with a foreign plugin on a target: refused."""
     del model_dir
     import sglang.srt.plugins as plugins_mod
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     import qsa_sglang_plugin._switches as switches_mod
@@ -96,6 +102,7 @@ def scenario_off_then_on(model_dir: str) -> dict[str, Any]:
             for t, entries in HookRegistry._hooks.items()
         },
         "off_active": activation_mod.activation_state() is not None,
+        "off_radix_cache_backends": registered_radix_cache_backends(),
         "off_imported_config_check": "qsa_sglang_plugin._config_check" in sys.modules,
     }
     os.environ["SGLANG_QSA_MODEL_COMPAT"] = "1"

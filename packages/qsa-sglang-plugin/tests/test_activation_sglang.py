@@ -147,6 +147,7 @@ def test_switches_off_registers_nothing(reports: Reports) -> None:
     assert "foreign_hooker" in owners  # the foreign plugin did load: the check is not vacuous
     assert off["off_active"] is False
     assert off["off_imported_config_check"] is False
+    assert "qsa_hisparse" not in off["off_radix_cache_backends"]
 
 
 def test_hooks_land_on_sglang_classes(reports: Reports) -> None:
@@ -159,6 +160,11 @@ def test_hooks_land_on_sglang_classes(reports: Reports) -> None:
     assert registry["sglang.srt.managers.scheduler.configure_scheduler_process"] == [
         ["after", "qsa_hisparse"]
     ]
+
+
+def test_offload_switch_registers_the_lifecycle_radix_cache_backend(reports: Reports) -> None:
+    """p2-offload adds radix-cache backend qsa_hisparse to SGLang's registry."""
+    assert "qsa_hisparse" in reports.on["radix_cache_backends"]
 
 
 def test_unsupported_configuration_stops_resolution(reports: Reports) -> None:

@@ -92,6 +92,11 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
         ({"disable_overlap_schedule": False}, ["--disable-overlap-schedule=False", "set"]),
         ({"enable_mixed_chunk": True}, ["--enable-mixed-chunk=True", "supported: off"]),
         ({"disable_radix_cache": False}, ["--disable-radix-cache=False", "set"]),
+        (
+            {"radix_cache_backend": None},
+            ["--radix-cache-backend=None", "supported: 'qsa_hisparse'"],
+        ),
+        ({"radix_cache_backend": "lmcache"}, ["--radix-cache-backend='lmcache'", "'qsa_hisparse'"]),
     ],
 )
 def test_hisparse_rejects_scheduler_flags_it_cannot_run(

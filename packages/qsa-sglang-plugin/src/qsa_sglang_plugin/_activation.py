@@ -13,6 +13,7 @@ writes that process's :class:`ActivationRecord` to ``$SGLANG_QSA_HISPARSE_ACTIVA
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -25,7 +26,13 @@ from typing import Any
 
 from qsa_sglang_plugin._errors import ActivationError, ForeignHookError, HookNotAppliedError
 from qsa_sglang_plugin._fingerprints import verify_fingerprints
-from qsa_sglang_plugin._hooks import HookSpec, specs_for
+from qsa_sglang_plugin._hooks import (
+    HookSpec,
+    Registry,
+    RegistrySpec,
+    registrations_for,
+    specs_for,
+)
 from qsa_sglang_plugin._switches import (
     ENV_ACTIVATION_DIR,
     PLUGIN_NAME,
@@ -173,13 +180,30 @@ def activate() -> None:
             msg = f"hook {spec.kind.value} on {spec.target} did not apply: the target is unchanged"
             raise HookNotAppliedError(msg)
         state.installed[spec.target] = after
+    for entry in registrations_for(switches.features):
+        _register(entry)
     _STATE = state
     logger.info(
-        "%s active: features=%s hooks=%d",
+        "%s active: features=%s hooks=%d registrations=%s",
         PLUGIN_NAME,
         [f.value for f in switches.features],
         len(specs),
+        [f"{r.registry.name.lower()}:{r.name}" for r in registrations_for(switches.features)],
     )
+
+
+def _register(entry: RegistrySpec) -> None:
+    """Add ``entry`` to its SGLang registry; refuse a name another plugin took first."""
+    module_name, _, function = entry.registry.value.partition(":")
+    module = importlib.import_module(module_name)
+    if entry.registry is Registry.RADIX_CACHE_BACKEND:
+        if entry.name in module.registered_radix_cache_backends():
+            msg = (
+                f"radix-cache backend {entry.name!r} is already registered by another plugin; "
+                f"{PLUGIN_NAME} needs that name"
+            )
+            raise ForeignHookError(msg)
+        getattr(module, function)(entry.name, entry.load_factory())
 
 
 def verify_active() -> None:

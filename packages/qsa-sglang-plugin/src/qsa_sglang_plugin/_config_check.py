@@ -14,7 +14,12 @@ from typing import Any, Final
 
 from qsa_core import QSAConfigError, QSAProfile
 from qsa_sglang_plugin._errors import ConfigurationError
-from qsa_sglang_plugin._switches import Feature, Switches, current_switches
+from qsa_sglang_plugin._switches import (
+    RADIX_CACHE_BACKEND,
+    Feature,
+    Switches,
+    current_switches,
+)
 
 __all__ = (
     "SUPPORTED_ARCHITECTURE",
@@ -51,6 +56,7 @@ class ConfigFacts:
         disable_overlap_schedule: ``--disable-overlap-schedule``.
         enable_mixed_chunk: ``--enable-mixed-chunk``.
         disable_radix_cache: ``--disable-radix-cache``.
+        radix_cache_backend: ``--radix-cache-backend`` (None = SGLang's default tree cache).
     """
 
     architectures: tuple[str, ...]
@@ -67,6 +73,7 @@ class ConfigFacts:
     disable_overlap_schedule: bool = True
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = True
+    radix_cache_backend: str | None = RADIX_CACHE_BACKEND
 
 
 def _reject(flag: str, value: object, supported: str, why: str) -> ConfigurationError:
@@ -80,7 +87,7 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     size 64; a valid QSA profile (parsed by qsa-core); KV dtype bf16 or fp8_e4m3. Extra rules
     when ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
     attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, overlap
-    scheduling and mixed chunks off, radix cache off.
+    scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend.
 
     Returns:
         The model's QSA profile, or None when every switch is off (nothing is checked).
@@ -181,6 +188,13 @@ def _check_hisparse(facts: ConfigFacts) -> None:
             "offloaded K/V history is not on the GPU for the radix cache to share; prefix reuse "
             "comes from the host prefix cache",
         )
+    if facts.radix_cache_backend != RADIX_CACHE_BACKEND:
+        raise _reject(
+            "--radix-cache-backend",
+            facts.radix_cache_backend,
+            repr(RADIX_CACHE_BACKEND),
+            "the plugin's tree cache holds one lease per request that has a KV row",
+        )
 
 
 def _as_str(value: object) -> str:
@@ -224,6 +238,9 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         disable_overlap_schedule=bool(cfg.disable_overlap_schedule),
         enable_mixed_chunk=bool(cfg.enable_mixed_chunk),
         disable_radix_cache=bool(cfg.disable_radix_cache),
+        radix_cache_backend=None
+        if cfg.radix_cache_backend is None
+        else str(cfg.radix_cache_backend),
     )
 
 

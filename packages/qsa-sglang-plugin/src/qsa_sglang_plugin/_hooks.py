@@ -18,9 +18,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from qsa_sglang_plugin._switches import Feature
+from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND, Feature
 
-__all__ = ("HOOKS", "HookKind", "HookSpec", "specs_for")
+__all__ = (
+    "HOOKS",
+    "REGISTRATIONS",
+    "HookKind",
+    "HookSpec",
+    "Registry",
+    "RegistrySpec",
+    "registrations_for",
+    "specs_for",
+)
 
 
 class HookKind(enum.StrEnum):
@@ -96,3 +105,54 @@ def specs_for(features: Iterable[Feature]) -> tuple[HookSpec, ...]:
     """The declared hooks of the given features, in declaration order."""
     wanted = frozenset(features)
     return tuple(spec for spec in HOOKS if spec.feature in wanted)
+
+
+class Registry(enum.StrEnum):
+    """An SGLang registry this plugin adds to, by its registering function."""
+
+    RADIX_CACHE_BACKEND = "sglang.srt.mem_cache.registry:register_radix_cache_backend"
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrySpec:
+    """One entry this plugin adds to an SGLang registry.
+
+    Attributes:
+        registry: which registry.
+        name: the name the entry is registered under (what a flag selects).
+        feature: the feature that registers it.
+        factory: ``"package.module:function"`` of the factory in this package.
+        reason: what the entry does.
+    """
+
+    registry: Registry
+    name: str
+    feature: Feature
+    factory: str
+    reason: str
+
+    def load_factory(self) -> Callable[..., Any]:
+        """Import and return the factory."""
+        module_name, _, attr = self.factory.partition(":")
+        fn: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+        return fn
+
+
+REGISTRATIONS: tuple[RegistrySpec, ...] = (
+    RegistrySpec(
+        registry=Registry.RADIX_CACHE_BACKEND,
+        name=RADIX_CACHE_BACKEND,
+        feature=Feature.HISPARSE,
+        factory="qsa_sglang_plugin._adapters._lifecycle:radix_cache_factory",
+        reason=(
+            "Sees every request's row allocation, chunk and prompt ends, and release (finish, "
+            "abort, retraction): one lease per request that holds a KV row."
+        ),
+    ),
+)
+
+
+def registrations_for(features: Iterable[Feature]) -> tuple[RegistrySpec, ...]:
+    """The declared registry entries of the given features, in declaration order."""
+    wanted = frozenset(features)
+    return tuple(spec for spec in REGISTRATIONS if spec.feature in wanted)

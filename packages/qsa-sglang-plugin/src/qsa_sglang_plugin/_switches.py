@@ -22,6 +22,7 @@ __all__ = (
     "ENV_PREFIX_CACHE_MB",
     "ENV_SGLANG_PLUGINS",
     "PLUGIN_NAME",
+    "RADIX_CACHE_BACKEND",
     "Feature",
     "HiSparseMode",
     "Switches",
@@ -39,6 +40,8 @@ ENV_ACTIVATION_DIR: Final = "SGLANG_QSA_HISPARSE_ACTIVATION_DIR"
 ENV_SGLANG_PLUGINS: Final = "SGLANG_PLUGINS"
 #: This plugin's entry-point name in the ``sglang.srt.plugins`` group.
 PLUGIN_NAME: Final = "qsa_hisparse"
+#: This plugin's radix-cache backend, the value ``--radix-cache-backend`` takes with offload.
+RADIX_CACHE_BACKEND: Final = "qsa_hisparse"
 
 #: Default retained-plus-pending checkpoint count per TP rank when the prefix cache is on.
 DEFAULT_PREFIX_CACHE_MAX_ENTRIES: Final = 256

@@ -372,6 +372,14 @@ class Engine:
             )
             raise EngineRequestError(msg) from None
 
+    def get_text(self, path: str, *, timeout: float = 60.0) -> str:
+        """``GET path`` and its reply as text (e.g. ``/metrics``)."""
+        return self._call(path, None, timeout).decode("utf-8", errors="replace")
+
+    def post(self, path: str, body: Mapping[str, Any], *, timeout: float = 600.0) -> bytes:
+        """``POST path`` with a JSON body; the reply's raw bytes (some routes answer no JSON)."""
+        return self._call(path, body, timeout)
+
     def get_json(self, path: str, *, timeout: float = 60.0) -> Any:
         """``GET path`` and its JSON reply."""
         return json.loads(self._call(path, None, timeout))

@@ -1,0 +1,152 @@
+"""The request lifecycle inside SGLang: the ``qsa_hisparse`` radix-cache backend.
+
+SGLang tells its tree cache about every request that holds a KV row: the row is allocated
+(``maybe_hand_to_session``, once per prefill chunk), a prefill chunk or the whole prompt ends
+(``checkpoint``), and the row is given back (``on_release``, on finish, abort — also in the middle
+of a chunked prefill — and retraction). This adapter maps those calls onto one
+:class:`qsa_core.LeaseTable` per scheduler, so every request that got a row holds exactly one lease
+until SGLang releases the row, and every lease is released. The offload runtime hangs its
+prompt hand-off and its row release on the same transitions.
+
+Operators see the leases on SGLang's Prometheus endpoint (``--enable-metrics``):
+``qsa_hisparse_live_leases`` and ``qsa_hisparse_leases_released_total{outcome}``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+from qsa_core import LeaseHandle, LeaseState, LeaseTable
+from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND
+
+__all__ = ("LeaseOutcome", "radix_cache_factory")
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseOutcome(enum.StrEnum):
+    """Why a request gave its lease back."""
+
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    RETRACTED = "retracted"
+
+
+class _Metrics:
+    """The lifecycle's Prometheus series, one label set per TP rank."""
+
+    def __init__(self, tp_rank: int) -> None:
+        from prometheus_client import Counter, Gauge
+
+        rank = str(tp_rank)
+        self.live = Gauge(
+            "qsa_hisparse_live_leases",
+            "Requests holding a QSA HiSparse lease (a KV row) on this TP rank.",
+            labelnames=("tp_rank",),
+            multiprocess_mode="livesum",
+        ).labels(tp_rank=rank)
+        released = Counter(
+            "qsa_hisparse_leases_released",
+            "QSA HiSparse leases given back, by why the request released its row.",
+            labelnames=("tp_rank", "outcome"),
+        )
+        self.released = {o: released.labels(tp_rank=rank, outcome=o.value) for o in LeaseOutcome}
+
+
+def _outcome(req: Any) -> LeaseOutcome:
+    if not req.finished():
+        return LeaseOutcome.RETRACTED
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    if isinstance(req.finished_reason, FINISH_ABORT):
+        return LeaseOutcome.ABORTED
+    return LeaseOutcome.FINISHED
+
+
+def _cache_class() -> type[Any]:
+    """The ``UnifiedRadixCache`` subclass; built on first use so importing this module is cheap."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    class HiSparseRadixCache(UnifiedRadixCache):  # type: ignore[misc]
+        """SGLang's unified radix cache, plus one lease per request that holds a KV row."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            from sglang.srt.runtime_context import get_parallel
+
+            slots = int(self.req_to_token_pool.size)
+            self.qsa_leases = LeaseTable(slots)
+            self._qsa_by_rid: dict[str, LeaseHandle] = {}
+            self._qsa_metrics = _Metrics(int(get_parallel().tp_rank))
+            logger.info("%s lifecycle: %d lease slots", RADIX_CACHE_BACKEND, slots)
+
+        # ---- SGLang's lifecycle calls ------------------------------------------------------------
+
+        def maybe_hand_to_session(self, req: Any) -> None:
+            super().maybe_hand_to_session(req)
+            if req.rid in self._qsa_by_rid:  # a later chunk of a prompt that holds its lease
+                return
+            handle = self.qsa_leases.acquire(req.rid)
+            self.qsa_leases.begin_prefill(handle)
+            self._qsa_by_rid[req.rid] = handle
+            self._qsa_metrics.live.inc()
+
+        def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+            super().checkpoint(req, up_to=up_to, **kwargs)
+            handle = self._qsa_by_rid.get(req.rid)
+            if handle is not None and up_to >= len(req.origin_input_ids):
+                self._to_decoding(handle)
+
+        def on_release(self, req: Any, *, checkpointed: bool) -> None:
+            super().on_release(req, checkpointed=checkpointed)
+            handle = self._qsa_by_rid.pop(req.rid, None)
+            if handle is None:
+                msg = f"request {req.rid!r} released a KV row without holding a lease"
+                raise RuntimeError(msg)
+            outcome = _outcome(req)
+            if outcome is LeaseOutcome.FINISHED:
+                self._to_decoding(handle)
+                self.qsa_leases.finish(handle)
+            else:
+                self.qsa_leases.abort(handle)
+            self.qsa_leases.release(handle)
+            self._qsa_metrics.live.dec()
+            self._qsa_metrics.released[outcome].inc()
+            logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
+
+        def reset(self) -> None:
+            live = getattr(self, "_qsa_by_rid", None)
+            if live:
+                # SGLang flushes only when idle, so a live lease here belongs to a request it
+                # lost track of: keep everything as it is rather than free rows still leased.
+                logger.error(
+                    "%s: cache flush refused, %d leases are live (requests %r)",
+                    RADIX_CACHE_BACKEND,
+                    len(live),
+                    sorted(live),
+                )
+                return
+            super().reset()
+
+        # ---- helpers -----------------------------------------------------------------------------
+
+        def _to_decoding(self, handle: LeaseHandle) -> None:
+            """Prompt complete: the hand-off point (instant until the K/V moves to the host)."""
+            if self.qsa_leases.state(handle) is LeaseState.PREFILLING:
+                self.qsa_leases.begin_copy(handle)
+                self.qsa_leases.finish_copy(handle)
+                self.qsa_leases.begin_decode(handle)
+
+    return HiSparseRadixCache
+
+
+def radix_cache_factory(ctx: Any) -> Any:
+    """The factory of radix-cache backend ``qsa_hisparse``.
+
+    SGLang calls it with its ``TreeCacheBuildContext`` once in every scheduler process.
+    """
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    return create_unified_radix_cache(ctx, cache_class=_cache_class())

@@ -1,0 +1,163 @@
+"""The request lifecycle in a real SGLang 0.5.23 engine with ``SGLANG_QSA_HISPARSE_V3=p2-offload``.
+
+The ``qsa_hisparse`` radix-cache backend holds one lease per request that has a KV row and gives
+every lease back, whatever ends the request: it finishes, it is aborted while it decodes or while
+its prompt is still being prefilled in chunks. The engine's Prometheus endpoint shows it. The K/V
+history still stays on the GPU (the offload backend is not wired yet), so what the engine answers
+must equal upstream bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from qsa_testing import (
+    Engine,
+    EngineConfig,
+    EnginePool,
+    EngineRequestError,
+    GenerateRequest,
+    assert_same_generation,
+    tiny_qwen4_exp,
+)
+
+QWEN = tiny_qwen4_exp()
+OFFLOAD_SWITCHES = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+LIFECYCLE = EngineConfig(
+    QWEN,
+    switches=OFFLOAD_SWITCHES,
+    server_args={
+        "radix_cache_backend": "qsa_hisparse",
+        "disable_overlap_schedule": True,
+        "enable_metrics": True,
+        "chunked_prefill_size": 1024,
+    },
+)
+UPSTREAM = EngineConfig(QWEN, plugin=False)
+LONG = GenerateRequest(QWEN.prompt(3000, seed=1), max_new_tokens=8)
+SHORT = GenerateRequest(QWEN.prompt(300, seed=3), max_new_tokens=8)
+
+_SAMPLE = re.compile(r"^(qsa_hisparse_[a-z_]+)\{([^}]*)\} ([0-9.e+-]+)$", re.MULTILINE)
+
+
+def _series(engine: Engine) -> dict[tuple[str, str], float]:
+    """``(metric, labels) -> value`` of this plugin's series on the Prometheus endpoint."""
+    text = engine.get_text("/metrics")
+    return {(m.group(1), m.group(2)): float(m.group(3)) for m in _SAMPLE.finditer(text)}
+
+
+def _live_leases(engine: Engine) -> float:
+    return sum(v for (name, _), v in _series(engine).items() if name == "qsa_hisparse_live_leases")
+
+
+def _released(engine: Engine, outcome: str) -> float:
+    return sum(
+        v
+        for (name, labels), v in _series(engine).items()
+        if name == "qsa_hisparse_leases_released_total" and f'outcome="{outcome}"' in labels
+    )
+
+
+class _Background:
+    """One ``/generate`` call on a thread; ``reply`` holds what it answered."""
+
+    def __init__(self, engine: Engine, body: dict[str, object]) -> None:
+        self.reply: dict[str, object] | None = None
+        self.error: EngineRequestError | None = None
+        self._thread = threading.Thread(target=self._run, args=(engine, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, engine: Engine, body: dict[str, object]) -> None:
+        try:
+            self.reply = engine.post_json("/generate", body)
+        except EngineRequestError as exc:  # an aborted request may answer with an error
+            self.error = exc
+
+    def join(self, seconds: float) -> None:
+        self._thread.join(timeout=seconds)
+        assert not self._thread.is_alive(), f"/generate still running after {seconds} s"
+
+    @property
+    def completion_tokens(self) -> int:
+        assert self.reply is not None, self.error
+        meta = self.reply["meta_info"]
+        assert isinstance(meta, dict)
+        return int(meta["completion_tokens"])
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"condition not met within {seconds} s")
+
+
+def test_offload_switch_serves_upstream_outputs_with_its_own_tree_cache(
+    engines: EnginePool,
+) -> None:
+    for request in (LONG, SHORT):
+        assert_same_generation(
+            engines.generate(UPSTREAM, request), engines.generate(LIFECYCLE, request)
+        )
+    engine = engines.engine(LIFECYCLE)
+    assert "Tree cache initialized: source=registered('qsa_hisparse') impl=HiSparseRadixCache" in (
+        engine.log_path.read_text(encoding="utf-8", errors="replace")
+    )
+
+
+def test_every_finished_request_gives_its_lease_back(engines: EnginePool) -> None:
+    engine = engines.engine(LIFECYCLE)
+    finished_before = _released(engine, "finished")
+    calls = [
+        _Background(engine, GenerateRequest(QWEN.prompt(700, seed=s)).body()) for s in (10, 11, 12)
+    ]
+    for call in calls:
+        call.join(600)
+        assert call.completion_tokens == 8
+    assert _live_leases(engine) == 0
+    assert _released(engine, "finished") == finished_before + 3
+
+
+def test_abort_during_decode_gives_the_lease_back(engines: EnginePool) -> None:
+    engine = engines.engine(LIFECYCLE)
+    aborted_before = _released(engine, "aborted")
+    rid = uuid.uuid4().hex
+    body = {**GenerateRequest(QWEN.prompt(200, seed=20), max_new_tokens=3000).body(), "rid": rid}
+    call = _Background(engine, body)
+    _wait_for(lambda: _live_leases(engine) == 1)
+    time.sleep(1.0)  # well into decode
+    engine.post("/abort_request", {"rid": rid})
+    call.join(120)
+    assert 0 < call.completion_tokens < 3000
+    _wait_for(lambda: _live_leases(engine) == 0)
+    assert _released(engine, "aborted") == aborted_before + 1
+
+
+def test_abort_during_chunked_prefill_gives_the_lease_back(engines: EnginePool) -> None:
+    engine = engines.engine(LIFECYCLE)
+    aborted_before = _released(engine, "aborted")
+    rid = uuid.uuid4().hex
+    # 3,900 tokens prefill in four 1,024-token chunks; the abort lands while they run.
+    body = {**GenerateRequest(QWEN.prompt(3900, seed=21), max_new_tokens=4).body(), "rid": rid}
+    call = _Background(engine, body)
+    _wait_for(lambda: _live_leases(engine) == 1, seconds=60)
+    engine.post("/abort_request", {"rid": rid})
+    call.join(120)
+    assert call.completion_tokens == 0  # aborted before its prompt was fully prefilled
+    _wait_for(lambda: _live_leases(engine) == 0)
+    assert _released(engine, "aborted") == aborted_before + 1
+
+
+def test_flush_succeeds_once_every_lease_is_back(engines: EnginePool) -> None:
+    engine = engines.engine(LIFECYCLE)
+    _wait_for(lambda: _live_leases(engine) == 0)
+    engine.flush_cache()
+    assert "cache flush refused" not in engine.log_path.read_text(
+        encoding="utf-8", errors="replace"
+    )
