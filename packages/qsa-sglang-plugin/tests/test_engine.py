@@ -19,6 +19,7 @@ from qsa_testing import (
     EnginePool,
     GenerateRequest,
     Generation,
+    Platform,
     assert_same_generation,
     current_platform,
     logprob_gap,
@@ -47,6 +48,10 @@ ONE_BLOCK_SHIFT = 1e-3
 #: Decode and prefill are different kernels over the same K/V; they agree within bf16 rounding
 #: (up to 3.7e-4 measured on the CPU).
 DECODE_PREFILL_ATOL = 2e-3
+
+#: CUDA only: how far a prefill chunk with a prefix moves the first token's logprobs and top
+#: alternatives (up to 7.9e-3 measured on the H200).
+CUDA_PREFIX_PREFILL_ATOL = 2e-2
 
 UPSTREAM = EngineConfig(QWEN, plugin=False)
 UPSTREAM_TWIN = EngineConfig(QWEN, plugin=False, replica=1)
@@ -105,10 +110,18 @@ def test_dummy_weights_give_logprobs_that_vary_per_step_and_per_prompt(
 
 
 def test_chunked_prefill_equals_unchunked(engines: EnginePool) -> None:
+    """Bit for bit on the CPU. On CUDA a chunk with a prefix takes upstream's other prefill
+    kernel, so the first token's logprobs (prefill's output) move within bf16 rounding, while
+    every decode step, which reads the same K/V, stays bit-identical."""
     for request, whole, chunked in zip(
         QWEN_REQUESTS, _qwen(engines, UPSTREAM), _qwen(engines, CHUNKED), strict=True
     ):
-        assert_same_generation(whole, chunked, what=f"{len(request.input_ids)}-token prompt")
+        what = f"{len(request.input_ids)}-token prompt"
+        if current_platform() is Platform.CPU:
+            assert_same_generation(whole, chunked, what=what)
+        else:
+            assert_same_generation(whole, chunked, atol=CUDA_PREFIX_PREFILL_ATOL, what=what)
+            assert whole.logprobs[1:] == chunked.logprobs[1:], what
 
 
 def test_a_wrong_block_in_decode_attention_changes_the_logprobs(engines: EnginePool) -> None:
@@ -138,6 +151,7 @@ def test_plugin_loaded_without_switches_equals_upstream(engines: EnginePool) -> 
 
 
 def test_engine_applies_exactly_the_platform_standins(engines: EnginePool) -> None:
+    engines.generate(PLUGIN_IDLE, LONG)  # some stand-ins edit modules that load on first use
     applied = engines.engine(PLUGIN_IDLE).standins_applied()
     assert {name for name, _ in applied} == platform_standins(current_platform())
     for name in platform_standins(current_platform()):

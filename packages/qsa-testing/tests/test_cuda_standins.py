@@ -4,7 +4,9 @@
 SDPA with a bottom-right causal bias, on CPU tensors everywhere and on the GPU under
 ``@pytest.mark.gpu``, where it is also captured in a CUDA graph and replayed on new inputs. The
 dual-GEMM stand-in is checked against the real module's source, which is read, not imported (it
-needs ``cutlass``).
+needs ``cutlass``). The sorted QSA top-k is checked on a shuffled stand-in for upstream's output
+everywhere, and under ``@pytest.mark.gpu`` against upstream's own JIT kernel, eagerly and in a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from types import ModuleType
 import pytest
 import torch
 
+from qsa_testing import StandInError
 from qsa_testing.standins import CUDA_STANDINS, STANDINS, StandIn
 from qsa_testing.standins._cuda import (
     DUAL_GEMM_LAYER_MODULE,
     DUAL_GEMM_MODULE,
+    FAST_TOPK_MODULE,
     PROVIDED_ORIGIN,
     QSA_BACKEND_MODULE,
     DualGemmQuantMode,
@@ -38,6 +42,8 @@ from qsa_testing.standins._cuda import (
     fill_unavailable_dual_gemm,
     flash_attn_varlen_torch,
     provide_if_absent,
+    sort_selected_indices,
+    sorted_fast_topk,
     upstream_public_names,
 )
 
@@ -635,10 +641,12 @@ def test_dual_gemm_standin_serves_upstreams_import_when_cutlass_is_absent(tmp_pa
 
 
 def test_cuda_standins_edit_modules_every_qwen4exp_engine_imports() -> None:
+    # The first two are imported when the engine loads its model; the top-k module on the first
+    # QSA top-k on CUDA (see test_every_qsa_call_of_fast_topk_resolves_the_edited_attribute).
     assert {
         spec.name
         for spec in STANDINS.values()
-        if spec.modules[0] in {DUAL_GEMM_LAYER_MODULE, QSA_BACKEND_MODULE}
+        if spec.modules[0] in {DUAL_GEMM_LAYER_MODULE, QSA_BACKEND_MODULE, FAST_TOPK_MODULE}
     } >= CUDA_STANDINS
     assert STANDINS[StandIn.CUTEDSL_DUAL_GEMM_UNAVAILABLE].modules == (DUAL_GEMM_LAYER_MODULE,)
     # Every model module is imported by SGLang's registry, Llama's among them, which imports the
@@ -648,3 +656,243 @@ def test_cuda_standins_edit_modules_every_qwen4exp_engine_imports() -> None:
         node.module for node in llama.body if isinstance(node, ast.ImportFrom) and node.module
     }
     assert DUAL_GEMM_LAYER_MODULE in imported
+
+
+# ---- QSA's block top-k, sorted -------------------------------------------------------------------
+
+TOPK = 512
+
+
+def _shuffled_selection(
+    sizes: Sequence[int], width: int, device: str, seed: int = 0
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """What upstream's top-k may return: row ``r`` selects ``sizes[r]`` distinct indices.
+
+    The selected indices and the ``-1`` padding are interleaved in a random order, the worst a
+    caller could be handed; the second value is each row's selected set, ascending.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rows, chosen = [], []
+    for size in sizes:
+        picked = torch.randperm(4 * width, generator=generator)[:size]
+        row = torch.cat([picked, torch.full((width - size,), -1, dtype=torch.long)])
+        rows.append(row[torch.randperm(width, generator=generator)])
+        chosen.append(sorted(picked.tolist()))
+    return torch.stack(rows).to(device=device, dtype=torch.int32), chosen
+
+
+def _assert_sorted_selection(indices: torch.Tensor, chosen: Sequence[Sequence[int]]) -> None:
+    assert indices.dtype == torch.int32
+    for row, expected in zip(indices.cpu().tolist(), chosen, strict=True):
+        assert row[: len(expected)] == list(expected)
+        assert row[len(expected) :] == [-1] * (len(row) - len(expected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sorting_keeps_each_rows_selection_and_puts_it_in_ascending_order(device: str) -> None:
+    sizes = [TOPK, 0, 1, 300, TOPK - 1, TOPK]
+    indices, chosen = _shuffled_selection(sizes, TOPK, device)
+    ordered = sort_selected_indices(indices)
+    assert ordered.shape == indices.shape
+    assert ordered.device == indices.device
+    _assert_sorted_selection(ordered, chosen)
+    assert torch.equal(sort_selected_indices(ordered), ordered)
+    assert sort_selected_indices(indices[:0]).shape == (0, TOPK)
+
+
+def test_the_wrapper_sorts_what_upstream_returns_for_a_cuda_score() -> None:
+    """The wrapper's CUDA branch on CPU tensors: a fake upstream, and a score that says CUDA."""
+    indices, chosen = _shuffled_selection([TOPK, 7, 0], TOPK, "cpu", seed=1)
+    calls: list[tuple[object, object, int, object]] = []
+
+    def upstream(
+        score: object, lengths: torch.Tensor, topk: int, row_starts: torch.Tensor | None
+    ) -> torch.Tensor:
+        calls.append((score, lengths, topk, row_starts))
+        return indices.clone()
+
+    class CudaScore:
+        is_cuda = True
+
+    score, lengths, starts = CudaScore(), torch.tensor([900, 7, 0]), torch.zeros(3)
+    wrapped = sorted_fast_topk(upstream)
+    _assert_sorted_selection(wrapped(score, lengths, topk=TOPK, row_starts=starts), chosen)
+    _assert_sorted_selection(wrapped(score, lengths, TOPK), chosen)
+    assert len(calls) == 2
+    for call, row_starts in zip(calls, (starts, None), strict=True):
+        assert call[0] is score
+        assert call[1] is lengths
+        assert call[2] == TOPK
+        assert call[3] is row_starts
+
+
+def test_the_wrapper_hands_cpu_tensors_to_upstream_untouched() -> None:
+    indices, _ = _shuffled_selection([TOPK, 3], TOPK, "cpu", seed=2)
+
+    def upstream(
+        score: torch.Tensor, lengths: torch.Tensor, topk: int, row_starts: torch.Tensor | None
+    ) -> torch.Tensor:
+        del score, lengths, topk, row_starts
+        return indices
+
+    wrapped = sorted_fast_topk(upstream)
+    assert wrapped(torch.zeros(2, 900), torch.tensor([900, 3]), topk=TOPK) is indices
+    assert wrapped.__wrapped__ is upstream  # type: ignore[attr-defined]
+
+
+def test_the_edit_replaces_fast_topk_in_its_module() -> None:
+    spec = STANDINS[StandIn.QSA_TOPK_SORTED]
+    assert spec.modules == (FAST_TOPK_MODULE,)
+    assert StandIn.QSA_TOPK_SORTED in CUDA_STANDINS
+    assert "atomicAdd" in spec.reason
+
+    def fast_topk(
+        score: torch.Tensor, lengths: torch.Tensor, topk: int, row_starts: torch.Tensor | None
+    ) -> torch.Tensor:
+        raise AssertionError
+
+    module = ModuleType(FAST_TOPK_MODULE)
+    module.fast_topk = fast_topk  # type: ignore[attr-defined]
+    spec.edit(module)
+    assert module.fast_topk is not fast_topk
+    assert module.fast_topk.__wrapped__ is fast_topk
+    with pytest.raises(StandInError, match="no fast_topk"):
+        spec.edit(ModuleType(FAST_TOPK_MODULE))
+
+
+def _upstream_fast_topk_stub(*args: object, **kwargs: object) -> torch.Tensor:
+    raise AssertionError((args, kwargs))
+
+
+def test_the_wrapper_takes_upstreams_signature() -> None:
+    tree = ast.parse(_sglang_source(FAST_TOPK_MODULE))
+    (node,) = (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "fast_topk")
+    upstream = [a.arg for a in node.args.args]
+    wrapped = sorted_fast_topk(_upstream_fast_topk_stub)
+    assert upstream == list(inspect.signature(wrapped, follow_wrapped=False).parameters)
+    assert ast.unparse(node.args.defaults[-1]) == "None"  # row_starts
+
+
+def _modules_naming_fast_topk() -> dict[str, ast.Module]:
+    """Every SGLang module whose source mentions ``fast_topk``, parsed, by dotted name."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None
+    assert spec.submodule_search_locations is not None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if "fast_topk" in text:
+            dotted = ".".join(("sglang", *path.relative_to(root).with_suffix("").parts))
+            found[dotted] = ast.parse(text)
+    return found
+
+
+def test_every_qsa_call_of_fast_topk_resolves_the_edited_attribute() -> None:
+    """Every import of the JIT ``fast_topk`` in SGLang sits inside the calling function.
+
+    ``from M import fast_topk`` inside a function reads ``M.fast_topk`` on every call, so the
+    edited attribute is what runs; a module-level binding anywhere would keep the original. The
+    two importers are QSA's: the decode selection and ``qsa_fast_topk`` (prefill, top-k 512).
+    """
+    package, _, name = FAST_TOPK_MODULE.rpartition(".")
+    local_imports: dict[str, int] = {}
+    for dotted, tree in _modules_naming_fast_topk().items():
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert FAST_TOPK_MODULE not in {a.name for a in node.names}, dotted
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            names = {alias.name: alias.asname for alias in node.names}
+            if node.module == FAST_TOPK_MODULE:
+                assert id(node) not in top_level, f"{dotted} binds fast_topk at import time"
+                assert names == {name: None}, dotted
+                local_imports[dotted] = local_imports.get(dotted, 0) + 1
+            elif node.module == package:
+                assert name not in names, f"{dotted} imports the module {FAST_TOPK_MODULE}"
+    assert local_imports == {
+        "sglang.srt.layers.attention.qsa.qsa_indexer": 1,  # QSAIndexer.select_decode_tokens
+        "sglang.srt.layers.attention.qsa.kernel": 1,  # qsa_fast_topk
+    }
+
+
+def _scores(lengths: Sequence[int], starts: Sequence[int], seed: int) -> torch.Tensor:
+    """Distinct float32 scores (no ties at any row's k-th value), ``[rows, max(start + len)]``."""
+    width = max(s + n for s, n in zip(starts, lengths, strict=True))
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randperm(len(lengths) * width, generator=generator).float()
+    return values.view(len(lengths), width)
+
+
+def _topk_sets(
+    score: torch.Tensor, lengths: Sequence[int], starts: Sequence[int]
+) -> list[list[int]]:
+    """Each row's ``TOPK`` largest scores in its section, as ascending section-relative indices."""
+    sets = []
+    for row, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+        section = score[row, start : start + length].cpu()
+        picked = torch.topk(section, min(TOPK, length)).indices if length else torch.zeros(0)
+        sets.append(sorted(int(i) for i in picked.tolist()))
+    return sets
+
+
+def _upstream_fast_topk() -> Callable[..., torch.Tensor]:
+    import importlib
+
+    module = importlib.import_module(FAST_TOPK_MODULE)
+    found = module.fast_topk
+    return getattr(found, "__wrapped__", found)  # type: ignore[no-any-return]
+
+
+TOPK_LENGTHS = [0, 1, 300, TOPK, TOPK + 1, 700, 2000, 4096]
+TOPK_STARTS = [0, 5, 0, 17, 0, 100, 3, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_starts", [True, False])
+def test_sorted_fast_topk_selects_what_upstream_selects_in_ascending_order(
+    with_starts: bool,
+) -> None:
+    upstream = _upstream_fast_topk()
+    wrapped = sorted_fast_topk(upstream)
+    starts = TOPK_STARTS if with_starts else [0] * len(TOPK_LENGTHS)
+    score = _scores(TOPK_LENGTHS, TOPK_STARTS, seed=3).cuda()
+    lengths = torch.tensor(TOPK_LENGTHS, dtype=torch.int32, device="cuda")
+    row_starts = torch.tensor(starts, dtype=torch.int32, device="cuda") if with_starts else None
+    theirs = upstream(score, lengths, topk=TOPK, row_starts=row_starts)
+    ours = wrapped(score, lengths, topk=TOPK, row_starts=row_starts)
+    torch.cuda.synchronize()
+    assert ours.shape == theirs.shape == (len(TOPK_LENGTHS), TOPK)
+    _assert_sorted_selection(ours, _topk_sets(score, TOPK_LENGTHS, starts))
+    for mine, upstreams in zip(ours.tolist(), theirs.tolist(), strict=True):
+        assert mine == sorted(i for i in upstreams if i >= 0) + [-1] * upstreams.count(-1)
+
+
+@pytest.mark.gpu
+def test_sorted_fast_topk_replays_in_a_cuda_graph_on_new_scores() -> None:
+    wrapped = sorted_fast_topk(_upstream_fast_topk())
+    lengths_now = [4096, 700, TOPK + 1, 9]
+    lengths_next = [TOPK + 1, 4096, 9, 700]
+    starts = [0] * 4
+    score = _scores(lengths_now, starts, seed=4).cuda()
+    lengths = torch.tensor(lengths_now, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), _no_host_sync():
+        for _ in range(2):
+            wrapped(score, lengths, topk=TOPK)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), _no_host_sync():
+        out = wrapped(score, lengths, topk=TOPK)
+    fresh = _scores(lengths_next, starts, seed=5).cuda()
+    score.copy_(fresh)
+    lengths.copy_(torch.tensor(lengths_next, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_sorted_selection(out, _topk_sets(fresh, lengths_next, starts))
+    with _no_host_sync():
+        eager = wrapped(fresh, lengths, topk=TOPK)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

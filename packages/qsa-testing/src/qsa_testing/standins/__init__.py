@@ -55,9 +55,14 @@ CPU_STANDINS: Final[frozenset[StandIn]] = frozenset(
 
 
 #: What the CUDA machine needs beyond its own torch and the real sglang-kernel 0.4.5: upstream's
-#: optional attention and GEMM dependencies it lacks.
+#: optional attention and GEMM dependencies it lacks, and a fixed order for QSA's block top-k so
+#: that fresh engines agree bit for bit.
 CUDA_STANDINS: Final[frozenset[StandIn]] = frozenset(
-    {StandIn.CUTEDSL_DUAL_GEMM_UNAVAILABLE, StandIn.FLASH_ATTN_VARLEN_TORCH}
+    {
+        StandIn.CUTEDSL_DUAL_GEMM_UNAVAILABLE,
+        StandIn.FLASH_ATTN_VARLEN_TORCH,
+        StandIn.QSA_TOPK_SORTED,
+    }
 )
 
 

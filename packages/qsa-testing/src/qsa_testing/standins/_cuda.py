@@ -15,6 +15,16 @@ CuTe DSL (``cutlass``) nor any FA2/FA4 build. Two upstream paths of a Qwen4Exp e
   FA2's ``flash_attn_varlen_func``, found by ``_resolve_flash_attn_varlen_func``. When that
   resolver finds none of FA2, FA4 or aiter, the edited resolver returns
   :func:`flash_attn_varlen_torch`, FA2's semantics in torch, capturable in a CUDA graph.
+
+One more makes a Qwen4Exp engine repeat itself bit for bit:
+
+- :attr:`StandIn.QSA_TOPK_SORTED`: QSA's 512-block top-k on CUDA is SGLang's nvcc JIT kernel
+  ``fast_topk`` (``sglang/kernels/jit/csrc/elementwise/fast_topk.cuh``), whose radix select
+  claims each output slot with ``atomicAdd``: the set it selects is fixed, the order it writes
+  it in is not. The sparse attention sums the selected blocks in that order, so two fresh
+  engines agree on token ids but not on every logprob bit. :func:`sorted_fast_topk` returns the
+  same indices with each row's valid entries in ascending order and its ``-1`` padding after
+  them.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from qsa_testing._errors import StandInError
+from qsa_testing.standins._hook import spec_from_other_finders
 from qsa_testing.standins._spec import StandIn, StandInSpec, logger
 
 if TYPE_CHECKING:
@@ -40,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = (
     "CUDA_STANDIN_SPECS",
     "DUAL_GEMM_MODULE",
+    "FAST_TOPK_MODULE",
     "BlackwellDualGemmKernel",
     "DualGemmQuantMode",
     "ProvidingFinder",
@@ -49,6 +61,8 @@ __all__ = (
     "fill_unavailable_dual_gemm",
     "flash_attn_varlen_torch",
     "provide_if_absent",
+    "sort_selected_indices",
+    "sorted_fast_topk",
     "upstream_public_names",
 )
 
@@ -95,18 +109,6 @@ class ProvidingFinder(importlib.abc.MetaPathFinder):
         except (ImportError, ValueError):
             return False
 
-    def _real_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None
-    ) -> importlib.machinery.ModuleSpec | None:
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                return spec  # type: ignore[no-any-return]
-        return None
-
     def find_spec(
         self,
         fullname: str,
@@ -118,7 +120,7 @@ class ProvidingFinder(importlib.abc.MetaPathFinder):
         self._busy.active = True  # other finders may ask the meta path again; answer them None
         try:
             if all(self._found(name) for name in self.requires) and (
-                self._real_spec(fullname, path, target) is not None
+                spec_from_other_finders(self, fullname, path, target) is not None
             ):
                 return None
         finally:
@@ -519,6 +521,76 @@ def _edit_qsa_backend(module: ModuleType) -> None:
     setattr(module, _RESOLVER, resolve)
 
 
+# ---- QSA's block top-k, in a fixed order ---------------------------------------------------------
+
+#: The module whose ``fast_topk`` :attr:`StandIn.QSA_TOPK_SORTED` wraps. QSA's two CUDA call sites,
+#: ``QSAIndexer.select_decode_tokens`` (``sglang/srt/layers/attention/qsa/qsa_indexer.py``) and
+#: ``qsa_fast_topk`` (``sglang/srt/layers/attention/qsa/kernel.py``, the prefill selection and
+#: ``QSAIndexerMetadata.topk_transform``), import it inside the function body, so each call reads
+#: this module's attribute afresh; no module binds it at import time.
+FAST_TOPK_MODULE: Final = "sglang.kernels.ops.attention.fast_topk"
+_FAST_TOPK: Final = "fast_topk"
+
+
+def sort_selected_indices(indices: torch.Tensor) -> torch.Tensor:
+    """Each row's selected indices in ascending order, its padding (negative entries) after them.
+
+    Only the order within a row changes: the row holds the same valid indices, and as many
+    ``-1`` as it had negative entries. Device-side only (no host read), so a CUDA graph can
+    capture it.
+
+    Args:
+        indices: ``[rows, width]`` integer indices, ``-1`` for an unused slot, in any order.
+
+    Returns:
+        A new ``[rows, width]`` tensor of ``indices``' dtype and device: per row the valid
+        indices ascending, then ``-1``.
+    """
+    import torch
+
+    padding = indices < 0
+    sentinel = torch.iinfo(indices.dtype).max
+    ordered = indices.masked_fill(padding, sentinel).sort(dim=-1).values
+    valid = padding.logical_not().sum(dim=-1, keepdim=True)
+    slots = torch.arange(indices.shape[-1], device=indices.device)
+    return ordered.masked_fill(slots >= valid, -1)
+
+
+def sorted_fast_topk(upstream: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Wrap SGLang's ``fast_topk`` so that each CUDA row comes out in ascending index order.
+
+    Args:
+        upstream: ``sglang.kernels.ops.attention.fast_topk.fast_topk``.
+
+    Returns:
+        A function with upstream's signature. For a CUDA ``score`` it returns upstream's result
+        passed through :func:`sort_selected_indices`; for any other device, upstream's result
+        as is.
+    """
+
+    @functools.wraps(upstream)
+    def fast_topk(
+        score: torch.Tensor,
+        lengths: torch.Tensor,
+        topk: int,
+        row_starts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        indices = upstream(score, lengths, topk=topk, row_starts=row_starts)
+        if not score.is_cuda:
+            return indices
+        return sort_selected_indices(indices)
+
+    return fast_topk
+
+
+def _edit_fast_topk(module: ModuleType) -> None:
+    upstream = module.__dict__.get(_FAST_TOPK)
+    if upstream is None:
+        msg = f"{module.__name__} has no {_FAST_TOPK} any more; stand-in qsa_topk_sorted"
+        raise StandInError(msg)
+    module.__dict__[_FAST_TOPK] = sorted_fast_topk(upstream)
+
+
 CUDA_STANDIN_SPECS: Final[tuple[StandInSpec, ...]] = (
     StandInSpec(
         StandIn.CUTEDSL_DUAL_GEMM_UNAVAILABLE,
@@ -536,5 +608,14 @@ CUDA_STANDIN_SPECS: Final[tuple[StandInSpec, ...]] = (
         "the QSA decode calls FA2's flash_attn_varlen_func; when _resolve_flash_attn_varlen_func "
         "finds no FA2, FA4 or aiter, it returns FA2's semantics in torch "
         "(qsa_testing.standins._cuda.flash_attn_varlen_torch, CUDA-graph capturable)",
+    ),
+    StandInSpec(
+        StandIn.QSA_TOPK_SORTED,
+        (FAST_TOPK_MODULE,),
+        _edit_fast_topk,
+        "QSA's 512-block top-k on CUDA (the JIT fast_topk) claims its output slots with "
+        "atomicAdd, so the selected blocks come out in a run-dependent order and the sparse "
+        "attention sums them in that order; each CUDA row is sorted ascending, -1 padding last, "
+        "which keeps the selected set and fixes the summation order",
     ),
 )

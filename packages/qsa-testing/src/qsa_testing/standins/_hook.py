@@ -13,9 +13,28 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-__all__ = ("after_import",)
+__all__ = ("after_import", "spec_from_other_finders")
 
 ModuleEdit = Callable[[ModuleType], None]
+
+
+def spec_from_other_finders(
+    me: object,
+    fullname: str,
+    path: Sequence[str] | None,
+    target: ModuleType | None,
+) -> importlib.machinery.ModuleSpec | None:
+    """The spec the rest of ``sys.meta_path`` (every finder but ``me``) finds for ``fullname``."""
+    for finder in sys.meta_path:
+        if finder is me:
+            continue
+        find = getattr(finder, "find_spec", None)
+        spec: importlib.machinery.ModuleSpec | None = (
+            find(fullname, path, target) if find is not None else None
+        )
+        if spec is not None:
+            return spec
+    return None
 
 
 class _EditingLoader(importlib.abc.Loader):
@@ -45,17 +64,11 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
         edits = self.edits.get(fullname)
         if not edits:
             return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            find = getattr(finder, "find_spec", None)
-            spec: importlib.machinery.ModuleSpec | None = (
-                find(fullname, path, target) if find is not None else None
-            )
-            if spec is not None and spec.loader is not None:
-                spec.loader = _EditingLoader(spec.loader, edits)
-                return spec
-        return None
+        spec = spec_from_other_finders(self, fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _EditingLoader(spec.loader, edits)
+        return spec
 
 
 _FINDER = _AfterImportFinder()

@@ -35,6 +35,7 @@ class StandIn(enum.StrEnum):
     PERTURB_DECODE_SELECTION = "perturb_decode_selection"
     CUTEDSL_DUAL_GEMM_UNAVAILABLE = "cutedsl_dual_gemm_unavailable"
     FLASH_ATTN_VARLEN_TORCH = "flash_attn_varlen_torch"
+    QSA_TOPK_SORTED = "qsa_topk_sorted"
 
 
 @dataclass(frozen=True, slots=True)
