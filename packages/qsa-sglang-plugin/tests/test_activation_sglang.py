@@ -190,6 +190,7 @@ def test_scheduler_process_writes_one_record(reports: Reports) -> None:
     assert record.verified is True
     assert record.versions["sglang"] == "0.5.23"
     assert len(record.hooks) == 2
+    assert record.registrations == (("radix_cache_backend", "qsa_hisparse", "hisparse"),)
 
 
 def test_foreign_hook_after_activation_is_refused(reports: Reports) -> None:

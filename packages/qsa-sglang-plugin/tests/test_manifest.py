@@ -14,15 +14,16 @@ from qsa_sglang_plugin._fingerprints import (
     load_manifest,
     main,
     module_source_path,
+    pinned_modules,
     verify_fingerprints,
 )
-from qsa_sglang_plugin._hooks import HOOKS, HookKind
+from qsa_sglang_plugin._hooks import HOOKS, REGISTRATIONS, HookKind
 
 
 def test_shipped_manifest_matches_installed_sglang() -> None:
     """The manifest in the package equals a fresh fingerprint of the installed sglang 0.5.23."""
     assert load_manifest() == build_manifest()
-    verify_fingerprints(HOOKS)
+    verify_fingerprints(HOOKS, registrations=REGISTRATIONS)
 
 
 def test_manifest_tool_checks_clean(capsys: pytest.CaptureFixture[str]) -> None:
@@ -79,3 +80,31 @@ def test_declaration_is_well_formed() -> None:
         assert spec.reason
         assert module_source_path(spec.module).is_file()
     assert [s for s in HOOKS if s.kind is HookKind.REPLACE] == []
+
+
+def test_registrations_are_well_formed_and_their_modules_pinned() -> None:
+    """Each registry entry's factory imports, and every module it relies on is in the manifest."""
+    shipped = {module for module, _ in load_manifest().modules}
+    names = [(r.registry, r.name) for r in REGISTRATIONS]
+    assert len(names) == len(set(names))
+    for entry in REGISTRATIONS:
+        assert callable(entry.load_factory())
+        assert entry.reason
+        assert entry.relies_on
+        for module in entry.relies_on:
+            assert module_source_path(module).is_file()
+            assert module in shipped
+    assert pinned_modules(HOOKS, REGISTRATIONS) == shipped
+
+
+def test_drift_in_a_module_a_registration_relies_on_is_refused() -> None:
+    """The lifecycle's tree-cache base class is pinned as a hook target's module is."""
+    shipped = load_manifest()
+    relied = REGISTRATIONS[0].relies_on[1]
+    bad = dataclasses.replace(
+        shipped,
+        modules=tuple((m, "e" * 64 if m == relied else d) for m, d in shipped.modules),
+    )
+    verify_fingerprints(HOOKS, bad)  # without the registration the module is not read
+    with pytest.raises(FingerprintMismatchError, match=relied.replace(".", r"\.")):
+        verify_fingerprints(HOOKS, bad, REGISTRATIONS)

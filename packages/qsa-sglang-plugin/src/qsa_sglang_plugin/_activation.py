@@ -146,7 +146,7 @@ def activate() -> None:
     if _STATE is not None:
         return
     specs = specs_for(switches.features)
-    verify_fingerprints(specs)
+    verify_fingerprints(specs, registrations=registrations_for(switches.features))
 
     from sglang.srt.plugins.hook_registry import (
         HookRegistry,
@@ -247,6 +247,8 @@ class ActivationRecord:
         versions: installed distribution versions (None = absent), and ``python``.
         verified: True; a record is only written after verification passed.
         created_unix: wall-clock seconds when the record was written.
+        registrations: SGLang registry entries added, as ``(registry, name, feature)``: what
+            of the requested features is wired in, beyond hooks.
     """
 
     pid: int
@@ -260,6 +262,7 @@ class ActivationRecord:
     versions: Mapping[str, str | None]
     verified: bool = True
     created_unix: float = 0.0
+    registrations: tuple[tuple[str, str, str], ...] = ()
 
     def to_json(self) -> str:
         payload = {
@@ -274,6 +277,9 @@ class ActivationRecord:
             "versions": dict(self.versions),
             "verified": self.verified,
             "created_unix": self.created_unix,
+            "registrations": [
+                {"registry": r, "name": n, "feature": f} for r, n, f in self.registrations
+            ],
         }
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
@@ -298,6 +304,10 @@ class ActivationRecord:
                     (str(h["target"]), str(h["kind"]), str(h["feature"])) for h in p["hooks"]
                 ),
                 versions={str(k): None if v is None else str(v) for k, v in p["versions"].items()},
+                registrations=tuple(
+                    (str(r["registry"]), str(r["name"]), str(r["feature"]))
+                    for r in p["registrations"]
+                ),
                 verified=p["verified"] is True,
                 created_unix=float(p["created_unix"]),
             )
@@ -372,7 +382,7 @@ def verify_final(role: str, *, tp_rank: int, pp_rank: int) -> ActivationRecord |
     verify_active()
     if _STATE is None:
         return None
-    verify_fingerprints(_STATE.specs)
+    verify_fingerprints(_STATE.specs, registrations=registrations_for(_STATE.switches.features))
     record = ActivationRecord(
         pid=os.getpid(),
         role=role,
@@ -384,6 +394,10 @@ def verify_final(role: str, *, tp_rank: int, pp_rank: int) -> ActivationRecord |
         hooks=tuple((s.target, s.kind.value, s.feature.value) for s in _STATE.specs),
         versions=installed_versions(),
         created_unix=time.time(),
+        registrations=tuple(
+            (r.registry.name.lower(), r.name, r.feature.value)
+            for r in registrations_for(_STATE.switches.features)
+        ),
     )
     directory = os.environ.get(ENV_ACTIVATION_DIR, "")
     if directory:

@@ -1,8 +1,9 @@
 """Source fingerprints of the SGLang modules that hold hook targets, and the manifest tool.
 
 The manifest (``manifest.json``, package data) records, for the supported SGLang version, the
-sha256 of the source file of every module named by :data:`qsa_sglang_plugin._hooks.HOOKS`, and
-the hook list itself. Activation refuses to hook a module whose bytes differ, and refuses a
+sha256 of the source file of every module named by :data:`qsa_sglang_plugin._hooks.HOOKS` and of
+every module a :data:`~qsa_sglang_plugin._hooks.REGISTRATIONS` entry relies on, and the hook list
+itself. Activation refuses to hook a module whose bytes differ, and refuses a
 manifest whose hook list no longer equals the declaration.
 
 Regenerate and check (against an installed sglang 0.5.23)::
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Final
 
 from qsa_sglang_plugin._errors import FingerprintMismatchError
-from qsa_sglang_plugin._hooks import HOOKS, HookSpec
+from qsa_sglang_plugin._hooks import HOOKS, REGISTRATIONS, HookSpec, RegistrySpec
 
 __all__ = (
     "MANIFEST_PATH",
@@ -38,6 +39,7 @@ __all__ = (
     "load_manifest",
     "main",
     "module_source_path",
+    "pinned_modules",
     "verify_fingerprints",
 )
 
@@ -85,6 +87,15 @@ class Manifest:
         )
 
 
+def pinned_modules(
+    specs: Iterable[HookSpec], registrations: Iterable[RegistrySpec] = ()
+) -> frozenset[str]:
+    """The SGLang modules whose bytes the plugin depends on: hook targets' and registrations'."""
+    return frozenset(s.module for s in specs) | frozenset(
+        m for r in registrations for m in r.relies_on
+    )
+
+
 def _hook_rows(specs: Iterable[HookSpec]) -> tuple[tuple[str, str, str], ...]:
     return tuple((s.target, s.kind.value, s.feature.value) for s in specs)
 
@@ -120,10 +131,12 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build_manifest(specs: Sequence[HookSpec] = HOOKS) -> Manifest:
-    """Fingerprint the installed SGLang for ``specs``."""
+def build_manifest(
+    specs: Sequence[HookSpec] = HOOKS, registrations: Sequence[RegistrySpec] = REGISTRATIONS
+) -> Manifest:
+    """Fingerprint the installed SGLang for ``specs`` and ``registrations``."""
     version = importlib.metadata.version("sglang")
-    modules = sorted({s.module for s in specs})
+    modules = sorted(pinned_modules(specs, registrations))
     return Manifest(
         sglang_version=version,
         modules=tuple((m, _sha256(module_source_path(m))) for m in modules),
@@ -156,18 +169,23 @@ def check_manifest(manifest: Manifest, specs: Sequence[HookSpec] = HOOKS) -> Non
             "'python -m qsa_sglang_plugin._fingerprints --write'"
         )
         raise FingerprintMismatchError(msg)
-    missing = sorted({s.module for s in specs} - {m for m, _ in manifest.modules})
+    missing = sorted(pinned_modules(specs, REGISTRATIONS) - {m for m, _ in manifest.modules})
     if missing:
         msg = f"fingerprint manifest has no digest for modules {missing!r}"
         raise FingerprintMismatchError(msg)
 
 
-def verify_fingerprints(specs: Sequence[HookSpec], manifest: Manifest | None = None) -> None:
-    """Require the installed SGLang version and every target module's bytes to match.
+def verify_fingerprints(
+    specs: Sequence[HookSpec],
+    manifest: Manifest | None = None,
+    registrations: Sequence[RegistrySpec] = (),
+) -> None:
+    """Require the installed SGLang version and every pinned module's bytes to match.
 
     Args:
         specs: the hooks about to be (or already) installed.
         manifest: the manifest to check against; the shipped one when None.
+        registrations: the registry entries about to be (or already) added.
 
     Raises:
         FingerprintMismatchError: naming the version, or each module with its path, the
@@ -180,7 +198,7 @@ def verify_fingerprints(specs: Sequence[HookSpec], manifest: Manifest | None = N
     shipped = manifest if manifest is not None else load_manifest()
     check_manifest(shipped, HOOKS)
     problems = []
-    for module in sorted({s.module for s in specs}):
+    for module in sorted(pinned_modules(specs, registrations)):
         path = module_source_path(module)
         actual = _sha256(path)
         expected = shipped.digest_of(module)
@@ -220,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         shipped = load_manifest(args.manifest)
         check_manifest(shipped)
-        verify_fingerprints(HOOKS, shipped)
+        verify_fingerprints(HOOKS, shipped, REGISTRATIONS)
     except FingerprintMismatchError as exc:
         sys.stderr.write(f"manifest check failed: {exc}\n")
         return 1

@@ -123,6 +123,8 @@ class RegistrySpec:
         feature: the feature that registers it.
         factory: ``"package.module:function"`` of the factory in this package.
         reason: what the entry does.
+        relies_on: SGLang modules whose definitions the entry subclasses or whose calls into it
+            it depends on; the fingerprint manifest pins them like hook targets' modules.
     """
 
     registry: Registry
@@ -130,6 +132,7 @@ class RegistrySpec:
     feature: Feature
     factory: str
     reason: str
+    relies_on: tuple[str, ...] = ()
 
     def load_factory(self) -> Callable[..., Any]:
         """Import and return the factory."""
@@ -147,6 +150,13 @@ REGISTRATIONS: tuple[RegistrySpec, ...] = (
         reason=(
             "Sees every request's row allocation, chunk and prompt ends, and release (finish, "
             "abort, retraction): one lease per request that holds a KV row."
+        ),
+        relies_on=(
+            "sglang.srt.mem_cache.registry",
+            "sglang.srt.mem_cache.unified_radix_cache",
+            "sglang.srt.mem_cache.base_prefix_cache",
+            "sglang.srt.mem_cache.common",
+            "sglang.srt.mem_cache.allocation",
         ),
     ),
 )

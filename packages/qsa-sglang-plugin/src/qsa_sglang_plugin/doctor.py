@@ -34,8 +34,8 @@ from typing import Final
 from qsa_core import CapacityError, render_plan
 from qsa_sglang_plugin._adapters import capacity_plan_from_sglang
 from qsa_sglang_plugin._errors import ActivationError, AdapterError, SwitchError
-from qsa_sglang_plugin._fingerprints import verify_fingerprints
-from qsa_sglang_plugin._hooks import HOOKS
+from qsa_sglang_plugin._fingerprints import pinned_modules, verify_fingerprints
+from qsa_sglang_plugin._hooks import HOOKS, REGISTRATIONS
 from qsa_sglang_plugin._switches import ENV_SGLANG_PLUGINS, PLUGIN_NAME, Switches, parse_switches
 from qsa_sglang_plugin._versions import SUPPORTED_VERSIONS, installed_versions, version_mismatches
 
@@ -99,10 +99,10 @@ def _check_entry_point(environ: Mapping[str, str]) -> Check:
 
 def _check_fingerprints() -> Check:
     try:
-        verify_fingerprints(HOOKS)
+        verify_fingerprints(HOOKS, registrations=REGISTRATIONS)
     except ActivationError as exc:
         return Check("fingerprints", Status.FAIL, str(exc))
-    modules = sorted({s.module for s in HOOKS})
+    modules = sorted(pinned_modules(HOOKS, REGISTRATIONS))
     return Check("fingerprints", Status.OK, f"{len(modules)} modules match: {', '.join(modules)}")
 
 
