@@ -37,6 +37,19 @@ LIFECYCLE = EngineConfig(
         "chunked_prefill_size": 1024,
     },
 )
+#: So few KV slots that three concurrent 400 + 500-token requests cannot all decode: SGLang
+#: retracts one and prefills it again later.
+RETRACTING = EngineConfig(
+    QWEN,
+    switches=OFFLOAD_SWITCHES,
+    server_args={
+        "radix_cache_backend": "qsa_hisparse",
+        "disable_overlap_schedule": True,
+        "enable_metrics": True,
+        "context_length": 1024,
+        "max_total_tokens": 1536,
+    },
+)
 UPSTREAM = EngineConfig(QWEN, plugin=False)
 LONG = GenerateRequest(QWEN.prompt(3000, seed=1), max_new_tokens=8)
 SHORT = GenerateRequest(QWEN.prompt(300, seed=3), max_new_tokens=8)
@@ -101,10 +114,9 @@ def _wait_for(condition: Callable[[], bool], seconds: float = 120.0) -> None:
 def test_offload_switch_serves_upstream_outputs_with_its_own_tree_cache(
     engines: EnginePool,
 ) -> None:
-    for request in (LONG, SHORT):
-        assert_same_generation(
-            engines.generate(UPSTREAM, request), engines.generate(LIFECYCLE, request)
-        )
+    upstream = engines.generate_all(UPSTREAM, (LONG, SHORT))
+    for want, got in zip(upstream, engines.generate_all(LIFECYCLE, (LONG, SHORT)), strict=True):
+        assert_same_generation(want, got)
     engine = engines.engine(LIFECYCLE)
     assert "Tree cache initialized: source=registered('qsa_hisparse') impl=HiSparseRadixCache" in (
         engine.log_path.read_text(encoding="utf-8", errors="replace")
@@ -161,3 +173,25 @@ def test_flush_succeeds_once_every_lease_is_back(engines: EnginePool) -> None:
     assert "cache flush refused" not in engine.log_path.read_text(
         encoding="utf-8", errors="replace"
     )
+
+
+def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
+    engines: EnginePool,
+) -> None:
+    engine = engines.engine(RETRACTING)
+    calls = [
+        _Background(engine, GenerateRequest(QWEN.prompt(400, seed=s), max_new_tokens=500).body())
+        for s in (30, 31, 32)
+    ]
+    for call in calls:
+        call.join(600)
+        assert call.completion_tokens == 500
+    retractions = 0
+    for call in calls:
+        assert call.reply is not None
+        meta = call.reply["meta_info"]
+        assert isinstance(meta, dict)
+        retractions += int(meta["num_retractions"])
+    assert retractions >= 1
+    assert _released(engine, "retracted") == retractions
+    assert _live_leases(engine) == 0
