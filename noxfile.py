@@ -236,20 +236,27 @@ def _bundle_engine_logs(
                 bundle.add(path, arcname=path.name)
 
 
-#: The engine tests split by model, so that ``--concurrent`` can run them side by side: each
-#: group's engines are only ever compared with engines of the same group. ``(name, -k expression)``.
-_ENGINE_TEST_GROUPS = (("qwen", "not llama"), ("llama", "llama"))
+#: The engine tests split into groups that ``--concurrent`` can run side by side: each group's
+#: engines are only ever compared with engines of the same group. ``(name, test file, -k
+#: expression or None)``.
+_ENGINE_TEST_GROUPS = (
+    ("qwen", "tests/test_engine.py", "not llama"),
+    ("llama", "tests/test_engine.py", "llama"),
+    ("lifecycle", "tests/test_engine_lifecycle.py", None),
+)
 
 
-def _select(pytest_args: list[str], expression: str) -> list[str]:
+def _select(pytest_args: list[str], expression: str | None) -> list[str]:
     """``pytest_args`` with ``-k`` narrowed to ``expression`` (and any ``-k`` given)."""
     args, given = list(pytest_args), []
     while "-k" in args:
         at = args.index("-k")
         given.append(args[at + 1])
         del args[at : at + 2]
-    combined = " and ".join(f"({e})" for e in [*given, expression])
-    return [*args, "-k", combined]
+    expressions = [*given, *([expression] if expression is not None else [])]
+    if not expressions:
+        return args
+    return [*args, "-k", " and ".join(f"({e})" for e in expressions)]
 
 
 @nox.session(name="gpu-engine", python=False)
@@ -261,9 +268,8 @@ def gpu_engine(session: nox.Session) -> None:
     ``QSA_TESTING_CUDA_GRAPHS`` value, with this machine's own python, torch and triton.
 
     Arguments after ``--``: ``--out DIR`` (default ``$OUT``) receives ``junit-standins.xml`` and,
-    per graph mode ``G``, ``engine-graphsG-<group>.log`` (the pytest output of the Qwen4Exp and the
-    Llama tests) and ``engine-graphsG.tar.gz`` (their junit reports, ``report.json`` files and
-    every engine's log);
+    per graph mode ``G``, ``engine-graphsG.tar.gz`` (each group's pytest output
+    ``engine-graphsG-<group>.log``, junit report and ``report.json``, and every engine's log);
     ``--graphs 0|1|both`` (default both); ``--concurrent`` runs every mode and group side by side
     on the one GPU (each with its own Triton cache: engines compared with one another must read
     the autotuning choices of one tuner); ``--deadline S`` interrupts engine runs still going after
@@ -294,17 +300,18 @@ def gpu_engine(session: nox.Session) -> None:
     if status != 0:
         failed.append(f"qsa-testing GPU tests (pytest status {status})")
 
-    logs_dir = out if out is not None else _GPU_ENGINE_HOME
+    # The runs' own logs go into the bundles: the device tool returns at most eight files.
+    logs_dir = _GPU_ENGINE_HOME
     runs: list[tuple[str, subprocess.Popen[str], threading.Thread, pathlib.Path]] = []
     for mode in graphs:
-        for group, expression in _ENGINE_TEST_GROUPS:
+        for group, test_file, expression in _ENGINE_TEST_GROUPS:
             name = f"graphs{mode}-{group}"
             log = logs_dir / f"engine-{name}.log"
             command = [
                 sys.executable,
                 "-m",
                 "pytest",
-                "tests/test_engine.py",
+                test_file,
                 "-p",
                 "no:cacheprovider",
                 f"--basetemp={_GPU_ENGINE_HOME / f'pytest-{name}'}",
@@ -339,10 +346,13 @@ def gpu_engine(session: nox.Session) -> None:
             failed.append(f"{name} (pytest status {status})")
     if out is not None:
         for mode in graphs:
-            names = [f"graphs{mode}-{group}" for group, _ in _ENGINE_TEST_GROUPS]
+            names = [f"graphs{mode}-{group}" for group, _, _ in _ENGINE_TEST_GROUPS]
             _bundle_engine_logs(
                 [_GPU_ENGINE_HOME / f"pytest-{n}" for n in names],
-                [_GPU_ENGINE_HOME / f"junit-engine-{n}.xml" for n in names],
+                [
+                    *(_GPU_ENGINE_HOME / f"junit-engine-{n}.xml" for n in names),
+                    *(_GPU_ENGINE_HOME / f"engine-{n}.log" for n in names),
+                ],
                 out / f"engine-graphs{mode}.tar.gz",
             )
     session.log(f"gpu-engine took {time.monotonic() - started:.0f} s")
