@@ -55,8 +55,8 @@ __all__ = (
 
 #: Overrides the platform an engine is configured for (``cpu`` or ``cuda``).
 ENV_PLATFORM: Final = "QSA_TESTING_PLATFORM"
-#: ``1``: CUDA engines capture decode CUDA graphs (``0``, the default: eager decode). A
-#: configuration's own ``disable_cuda_graph`` wins.
+#: ``1``: CUDA engines capture CUDA graphs, for decode and, where SGLang captures them, prefill
+#: (``0``, the default: eager). A configuration's own ``disable_cuda_graph`` wins.
 ENV_CUDA_GRAPHS: Final = "QSA_TESTING_CUDA_GRAPHS"
 #: The plugin's entry-point name in ``sglang.srt.plugins``.
 PLUGIN_ENTRY_POINT: Final = "qsa_hisparse"
