@@ -50,7 +50,8 @@ RETRACTING = EngineConfig(
         "max_total_tokens": 1536,
     },
 )
-UPSTREAM = EngineConfig(QWEN, plugin=False)
+#: Upstream with the same prefill chunks as LIFECYCLE (chunking moves prefill logprobs on CUDA).
+UPSTREAM_SAME_CHUNKS = EngineConfig(QWEN, plugin=False, server_args={"chunked_prefill_size": 1024})
 LONG = GenerateRequest(QWEN.prompt(3000, seed=1), max_new_tokens=8)
 SHORT = GenerateRequest(QWEN.prompt(300, seed=3), max_new_tokens=8)
 
@@ -107,14 +108,14 @@ def _wait_for(condition: Callable[[], bool], seconds: float = 120.0) -> None:
     while time.monotonic() < deadline:
         if condition():
             return
-        time.sleep(0.2)
+        time.sleep(0.01)
     raise AssertionError(f"condition not met within {seconds} s")
 
 
 def test_offload_switch_serves_upstream_outputs_with_its_own_tree_cache(
     engines: EnginePool,
 ) -> None:
-    upstream = engines.generate_all(UPSTREAM, (LONG, SHORT))
+    upstream = engines.generate_all(UPSTREAM_SAME_CHUNKS, (LONG, SHORT))
     for want, got in zip(upstream, engines.generate_all(LIFECYCLE, (LONG, SHORT)), strict=True):
         assert_same_generation(want, got)
     engine = engines.engine(LIFECYCLE)
@@ -143,7 +144,7 @@ def test_abort_during_decode_gives_the_lease_back(engines: EnginePool) -> None:
     body = {**GenerateRequest(QWEN.prompt(200, seed=20), max_new_tokens=3000).body(), "rid": rid}
     call = _Background(engine, body)
     _wait_for(lambda: _live_leases(engine) == 1)
-    time.sleep(1.0)  # well into decode
+    time.sleep(3.0)  # well into decode: the 200-token prefill takes well under a second
     engine.post("/abort_request", {"rid": rid})
     call.join(120)
     assert 0 < call.completion_tokens < 3000

@@ -15,6 +15,7 @@ Operators see the leases on SGLang's Prometheus endpoint (``--enable-metrics``):
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from typing import Any
 
@@ -65,6 +66,7 @@ def _outcome(req: Any) -> LeaseOutcome:
     return LeaseOutcome.FINISHED
 
 
+@functools.cache
 def _cache_class() -> type[Any]:
     """The ``UnifiedRadixCache`` subclass; built on first use so importing this module is cheap."""
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
