@@ -25,6 +25,21 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
+def _pids_with_argument(argument: str) -> list[int]:
+    """Live processes whose command line contains ``argument`` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argument.encode() in args:
+            found.append(int(entry.name))
+    return found
+
+
 def test_engine_serves_a_request_and_close_stops_every_process(tmp_path: Path) -> None:
     model = tiny_llama()
     engine = start_engine(EngineConfig(model, plugin=False), tmp_path)
@@ -53,3 +68,5 @@ def test_a_server_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path:
     ):
         start_engine(config, tmp_path, timeout=300)
     assert (tmp_path / "server.log").is_file()
+    launch = str(tmp_path / "launch.json")
+    assert _pids_with_argument(launch) == [], "a server process outlived the start"

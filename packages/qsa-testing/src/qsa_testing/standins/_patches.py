@@ -7,7 +7,9 @@ semantics it keeps (``tests/test_standins.py``). None of them is ever installed 
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Final
 
@@ -70,6 +72,19 @@ def _edit_use_cpu(module: ModuleType) -> None:
     module.__dict__["_use_cpu"] = True
 
 
+def _torch_on_cpu(
+    upstream: Callable[..., Any], torch_form: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``upstream`` for CUDA tensors, ``torch_form`` (same signature) when the first is on CPU."""
+
+    @functools.wraps(upstream)
+    def dispatch(first: Any, *args: Any, **kwargs: Any) -> Any:
+        fn = upstream if first.is_cuda else torch_form
+        return fn(first, *args, **kwargs)
+
+    return dispatch
+
+
 # ---- the shared-expert gate, a Triton-only launcher ----------------------------------------------
 
 
@@ -96,17 +111,10 @@ def gate_sigmoid_mul_torch(
 
 
 def _edit_gate_launcher(module: ModuleType) -> None:
-    triton_launch = module._launch_fused_gate_sigmoid_mul
-
-    def launch(
-        hidden_states: Any, gate_weight: Any, shared_output: Any, output: Any, *, do_add: bool
-    ) -> None:
-        if hidden_states.is_cuda:
-            triton_launch(hidden_states, gate_weight, shared_output, output, do_add=do_add)
-        else:
-            gate_sigmoid_mul_torch(hidden_states, gate_weight, shared_output, output, do_add=do_add)
-
-    module.__dict__["_launch_fused_gate_sigmoid_mul"] = launch
+    launcher = module._launch_fused_gate_sigmoid_mul
+    module.__dict__["_launch_fused_gate_sigmoid_mul"] = _torch_on_cpu(
+        launcher, gate_sigmoid_mul_torch
+    )
 
 
 # ---- the QSA indexer's missing CPU dispatch ------------------------------------------------------
@@ -179,20 +187,10 @@ def gather_compressed_keys_torch(  # noqa: PLR0917 (positional, as upstream's si
 
 
 def _edit_gather(module: ModuleType) -> None:
-    triton_gather = module.gather_qsa_compressed_keys
-
-    def gather(  # noqa: PLR0917 (positional, as upstream's signature)
-        compressed: Any,
-        token_slot_table: Any,
-        cu_blocks: Any,
-        total_blocks: int,
-        max_blocks: int,
-        compress_ratio: int,
-    ) -> Any:
-        fn = triton_gather if compressed.is_cuda else gather_compressed_keys_torch
-        return fn(compressed, token_slot_table, cu_blocks, total_blocks, max_blocks, compress_ratio)
-
-    module.__dict__["gather_qsa_compressed_keys"] = gather
+    gather = module.gather_qsa_compressed_keys
+    module.__dict__["gather_qsa_compressed_keys"] = _torch_on_cpu(
+        gather, gather_compressed_keys_torch
+    )
 
 
 # ---- dummy weights that carry signal -------------------------------------------------------------
