@@ -137,34 +137,33 @@ def test_every_finished_request_gives_its_lease_back(engines: EnginePool) -> Non
     assert _released(engine, "finished") == finished_before + 3
 
 
-def test_abort_during_decode_gives_the_lease_back(engines: EnginePool) -> None:
-    engine = engines.engine(LIFECYCLE)
+def _abort_while_running(engine: Engine, request: GenerateRequest, wait: float) -> _Background:
+    """Send ``request``, abort it ``wait`` seconds after it took its lease, and check that the
+    lease comes back as aborted; return the finished call."""
     aborted_before = _released(engine, "aborted")
     rid = uuid.uuid4().hex
-    body = {**GenerateRequest(QWEN.prompt(200, seed=20), max_new_tokens=3000).body(), "rid": rid}
-    call = _Background(engine, body)
-    _wait_for(lambda: _live_leases(engine) == 1)
-    time.sleep(3.0)  # well into decode: the 200-token prefill takes well under a second
+    call = _Background(engine, {**request.body(), "rid": rid})
+    _wait_for(lambda: _live_leases(engine) == 1, seconds=60)
+    time.sleep(wait)
     engine.post("/abort_request", {"rid": rid})
     call.join(120)
-    assert 0 < call.completion_tokens < 3000
     _wait_for(lambda: _live_leases(engine) == 0)
     assert _released(engine, "aborted") == aborted_before + 1
+    return call
+
+
+def test_abort_during_decode_gives_the_lease_back(engines: EnginePool) -> None:
+    # 3 s is well into decode: the 200-token prefill takes well under a second.
+    request = GenerateRequest(QWEN.prompt(200, seed=20), max_new_tokens=3000)
+    call = _abort_while_running(engines.engine(LIFECYCLE), request, wait=3.0)
+    assert 0 < call.completion_tokens < 3000
 
 
 def test_abort_during_chunked_prefill_gives_the_lease_back(engines: EnginePool) -> None:
-    engine = engines.engine(LIFECYCLE)
-    aborted_before = _released(engine, "aborted")
-    rid = uuid.uuid4().hex
     # 3,900 tokens prefill in four 1,024-token chunks; the abort lands while they run.
-    body = {**GenerateRequest(QWEN.prompt(3900, seed=21), max_new_tokens=4).body(), "rid": rid}
-    call = _Background(engine, body)
-    _wait_for(lambda: _live_leases(engine) == 1, seconds=60)
-    engine.post("/abort_request", {"rid": rid})
-    call.join(120)
+    request = GenerateRequest(QWEN.prompt(3900, seed=21), max_new_tokens=4)
+    call = _abort_while_running(engines.engine(LIFECYCLE), request, wait=0.0)
     assert call.completion_tokens == 0  # aborted before its prompt was fully prefilled
-    _wait_for(lambda: _live_leases(engine) == 0)
-    assert _released(engine, "aborted") == aborted_before + 1
 
 
 def test_flush_succeeds_once_every_lease_is_back(engines: EnginePool) -> None:
