@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from qsa_kernels import expand_blocks, indexer_topk, sparse_decode
+from qsa_kernels import KernelPath, expand_blocks, indexer_topk, sparse_decode
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
 
 _INDEX_HEADS = 4
@@ -80,7 +80,7 @@ def _run(case: Case, device: torch.device) -> None:
         dtype=case.dtype,
         device=device,
     )
-    store = OffloadedKV(geometry, device)
+    store = OffloadedKV(geometry, device, path=KernelPath.TRITON)
     lengths = list(case.prompt_lens)
 
     def write_resident(row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

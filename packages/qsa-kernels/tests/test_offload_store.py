@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qsa_kernels import KernelPath
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
 
 _L, _ROWS, _HKV, _D = 2, 3, 1, 16
 
 
-def _store(device: str, max_blocks: int = 3) -> OffloadedKV:
+def _store(device: str, max_blocks: int = 3, path: KernelPath = KernelPath.TRITON) -> OffloadedKV:
     geometry = OffloadGeometry(_L, _ROWS, 4, max_blocks, _HKV, _D, torch.bfloat16)
-    return OffloadedKV(geometry, torch.device(device))
+    return OffloadedKV(geometry, torch.device(device), path=path)
 
 
 def _tokens(n: int, seed: int, device: str) -> torch.Tensor:
@@ -94,3 +95,89 @@ def test_attend_rejects_a_missing_step_and_a_bad_layer(kernel_device: str) -> No
     store.begin_step()
     with pytest.raises(KernelInputError, match=r"layer=2 is not allowed; allowed: \[0, 2\)"):
         store.attend(2, [0], q, blocks)
+
+
+def _decode_steps(store: OffloadedKV, device: str, *, by_layer: bool) -> list[torch.Tensor]:
+    """Admit rows of 5 and 7 tokens, then 6 decode steps (blocks close in both rows).
+
+    Returns each step's merged attention outputs of both layers, ``[L, B, Hq, D]``.
+    """
+    store.admit(0, _tokens(5, 0, device), _tokens(5, 1, device))
+    store.admit(1, _tokens(7, 2, device), _tokens(7, 3, device))
+    rows = [1, 0]
+    outputs = []
+    for step in range(6):
+        k, v = _tokens(2, 30 + step, device), _tokens(2, 40 + step, device)
+        q = _tokens(4, 50 + step, device).reshape(_L, 2, 2, _D)
+        stamp = store.begin_step()
+        assert stamp == step
+        if not by_layer:
+            store.append(rows, k, v)
+        else:
+            store.advance(rows)
+        per_layer = []
+        for layer in range(_L):
+            if by_layer:
+                store.write_token(layer, rows, k[layer], v[layer])
+            closed = [store.length(row) // 4 for row in rows]
+            blocks = torch.tensor(
+                [[b if b < c else -1 for b in range(4)] for c in closed],
+                dtype=torch.int32,
+                device=device,
+            )
+            out, _ = store.attend(layer, rows, q[layer], blocks)
+            per_layer.append(out)
+        outputs.append(torch.stack(per_layer))
+    store.wait_for_host_writes()
+    return outputs
+
+
+def test_writing_layer_by_layer_equals_appending_all_layers_at_once(kernel_device: str) -> None:
+    """advance + write_token per layer leaves the same tails, arena and outputs as append."""
+    whole, layered = _store(kernel_device, 4), _store(kernel_device, 4)
+    want = _decode_steps(whole, kernel_device, by_layer=False)
+    got = _decode_steps(layered, kernel_device, by_layer=True)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(whole.tail, layered.tail)
+    for row, closed in ((0, 2), (1, 3)):  # 11 and 13 tokens
+        assert torch.equal(whole.host_arena[row, :, :closed], layered.host_arena[row, :, :closed])
+    assert [whole.length(r) for r in (0, 1)] == [layered.length(r) for r in (0, 1)] == [11, 13]
+
+
+def test_torch_reference_path_gives_the_triton_paths_results(kernel_device: str) -> None:
+    """The path a CPU-only engine runs (torch references) agrees with the Triton kernels."""
+    triton_store = _store(kernel_device, 4, path=KernelPath.TRITON)
+    reference_store = _store(kernel_device, 4, path=KernelPath.REFERENCE)
+    assert reference_store.path is KernelPath.REFERENCE
+    want = _decode_steps(triton_store, kernel_device, by_layer=True)
+    got = _decode_steps(reference_store, kernel_device, by_layer=True)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+    for row, closed in ((0, 2), (1, 3)):  # 11 and 13 tokens
+        assert torch.equal(
+            triton_store.host_arena[row, :, :closed], reference_store.host_arena[row, :, :closed]
+        )
+    assert torch.equal(triton_store.tables.slot_block, reference_store.tables.slot_block)
+
+
+def test_auto_path_takes_triton_on_cuda_and_the_references_elsewhere() -> None:
+    assert _store("cpu", path=KernelPath.AUTO).path is KernelPath.REFERENCE
+    if torch.cuda.is_available():
+        assert _store("cuda", path=KernelPath.AUTO).path is KernelPath.TRITON
+
+
+def test_write_token_refuses_rows_other_than_the_counted_ones(kernel_device: str) -> None:
+    store = _store(kernel_device)
+    store.admit(0, _tokens(5, 0, kernel_device), _tokens(5, 1, kernel_device))
+    store.admit(1, _tokens(6, 2, kernel_device), _tokens(6, 3, kernel_device))
+    x = torch.zeros(1, _HKV, _D, dtype=torch.bfloat16, device=kernel_device)
+    with pytest.raises(KernelInputError, match=r"the last advance\(\) counted rows None"):
+        store.write_token(0, [0], x, x)
+    store.advance([0])
+    tail = store.tail.clone()
+    with pytest.raises(KernelInputError, match=r"for rows \[1\]; the last advance\(\) counted rows \[0\]"):
+        store.write_token(0, [1], x, x)
+    with pytest.raises(KernelInputError, match=r"layer=2 is not allowed"):
+        store.write_token(2, [0], x, x)
+    assert torch.equal(store.tail, tail)

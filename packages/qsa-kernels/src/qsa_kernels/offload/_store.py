@@ -14,16 +14,28 @@ arena. Nothing here allocates pinned memory after construction.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.fetch import BLOCK_TOKENS, HotCacheTables, fetch_selected_blocks
-from qsa_kernels.lse_merge import lse_merge
-from qsa_kernels.sparse_decode import sparse_decode
-from qsa_kernels.writeback import offload_prompt, writeback_blocks
+from qsa_kernels._path import KernelPath
+from qsa_kernels.fetch import (
+    BLOCK_TOKENS,
+    HotCacheTables,
+    fetch_selected_blocks,
+    fetch_selected_blocks_reference,
+)
+from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
+from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from qsa_kernels.writeback import (
+    offload_prompt,
+    offload_prompt_reference,
+    writeback_blocks,
+    writeback_blocks_reference,
+)
 
 __all__ = ("OffloadGeometry", "OffloadedKV", "RowState")
 
@@ -80,15 +92,85 @@ class OffloadGeometry:
         return (2, BLOCK_TOKENS, self.kv_heads, self.head_dim)
 
 
+@dataclass(frozen=True, slots=True)
+class _Kernels:
+    """The four operations of the data path, from one implementation (see :class:`KernelPath`).
+
+    The write-back and prompt offload return the event that completes them (``None`` when they
+    ran synchronously).
+    """
+
+    fetch: Callable[..., torch.Tensor]
+    decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    merge: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    writeback: Callable[..., torch.cuda.Event | None]
+    offload: Callable[..., torch.cuda.Event | None]
+
+
+def _writeback_reference(*args: Any, **kwargs: Any) -> None:
+    writeback_blocks_reference(*args, **kwargs)
+
+
+def _offload_reference(*args: Any, **kwargs: Any) -> None:
+    offload_prompt_reference(*args, **kwargs)
+
+
+_KERNELS = {
+    KernelPath.TRITON: _Kernels(
+        fetch=fetch_selected_blocks,
+        decode=sparse_decode,
+        merge=lse_merge,
+        writeback=writeback_blocks,
+        offload=lambda *args, **kwargs: offload_prompt(*args, **kwargs)[1],
+    ),
+    KernelPath.REFERENCE: _Kernels(
+        fetch=fetch_selected_blocks_reference,
+        decode=sparse_decode_reference,
+        merge=lse_merge_reference,
+        writeback=_writeback_reference,
+        offload=_offload_reference,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _StepRows:
+    """What one decode step writes, fixed by :meth:`OffloadedKV.advance` for every layer.
+
+    Attributes:
+        rows: the step's rows, in batch order.
+        index: ``[2, B]`` int64 device tensor: each row and the tail offset of its new token.
+        closed: ``[2, C]`` int32 device tensor: the rows whose block the new token closes, and
+            that block's index; ``None`` when no block closes.
+    """
+
+    rows: tuple[int, ...]
+    index: torch.Tensor
+    closed: torch.Tensor | None
+
+
 class OffloadedKV:
     """One rank's QSA K/V under host offload (see the module docstring).
 
     Shapes: host arena ``[R, L, NB, 2, 4, Hkv, D]`` (pinned where CUDA exists), hot cache
     ``[L, R, S, 2, 4, Hkv, D]``, open-block tails ``[L, R, 1, 2, 4, Hkv, D]`` (device), residency
     tables :class:`~qsa_kernels.HotCacheTables`. Token counts per row are tracked on the host.
+
+    A decode step either appends every layer's token at once (:meth:`append`), or, as a model's
+    forward pass produces them, counts the token once (:meth:`advance`) and then writes it layer
+    by layer (:meth:`write_token`) just before that layer attends (:meth:`attend`).
+
+    ``path`` picks the implementation: the Triton kernels, or their torch references (same
+    contract; what a CPU-only engine runs). :attr:`KernelPath.AUTO` takes Triton on CUDA.
     """
 
-    def __init__(self, geometry: OffloadGeometry, device: torch.device) -> None:
+    def __init__(
+        self,
+        geometry: OffloadGeometry,
+        device: torch.device,
+        *,
+        path: KernelPath = KernelPath.AUTO,
+    ) -> None:
         self.geometry = geometry
         g = geometry
         pin = device.type == "cuda"
@@ -103,6 +185,8 @@ class OffloadedKV:
         )
         # The device of a real allocation ("cuda" resolves to "cuda:<index>").
         self.device = self.hot.device
+        self.path = path.resolve(self.device)
+        self._kernels = _KERNELS[self.path]
         self.tables = HotCacheTables.empty(g.layers, g.rows, g.hot_slots, g.max_blocks, device)
         self._lengths = [0] * g.rows
         self._states = [RowState.FREE] * g.rows
@@ -113,6 +197,7 @@ class OffloadedKV:
         # Per batch of rows: (row ids, open-block token ids) on the device, reused by every layer
         # until a row's length changes.
         self._row_indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._step_rows: _StepRows | None = None
 
     # -- request lifecycle --
 
@@ -176,10 +261,11 @@ class OffloadedKV:
             if self.device.type == "cuda":  # the arena may still be read by queued fetches
                 torch.cuda.current_stream(self.device).synchronize()
             self.host_arena[row, :, :prefix_blocks].copy_(prefix)
-        _, event = offload_prompt(
-            k.contiguous(), v.contiguous(), self.host_arena, row, first_block=prefix_blocks
+        self._remember(
+            self._kernels.offload(
+                k.contiguous(), v.contiguous(), self.host_arena, row, first_block=prefix_blocks
+            )
         )
-        self._remember(event)
         closed = tokens // BLOCK_TOKENS * BLOCK_TOKENS
         open_tokens = tokens - closed
         self.tail[:, row].zero_()
@@ -209,11 +295,17 @@ class OffloadedKV:
             torch.cuda.current_stream(self.device).synchronize()
         return self.host_arena[row, :, :blocks].contiguous()
 
+    def state(self, row: int) -> RowState:
+        """Whether row ``row`` holds a request."""
+        return self._states[self._check_row(row)]
+
     def release(self, row: int) -> None:
         """Free a row; its arena bytes are left as they are and overwritten by the next admit."""
         self._check_row(row)
         self._states[row] = RowState.FREE
         self._set_length(row, 0)
+        if self._step_rows is not None and row in self._step_rows.rows:
+            self._step_rows = None
 
     # -- one decode step --
 
@@ -221,6 +313,93 @@ class OffloadedKV:
         """Start a decode step; returns its stamp (one stamp serves every layer of the step)."""
         self._step += 1
         return self._step
+
+    def advance(self, rows: Sequence[int]) -> None:
+        """Count one new token in each row; :meth:`write_token` then stores it, layer by layer.
+
+        Every row is checked before anything changes. A row whose new token opens a block gets a
+        clean tail record in every layer.
+
+        Args:
+            rows: ``B`` distinct active rows, each with room for one more token.
+        """
+        g = self.geometry
+        self._check_active(rows)
+        positions = [self._lengths[row] for row in rows]
+        for row, position in zip(rows, positions, strict=True):
+            if position >= g.max_tokens:
+                msg = f"row {row!r} is full ({g.max_tokens!r} tokens)"
+                raise KernelInputError(msg)
+        self.wait_for_host_writes()  # a closed tail may still be on its way to host
+        offsets = [position % BLOCK_TOKENS for position in positions]
+        fresh = [row for row, offset in zip(rows, offsets, strict=True) if offset == 0]
+        if fresh:
+            self.tail[:, torch.tensor(fresh, device=self.device)] = 0
+        closing = [
+            (row, position // BLOCK_TOKENS)
+            for row, position, offset in zip(rows, positions, offsets, strict=True)
+            if offset == BLOCK_TOKENS - 1
+        ]
+        index = torch.tensor([list(rows), offsets]).to(self.device)
+        closed = (
+            torch.tensor(closing, dtype=torch.int32).T.contiguous().to(self.device)
+            if closing
+            else None
+        )
+        for row, position in zip(rows, positions, strict=True):
+            self._set_length(row, position + 1)
+        self._step_rows = _StepRows(tuple(rows), index, closed)
+
+    def write_token(
+        self, layer: int | None, rows: Sequence[int], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store the token counted by the last :meth:`advance`; write back a block it closes.
+
+        Args:
+            layer: QSA layer index in ``[0, L)``, or ``None`` for every layer at once.
+            rows: the rows of the last :meth:`advance`, in the same order.
+            k: ``[B, Hkv, D]`` the token's keys in ``layer`` (``[L, B, Hkv, D]`` for every layer),
+                the geometry's dtype.
+            v: the token's values, shaped like ``k``.
+        """
+        g = self.geometry
+        step = self._step_rows
+        if step is None or step.rows != tuple(rows):
+            have = None if step is None else list(step.rows)
+            msg = f"write_token for rows {list(rows)!r}; the last advance() counted rows {have!r}"
+            raise KernelInputError(msg)
+        if layer is not None and not 0 <= layer < g.layers:
+            msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers}) or None"
+            raise KernelInputError(msg)
+        per_layer = (len(rows), g.kv_heads, g.head_dim)
+        expected = per_layer if layer is not None else (g.layers, *per_layer)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            msg = f"k and v must be {expected!r}; got {tuple(k.shape)!r} and {tuple(v.shape)!r}"
+            raise KernelInputError(msg)
+        target = self.tail if layer is None else self.tail[layer]
+        head = (slice(None),) if layer is None else ()
+        target[(*head, step.index[0], 0, 0, step.index[1])] = k.to(g.dtype)
+        target[(*head, step.index[0], 0, 1, step.index[1])] = v.to(g.dtype)
+        if step.closed is None:
+            return
+        closed = step.closed
+        n = int(closed.shape[1])
+        if layer is None:
+            rows_t, blocks_t = closed[0].repeat(g.layers), closed[1].repeat(g.layers)
+            layers_t = self._layer_ids.repeat_interleave(n)
+        else:
+            rows_t, blocks_t = closed[0], closed[1]
+            layers_t = self._layer_ids[layer : layer + 1].expand(n).contiguous()
+        self._remember(
+            self._kernels.writeback(
+                self.tail,
+                self.host_arena,
+                rows=rows_t,
+                layers=layers_t,
+                slots=torch.zeros_like(rows_t),
+                blocks=blocks_t,
+            )
+        )
 
     def append(self, rows: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one token per row to every layer; a block that closes is written back to host.
@@ -235,45 +414,8 @@ class OffloadedKV:
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             msg = f"k and v must be {expected!r}; got {tuple(k.shape)!r} and {tuple(v.shape)!r}"
             raise KernelInputError(msg)
-        self._check_active(rows)
-        positions = [self._lengths[row] for row in rows]
-        for row, position in zip(rows, positions, strict=True):
-            if position >= g.max_tokens:  # checked for every row before anything is written
-                msg = f"row {row!r} is full ({g.max_tokens!r} tokens)"
-                raise KernelInputError(msg)
-        self.wait_for_host_writes()  # a closed tail may still be on its way to host
-        offsets = [position % BLOCK_TOKENS for position in positions]
-        fresh = [row for row, offset in zip(rows, offsets, strict=True) if offset == 0]
-        if fresh:
-            self.tail[:, torch.tensor(fresh, device=self.device)] = 0
-        index = torch.tensor([list(rows), offsets]).to(self.device)
-        self.tail[:, index[0], 0, 0, index[1]] = k
-        self.tail[:, index[0], 0, 1, index[1]] = v
-        closed_rows: list[int] = []
-        closed_blocks: list[int] = []
-        for row, position, offset in zip(rows, positions, offsets, strict=True):
-            self._set_length(row, position + 1)
-            if offset == BLOCK_TOKENS - 1:
-                closed_rows.append(row)
-                closed_blocks.append(position // BLOCK_TOKENS)
-        if closed_rows:
-            n = len(closed_rows)
-            ids = torch.stack(  # (row, layer, block) of every closed block, one copy to device
-                (
-                    torch.tensor(closed_rows).repeat(g.layers),
-                    torch.arange(g.layers).repeat_interleave(n),
-                    torch.tensor(closed_blocks).repeat(g.layers),
-                )
-            ).to(device=self.device, dtype=torch.int32)
-            event = writeback_blocks(
-                self.tail,
-                self.host_arena,
-                rows=ids[0],
-                layers=ids[1],
-                slots=torch.zeros(n * g.layers, dtype=torch.int32, device=self.device),
-                blocks=ids[2],
-            )
-            self._remember(event)
+        self.advance(rows)
+        self.write_token(None, rows, k, v)
 
     def attend(
         self,
@@ -310,7 +452,7 @@ class OffloadedKV:
             raise KernelInputError(msg)
         self.wait_for_host_writes()
         row_t, tail_tokens = self._indices_of(rows)
-        slots = fetch_selected_blocks(
+        slots = self._kernels.fetch(
             blocks.to(torch.int32).unsqueeze(1),
             row_t,
             self._layer_ids[layer : layer + 1],
@@ -323,11 +465,11 @@ class OffloadedKV:
             slots.unsqueeze(-1) >= 0, slots.unsqueeze(-1) * BLOCK_TOKENS + self._block_offsets, -1
         ).reshape(len(rows), -1)
         hot_records = self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape)
-        out_hot, lse_hot = sparse_decode(q, hot_tokens, hot_records, scale=scale)
+        out_hot, lse_hot = self._kernels.decode(q, hot_tokens, hot_records, scale=scale)
 
         tail_records = self.tail[layer].view(g.rows, *g.record_shape)
-        out_tail, lse_tail = sparse_decode(q, tail_tokens, tail_records, scale=scale)
-        return lse_merge(
+        out_tail, lse_tail = self._kernels.decode(q, tail_tokens, tail_records, scale=scale)
+        return self._kernels.merge(
             torch.stack((out_hot, out_tail)),
             torch.stack((lse_hot, lse_tail)),
             out_dtype=torch.bfloat16,

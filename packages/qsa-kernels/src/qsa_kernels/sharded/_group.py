@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import torch
 import torch.distributed as dist
 
 from qsa_core import ShardPlacement
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels._path import KernelPath
 
 __all__ = ("KernelPath", "ShardGroup", "all_gather_flat", "all_to_all_flat")
-
-
-class KernelPath(enum.Enum):
-    """Which implementation computes the per-rank math of the sharded path.
-
-    Attributes:
-        AUTO: :attr:`TRITON` for CUDA tensors, :attr:`REFERENCE` otherwise.
-        TRITON: the Triton kernels (on CPU tensors only under ``TRITON_INTERPRET=1``).
-        REFERENCE: the torch references (host-synchronising loops; not CUDA-graph safe).
-    """
-
-    AUTO = "auto"
-    TRITON = "triton"
-    REFERENCE = "reference"
-
-    def resolve(self, device: torch.device) -> KernelPath:
-        """The concrete path for tensors on ``device``."""
-        if self is KernelPath.AUTO:
-            return KernelPath.TRITON if device.type == "cuda" else KernelPath.REFERENCE
-        return self
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
