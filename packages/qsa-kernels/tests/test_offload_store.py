@@ -176,7 +176,8 @@ def test_write_token_refuses_rows_other_than_the_counted_ones(kernel_device: str
         store.write_token(0, [0], x, x)
     store.advance([0])
     tail = store.tail.clone()
-    with pytest.raises(KernelInputError, match=r"for rows \[1\]; the last advance\(\) counted rows \[0\]"):
+    counted = r"for rows \[1\]; the last advance\(\) counted rows \[0\]"
+    with pytest.raises(KernelInputError, match=counted):
         store.write_token(0, [1], x, x)
     with pytest.raises(KernelInputError, match=r"layer=2 is not allowed"):
         store.write_token(2, [0], x, x)
