@@ -125,6 +125,8 @@ def _decode_steps(store: OffloadedKV, device: str, *, by_layer: bool) -> list[to
                 dtype=torch.int32,
                 device=device,
             )
+            if by_layer:  # a strided selection, as a slice of the indexer's output is
+                blocks = blocks.T.contiguous().T
             out, _ = store.attend(layer, rows, q[layer], blocks)
             per_layer.append(out)
         outputs.append(torch.stack(per_layer))

@@ -127,3 +127,25 @@ def test_sparse_decode_rejects_a_non_unit_last_stride_naming_the_tensor(strided:
         slots = torch.cat([slots, slots], dim=1)[:, ::2]
     with pytest.raises(KernelInputError, match=rf"{strided} must have unit stride .*got strides"):
         sparse_decode_reference(q, slots, kv)
+
+
+def test_fp32_output_is_the_bf16_output_before_its_rounding(kernel_device: str) -> None:
+    """A part meant for a later merge can stay fp32; rounded, it is the bf16 output."""
+    q, slots, kv = _case((2, 12, 9, 16, 8), torch.bfloat16, kernel_device, seed=5)
+    out32, lse32 = sparse_decode(q, slots, kv, out_dtype=torch.float32)
+    out16, lse16 = sparse_decode(q, slots, kv)
+    ref32, ref_lse = sparse_decode_reference(q, slots, kv, out_dtype=torch.float32)
+    assert out32.dtype == ref32.dtype == torch.float32
+    if kernel_device == "cpu":  # Triton's interpreter truncates fp32 -> bf16: one step apart
+        torch.testing.assert_close(out32.bfloat16(), out16, atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(out32.bfloat16(), out16)
+    assert torch.equal(lse32, lse16)
+    torch.testing.assert_close(out32, ref32, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(lse32, ref_lse, atol=2e-3, rtol=1e-4)
+
+
+def test_sparse_decode_refuses_an_output_dtype_it_does_not_produce() -> None:
+    q, slots, kv = _case((1, 12, 4, 16, 4), torch.bfloat16, "cpu", seed=6)
+    with pytest.raises(KernelInputError, match=r"out_dtype=torch.float16 is not allowed"):
+        sparse_decode_reference(q, slots, kv, out_dtype=torch.float16)

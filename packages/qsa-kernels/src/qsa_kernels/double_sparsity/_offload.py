@@ -174,6 +174,7 @@ class DSOffloadedKV:
             hot_tokens,
             self.kv.hot[layer].view(g.rows * g.hot_slots, *g.record_shape),
             scale=scale,
+            out_dtype=torch.float32,  # rounded to bf16 once, after the merge
         )
         # the open block: positions closed .. closed + 2, read from the row's tail record
         offsets = torch.arange(BLOCK_TOKENS - 1, dtype=torch.int32, device=device)
@@ -187,6 +188,7 @@ class DSOffloadedKV:
             tail_tokens.contiguous(),
             self.kv.tail[layer].view(g.rows, *g.record_shape),
             scale=scale,
+            out_dtype=torch.float32,
         )
         out, lse = lse_merge(
             torch.stack((out_hot, out_tail)),

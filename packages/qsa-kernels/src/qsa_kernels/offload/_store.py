@@ -453,7 +453,7 @@ class OffloadedKV:
         self.wait_for_host_writes()
         row_t, tail_tokens = self._indices_of(rows)
         slots = self._kernels.fetch(
-            blocks.to(torch.int32).unsqueeze(1),
+            blocks.to(torch.int32).contiguous().unsqueeze(1),
             row_t,
             self._layer_ids[layer : layer + 1],
             step=self._step,
@@ -465,10 +465,15 @@ class OffloadedKV:
             slots.unsqueeze(-1) >= 0, slots.unsqueeze(-1) * BLOCK_TOKENS + self._block_offsets, -1
         ).reshape(len(rows), -1)
         hot_records = self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape)
-        out_hot, lse_hot = self._kernels.decode(q, hot_tokens, hot_records, scale=scale)
+        # Both parts stay fp32 until the merge, so the output is rounded to bf16 once.
+        out_hot, lse_hot = self._kernels.decode(
+            q, hot_tokens, hot_records, scale=scale, out_dtype=torch.float32
+        )
 
         tail_records = self.tail[layer].view(g.rows, *g.record_shape)
-        out_tail, lse_tail = self._kernels.decode(q, tail_tokens, tail_records, scale=scale)
+        out_tail, lse_tail = self._kernels.decode(
+            q, tail_tokens, tail_records, scale=scale, out_dtype=torch.float32
+        )
         return self._kernels.merge(
             torch.stack((out_hot, out_tail)),
             torch.stack((lse_hot, lse_tail)),

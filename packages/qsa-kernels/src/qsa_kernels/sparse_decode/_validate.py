@@ -20,10 +20,21 @@ from qsa_kernels.fetch._tables import BLOCK_TOKENS
 __all__ = ("check_decode_args",)
 
 
+#: What a sparse decode may return its output as.
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def check_decode_args(
-    q: torch.Tensor, token_slots: torch.Tensor, kv_cache: torch.Tensor, scale: float | None
+    q: torch.Tensor,
+    token_slots: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scale: float | None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> float:
     """Validate a sparse decode call; return the softmax scale (default ``1 / sqrt(D)``)."""
+    if out_dtype not in OUT_DTYPES:
+        msg = f"out_dtype={out_dtype!r} is not allowed; allowed: {OUT_DTYPES!r}"
+        raise KernelInputError(msg)
     check_ndim("q", q, 3, "[B, Hq, D]")
     check_dtype("q", q, (torch.bfloat16,))
     if token_slots.dim() not in (2, 3):

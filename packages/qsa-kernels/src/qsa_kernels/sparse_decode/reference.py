@@ -37,13 +37,14 @@ def sparse_decode_reference(
     kv_cache: torch.Tensor,
     *,
     scale: float | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode over selected tokens (reference: gather, then fp32 attention).
 
     Same contract as :func:`qsa_kernels.sparse_decode`, for ``[B, T]`` and ``[B, Hkv, T]`` token
     lists alike.
     """
-    sm_scale = check_decode_args(q, token_slots, kv_cache, scale)
+    sm_scale = check_decode_args(q, token_slots, kv_cache, scale, out_dtype)
     B, Hq, D = q.shape
     Hkv = kv_cache.shape[3]
     group = Hq // Hkv
@@ -60,4 +61,4 @@ def sparse_decode_reference(
         probs = torch.exp(scores - finite.unsqueeze(-1))
         out[:, heads] = torch.einsum("bgt,btd->bgd", probs, v[:, g].float())
         lse[:, heads] = head_lse
-    return out.to(torch.bfloat16), lse
+    return out.to(out_dtype), lse

@@ -104,6 +104,7 @@ def sparse_decode(
     *,
     scale: float | None = None,
     num_splits: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode: each query row attends only to its selected tokens of the hot cache.
 
@@ -126,14 +127,16 @@ def sparse_decode(
             FP8 E4M3 or bf16, contiguous.
         scale: Softmax scale; ``1 / sqrt(D)`` if ``None``.
         num_splits: Programs per (row, KV head); chosen from the SM count if ``None``.
+        out_dtype: ``torch.bfloat16``, or ``torch.float32`` for a part that is merged with
+            others afterwards (rounded once, after the merge).
 
     Returns:
-        ``(out [B, Hq, D] bf16, lse [B, Hq] fp32)``.
+        ``(out [B, Hq, D] out_dtype, lse [B, Hq] fp32)``.
 
     Raises:
         KernelInputError: On a bad shape, dtype, device or layout.
     """
-    sm_scale = check_decode_args(q, token_slots, kv_cache, scale)
+    sm_scale = check_decode_args(q, token_slots, kv_cache, scale, out_dtype)
     B, Hq, D = q.shape
     T = token_slots.shape[-1]
     Hkv = kv_cache.shape[3]
@@ -168,4 +171,4 @@ def sparse_decode(
             num_warps=4,
             num_stages=2,
         )
-    return lse_merge(o_part, lse_part, out_dtype=torch.bfloat16)
+    return lse_merge(o_part, lse_part, out_dtype=out_dtype)
