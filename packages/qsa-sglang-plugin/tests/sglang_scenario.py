@@ -54,7 +54,12 @@ def scenario_on(model_dir: str) -> dict[str, Any]:
     except BaseException as exc:
         report["overlap_on"] = _error(exc)
     server_args = _resolve(
-        model_dir, "--disable-overlap-schedule", "--radix-cache-backend", "qsa_hisparse"
+        model_dir,
+        "--disable-overlap-schedule",
+        "--radix-cache-backend",
+        "qsa_hisparse",
+        "--max-running-requests",
+        "4",
     )
     report["supported_resolved"] = True
 

@@ -151,7 +151,7 @@ def test_switches_off_registers_nothing(reports: Reports) -> None:
 
 
 def test_hooks_land_on_sglang_classes(reports: Reports) -> None:
-    """Both declared hooks wrap the real SGLang definitions, registered under qsa_hisparse."""
+    """Every declared hook wraps the real SGLang definition, registered under qsa_hisparse."""
     on = reports.on
     assert on["resolve_wrapped"] is True
     assert on["configure_wrapped"] is True
@@ -160,6 +160,8 @@ def test_hooks_land_on_sglang_classes(reports: Reports) -> None:
     assert registry["sglang.srt.managers.scheduler.configure_scheduler_process"] == [
         ["after", "qsa_hisparse"]
     ]
+    wrapper = "sglang.srt.layers.attention.attention_registry.attn_backend_wrapper"
+    assert registry[wrapper] == [["after", "qsa_hisparse"]]  # p2-offload's backend
 
 
 def test_offload_switch_registers_the_lifecycle_radix_cache_backend(reports: Reports) -> None:
@@ -189,7 +191,7 @@ def test_scheduler_process_writes_one_record(reports: Reports) -> None:
     assert record.hisparse_mode == "p2-offload"
     assert record.verified is True
     assert record.versions["sglang"] == "0.5.23"
-    assert len(record.hooks) == 2
+    assert len(record.hooks) == 3  # the frame's two and p2-offload's backend
     assert record.registrations == (("radix_cache_backend", "qsa_hisparse", "hisparse"),)
 
 

@@ -97,6 +97,11 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
             ["--radix-cache-backend=None", "supported: 'qsa_hisparse'"],
         ),
         ({"radix_cache_backend": "lmcache"}, ["--radix-cache-backend='lmcache'", "'qsa_hisparse'"]),
+        (
+            {"max_running_requests": None},
+            ["--max-running-requests=None", "a positive integer", "host arena"],
+        ),
+        ({"cuda_graphs": True}, ["--disable-cuda-graph=False", "set (decode CUDA graphs off)"]),
     ],
 )
 def test_hisparse_rejects_scheduler_flags_it_cannot_run(
@@ -115,3 +120,12 @@ def test_hisparse_rejects_scheduler_flags_it_cannot_run(
 def test_supported_kv_dtypes_pass(dtype: str) -> None:
     """Every supported KV dtype spelling passes with a bfloat16 checkpoint."""
     assert check_configuration(dataclasses.replace(GOOD, kv_cache_dtype=dtype), OFFLOAD)
+
+
+def test_resident_mode_does_not_need_the_offload_flags() -> None:
+    """p2-resident keeps the history on the GPU: no arena to size, nothing kept off graphs."""
+    resident = parse_switches(
+        {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-resident"}
+    )
+    facts = dataclasses.replace(GOOD, max_running_requests=None, cuda_graphs=True)
+    assert check_configuration(facts, resident) is not None

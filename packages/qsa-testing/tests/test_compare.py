@@ -66,3 +66,14 @@ def test_generation_parses_sglang_replies() -> None:
     assert g.logprobs == (-4.9, -4.3)
     assert g.top_logprobs == (((485, -4.9), (3, -5.0)), ((12, -4.3),))
     assert (g.prompt_tokens, g.cached_tokens, g.finish_reason) == (3000, 64, "length")
+
+
+def test_a_near_tie_among_alternatives_passes_only_within_the_tolerance() -> None:
+    """Two alternatives 5e-5 apart may trade places when atol covers it, never at atol 0."""
+    a = Generation((5,), (-1.0,), (((7, -1.0), (8, -5.16247), (9, -5.16252)),), 10, 0, "length")
+    b = Generation((5,), (-1.0,), (((7, -1.0), (9, -5.16249), (8, -5.16250)),), 10, 0, "length")
+    assert_same_generation(a, b, atol=1e-4)
+    with pytest.raises(AssertionError, match="top alternatives differ at step 0"):
+        assert_same_generation(a, b)
+    with pytest.raises(AssertionError, match="top alternatives differ at step 0"):
+        assert_same_generation(a, b, atol=1e-6)

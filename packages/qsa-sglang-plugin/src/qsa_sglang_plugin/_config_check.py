@@ -17,6 +17,7 @@ from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import (
     RADIX_CACHE_BACKEND,
     Feature,
+    HiSparseMode,
     Switches,
     current_switches,
 )
@@ -57,6 +58,8 @@ class ConfigFacts:
         enable_mixed_chunk: ``--enable-mixed-chunk``.
         disable_radix_cache: ``--disable-radix-cache``.
         radix_cache_backend: ``--radix-cache-backend`` (None = SGLang's default tree cache).
+        cuda_graphs: decode CUDA graphs on (a CUDA device without ``--disable-cuda-graph``).
+        max_running_requests: ``--max-running-requests`` (None = SGLang sizes it).
     """
 
     architectures: tuple[str, ...]
@@ -74,6 +77,8 @@ class ConfigFacts:
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = True
     radix_cache_backend: str | None = RADIX_CACHE_BACKEND
+    cuda_graphs: bool = False
+    max_running_requests: int | None = 8
 
 
 def _reject(flag: str, value: object, supported: str, why: str) -> ConfigurationError:
@@ -87,7 +92,9 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     size 64; a valid QSA profile (parsed by qsa-core); KV dtype bf16 or fp8_e4m3. Extra rules
     when ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
     attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, overlap
-    scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend.
+    scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend; with
+    ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena) and, until the
+    offloaded decode is captured in CUDA graphs, ``--disable-cuda-graph``.
 
     Returns:
         The model's QSA profile, or None when every switch is off (nothing is checked).
@@ -133,6 +140,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         )
     if Feature.HISPARSE in features:
         _check_hisparse(facts)
+    if switches.hisparse is HiSparseMode.P2_OFFLOAD:
+        _check_offload(facts)
     return profile
 
 
@@ -197,6 +206,23 @@ def _check_hisparse(facts: ConfigFacts) -> None:
         )
 
 
+def _check_offload(facts: ConfigFacts) -> None:
+    if facts.max_running_requests is None:
+        raise _reject(
+            "--max-running-requests",
+            None,
+            "a positive integer",
+            "each running request holds one row of the pinned host arena, allocated at start-up",
+        )
+    if facts.cuda_graphs:
+        raise _reject(
+            "--disable-cuda-graph",
+            False,
+            "set (decode CUDA graphs off)",
+            "the offloaded decode step is not captured in CUDA graphs yet",
+        )
+
+
 def _as_str(value: object) -> str:
     return str(value).removeprefix("torch.")
 
@@ -241,6 +267,10 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         radix_cache_backend=None
         if cfg.radix_cache_backend is None
         else str(cfg.radix_cache_backend),
+        cuda_graphs=str(cfg.device) == "cuda" and not bool(cfg.disable_cuda_graph),
+        max_running_requests=None
+        if cfg.max_running_requests is None
+        else int(cfg.max_running_requests),
     )
 
 

@@ -98,6 +98,19 @@ HOOKS: tuple[HookSpec, ...] = (
             "record for the launcher."
         ),
     ),
+    HookSpec(
+        module="sglang.srt.layers.attention.attention_registry",
+        qualname="attn_backend_wrapper",
+        kind=HookKind.AFTER,
+        feature=Feature.HISPARSE,
+        hook="qsa_sglang_plugin._adapters._offload:after_attn_backend_wrapper",
+        reason=(
+            "With p2-offload, put the offload backend (a QwenSparseAttnBackend subclass) in the "
+            "hybrid GDN backend's full-attention place. The attention-backend registry cannot "
+            "reach it: for hybrid GDN+QSA models the wrapper builds QwenSparseAttnBackend itself, "
+            "whatever --attention-backend says."
+        ),
+    ),
 )
 
 

@@ -36,6 +36,7 @@ from qsa_sglang_plugin._adapters import capacity_plan_from_sglang
 from qsa_sglang_plugin._errors import ActivationError, AdapterError, SwitchError
 from qsa_sglang_plugin._fingerprints import pinned_modules, verify_fingerprints
 from qsa_sglang_plugin._hooks import HOOKS, REGISTRATIONS
+from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
 from qsa_sglang_plugin._switches import ENV_SGLANG_PLUGINS, PLUGIN_NAME, Switches, parse_switches
 from qsa_sglang_plugin._versions import SUPPORTED_VERSIONS, installed_versions, version_mismatches
 
@@ -135,52 +136,36 @@ def _check_gpu() -> Check:
     return Check("gpu", Status.OK, listed)
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"
-
-
 def _check_memlock(budget: int) -> Check:
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    limit = "unlimited" if soft == resource.RLIM_INFINITY else _fmt_bytes(soft)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else format_bytes(soft)
     if budget == 0:
         return Check("memlock", Status.OK, f"ulimit -l {limit}; prefix cache off")
     if soft != resource.RLIM_INFINITY and soft < budget:
         return Check(
             "memlock",
             Status.FAIL,
-            f"ulimit -l is {limit} but the prefix cache pins {_fmt_bytes(budget)} on this host; "
+            f"ulimit -l is {limit} but the prefix cache pins {format_bytes(budget)} on this host; "
             "raise it (e.g. 'ulimit -l unlimited' or LimitMEMLOCK=infinity)",
         )
-    return Check("memlock", Status.OK, f"ulimit -l {limit} >= prefix cache {_fmt_bytes(budget)}")
-
-
-def _meminfo_bytes(field: str, path: Path = Path("/proc/meminfo")) -> int | None:
-    try:
-        for line in path.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[-2]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return Check("memlock", Status.OK, f"ulimit -l {limit} >= prefix cache {format_bytes(budget)}")
 
 
 def _check_host_memory(budget: int) -> Check:
-    available = _meminfo_bytes("MemAvailable")
+    available = meminfo_bytes("MemAvailable")
     if available is None:
         return Check("host memory", Status.WARN, "MemAvailable not readable from /proc/meminfo")
     if available < budget:
         return Check(
             "host memory",
             Status.FAIL,
-            f"{_fmt_bytes(available)} available but the prefix cache needs {_fmt_bytes(budget)}",
+            f"{format_bytes(available)} available but the prefix cache needs "
+            f"{format_bytes(budget)}",
         )
     return Check(
         "host memory",
         Status.OK,
-        f"{_fmt_bytes(available)} available; prefix cache needs {_fmt_bytes(budget)}",
+        f"{format_bytes(available)} available; prefix cache needs {format_bytes(budget)}",
     )
 
 
@@ -194,8 +179,8 @@ def _check_numa(root: Path = Path("/sys/devices/system/node")) -> Check:
             cpus = (node / "cpulist").read_text().strip()
         except OSError:
             cpus = "?"
-        total = _meminfo_bytes(f"Node {node.name[4:]} MemTotal", node / "meminfo")
-        parts.append(f"{node.name}: cpus {cpus}, {_fmt_bytes(total) if total else '?'}")
+        total = meminfo_bytes(f"Node {node.name[4:]} MemTotal", node / "meminfo")
+        parts.append(f"{node.name}: cpus {cpus}, {format_bytes(total) if total else '?'}")
     return Check("numa", Status.OK, f"{len(nodes)} node(s); " + "; ".join(parts))
 
 
@@ -236,8 +221,8 @@ def plan_check(flags: argparse.Namespace) -> tuple[Check, str | None]:
     detail = (
         f"{plan.num_requests} x {plan.context_len} tokens at TP{plan.tp_size} "
         f"{plan.kv_dtype.value}: offload fits {plan.max_requests_offloaded}, resident fits "
-        f"{plan.max_requests_resident} (per rank, GPU {_fmt_bytes(plan.gpu_budget_bytes)}, "
-        f"host {_fmt_bytes(plan.host_budget_bytes)})"
+        f"{plan.max_requests_resident} (per rank, GPU {format_bytes(plan.gpu_budget_bytes)}, "
+        f"host {format_bytes(plan.host_budget_bytes)})"
     )
     status = Status.OK if plan.max_requests_offloaded >= plan.num_requests else Status.WARN
     return Check("capacity plan", status, detail), render_plan(plan)

@@ -6,7 +6,7 @@ SGLang tells its tree cache about every request that holds a KV row: the row is 
 of a chunked prefill — and retraction). This adapter maps those calls onto one
 :class:`qsa_core.LeaseTable` per scheduler, so every request that got a row holds exactly one lease
 until SGLang releases the row, and every lease is released. The offload runtime hangs its
-prompt hand-off and its row release on the same transitions.
+row binding and release on the same transitions (:mod:`._offload`).
 
 Operators see the leases on SGLang's Prometheus endpoint (``--enable-metrics``):
 ``qsa_hisparse_live_leases`` and ``qsa_hisparse_leases_released_total{outcome}``.
@@ -20,7 +20,8 @@ import logging
 from typing import Any
 
 from qsa_core import LeaseHandle, LeaseState, LeaseTable
-from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND
+from qsa_sglang_plugin._adapters._offload import OffloadRuntime, runtime_of
+from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND, HiSparseMode, current_switches
 
 __all__ = ("LeaseOutcome", "radix_cache_factory")
 
@@ -80,6 +81,7 @@ def _cache_class() -> type[Any]:
 
             slots = int(self.req_to_token_pool.size)
             self.qsa_leases = LeaseTable(slots)
+            self.qsa_offload: OffloadRuntime | None = None  # set by the factory under p2-offload
             self._qsa_by_rid: dict[str, LeaseHandle] = {}
             self._qsa_metrics = _Metrics(int(get_parallel().tp_rank))
             logger.info("%s lifecycle: %d lease slots", RADIX_CACHE_BACKEND, slots)
@@ -94,6 +96,8 @@ def _cache_class() -> type[Any]:
             self.qsa_leases.begin_prefill(handle)
             self._qsa_by_rid[req.rid] = handle
             self._qsa_metrics.live.inc()
+            if self.qsa_offload is not None:
+                self.qsa_offload.bind(int(req.kv.req_pool_idx), handle.slot)
 
         def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
             super().checkpoint(req, up_to=up_to, **kwargs)
@@ -108,6 +112,8 @@ def _cache_class() -> type[Any]:
                 msg = f"request {req.rid!r} released a KV row without holding a lease"
                 raise RuntimeError(msg)
             outcome = _outcome(req)
+            if self.qsa_offload is not None:
+                self.qsa_offload.release(handle.slot)
             if outcome is LeaseOutcome.FINISHED:
                 self._to_decoding(handle)
                 self.qsa_leases.finish(handle)
@@ -151,4 +157,7 @@ def radix_cache_factory(ctx: Any) -> Any:
     """
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
-    return create_unified_radix_cache(ctx, cache_class=_cache_class())
+    cache = create_unified_radix_cache(ctx, cache_class=_cache_class())
+    if current_switches().hisparse is HiSparseMode.P2_OFFLOAD:
+        cache.qsa_offload = runtime_of(ctx.tp_worker.model_runner)
+    return cache
