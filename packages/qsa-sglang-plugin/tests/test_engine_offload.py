@@ -16,12 +16,15 @@ import time
 import uuid
 from collections.abc import Callable
 
+import pytest
+
 from qsa_testing import (
     Engine,
     EngineConfig,
     EnginePool,
     EngineRequestError,
     GenerateRequest,
+    Generation,
     assert_same_generation,
     tiny_qwen4_exp,
 )
@@ -65,10 +68,16 @@ SPARSE_PROMPTS = (
     GenerateRequest(QWEN.prompt(5001, seed=2), max_new_tokens=64),
     GenerateRequest(QWEN.prompt(301, seed=3), max_new_tokens=64),
 )
-#: Largest logprob difference allowed between the offloaded and the resident decode: the two
-#: attend over the same tokens but split the softmax in two parts merged by their LSE, and round
-#: to bf16 in different places.
-BF16_NOISE = 2e-2
+#: Three requests that decode side by side (one decode batch of three rows).
+CONCURRENT = tuple(
+    GenerateRequest(QWEN.prompt(700 + s, seed=s), max_new_tokens=16) for s in (10, 11, 12)
+)
+#: Largest logprob difference allowed between the offloaded and the resident decode: one bf16
+#: step of a logit in [4, 8). The two attend over the same tokens but split the softmax in two
+#: parts merged by their LSE; most steps then differ by about 1e-4, and a step whose chosen
+#: logit rounds the other way differs by one bf16 step of it (measured: 2^-7 and 2^-6, logits in
+#: [1, 4), on CPU and on the H200).
+BF16_NOISE = 2**-5
 
 _SAMPLE = re.compile(r"^(qsa_hisparse_[a-z_]+)\{([^}]*)\} ([0-9.e+-]+)$", re.MULTILINE)
 
@@ -134,7 +143,9 @@ def _value(engine: Engine, metric: str) -> float:
 def test_offloaded_decode_chooses_upstreams_tokens_within_bf16_noise(
     engines: EnginePool,
 ) -> None:
-    upstream = engines.generate_all(UPSTREAM_SAME_CHUNKS, SPARSE_PROMPTS)
+    # The concurrent requests' upstream runs are taken here too, while this engine is up.
+    upstream = engines.generate_all(UPSTREAM_SAME_CHUNKS, SPARSE_PROMPTS + CONCURRENT)
+    upstream = upstream[: len(SPARSE_PROMPTS)]
     offloaded = engines.generate_all(LIFECYCLE, SPARSE_PROMPTS)
     for request, want, got in zip(SPARSE_PROMPTS, upstream, offloaded, strict=True):
         assert_same_generation(
@@ -155,17 +166,40 @@ def test_offloaded_decode_chooses_upstreams_tokens_within_bf16_noise(
     assert _live_leases(engine) == 0
 
 
-def test_every_finished_request_gives_its_lease_back(engines: EnginePool) -> None:
+def test_concurrent_requests_decode_together_and_give_every_lease_back(
+    engines: EnginePool,
+) -> None:
+    want = [engines.generate(UPSTREAM_SAME_CHUNKS, request) for request in CONCURRENT]
     engine = engines.engine(LIFECYCLE)
     finished_before = _released(engine, "finished")
-    calls = [
-        _Background(engine, GenerateRequest(QWEN.prompt(700, seed=s)).body()) for s in (10, 11, 12)
-    ]
+    calls = [_Background(engine, request.body()) for request in CONCURRENT]
     for call in calls:
         call.join(600)
-        assert call.completion_tokens == 8
+        assert call.completion_tokens == 16
+    for request, expected, call in zip(CONCURRENT, want, calls, strict=True):
+        assert call.reply is not None
+        assert_same_generation(
+            expected,
+            Generation.from_reply(call.reply),
+            atol=BF16_NOISE,
+            what=f"concurrent {len(request.input_ids)}-token prompt",
+        )
     assert _live_leases(engine) == 0
     assert _released(engine, "finished") == finished_before + 3
+    assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
+
+
+def test_a_prompt_longer_than_the_context_is_refused_and_takes_nothing(
+    engines: EnginePool,
+) -> None:
+    engine = engines.engine(LIFECYCLE)
+    acquired_before = sum(_released(engine, o) for o in ("finished", "aborted", "retracted"))
+    with pytest.raises(EngineRequestError, match="longer than the model's context length"):
+        engine.post_json("/generate", GenerateRequest(QWEN.prompt(9000, seed=40)).body())
+    assert _live_leases(engine) == 0
+    assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
+    released = sum(_released(engine, o) for o in ("finished", "aborted", "retracted"))
+    assert released == acquired_before  # no lease was taken for it
 
 
 def _abort_while_running(engine: Engine, request: GenerateRequest, wait: float) -> _Background:
