@@ -75,8 +75,8 @@ CONCURRENT = tuple(
 #: Largest logprob difference allowed between the offloaded and the resident decode: one bf16
 #: step of a logit in [4, 8). The two attend over the same tokens but split the softmax in two
 #: parts merged by their LSE; most steps then differ by about 1e-4, and a step whose chosen
-#: logit rounds the other way differs by one bf16 step of it (measured: 2^-7 and 2^-6, logits in
-#: [1, 4), on CPU and on the H200).
+#: logit rounds the other way differs by one bf16 step of it (measured on the H200: 2^-7 and
+#: 2^-6, logits in [1, 4); on CPU at most 2.3e-5).
 BF16_NOISE = 2**-5
 
 _SAMPLE = re.compile(r"^(qsa_hisparse_[a-z_]+)\{([^}]*)\} ([0-9.e+-]+)$", re.MULTILINE)
