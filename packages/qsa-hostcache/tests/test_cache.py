@@ -395,3 +395,42 @@ def test_copy_worker_and_scheduler_threads_agree() -> None:
     s = cache.stats()
     assert s.used_bytes <= s.capacity_bytes
     assert s.reserved_entries == 0
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        (torch.zeros(BLOCK, dtype=torch.uint8).to_sparse(), SegmentError, "must be dense"),
+        (torch.zeros(BLOCK, dtype=torch.uint8, device="meta"), DeviceError, "tensor on"),
+    ],
+    ids=["sparse", "meta-device"],
+)
+def test_a_publish_it_cannot_copy_evicts_nothing_and_changes_no_statistic(
+    bad: torch.Tensor, error: type[Exception], message: str
+) -> None:
+    """The arena is full: reserving would evict the one checkpoint, so the check comes first."""
+    cache = make_cache(blocks=1)
+    assert cache.publish(key(1, first=10), payload(BLOCK, 7)) is not None
+    before = cache.stats()
+    with pytest.raises(error, match=message):
+        cache.publish(key(1, first=20), {"kv": bad})
+    assert cache.stats() == before
+    match = cache.match(key(1, first=10))
+    assert match is not None
+    lease = cache.pin(match)
+    assert lease is not None
+    out = torch.empty(BLOCK, dtype=torch.uint8)
+    cache.restore(lease, {"kv": out}).synchronize()
+    assert bool((out == 7).all())
+    lease.release()
+
+
+def test_pin_refuses_a_match_found_by_another_cache() -> None:
+    ours, theirs = make_cache(), make_cache()
+    assert ours.publish(key(1, first=1), payload(BLOCK, 1)) is not None
+    assert theirs.publish(key(1, first=2), payload(BLOCK, 2)) is not None
+    foreign = theirs.match(key(1, first=2))
+    assert foreign is not None
+    with pytest.raises(LeaseError, match=r"came from cache \d+; this is cache \d+"):
+        ours.pin(foreign)
+    assert ours.stats().pinned_entries == 0

@@ -125,6 +125,19 @@ class HostArena:
         """The arena tensor itself (``[capacity_bytes]`` uint8); for tests and diagnostics."""
         return self._buf
 
+    def check_source(self, tensor: torch.Tensor) -> None:
+        """Raise unless :meth:`write` can copy ``tensor`` (dense, on CPU or the arena's device).
+
+        Raises:
+            SegmentError: A sparse or otherwise non-strided tensor.
+            DeviceError: A tensor on another device.
+        """
+        if tensor.layout is not torch.strided:
+            raise SegmentError(
+                f"segment tensors must be dense (torch.strided); got layout {tensor.layout!r}"
+            )
+        self._check_device(tensor)
+
     def _check_device(self, tensor: torch.Tensor) -> bool:
         """True for a CUDA tensor on the arena's device, False for a CPU tensor; else raise."""
         if tensor.device.type == "cpu":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -51,12 +52,14 @@ class Match:
         num_pages: Complete pages the checkpoint covers.
         num_tokens: ``num_pages * page_size``: the query's first ``num_tokens`` tokens are cached.
         segments: The checkpoint's segments, in publish order.
+        cache_id: The cache that found it (:meth:`HostPrefixCache.pin` refuses another cache's).
     """
 
     entry_id: int
     num_pages: int
     num_tokens: int
     segments: tuple[SegmentSpec, ...]
+    cache_id: int = -1
 
     def segment(self, name: str) -> SegmentSpec:
         """The spec of the segment called ``name``.
@@ -73,8 +76,8 @@ class Match:
         )
 
 
-def _match_of(entry: IndexEntry) -> Match:
-    return Match(entry.entry_id, entry.num_pages, entry.num_tokens, entry.layout.segments)
+def _match_of(entry: IndexEntry, cache_id: int) -> Match:
+    return Match(entry.entry_id, entry.num_pages, entry.num_tokens, entry.layout.segments, cache_id)
 
 
 class Lease:
@@ -90,7 +93,7 @@ class Lease:
         self._cache = cache
         self._entry = entry
         self._released = False
-        self.match = _match_of(entry)
+        self.match = _match_of(entry, cache._cache_id)
 
     @property
     def active(self) -> bool:
@@ -288,6 +291,9 @@ def _check_fits(spec: SegmentSpec, tensor: torch.Tensor) -> None:
         )
 
 
+_CACHE_IDS = itertools.count()
+
+
 class HostPrefixCache:
     """Prefix checkpoints in one host arena, matched by exact key material, evicted LRU.
 
@@ -335,6 +341,7 @@ class HostPrefixCache:
             )
         self._segment_align = segment_align
         self._lock = threading.RLock()
+        self._cache_id = next(_CACHE_IDS)
         self._index = PrefixIndex(num_blocks, block_bytes, max_entries, page_size, hasher)
         self._arena = HostArena(
             num_blocks * block_bytes, block_bytes, pin_memory=pin_memory, device=device
@@ -414,7 +421,16 @@ class HostPrefixCache:
 
         Returns:
             The committed ticket, or ``None`` (no room, or already cached).
+
+        Raises:
+            DeviceError: A tensor on a device other than CPU or the arena's CUDA device.
+            SegmentError: A tensor that is not dense (sparse or another non-strided layout).
+            Both before anything is reserved or evicted.
         """
+        # Every tensor is checked before the reservation, which may evict checkpoints: a publish
+        # that cannot copy its tensors must leave the cache as it was.
+        for tensor in segments.values():
+            self._arena.check_source(tensor)
         specs = [SegmentSpec.like(name, tensor) for name, tensor in segments.items()]
         ticket = self.reserve(key, specs)
         if ticket is None:
@@ -460,7 +476,7 @@ class HostPrefixCache:
         with self._lock:
             self._poll_locked()
             entry = self._index.longest_match(query, self._page_limit(max_tokens))
-            return None if entry is None else _match_of(entry)
+            return None if entry is None else _match_of(entry, self._cache_id)
 
     def acquire(self, query: PrefixKey, *, max_tokens: int | None = None) -> Lease | None:
         """:meth:`match` and pin the result in one step."""
@@ -475,7 +491,16 @@ class HostPrefixCache:
             return Lease(self, entry)
 
     def pin(self, match: Match) -> Lease | None:
-        """Pin a checkpoint found earlier; ``None`` if it was evicted or invalidated since."""
+        """Pin a checkpoint found earlier; ``None`` if it was evicted or invalidated since.
+
+        Raises:
+            LeaseError: ``match`` was found by another cache (its entry id means nothing here).
+        """
+        if match.cache_id != self._cache_id:
+            raise LeaseError(
+                f"match of entry {match.entry_id!r} came from cache {match.cache_id!r}; this is "
+                f"cache {self._cache_id!r}"
+            )
         with self._lock:
             entry = self._index.pin(match.entry_id)
             return None if entry is None else Lease(self, entry)
