@@ -184,3 +184,15 @@ def test_write_token_refuses_rows_other_than_the_counted_ones(kernel_device: str
     with pytest.raises(KernelInputError, match=r"layer=2 is not allowed"):
         store.write_token(2, [0], x, x)
     assert torch.equal(store.tail, tail)
+
+
+def test_geometry_bytes_equal_what_the_store_allocates() -> None:
+    store = _store("cpu", path=KernelPath.REFERENCE)
+    g = store.geometry
+    tables = store.tables
+    allocated = sum(
+        t.numel() * t.element_size()
+        for t in (store.hot, store.tail, tables.slot_block, tables.slot_stamp, tables.block_slot)
+    )
+    assert g.device_bytes == allocated
+    assert g.host_bytes == store.host_arena.numel() * store.host_arena.element_size()

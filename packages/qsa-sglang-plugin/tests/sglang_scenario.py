@@ -60,6 +60,8 @@ def scenario_on(model_dir: str) -> dict[str, Any]:
         "qsa_hisparse",
         "--max-running-requests",
         "4",
+        "--prefill-max-requests",
+        "1",
     )
     report["supported_resolved"] = True
 

@@ -162,6 +162,10 @@ def test_hooks_land_on_sglang_classes(reports: Reports) -> None:
     ]
     wrapper = "sglang.srt.layers.attention.attention_registry.attn_backend_wrapper"
     assert registry[wrapper] == [["after", "qsa_hisparse"]]  # p2-offload's backend
+    pool = "sglang.srt.mem_cache.qsa_kv_pool.QSATokenToKVPool.__init__"
+    assert registry[pool] == [["before", "qsa_hisparse"]]
+    sizer = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__"
+    assert registry[sizer] == [["after", "qsa_hisparse"]]
 
 
 def test_offload_switch_registers_the_lifecycle_radix_cache_backend(reports: Reports) -> None:
@@ -191,7 +195,7 @@ def test_scheduler_process_writes_one_record(reports: Reports) -> None:
     assert record.hisparse_mode == "p2-offload"
     assert record.verified is True
     assert record.versions["sglang"] == "0.5.23"
-    assert len(record.hooks) == 3  # the frame's two and p2-offload's backend
+    assert len(record.hooks) == 5  # the frame's two; p2-offload's backend, pool and sizer
     assert record.registrations == (("radix_cache_backend", "qsa_hisparse", "hisparse"),)
 
 

@@ -102,6 +102,8 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
             ["--max-running-requests=None", "a positive integer", "host arena"],
         ),
         ({"cuda_graphs": True}, ["--disable-cuda-graph=False", "set (decode CUDA graphs off)"]),
+        ({"prefill_max_requests": None}, ["--prefill-max-requests=None", "supported: 1"]),
+        ({"prefill_max_requests": 2}, ["--prefill-max-requests=2", "one prompt at a time"]),
     ],
 )
 def test_hisparse_rejects_scheduler_flags_it_cannot_run(
@@ -127,5 +129,7 @@ def test_resident_mode_does_not_need_the_offload_flags() -> None:
     resident = parse_switches(
         {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-resident"}
     )
-    facts = dataclasses.replace(GOOD, max_running_requests=None, cuda_graphs=True)
+    facts = dataclasses.replace(
+        GOOD, max_running_requests=None, cuda_graphs=True, prefill_max_requests=None
+    )
     assert check_configuration(facts, resident) is not None

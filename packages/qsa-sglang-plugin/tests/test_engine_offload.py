@@ -37,6 +37,7 @@ OFFLOAD_ARGS = {
     "disable_overlap_schedule": True,
     "enable_metrics": True,
     "max_running_requests": 4,
+    "prefill_max_requests": 1,
     "disable_cuda_graph": True,
     "context_length": 8192,
 }
@@ -61,6 +62,16 @@ UPSTREAM_SAME_CHUNKS = EngineConfig(
         "context_length": 8192,
     },
 )
+#: Pools sized by SGLang from its memory budget (no --max-total-tokens), as an operator runs them.
+SIZED_BY_MEMORY = {"max_total_tokens": None, "mem_fraction_static": 0.02}
+UPSTREAM_SIZED = EngineConfig(
+    QWEN,
+    plugin=False,
+    server_args={**UPSTREAM_SAME_CHUNKS.server_args, **SIZED_BY_MEMORY},
+)
+OFFLOAD_SIZED = EngineConfig(
+    QWEN, switches=OFFLOAD_SWITCHES, server_args={**LIFECYCLE.server_args, **SIZED_BY_MEMORY}
+)
 #: Prompts above 2,051 tokens (sparse selection), neither a multiple of 4 (open tails), one
 #: below the chunk size; 64 greedy tokens cross 16 block boundaries.
 SPARSE_PROMPTS = (
@@ -79,6 +90,7 @@ CONCURRENT = tuple(
 #: 2^-6, logits in [1, 4); on CPU at most 2.3e-5).
 BF16_NOISE = 2**-5
 
+_MAX_TOKENS = re.compile(r"max_total_num_tokens=(\d+)")
 _SAMPLE = re.compile(r"^(qsa_hisparse_[a-z_]+)\{([^}]*)\} ([0-9.e+-]+)$", re.MULTILINE)
 
 
@@ -260,3 +272,28 @@ def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
     assert retractions >= 1
     assert _released(engine, "retracted") == retractions
     assert _live_leases(engine) == 0
+
+
+def _max_total_tokens(engine: Engine) -> int:
+    """The token capacity SGLang chose for its pools, from its start-up log."""
+    found = _MAX_TOKENS.findall(engine.log_path.read_text(encoding="utf-8", errors="replace"))
+    assert found, f"no max_total_num_tokens in {engine.log_path}"
+    return int(found[-1])
+
+
+def test_the_same_memory_budget_holds_more_tokens_and_serves_them_alike(
+    engines: EnginePool,
+) -> None:
+    """Priced at its compressed index alone, a token costs a ninth of the resident price here."""
+    request = SPARSE_PROMPTS[0]
+    want = engines.generate(UPSTREAM_SIZED, request)
+    resident = _max_total_tokens(engines.engine(UPSTREAM_SIZED))
+    got = engines.generate(OFFLOAD_SIZED, request)
+    engine = engines.engine(OFFLOAD_SIZED)
+    offloaded = _max_total_tokens(engine)
+    log = engine.log_path.read_text(encoding="utf-8", errors="replace")
+    assert "offload: pool sizing charges" in log
+    # The tiny model's QSA layer: 512 B of K/V and 64 B of index per token; staging, hot caches,
+    # tails and tables are a fixed few MiB.
+    assert offloaded > 5 * resident, (offloaded, resident)
+    assert_same_generation(want, got, atol=BF16_NOISE, what="sized by memory")

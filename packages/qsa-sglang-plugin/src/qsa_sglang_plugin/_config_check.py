@@ -60,6 +60,7 @@ class ConfigFacts:
         radix_cache_backend: ``--radix-cache-backend`` (None = SGLang's default tree cache).
         cuda_graphs: decode CUDA graphs on (a CUDA device without ``--disable-cuda-graph``).
         max_running_requests: ``--max-running-requests`` (None = SGLang sizes it).
+        prefill_max_requests: ``--prefill-max-requests`` (None = no limit).
     """
 
     architectures: tuple[str, ...]
@@ -79,6 +80,7 @@ class ConfigFacts:
     radix_cache_backend: str | None = RADIX_CACHE_BACKEND
     cuda_graphs: bool = False
     max_running_requests: int | None = 8
+    prefill_max_requests: int | None = 1
 
 
 def _reject(flag: str, value: object, supported: str, why: str) -> ConfigurationError:
@@ -93,8 +95,9 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     when ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
     attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, overlap
     scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend; with
-    ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena) and, until the
-    offloaded decode is captured in CUDA graphs, ``--disable-cuda-graph``.
+    ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
+    ``--prefill-max-requests 1`` (one staged prompt) and, until the offloaded decode is captured
+    in CUDA graphs, ``--disable-cuda-graph``.
 
     Returns:
         The model's QSA profile, or None when every switch is off (nothing is checked).
@@ -214,6 +217,13 @@ def _check_offload(facts: ConfigFacts) -> None:
             "a positive integer",
             "each running request holds one row of the pinned host arena, allocated at start-up",
         )
+    if facts.prefill_max_requests != 1:
+        raise _reject(
+            "--prefill-max-requests",
+            facts.prefill_max_requests,
+            "1",
+            "one prompt at a time is staged on the GPU before its K/V moves to the host",
+        )
     if facts.cuda_graphs:
         raise _reject(
             "--disable-cuda-graph",
@@ -271,6 +281,9 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         max_running_requests=None
         if cfg.max_running_requests is None
         else int(cfg.max_running_requests),
+        prefill_max_requests=None
+        if cfg.prefill_max_requests is None
+        else int(cfg.prefill_max_requests),
     )
 
 

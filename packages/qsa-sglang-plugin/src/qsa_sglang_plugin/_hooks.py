@@ -111,6 +111,31 @@ HOOKS: tuple[HookSpec, ...] = (
             "whatever --attention-backend says."
         ),
     ),
+    HookSpec(
+        module="sglang.srt.mem_cache.qsa_kv_pool",
+        qualname="QSATokenToKVPool.__init__",
+        kind=HookKind.BEFORE,
+        feature=Feature.HISPARSE,
+        hook="qsa_sglang_plugin._adapters._offload:before_qsa_pool_init",
+        reason=(
+            "With p2-offload, give the QSA pool a one-page full-KV pool (its full_kv_pool_class "
+            "keyword): the K/V lives in staging, hot caches, tails and the host arena. The "
+            "platform seam for pool classes (get_kv_pool_cls) is open to out-of-tree platforms "
+            "only."
+        ),
+    ),
+    HookSpec(
+        module="sglang.srt.model_executor.pool_configurator",
+        qualname="DefaultPoolConfigurator.__init__",
+        kind=HookKind.AFTER,
+        feature=Feature.HISPARSE,
+        hook="qsa_sglang_plugin._adapters._offload:after_pool_configurator_init",
+        reason=(
+            "With p2-offload, price a token at its compressed index only and charge staging, "
+            "hot caches, tails and tables as fixed overhead, so max_total_num_tokens grows by "
+            "the K/V bytes the GPU no longer holds. No registry sizes pools."
+        ),
+    ),
 )
 
 

@@ -91,6 +91,29 @@ class OffloadGeometry:
         """One block of one layer: ``[2, 4, Hkv, D]`` (its K rows, then its V rows)."""
         return (2, BLOCK_TOKENS, self.kv_heads, self.head_dim)
 
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record (one block of one layer, K and V)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * BLOCK_TOKENS * self.kv_heads * self.head_dim * element
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host arena: ``R × L × NB`` records."""
+        return self.rows * self.layers * self.max_blocks * self.record_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes :class:`OffloadedKV` allocates: hot caches, tails and residency tables.
+
+        ``L × R × (S + 1)`` records, plus ``L × R × S`` int32 block ids and int64 stamps and
+        ``L × R × NB`` int32 slots.
+        """
+        caches = self.layers * self.rows * (self.hot_slots + 1) * self.record_bytes
+        per_slot = 4 + 8  # an int32 block id and an int64 stamp
+        tables = self.layers * self.rows * (self.hot_slots * per_slot + self.max_blocks * 4)
+        return caches + tables
+
 
 @dataclass(frozen=True, slots=True)
 class _Kernels:

@@ -3,18 +3,23 @@
 Two SGLang objects meet one :class:`OffloadRuntime` per model runner:
 
 - the attention backend, a subclass of upstream's ``QwenSparseAttnBackend`` that the AFTER hook on
-  ``attn_backend_wrapper`` puts in the hybrid GDN backend's full-attention place. Prefill runs as
-  upstream (the chunk's K/V are written to SGLang's KV pool, which serves as the prompt's staging
-  area); decode appends each layer's new token to the row's open-block tail, writes a block that
-  closes to the host arena, fetches the indexer's selected blocks that miss the hot cache, and
-  attends over hot cache and tail (:class:`qsa_kernels.OffloadedKV`). Decode never writes SGLang's
-  KV pool and never reads it after the hand-off.
+  ``attn_backend_wrapper`` puts in the hybrid GDN backend's full-attention place. Prefill writes
+  the chunk's K/V to one prompt's GPU staging area and attends with upstream's kernels (with a
+  prefix: over the staged prompt); decode appends each layer's new token to the row's open-block
+  tail, writes a block that closes to the host arena, fetches the indexer's selected blocks that
+  miss the hot cache, and attends over hot cache and tail (:class:`qsa_kernels.OffloadedKV`).
+  Nothing reads or writes SGLang's full-KV pool, which the BEFORE hook on
+  ``QSATokenToKVPool.__init__`` makes a one-page stub, and the AFTER hook on
+  ``DefaultPoolConfigurator.__init__`` sizes the pools for the compressed index alone, with
+  staging, hot caches, tails and tables as fixed overhead: SGLang admits as many more tokens as
+  the K/V bytes it no longer holds.
 - the ``qsa_hisparse`` tree cache (:mod:`._lifecycle`), which binds a request's KV slot to its
   lease row when the row is allocated and frees the row when SGLang releases it.
 
-The hand-off (the prompt's complete blocks to the arena, its open block to the tail) happens when
-a request's first decode step is planned, whatever path brought it there: every request reaches
-decode through ``init_forward_metadata``, and none can decode without it.
+The hand-off (the staged prompt's complete blocks to the arena, its open block to the tail)
+happens when the request's first decode step is planned or when the next prompt needs the
+staging area, whichever comes first. One prompt is staged at a time (``--prefill-max-requests
+1``).
 
 Operators see ``qsa_hisparse_host_arena_bytes``, ``qsa_hisparse_offload_rows_in_use``,
 ``qsa_hisparse_offload_decode_steps_total``, ``qsa_hisparse_selected_blocks_total`` and
@@ -32,18 +37,24 @@ from typing import Any, Final
 
 import torch
 
-from qsa_kernels import BLOCK_TOKENS, OffloadedKV, OffloadGeometry, RowState
+from qsa_kernels import BLOCK_TOKENS, KernelInputError, OffloadedKV, OffloadGeometry, RowState
 from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
 
-__all__ = ("LOG_EVERY_STEPS", "OffloadRuntime", "after_attn_backend_wrapper", "runtime_of")
+__all__ = (
+    "LOG_EVERY_STEPS",
+    "OffloadRuntime",
+    "after_attn_backend_wrapper",
+    "after_pool_configurator_init",
+    "before_qsa_pool_init",
+    "fixed_device_bytes",
+    "runtime_of",
+)
 
 logger = logging.getLogger(__name__)
 
 #: Decode steps between two log lines (and two reads of the device-side block counters).
 LOG_EVERY_STEPS: Final = 256
-
-_KV_DTYPES: Final = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 class OffloadRuntimeError(RuntimeError):
@@ -96,6 +107,13 @@ class OffloadRuntime:
         self, kv: OffloadedKV, layer_ordinal: Mapping[int, int], block_topk: int, tp_rank: int
     ) -> None:
         self.kv = kv
+        g = kv.geometry
+        # One prompt's K/V of every QSA layer, by token position: [L, T_max, Hkv, D].
+        shape = (g.layers, g.max_tokens, g.kv_heads, g.head_dim)
+        self.staging_k = torch.zeros(shape, dtype=g.dtype, device=kv.device)
+        self.staging_v = torch.zeros(shape, dtype=g.dtype, device=kv.device)
+        self._staged_row: int | None = None
+        self._staged_tokens = 0
         self._ordinal = dict(layer_ordinal)
         self._layer_ids = tuple(sorted(self._ordinal, key=self._ordinal.__getitem__))
         self._block_topk = block_topk
@@ -129,10 +147,17 @@ class OffloadRuntime:
         self._row_of_slot[req_pool_idx] = row
         self._metrics.rows_in_use.set(self.rows_in_use)
 
+    @property
+    def staged_row(self) -> int | None:
+        """The row whose prompt is in the staging area, if any."""
+        return self._staged_row
+
     def release(self, row: int) -> None:
         """The request of lease row ``row`` gave its KV slot back (finish, abort, retraction)."""
         for slot in [s for s, r in self._row_of_slot.items() if r == row]:
             del self._row_of_slot[slot]
+        if self._staged_row == row:
+            self._staged_row, self._staged_tokens = None, 0
         if self.kv.state(row) is RowState.ACTIVE:
             self.kv.release(row)
         self._metrics.rows_in_use.set(self.rows_in_use)
@@ -140,13 +165,11 @@ class OffloadRuntime:
 
     # ---- the backend's calls ---------------------------------------------------------------------
 
-    def begin_decode(self, forward_batch: Any, pool: Any, req_to_token: torch.Tensor) -> None:
-        """Plan one decode step: hand off prompts that start decoding, then count the new tokens.
+    def begin_decode(self, forward_batch: Any) -> None:
+        """Plan one decode step: hand off a prompt that starts decoding, then count the new tokens.
 
         Args:
             forward_batch: SGLang's ``ForwardBatch`` of a decode step.
-            pool: SGLang's KV pool, read once per request for its prompt's K/V at the hand-off.
-            req_to_token: ``[slots, context]`` int32, the KV slots of each request's tokens.
         """
         slots = forward_batch.req_pool_indices.tolist()
         lens = forward_batch.seq_lens_cpu
@@ -159,7 +182,7 @@ class OffloadRuntime:
                 raise OffloadRuntimeError(msg)
             held = seq_len - 1  # every token before the one this step adds
             if self.kv.state(row) is RowState.FREE:
-                self._hand_off(row, pool, req_to_token[slot, :held])
+                self._hand_off(row, held)
             elif self.kv.length(row) != held:
                 msg = (
                     f"row {row!r} (request slot {slot!r}) holds {self.kv.length(row)!r} tokens; "
@@ -174,6 +197,48 @@ class OffloadRuntime:
             [n // BLOCK_TOKENS for n in seq_lens], dtype=torch.int32, device=self.kv.device
         )
         self._count_step()
+
+    def stage(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, forward_batch: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Write one QSA layer's prefill chunk to the staging area.
+
+        Args:
+            layer_id: SGLang's layer id.
+            k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``) keys of the chunk's ``N`` tokens.
+            v: its values, shaped like ``k``.
+            forward_batch: SGLang's ``ForwardBatch`` of an extend step with one request.
+
+        Returns:
+            ``(k [T, Hkv, D], v [T, Hkv, D], prefix)``: the staged prompt up to the chunk's end
+            (``T`` tokens, the geometry's dtype) and how many tokens came before the chunk.
+        """
+        ordinal = self._ordinal_of(layer_id)
+        slots = forward_batch.req_pool_indices
+        if int(slots.numel()) != 1:
+            msg = (
+                f"an extend batch of {int(slots.numel())!r} requests; p2-offload stages one prompt "
+                "at a time (--prefill-max-requests=1)"
+            )
+            raise OffloadRuntimeError(msg)
+        slot = int(slots[0])
+        row = self._row_of_slot.get(slot)
+        if row is None:
+            msg = f"request slot {slot!r} prefills but holds no lease row"
+            raise OffloadRuntimeError(msg)
+        end = int(forward_batch.seq_lens_cpu[0])
+        prefix = end - int(forward_batch.extend_seq_lens_cpu[0])
+        g = self.kv.geometry
+        if end > g.max_tokens:
+            msg = f"a prompt of {end!r} tokens exceeds the staging area ({g.max_tokens!r})"
+            raise OffloadRuntimeError(msg)
+        if self._staged_row != row:
+            self._claim_staging(row)
+        n = end - prefix
+        self.staging_k[ordinal, prefix:end] = k[:n].reshape(n, g.kv_heads, g.head_dim)
+        self.staging_v[ordinal, prefix:end] = v[:n].reshape(n, g.kv_heads, g.head_dim)
+        self._staged_tokens = end
+        return self.staging_k[ordinal, :end], self.staging_v[ordinal, :end], prefix
 
     def decode_layer(  # noqa: PLR0917 (the attention call's own order)
         self,
@@ -200,17 +265,14 @@ class OffloadRuntime:
         Returns:
             ``[B, Hq * D]`` attention output, in ``q``'s dtype.
         """
-        ordinal = self._ordinal.get(layer_id)
-        if ordinal is None:
-            msg = f"layer {layer_id!r} is not a QSA layer; QSA layers: {list(self._ordinal)!r}"
-            raise OffloadRuntimeError(msg)
+        ordinal = self._ordinal_of(layer_id)
         g = self.kv.geometry
         batch = len(self._rows)
         self.kv.write_token(
             ordinal,
             self._rows,
-            k.view(batch, g.kv_heads, g.head_dim),
-            v.view(batch, g.kv_heads, g.head_dim),
+            k.reshape(batch, g.kv_heads, g.head_dim),
+            v.reshape(batch, g.kv_heads, g.head_dim),
         )
         blocks = self._complete_blocks(indices)
         self._count_blocks(ordinal, blocks)
@@ -243,14 +305,31 @@ class OffloadRuntime:
         )
         raise OffloadRuntimeError(msg)
 
-    def _hand_off(self, row: int, pool: Any, slots: torch.Tensor) -> None:
-        """The prompt's K/V of every QSA layer, read from SGLang's pool, into lease row ``row``."""
-        index = slots.long()
-        dtype = self.kv.geometry.dtype
-        k = torch.stack([pool.get_key_buffer(i).index_select(0, index) for i in self._layer_ids])
-        v = torch.stack([pool.get_value_buffer(i).index_select(0, index) for i in self._layer_ids])
-        self.kv.admit(row, k.to(dtype), v.to(dtype))
-        logger.debug("offload: row %d took a %d-token prompt", row, int(index.numel()))
+    def _ordinal_of(self, layer_id: int) -> int:
+        ordinal = self._ordinal.get(layer_id)
+        if ordinal is None:
+            msg = f"layer {layer_id!r} is not a QSA layer; QSA layers: {list(self._ordinal)!r}"
+            raise OffloadRuntimeError(msg)
+        return ordinal
+
+    def _claim_staging(self, row: int) -> None:
+        """Give the staging area to ``row``, first handing off a prompt still waiting in it."""
+        held = self._staged_row
+        if held is not None and self.kv.state(held) is RowState.FREE:
+            self._hand_off(held, self._staged_tokens)
+        self._staged_row, self._staged_tokens = row, 0
+
+    def _hand_off(self, row: int, tokens: int) -> None:
+        """The staged prompt of ``row`` (its first ``tokens`` tokens) into the row."""
+        if self._staged_row != row or self._staged_tokens != tokens:
+            msg = (
+                f"row {row!r} starts decoding after {tokens!r} tokens, but the staging area "
+                f"holds {self._staged_tokens!r} tokens of row {self._staged_row!r}"
+            )
+            raise OffloadRuntimeError(msg)
+        self.kv.admit(row, self.staging_k[:, :tokens], self.staging_v[:, :tokens])
+        self._staged_row, self._staged_tokens = None, 0
+        logger.debug("offload: row %d took a %d-token prompt", row, tokens)
 
     def _count_blocks(self, ordinal: int, blocks: torch.Tensor) -> None:
         """Add this layer's selected and missing blocks to the device-side counters (no sync)."""
@@ -294,15 +373,46 @@ class OffloadRuntime:
 # ---- construction --------------------------------------------------------------------------------
 
 
-def _build_runtime(runner: Any) -> OffloadRuntime:
-    """The runtime of one model runner, sized from its pools and the model's QSA profile."""
-    from sglang.srt.layers.attention.qsa.config import parse_qsa_profile
-    from sglang.srt.runtime_context import get_parallel
+def _offload_requested() -> bool:
+    from qsa_sglang_plugin._switches import HiSparseMode, current_switches
 
-    pool = runner.token_to_kv_pool
-    full = pool.full_kv_pool
-    layer_ordinal = dict(pool.full_attention_layer_id_mapping)
-    model_config = runner.model_config
+    return current_switches().hisparse is HiSparseMode.P2_OFFLOAD
+
+
+def _geometry(
+    *,
+    layers: int,
+    rows: int,
+    context_len: int,
+    block_topk: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> OffloadGeometry:
+    """The arena, hot caches and tails of ``rows`` requests of up to ``context_len`` tokens."""
+    try:
+        return OffloadGeometry(
+            layers=layers,
+            rows=rows,
+            hot_slots=block_topk,
+            max_blocks=math.ceil(context_len / BLOCK_TOKENS),
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
+    except KernelInputError as exc:
+        raise ConfigurationError(f"p2-offload cannot hold this KV cache: {exc}") from exc
+
+
+def fixed_device_bytes(geometry: OffloadGeometry) -> int:
+    """GPU bytes the runtime allocates once: staging (one prompt), hot caches, tails, tables."""
+    staging = geometry.layers * geometry.max_blocks * geometry.record_bytes
+    return staging + geometry.device_bytes
+
+
+def _qsa_profile(model_config: Any) -> Any:
+    from sglang.srt.layers.attention.qsa.config import parse_qsa_profile
+
     config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
     profile = parse_qsa_profile(config)
     if profile is None:
@@ -314,47 +424,58 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
             f"{BLOCK_TOKENS} tokens (allowed: {BLOCK_TOKENS})"
         )
         raise ConfigurationError(msg)
-    dtype = full.dtype  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
-    if dtype not in _KV_DTYPES:
-        msg = f"the KV pool stores {dtype}; p2-offload stores {list(_KV_DTYPES)!r}"
-        raise ConfigurationError(msg)
+    return profile
+
+
+def _build_runtime(runner: Any) -> OffloadRuntime:
+    """The runtime of one model runner, sized from its pools and the model's QSA profile."""
+    from sglang.srt.runtime_context import get_parallel
+
+    pool = runner.token_to_kv_pool
+    full = pool.full_kv_pool
+    layer_ordinal = dict(pool.full_attention_layer_id_mapping)
+    model_config = runner.model_config
+    profile = _qsa_profile(model_config)
     context_len = int(model_config.context_len)
     rows = int(runner.req_to_token_pool.size)
-    geometry = OffloadGeometry(
+    geometry = _geometry(
         layers=len(layer_ordinal),
         rows=rows,
-        hot_slots=int(profile.block_topk),
-        max_blocks=math.ceil(context_len / BLOCK_TOKENS),
+        context_len=context_len,
+        block_topk=int(profile.block_topk),
         kv_heads=int(full.head_num),
         head_dim=int(full.head_dim),
-        dtype=dtype,
+        dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
     )
-    record = math.prod(geometry.record_shape) * torch.empty((), dtype=dtype).element_size()
-    arena = geometry.rows * geometry.layers * geometry.max_blocks * record
+    arena = geometry.host_bytes
     available = meminfo_bytes("MemAvailable")
     if available is not None and arena > available:
         msg = (
             f"the host arena needs {format_bytes(arena)} ({rows} rows x {geometry.layers} QSA "
-            f"layers x {geometry.max_blocks} blocks x {record} B) but the host has "
-            f"{format_bytes(available)} available; lower --max-running-requests={rows} or "
+            f"layers x {geometry.max_blocks} blocks x {geometry.record_bytes} B) but the host "
+            f"has {format_bytes(available)} available; lower --max-running-requests={rows} or "
             f"--context-length={context_len}"
         )
         raise ConfigurationError(msg)
     kv = OffloadedKV(geometry, torch.device(runner.device))
+    runtime = OffloadRuntime(
+        kv, layer_ordinal, int(profile.block_topk), int(get_parallel().tp_rank)
+    )
     logger.info(
-        "offload: host arena %s (%d rows x %d QSA layers x %d blocks, %s, %s), hot caches %s on "
-        "%s, kernels: %s",
+        "offload: host arena %s (%d rows x %d QSA layers x %d blocks, %s, %s); on %s: staging, "
+        "hot caches, tails and tables %s; full-KV pool %s; kernels: %s",
         format_bytes(arena),
         rows,
         geometry.layers,
         geometry.max_blocks,
-        str(dtype).removeprefix("torch."),
+        str(geometry.dtype).removeprefix("torch."),
         "pinned" if kv.host_arena.is_pinned() else "pageable",
-        format_bytes(kv.hot.numel() * kv.hot.element_size()),
         kv.device,
+        format_bytes(fixed_device_bytes(geometry)),
+        format_bytes(sum(int(n) for n in full.get_kv_size_bytes())),  # (K bytes, V bytes)
         kv.path.value,
     )
-    return OffloadRuntime(kv, layer_ordinal, int(profile.block_topk), int(get_parallel().tp_rank))
+    return runtime
 
 
 def runtime_of(runner: Any) -> OffloadRuntime:
@@ -368,9 +489,9 @@ def runtime_of(runner: Any) -> OffloadRuntime:
 @functools.cache
 def _backend_class() -> type[Any]:
     """The ``QwenSparseAttnBackend`` subclass; built on first use so importing stays cheap."""
-    from sglang.srt.layers.attention.qwen_sparse_attn_backend import QwenSparseAttnBackend
+    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
 
-    class HiSparseOffloadBackend(QwenSparseAttnBackend):  # type: ignore[misc]
+    class HiSparseOffloadBackend(upstream.QwenSparseAttnBackend):  # type: ignore[misc]
         """Upstream's QSA backend whose decode reads K/V from the host arena (module docstring)."""
 
         def __init__(self, runner: Any) -> None:
@@ -384,9 +505,65 @@ def _backend_class() -> type[Any]:
         def init_forward_metadata(self, forward_batch: Any) -> None:
             super().init_forward_metadata(forward_batch)
             if forward_batch.forward_mode.is_decode():
-                self.qsa_runtime.begin_decode(
-                    forward_batch, self.token_to_kv_pool, self.req_to_token_pool.req_to_token
+                self.qsa_runtime.begin_decode(forward_batch)
+
+        def forward_extend(  # noqa: PLR0917 (upstream's signature)
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layer: Any,
+            forward_batch: Any,
+            save_kv_cache: bool = True,
+            topk_indices: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            """Upstream's prefill attention, over the staging area instead of the KV pool."""
+            del save_kv_cache, kwargs  # the chunk goes to the staging area, not the pool
+            if topk_indices is None:
+                msg = "QSA sparse attention requires topk_indices"
+                raise ValueError(msg)
+            if getattr(forward_batch, "attn_cp_metadata", None) is not None:
+                msg = "context-parallel prefill is not wired with p2-offload"
+                raise OffloadRuntimeError(msg)
+            staged_k, staged_v, prefix = self.qsa_runtime.stage(layer.layer_id, k, v, forward_batch)
+            q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
+            rows = q.shape[0]
+            valid_rows = topk_indices.shape[0]  # DP attention may pad q beyond the indexer's rows
+            q = q[:valid_rows]
+            tokens = int(staged_k.shape[0])
+            if not q.is_cuda:
+                # The staging area is indexed by token position: logical index = slot.
+                inside = (topk_indices >= 0) & (topk_indices < tokens)
+                slots = torch.where(inside, topk_indices, -1).to(torch.int32)
+                out = upstream.qsa_sparse_attention(q, staged_k, staged_v, slots, layer.scaling)
+                return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
+            topk = topk_indices.to(torch.int32).contiguous()
+            cu_q = torch.tensor([0, valid_rows], dtype=torch.int32, device=q.device)
+            if prefix == 0:  # the chunk is the whole prompt so far: upstream's no-prefix kernel
+                out = upstream.sparse_gqa_fwd_interface_triton(
+                    q.contiguous(),
+                    k[:valid_rows].contiguous(),
+                    v[:valid_rows].contiguous(),
+                    tokens,
+                    topk,
+                    cu_q,
+                    layer.scaling,
                 )
+            else:
+                lens = torch.tensor([tokens], dtype=torch.int32, device=q.device)
+                cu_k = torch.tensor([0, tokens], dtype=torch.int32, device=q.device)
+                out = upstream.sparse_gqa_fwd_interface_triton_ck(
+                    q.contiguous(),
+                    staged_k.to(q.dtype),
+                    staged_v.to(q.dtype),
+                    topk,
+                    cu_q,
+                    cu_k,
+                    lens,
+                    layer.scaling,
+                )
+            return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
 
         def forward_decode(  # noqa: PLR0917 (upstream's signature)
             self,
@@ -424,9 +601,7 @@ def after_attn_backend_wrapper(
             ``QwenSparseAttnBackend``.
     """
     del full_attn_backend, args, kwargs
-    from qsa_sglang_plugin._switches import HiSparseMode, current_switches
-
-    if current_switches().hisparse is not HiSparseMode.P2_OFFLOAD:
+    if not _offload_requested():
         return
     from sglang.srt.layers.attention.qwen_sparse_attn_backend import QwenSparseAttnBackend
 
@@ -442,3 +617,102 @@ def after_attn_backend_wrapper(
     result.full_attn_backend = backend
     result.attn_backend_list[0] = backend
     logger.info("offload: the QSA layers attend through %s", type(backend).__name__)
+
+
+@functools.cache
+def _stub_pool_class() -> type[Any]:
+    """An ``MHATokenToKVPool`` that allocates one page per layer, whatever its size."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    class NoRawKVPool(MHATokenToKVPool):  # type: ignore[misc]
+        """The QSA layers' full-KV pool under p2-offload: slots without storage.
+
+        SGLang's allocator still hands out a slot per token (the compressed index is addressed
+        by ``slot // 4``); the K/V itself lives in the staging area, the hot caches, the tails
+        and the host arena, so the buffers hold only the padding page.
+        """
+
+        def _create_buffers(self) -> None:
+            size: int = self.size  # type: ignore[has-type]
+            self.size = 0  # the buffers get the padding page only
+            try:
+                super()._create_buffers()
+            finally:
+                self.size = size
+
+        def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
+            del args, kwargs
+            msg = "the QSA layers' K/V is offloaded; nothing may write SGLang's full-KV pool"
+            raise OffloadRuntimeError(msg)
+
+    return NoRawKVPool
+
+
+def before_qsa_pool_init(
+    *args: Any, **kwargs: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """BEFORE hook on ``QSATokenToKVPool.__init__``: with p2-offload, the one-page full-KV pool.
+
+    The pool's compressed index, indexer ring and RoPE positions are allocated as upstream.
+    """
+    if not _offload_requested():
+        return None
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    given = kwargs.get("full_kv_pool_class")
+    if given not in (None, MHATokenToKVPool):  # a platform's own pool: not ours to replace
+        msg = (
+            f"QSATokenToKVPool got full_kv_pool_class={given!r}; p2-offload replaces only "
+            f"{MHATokenToKVPool.__name__} (the default)"
+        )
+        raise ConfigurationError(msg)
+    return args, {**kwargs, "full_kv_pool_class": _stub_pool_class()}
+
+
+def after_pool_configurator_init(
+    result: object, configurator: Any, kvc: Any, *args: object, **kwargs: object
+) -> None:
+    """AFTER hook on ``DefaultPoolConfigurator.__init__``: price the offloaded pools.
+
+    With p2-offload and a QSA model, a token costs only its compressed index
+    (``_compute_qsa_cell_size``); staging, hot caches, tails and tables are fixed overhead.
+    """
+    del result, args, kwargs
+    if not _offload_requested():
+        return
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.runtime_context import get_parallel
+
+    model_config = kvc.model_config
+    hybrid = mambaish_config(model_config)
+    if hybrid is None:
+        return
+    layers = len(hybrid.full_attention_layer_ids)
+    profile = _qsa_profile(model_config)
+    rows = kvc.server_args.max_running_requests
+    if rows is None:
+        msg = "p2-offload sizes its host arena by --max-running-requests; give one"
+        raise ConfigurationError(msg)
+    geometry = _geometry(
+        layers=layers,
+        rows=int(rows),
+        context_len=int(model_config.context_len),
+        block_topk=int(profile.block_topk),
+        kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),
+        head_dim=int(model_config.head_dim),
+        dtype=kvc.kv_cache_dtype,
+    )
+    resident = int(configurator._cell_size)
+    index_only = int(
+        configurator._compute_qsa_cell_size(hf_config=model_config.hf_config, num_layers=layers)
+    )
+    fixed = fixed_device_bytes(geometry)
+    configurator._cell_size = index_only
+    configurator._fixed_overhead_bytes += fixed
+    logger.info(
+        "offload: pool sizing charges %d B per token (was %d B with the QSA layers' K/V) plus "
+        "%s fixed (staging, hot caches, tails, tables)",
+        index_only,
+        resident,
+        format_bytes(fixed),
+    )
