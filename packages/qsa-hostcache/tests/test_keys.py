@@ -172,3 +172,25 @@ def test_malformed_namespace_is_rejected(args: tuple[object, ...], match: str) -
     """Empty identity strings, a zero TP size or an out-of-range rank raise InvalidKeyError."""
     with pytest.raises(InvalidKeyError, match=match):
         CacheNamespace(*args)  # type: ignore[arg-type]
+
+
+def test_big_endian_and_explicit_order_buffers_encode_like_native_ones() -> None:
+    """Any 1-D integer buffer is accepted, whatever its byte order (issue: '>i8' raised)."""
+    ids = [0, 1, 151_000, 2**40, 7]
+    want = array.array("q", ids).tobytes()
+    assert token_bytes(np.array(ids, dtype=">i8")) == want
+    assert token_bytes(np.array(ids, dtype="<i8")) == want
+    small = [0, 1, 151_000, 7]
+    assert token_bytes(np.array(small, dtype=">u4")) == array.array("q", small).tobytes()
+    assert token_bytes(np.array(ids, dtype=">i8")[::2]) == array.array("q", ids[::2]).tobytes()
+
+
+def test_uint64_ids_beyond_int64_are_refused_not_wrapped() -> None:
+    """A uint64 id >= 2**63 used to become a negative int64 id silently."""
+    fine = torch.tensor([0, 5, 2**40], dtype=torch.uint64)
+    assert token_bytes(fine) == array.array("q", [0, 5, 2**40]).tobytes()
+    wrapping = torch.tensor([3, 2**63 + 1], dtype=torch.uint64)
+    with pytest.raises(InvalidKeyError, match=r"token id 9223372036854775809 at index 1"):
+        token_bytes(wrapping)
+    with pytest.raises(InvalidKeyError, match="int64 range"):
+        token_bytes(np.array([2**63], dtype=np.uint64))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import struct
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -119,7 +120,19 @@ def _tensor_token_bytes(tokens: torch.Tensor) -> bytes:
         raise InvalidKeyError(f"token tensor must be 1-D [T], got shape {tuple(tokens.shape)!r}")
     if tokens.is_floating_point() or tokens.is_complex() or str(tokens.dtype) == "torch.bool":
         raise InvalidKeyError(f"token tensor must have an integer dtype, got {tokens.dtype!r}")
-    flat = tokens.detach().cpu().long().contiguous()
+    flat = tokens.detach().cpu().contiguous()
+    if str(flat.dtype) == "torch.uint64":  # ids >= 2**63 would wrap to negative int64 ids
+        import torch  # only tensors get here; keys import without torch
+
+        as_signed = flat.view(torch.int64)
+        if bool((as_signed < 0).any()):
+            first = int(torch.nonzero(as_signed < 0)[0, 0])
+            raise InvalidKeyError(
+                f"token id {int(as_signed[first]) + 2**64!r} at index {first!r} is outside the "
+                f"int64 range [0, 2**63)"
+            )
+        flat = as_signed
+    flat = flat.long()
     raw = ctypes.string_at(flat.data_ptr(), flat.numel() * TOKEN_BYTES)
     return raw if sys.byteorder == "little" else _swap(raw)
 
@@ -167,7 +180,11 @@ def token_bytes(tokens: object) -> bytes:
         if fmt in ("q", "l", "n") and view.itemsize == TOKEN_BYTES and view.c_contiguous:
             raw = view.cast("B").tobytes()
             return raw if sys.byteorder == "little" else _swap(raw)
-        ids: Iterable[int] = view.tolist()
+        ids: Iterable[int]
+        if fmt[:1] in ("<", ">", "!"):  # an explicit byte order (e.g. NumPy '>i8'): decode it
+            ids = [value for (value,) in struct.iter_unpack(fmt, view.tobytes())]
+        else:
+            ids = view.tolist()
     elif isinstance(tokens, Iterable):
         ids = tokens
     else:
