@@ -192,3 +192,10 @@ def test_cli_reports_bad_input_with_status_2(capsys: pytest.CaptureFixture[str])
     """An invalid TP size is reported on stderr with exit status 2."""
     assert main(["--tp", "3"]) == 2
     assert "tp_size=3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["kv_dtype", "index_dtype"])
+def test_a_dtype_spelled_as_a_string_is_refused_by_name(field: str) -> None:
+    """A flag string where a KVDType belongs used to fail with an AttributeError."""
+    with pytest.raises(CapacityError, match=rf"{field}='fp8_e4m3' is not allowed.*KVDType.parse"):
+        _plan(**{field: "fp8_e4m3"})  # type: ignore[arg-type]

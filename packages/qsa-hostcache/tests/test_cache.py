@@ -434,3 +434,14 @@ def test_pin_refuses_a_match_found_by_another_cache() -> None:
     with pytest.raises(LeaseError, match=r"came from cache \d+; this is cache \d+"):
         ours.pin(foreign)
     assert ours.stats().pinned_entries == 0
+
+
+@pytest.mark.parametrize("bad", [4.5, True, -1, "8"])
+def test_match_refuses_a_token_limit_that_is_not_an_int(bad: object) -> None:
+    cache = make_cache()
+    assert cache.publish(key(2, first=1), payload(BLOCK, 1)) is not None
+    with pytest.raises(
+        InvalidKeyError, match=f"max_tokens must be an int >= 0 or None, got {bad!r}"
+    ):
+        cache.match(key(2, first=1), max_tokens=bad)  # type: ignore[arg-type]
+    assert cache.match(key(2, first=1), max_tokens=8) is not None

@@ -166,6 +166,9 @@ def test_malformed_key_arguments_are_rejected(kwargs: dict[str, object], match: 
         (("m", "", 1, 0, "c"), "dtype"),
         (("m", "bf16", 0, 0, "c"), "tp_size"),
         (("m", "bf16", 2, 2, "c"), r"\[0, 2\)"),
+        (("m", "bf16", 2**33, 0, "c"), r"tp_size must lie in \[1, 2\*\*32\), got 8589934592"),
+        (("m", "bf16", 2.0, 0, "c"), "tp_size must be an int, got 2.0"),
+        (("m", "bf16", 2, True, "c"), "tp_rank must be an int, got True"),
     ],
 )
 def test_malformed_namespace_is_rejected(args: tuple[object, ...], match: str) -> None:

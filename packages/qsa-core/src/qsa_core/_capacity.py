@@ -360,6 +360,15 @@ def plan_capacity(
     _check_int_at_least("gpu_budget_bytes", gpu_budget_bytes, minimum=0)
     _check_int_at_least("host_budget_bytes", host_budget_bytes, minimum=0)
     _check_int_at_least("reserved_hot_slots", reserved_hot_slots, minimum=0)
+    dtypes: tuple[tuple[str, object], ...] = (("kv_dtype", kv_dtype), ("index_dtype", index_dtype))
+    for name, dtype in dtypes:
+        if not isinstance(dtype, KVDType):
+            allowed = ", ".join(f"KVDType.{d.name}" for d in KVDType)
+            msg = (
+                f"{name}={dtype!r} is not allowed; it must be a KVDType ({allowed}); parse a "
+                "flag with KVDType.parse"
+            )
+            raise CapacityError(msg)
     hot = 4 * profile.block_topk if hot_slots is None else hot_slots
     if not is_int(hot) or hot < profile.block_topk:
         msg = (

@@ -583,8 +583,9 @@ class HostPrefixCache:
     def _page_limit(self, max_tokens: int | None) -> int | None:
         if max_tokens is None:
             return None
-        if max_tokens < 0:
-            raise InvalidKeyError(f"max_tokens must be >= 0, got {max_tokens!r}")
+        given: object = max_tokens  # callers' values, checked whatever their annotation says
+        if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+            raise InvalidKeyError(f"max_tokens must be an int >= 0 or None, got {max_tokens!r}")
         return max_tokens // self._index.page_size
 
     def __repr__(self) -> str:

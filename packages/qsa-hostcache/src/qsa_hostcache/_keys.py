@@ -93,8 +93,12 @@ class CacheNamespace:
             raise InvalidKeyError(f"model must be a non-empty string, got {self.model!r}")
         if not self.dtype:
             raise InvalidKeyError(f"dtype must be a non-empty string, got {self.dtype!r}")
-        if self.tp_size < 1:
-            raise InvalidKeyError(f"tp_size must be >= 1, got {self.tp_size!r}")
+        for name in ("tp_size", "tp_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidKeyError(f"{name} must be an int, got {value!r}")
+        if not 1 <= self.tp_size < 2**32:  # encoded in 4 bytes
+            raise InvalidKeyError(f"tp_size must lie in [1, 2**32), got {self.tp_size!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise InvalidKeyError(
                 f"tp_rank must lie in [0, {self.tp_size!r}), got {self.tp_rank!r}"
