@@ -16,6 +16,7 @@ __all__ = (
     "ForeignHookError",
     "HookNotAppliedError",
     "LaunchError",
+    "OffloadRuntimeError",
     "SwitchError",
 )
 
@@ -46,6 +47,14 @@ class ConfigurationError(ActivationError):
 
 class LaunchError(RuntimeError):
     """The launcher could not bring the server to a verified ready state."""
+
+
+class OffloadRuntimeError(RuntimeError):
+    """SGLang asked the offload runtime for something its leases do not allow.
+
+    For example a request slot without a lease row, a row whose length disagrees with SGLang's,
+    or a batch it cannot stage.
+    """
 
 
 class AdapterError(ValueError):

@@ -1,4 +1,4 @@
-"""``p2-offload`` inside SGLang: the QSA layers' decode reads K/V from the host arena only.
+"""``p2-offload`` inside SGLang: the QSA layers' K/V off SGLang's pool, history in host memory.
 
 Two SGLang objects meet one :class:`OffloadRuntime` per model runner:
 
@@ -38,7 +38,7 @@ from typing import Any, Final
 import torch
 
 from qsa_kernels import BLOCK_TOKENS, KernelInputError, OffloadedKV, OffloadGeometry, RowState
-from qsa_sglang_plugin._errors import ConfigurationError
+from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
 
 __all__ = (
@@ -55,10 +55,6 @@ logger = logging.getLogger(__name__)
 
 #: Decode steps between two log lines (and two reads of the device-side block counters).
 LOG_EVERY_STEPS: Final = 256
-
-
-class OffloadRuntimeError(RuntimeError):
-    """SGLang asked the offload runtime for something its leases do not allow."""
 
 
 class _Metrics:
