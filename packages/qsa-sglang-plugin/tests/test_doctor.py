@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from qsa_sglang_plugin import doctor
+from qsa_sglang_plugin._switches import MAX_PREFIX_CACHE_MB
 from qsa_sglang_plugin.doctor import Status, run_checks
 
 ON = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
@@ -37,7 +38,7 @@ def test_gpu_check_fails_without_a_driver() -> None:
 
 def test_prefix_cache_budget_beyond_host_fails() -> None:
     """A budget larger than the host's memory fails host memory, and memlock unless unlimited."""
-    env = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": str(1 << 30)}
+    env = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": str(MAX_PREFIX_CACHE_MB)}  # 16 TiB
     checks = _by_name(env, tp_size=2)
     assert checks["host memory"].status is Status.FAIL
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)

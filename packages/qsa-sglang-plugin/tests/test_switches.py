@@ -8,7 +8,11 @@ from hypothesis import strategies as st
 
 from qsa_sglang_plugin import Feature, HiSparseMode, SwitchError, Switches, parse_switches
 from qsa_sglang_plugin._activation import activate
-from qsa_sglang_plugin._switches import current_switches
+from qsa_sglang_plugin._switches import (
+    MAX_PREFIX_CACHE_ENTRIES,
+    MAX_PREFIX_CACHE_MB,
+    current_switches,
+)
 
 ON = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
 
@@ -93,9 +97,10 @@ def test_malformed_switch_names_variable_value_and_allowed(
 
 @given(st.text(max_size=12))
 def test_prefix_cache_mb_accepts_only_decimal_digits(raw: str) -> None:
-    """Any MB text parses iff it is ASCII digits (or empty), and then equals int(raw)."""
+    """Any MB text parses iff it is ASCII digits up to the maximum (or empty), as int(raw)."""
     env = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": raw}
-    if raw == "" or (raw.strip().isascii() and raw.strip().isdigit()):
+    digits = raw.strip().isascii() and raw.strip().isdigit()
+    if raw == "" or (digits and int(raw) <= MAX_PREFIX_CACHE_MB):
         assert parse_switches(env).prefix_cache_mb == (int(raw) if raw else 0)
     else:
         with pytest.raises(SwitchError):
@@ -117,3 +122,25 @@ def test_activate_with_malformed_switch_raises(monkeypatch: pytest.MonkeyPatch) 
             activate()
     finally:
         current_switches.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "maximum"),
+    [
+        ("SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB", str(MAX_PREFIX_CACHE_MB + 1), MAX_PREFIX_CACHE_MB),
+        ("SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB", str(64 << 30), MAX_PREFIX_CACHE_MB),  # bytes as MiB
+        (
+            "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES",
+            str(MAX_PREFIX_CACHE_ENTRIES + 1),
+            MAX_PREFIX_CACHE_ENTRIES,
+        ),
+    ],
+)
+def test_absurd_prefix_cache_sizes_are_refused_at_parse_time(
+    name: str, value: str, maximum: int
+) -> None:
+    """A size no host has (a byte count given as MiB, say) fails here, naming the maximum."""
+    env = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "1024", name: value}
+    with pytest.raises(SwitchError, match=rf"{name}='{value}' is not allowed.*up to {maximum}"):
+        parse_switches(env)
+    assert parse_switches({**env, name: str(maximum)}) is not None

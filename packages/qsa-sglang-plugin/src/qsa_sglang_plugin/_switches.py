@@ -45,6 +45,11 @@ RADIX_CACHE_BACKEND: Final = "qsa_hisparse"
 
 #: Default retained-plus-pending checkpoint count per TP rank when the prefix cache is on.
 DEFAULT_PREFIX_CACHE_MAX_ENTRIES: Final = 256
+#: Largest prefix-cache budget per TP rank the parser accepts, in MiB (16 TiB): anything larger
+#: is a typo (a byte count given as MiB), refused at start-up rather than by the allocator.
+MAX_PREFIX_CACHE_MB: Final = 1 << 24
+#: Largest prefix-cache entry count per TP rank the parser accepts.
+MAX_PREFIX_CACHE_ENTRIES: Final = 1 << 20
 
 
 class HiSparseMode(enum.StrEnum):
@@ -106,10 +111,18 @@ class Switches:
         return tuple(out)
 
 
-def _positive_int(name: str, raw: str, *, zero_allowed: bool) -> int:
+def _positive_int(name: str, raw: str, *, zero_allowed: bool, maximum: int) -> int:
     text = raw.strip()
-    allowed = "0 (off) or a positive integer" if zero_allowed else "a positive integer"
-    if not (text.isascii() and text.isdigit()) or (int(text) == 0 and not zero_allowed):
+    allowed = (
+        f"0 (off) or a positive integer up to {maximum}"
+        if zero_allowed
+        else f"a positive integer up to {maximum}"
+    )
+    if (
+        not (text.isascii() and text.isdigit())
+        or (int(text) == 0 and not zero_allowed)
+        or int(text) > maximum
+    ):
         msg = f"{name}={raw!r} is not allowed; allowed: unset, or {allowed}"
         raise SwitchError(msg)
     return int(text)
@@ -149,10 +162,19 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             raise SwitchError(msg)
 
     raw_mb = environ.get(ENV_PREFIX_CACHE_MB, "")
-    prefix_cache_mb = _positive_int(ENV_PREFIX_CACHE_MB, raw_mb, zero_allowed=True) if raw_mb else 0
+    prefix_cache_mb = (
+        _positive_int(ENV_PREFIX_CACHE_MB, raw_mb, zero_allowed=True, maximum=MAX_PREFIX_CACHE_MB)
+        if raw_mb
+        else 0
+    )
     raw_entries = environ.get(ENV_PREFIX_CACHE_MAX_ENTRIES, "")
     max_entries = (
-        _positive_int(ENV_PREFIX_CACHE_MAX_ENTRIES, raw_entries, zero_allowed=False)
+        _positive_int(
+            ENV_PREFIX_CACHE_MAX_ENTRIES,
+            raw_entries,
+            zero_allowed=False,
+            maximum=MAX_PREFIX_CACHE_ENTRIES,
+        )
         if raw_entries
         else DEFAULT_PREFIX_CACHE_MAX_ENTRIES
     )
