@@ -205,13 +205,13 @@ def test_a_prompt_longer_than_the_context_is_refused_and_takes_nothing(
     engines: EnginePool,
 ) -> None:
     engine = engines.engine(LIFECYCLE)
-    acquired_before = sum(_released(engine, o) for o in ("finished", "aborted", "retracted"))
+    released_before = sum(_released(engine, o) for o in ("finished", "aborted", "retracted"))
     with pytest.raises(EngineRequestError, match="longer than the model's context length"):
         engine.post_json("/generate", GenerateRequest(QWEN.prompt(9000, seed=40)).body())
     assert _live_leases(engine) == 0
     assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
     released = sum(_released(engine, o) for o in ("finished", "aborted", "retracted"))
-    assert released == acquired_before  # no lease was taken for it
+    assert released == released_before  # no lease was taken for it
 
 
 def _abort_while_running(engine: Engine, request: GenerateRequest, wait: float) -> _Background:

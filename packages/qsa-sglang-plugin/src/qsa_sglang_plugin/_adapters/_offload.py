@@ -115,6 +115,7 @@ class OffloadRuntime:
         self._block_topk = block_topk
         self._row_of_slot: dict[int, int] = {}
         self._rows: list[int] = []
+        self._rows_t: torch.Tensor | None = None  # the step's rows on the device, [B, 1]
         self._closed: torch.Tensor | None = None
         self._pending_counts = torch.zeros(2, dtype=torch.int64, device=kv.device)
         self._steps = 0
@@ -124,8 +125,7 @@ class OffloadRuntime:
     @property
     def host_arena_bytes(self) -> int:
         """Bytes of the host arena."""
-        arena = self.kv.host_arena
-        return arena.numel() * arena.element_size()
+        return self.kv.geometry.host_bytes
 
     @property
     def rows_in_use(self) -> int:
@@ -189,9 +189,10 @@ class OffloadRuntime:
         self.kv.advance(rows)
         self.kv.begin_step()
         self._rows = rows
-        self._closed = torch.tensor(
-            [n // BLOCK_TOKENS for n in seq_lens], dtype=torch.int32, device=self.kv.device
-        )
+        # One host-to-device copy per step for what every layer reuses: rows and closed blocks.
+        step = torch.tensor([rows, [n // BLOCK_TOKENS for n in seq_lens]], dtype=torch.int32)
+        step = step.to(self.kv.device)
+        self._rows_t, self._closed = step[0].long().unsqueeze(1), step[1]
         self._count_step()
 
     def stage(
@@ -329,9 +330,10 @@ class OffloadRuntime:
 
     def _count_blocks(self, ordinal: int, blocks: torch.Tensor) -> None:
         """Add this layer's selected and missing blocks to the device-side counters (no sync)."""
+        assert self._rows_t is not None  # set by begin_decode
         valid = blocks >= 0
-        rows = torch.tensor(self._rows, device=blocks.device).unsqueeze(1)
-        resident = self.kv.tables.block_slot[ordinal][rows, blocks.clamp(min=0).long()] >= 0
+        block_slot = self.kv.tables.block_slot[ordinal]
+        resident = block_slot[self._rows_t, blocks.clamp(min=0).long()] >= 0
         self._pending_counts += torch.stack((valid.sum(), (valid & ~resident).sum()))
 
     def _count_step(self) -> None:
