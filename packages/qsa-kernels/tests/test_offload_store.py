@@ -7,7 +7,7 @@ import torch
 
 from qsa_kernels import KernelPath
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
 
 _L, _ROWS, _HKV, _D = 2, 3, 1, 16
 
@@ -184,6 +184,108 @@ def test_write_token_refuses_rows_other_than_the_counted_ones(kernel_device: str
     with pytest.raises(KernelInputError, match=r"layer=2 is not allowed"):
         store.write_token(2, [0], x, x)
     assert torch.equal(store.tail, tail)
+
+
+def _step_outputs(
+    store: OffloadedKV, device: str, rows: list[int], seed: int, pad_to: int | None
+) -> list[torch.Tensor]:
+    """One layer-by-layer decode step of ``rows``; returns each layer's ``[B, Hq, D]`` output."""
+    k, v = _tokens(len(rows), seed, device), _tokens(len(rows), seed + 1, device)
+    q = _tokens(2 * len(rows), seed + 2, device).reshape(_L, len(rows), 2, _D)
+    store.begin_step()
+    step = store.advance(rows, pad_to=pad_to)
+    pad = len(step) - len(rows)
+    outputs = []
+    for layer in range(_L):
+        zeros = torch.zeros(pad, _HKV, _D, dtype=torch.bfloat16, device=device)
+        store.write_token(layer, step, torch.cat((k[layer], zeros)), torch.cat((v[layer], zeros)))
+        closed = store.step_closed_blocks.unsqueeze(1)
+        every = torch.arange(4, dtype=torch.int32, device=device).expand(len(step), 4)
+        blocks = torch.where(every < closed, every, -1)
+        qs = torch.cat((q[layer], torch.zeros(pad, 2, _D, dtype=torch.bfloat16, device=device)))
+        out, _ = store.attend(layer, step, qs, blocks)
+        outputs.append(out[: len(rows)])
+    return outputs
+
+
+def test_a_step_padded_with_free_rows_equals_the_unpadded_step(kernel_device: str) -> None:
+    """What a CUDA graph of a larger batch runs: padding changes no output, tail or arena block."""
+    plain, padded = _store(kernel_device, 4), _store(kernel_device, 4)
+    for store in (plain, padded):
+        store.admit(0, _tokens(6, 0, kernel_device), _tokens(6, 1, kernel_device))
+    for seed in range(0, 30, 5):  # six steps: row 0 goes from 6 to 12 tokens, closing 2 blocks
+        want = _step_outputs(plain, kernel_device, [0], seed, None)
+        got = _step_outputs(padded, kernel_device, [0], seed, 3)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b)
+    assert plain.length(0) == padded.length(0) == 12
+    assert padded.state(1) is padded.state(2) is RowState.FREE
+    assert torch.equal(plain.tail[:, 0], padded.tail[:, 0])
+    assert torch.equal(plain.host_arena[0, :, :3], padded.host_arena[0, :, :3])
+    assert torch.equal(plain.tables.slot_block[:, 0], padded.tables.slot_block[:, 0])
+    assert (padded.tables.slot_block[:, 1:] == -1).all()  # padding selected nothing
+
+
+def test_padding_refuses_a_batch_it_cannot_fill_and_changes_nothing(kernel_device: str) -> None:
+    store = _store(kernel_device)
+    store.admit(0, _tokens(5, 0, kernel_device), _tokens(5, 1, kernel_device))
+    store.admit(1, _tokens(5, 2, kernel_device), _tokens(5, 3, kernel_device))
+    with pytest.raises(KernelInputError, match=r"pad_to=4 needs 3 free rows to pad 1 rows; 1 of 3"):
+        store.advance([0], pad_to=4)
+    with pytest.raises(
+        KernelInputError, match=r"pad_to=1 is not allowed; allowed: an int >= the 2"
+    ):
+        store.advance([0, 1], pad_to=1)
+    assert (store.length(0), store.length(1)) == (5, 5)
+    assert store.advance([0], pad_to=2) == (0, 2)
+
+
+@pytest.mark.gpu
+def test_a_captured_decode_step_replays_the_eager_steps() -> None:
+    """One CUDA graph of write_token + attend, replayed over changing rows, equals eager steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    device, batch = "cuda", 3
+
+    def five_rows() -> OffloadedKV:
+        geometry = OffloadGeometry(_L, 5, 4, 4, _HKV, _D, torch.bfloat16)
+        store = OffloadedKV(geometry, torch.device(device), path=KernelPath.TRITON)
+        store.admit(0, _tokens(6, 0, device), _tokens(6, 1, device))
+        store.admit(2, _tokens(3, 2, device), _tokens(3, 3, device))
+        return store
+
+    eager, graphed, warm = five_rows(), five_rows(), five_rows()
+    _step_outputs(warm, device, [0, 2], 7, batch)  # compiles every kernel before the capture
+    k = torch.zeros(_L, batch, _HKV, _D, dtype=torch.bfloat16, device=device)
+    v, q = torch.zeros_like(k), torch.zeros(_L, batch, 2, _D, dtype=torch.bfloat16, device=device)
+    out = torch.zeros_like(q)
+    every = torch.arange(4, dtype=torch.int32, device=device).expand(batch, 4)
+
+    def layers(step: tuple[int, ...]) -> None:
+        for layer in range(_L):
+            graphed.write_token(layer, step, k[layer], v[layer])
+            blocks = torch.where(every < graphed.step_closed_blocks.unsqueeze(1), every, -1)
+            out[layer] = graphed.attend(layer, step, q[layer], blocks)[0]
+
+    graph = torch.cuda.CUDAGraph()
+    for i, rows in enumerate([[0, 2], [2, 0], [0], [0, 2], [2], [0, 2]]):  # blocks close in both
+        seed = 100 + 10 * i
+        want = _step_outputs(eager, device, rows, seed, None)
+        k[:, : len(rows)] = _tokens(len(rows), seed, device)
+        v[:, : len(rows)] = _tokens(len(rows), seed + 1, device)
+        q[:, : len(rows)] = _tokens(2 * len(rows), seed + 2, device).reshape(_L, len(rows), 2, _D)
+        graphed.begin_step()
+        step = graphed.advance(rows, pad_to=batch)
+        if i == 0:
+            with torch.cuda.graph(graph):
+                layers(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer in range(_L):
+            assert torch.equal(out[layer, : len(rows)], want[layer]), (i, layer)
+    assert [graphed.length(r) for r in (0, 2)] == [eager.length(r) for r in (0, 2)] == [11, 8]
+    assert torch.equal(graphed.host_arena[[0, 2], :, :2], eager.host_arena[[0, 2], :, :2])
+    assert torch.equal(graphed.tail[:, [0, 2]], eager.tail[:, [0, 2]])
 
 
 def test_geometry_bytes_equal_what_the_store_allocates() -> None:

@@ -65,6 +65,33 @@ def test_writeback_copies_closed_blocks_exactly_and_nothing_else(
         )
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp8", "bf16"])
+def test_writeback_skips_entries_whose_block_is_minus_one(
+    kernel_device: str, dtype: torch.dtype
+) -> None:
+    """A fixed-size launch with masked entries (-1) writes only the unmasked records."""
+    L, R, S, NB, Hkv, D = 2, 3, 2, 4, 1, 16
+    dev = torch.device(kernel_device)
+    hot = _random((L, R, S, 2, 4, Hkv, D), dtype).to(dev)
+    arena = _random((R, L, NB, 2, 4, Hkv, D), dtype)
+    if kernel_device == "cuda":
+        arena = arena.pin_memory()
+    before = arena.clone()
+    rows, layers, slots, blocks = (
+        torch.tensor(col, dtype=torch.int32, device=dev)
+        for col in ([0, 1, 2], [1, 0, 1], [0, 1, 1], [-1, 3, -1])
+    )
+    for copy in (writeback_blocks, writeback_blocks_reference):
+        arena.copy_(before)
+        event = copy(hot, arena, rows=rows, layers=layers, slots=slots, blocks=blocks)
+        if kernel_device == "cuda":
+            torch.cuda.synchronize()
+        del event
+        expected = before.clone()
+        expected[1, 0, 3] = hot[0, 1, 1].cpu()
+        assert torch.equal(arena.view(torch.uint8), expected.view(torch.uint8)), copy.__name__
+
+
 @pytest.mark.parametrize("tokens", [3, 4, 37])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp8", "bf16"])
 def test_offload_prompt_packs_complete_blocks_only(

@@ -6,9 +6,16 @@ whole raw K/V history in a pinned host arena; the device holds, per (layer, row)
 of the row. A decode step of one layer fetches the selected blocks that miss, attends over them in
 the hot cache and over the open block in the tail, and merges the two parts by their LSE.
 
-Ordering across streams is explicit: a closed block is written back on a side stream, and the
-current stream waits on that copy's event before it reuses the tail record or fetches from the
-arena. Nothing here allocates pinned memory after construction.
+A decode step is planned on the host (:meth:`OffloadedKV.advance`) into fixed device buffers: the
+step's rows, each new token's tail offset, each row's complete blocks, the block a token closes,
+the open-block token ids. Everything after the plan (token writes, the masked write-back of closed
+blocks, fetch, sparse decode, merge) reads only those buffers and a device stamp counter, never a
+host value, so one layer's step can be captured in a CUDA graph once per batch size and replayed:
+the plan pads the batch with free rows, whose work is masked out.
+
+Ordering across streams is explicit: a prompt is offloaded on a side stream, and the current
+stream waits on that copy's event before the next step. Closed blocks are written back on the
+current stream, in order. Nothing here allocates pinned memory after construction.
 """
 
 from __future__ import annotations
@@ -156,20 +163,106 @@ _KERNELS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class _StepRows:
-    """What one decode step writes, fixed by :meth:`OffloadedKV.advance` for every layer.
+class _StepPlan:
+    """One decode step's device-side plan, in buffers allocated once for ``R`` rows.
+
+    One int32 device vector holds, for the step's ``B`` rows (padding included): the row ids, the
+    new token's offset in the tail, the row's complete blocks after the token, the block the token
+    closes (``-1`` if none) and the row's open-block token ids (``[B, 3]``, ``-1`` padded). The
+    host fills a pinned copy of it and moves it in one copy per step; two pinned copies take turns,
+    each reused only once its previous copy has completed.
 
     Attributes:
-        rows: the step's rows, in batch order.
-        index: ``[2, B]`` int64 device tensor: each row and the tail offset of its new token.
-        closed: ``[2, C]`` int32 device tensor: the rows whose block the new token closes, and
-            that block's index; ``None`` when no block closes.
+        rows: the step's rows, in batch order, padding last.
+        batch: ``B``.
     """
 
-    rows: tuple[int, ...]
-    index: torch.Tensor
-    closed: torch.Tensor | None
+    _FIELDS = 4  # rows, tail offsets, complete blocks, closing block; then 3 tail tokens per row
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.rows: tuple[int, ...] = ()
+        self.batch = 0
+        self._r = max_rows
+        words = (self._FIELDS + BLOCK_TOKENS - 1) * max_rows
+        self._device = torch.zeros(words, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def _field(self, index: int) -> torch.Tensor:
+        return self._device[index * self._r : index * self._r + self.batch]
+
+    @property
+    def row_ids(self) -> torch.Tensor:
+        """``[B]`` int32 device: the step's rows."""
+        return self._field(0)
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """``[B]`` int32 device: each new token's position in its row's tail record."""
+        return self._field(1)
+
+    @property
+    def closed_blocks(self) -> torch.Tensor:
+        """``[B]`` int32 device: each row's complete blocks, its new token included (padding: 0)."""
+        return self._field(2)
+
+    @property
+    def closing(self) -> torch.Tensor:
+        """``[B]`` int32 device: the block each new token closes, ``-1`` where none closes."""
+        return self._field(3)
+
+    @property
+    def tail_tokens(self) -> torch.Tensor:
+        """``[B, 3]`` int32 device: tail-record token ids of each row's open block (-1 padded)."""
+        start = self._FIELDS * self._r
+        tails = self._device[start : start + (BLOCK_TOKENS - 1) * self._r]
+        return tails.view(self._r, BLOCK_TOKENS - 1)[: self.batch]
+
+    def load(self, rows: Sequence[int], lengths: Sequence[int], real: int) -> None:
+        """Plan rows with their lengths after the new token; the first ``real`` rows are real.
+
+        A padding row writes its token to its own (free) tail and attends over one tail token;
+        nothing of it reaches the arena or the hot cache.
+        """
+        r, n = self._r, len(rows)
+        host = self._host[self._turn]
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()  # a copy from this buffer two steps ago: long done
+        fields = host[: self._FIELDS * r].view(self._FIELDS, r)
+        fields.fill_(0)
+        fields[3].fill_(-1)
+        tails = host[self._FIELDS * r :].view(r, BLOCK_TOKENS - 1)
+        tails.fill_(-1)
+        if n:
+            row_t = torch.tensor(rows, dtype=torch.int32)
+            length_t = torch.tensor(lengths, dtype=torch.int32)
+            position = length_t - 1
+            offset = position % BLOCK_TOKENS
+            open_count = length_t % BLOCK_TOKENS
+            is_real = torch.arange(n) < real
+            fields[0, :n] = row_t
+            fields[1, :n] = torch.where(is_real, offset, 0)
+            fields[2, :n] = torch.where(is_real, length_t // BLOCK_TOKENS, 0)
+            closes = is_real & (offset == BLOCK_TOKENS - 1)
+            fields[3, :n] = torch.where(closes, position // BLOCK_TOKENS, -1)
+            count = torch.where(is_real, open_count, 1)  # padding: its one (ignored) token
+            slots = torch.arange(BLOCK_TOKENS - 1, dtype=torch.int32)
+            tails[:n] = torch.where(
+                slots < count.unsqueeze(1), row_t.unsqueeze(1) * BLOCK_TOKENS + slots, -1
+            )
+        self._device.copy_(host, non_blocking=True)
+        if self._device.is_cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            self._copied[self._turn] = event
+        self._turn ^= 1
+        self.rows, self.batch = tuple(rows), n
+
+    def clear(self) -> None:
+        self.rows, self.batch = (), 0
 
 
 class OffloadedKV:
@@ -217,10 +310,10 @@ class OffloadedKV:
         self._pending: list[torch.cuda.Event] = []
         self._layer_ids = torch.arange(g.layers, dtype=torch.int32, device=self.device)
         self._block_offsets = torch.arange(BLOCK_TOKENS, dtype=torch.int32, device=self.device)
-        # Per batch of rows: (row ids, open-block token ids) on the device, reused by every layer
-        # until a row's length changes.
-        self._row_indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._step_rows: _StepRows | None = None
+        # Hot-cache stamps: every fetch reads this counter and advances it by one, on the device.
+        self._stamp = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._plan = _StepPlan(g.rows, self.device)
+        self._planned = False
 
     # -- request lifecycle --
 
@@ -327,24 +420,36 @@ class OffloadedKV:
         self._check_row(row)
         self._states[row] = RowState.FREE
         self._set_length(row, 0)
-        if self._step_rows is not None and row in self._step_rows.rows:
-            self._step_rows = None
+        if row in self._plan.rows:
+            self._planned = False
+            self._plan.clear()
 
     # -- one decode step --
 
     def begin_step(self) -> int:
-        """Start a decode step; returns its stamp (one stamp serves every layer of the step)."""
+        """Start a decode step; returns its number (``0, 1, ...``).
+
+        Hot-cache stamps come from a device counter that every fetch advances, so they grow with
+        every step and every layer, and a captured step replays without a host value.
+        """
         self._step += 1
         return self._step
 
-    def advance(self, rows: Sequence[int]) -> None:
-        """Count one new token in each row; :meth:`write_token` then stores it, layer by layer.
+    def advance(self, rows: Sequence[int], *, pad_to: int | None = None) -> tuple[int, ...]:
+        """Count one new token in each row and plan the step on the device.
 
+        :meth:`write_token` then stores the token, layer by layer, and :meth:`attend` reads it.
         Every row is checked before anything changes. A row whose new token opens a block gets a
         clean tail record in every layer.
 
         Args:
             rows: ``B`` distinct active rows, each with room for one more token.
+            pad_to: the batch a captured CUDA graph was recorded for (``>= B``); free rows fill
+                the step up to it. Their token writes land in their own free tails, they close no
+                block and select none, so they change nothing a request reads.
+
+        Returns:
+            The step's rows, padding last: what :meth:`write_token` and :meth:`attend` take.
         """
         g = self.geometry
         self._check_active(rows)
@@ -353,25 +458,36 @@ class OffloadedKV:
             if position >= g.max_tokens:
                 msg = f"row {row!r} is full ({g.max_tokens!r} tokens)"
                 raise KernelInputError(msg)
-        self.wait_for_host_writes()  # a closed tail may still be on its way to host
-        offsets = [position % BLOCK_TOKENS for position in positions]
-        fresh = [row for row, offset in zip(rows, offsets, strict=True) if offset == 0]
+        padding = self._padding_rows(len(rows), pad_to)
+        self.wait_for_host_writes()  # a prompt may still be on its way to host
+        fresh = [
+            row
+            for row, position in zip(rows, positions, strict=True)
+            if position % BLOCK_TOKENS == 0
+        ]
         if fresh:
             self.tail[:, torch.tensor(fresh, device=self.device)] = 0
-        closing = [
-            (row, position // BLOCK_TOKENS)
-            for row, position, offset in zip(rows, positions, offsets, strict=True)
-            if offset == BLOCK_TOKENS - 1
-        ]
-        index = torch.tensor([list(rows), offsets]).to(self.device)
-        closed = (
-            torch.tensor(closing, dtype=torch.int32).T.contiguous().to(self.device)
-            if closing
-            else None
-        )
         for row, position in zip(rows, positions, strict=True):
             self._set_length(row, position + 1)
-        self._step_rows = _StepRows(tuple(rows), index, closed)
+        step_rows = (*rows, *padding)
+        lengths = [position + 1 for position in positions] + [1] * len(padding)
+        self._plan.load(step_rows, lengths, len(rows))
+        self._planned = True
+        return step_rows
+
+    @property
+    def step_closed_blocks(self) -> torch.Tensor:
+        """``[B]`` int32 device: each planned row's complete blocks, the new token included.
+
+        A selection entry at or beyond it is not a complete block; padding rows hold 0. Valid
+        from :meth:`advance` to the step's end, at a fixed address (CUDA-graph safe).
+        """
+        return self._plan.closed_blocks
+
+    @property
+    def step_row_ids(self) -> torch.Tensor:
+        """``[B]`` int32 device: the planned rows, padding last (fixed address)."""
+        return self._plan.row_ids
 
     def write_token(
         self, layer: int | None, rows: Sequence[int], k: torch.Tensor, v: torch.Tensor
@@ -386,11 +502,7 @@ class OffloadedKV:
             v: the token's values, shaped like ``k``.
         """
         g = self.geometry
-        step = self._step_rows
-        if step is None or step.rows != tuple(rows):
-            have = None if step is None else list(step.rows)
-            msg = f"write_token for rows {list(rows)!r}; the last advance() counted rows {have!r}"
-            raise KernelInputError(msg)
+        self._check_planned("write_token", rows)
         if layer is not None and not 0 <= layer < g.layers:
             msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers}) or None"
             raise KernelInputError(msg)
@@ -399,29 +511,27 @@ class OffloadedKV:
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             msg = f"k and v must be {expected!r}; got {tuple(k.shape)!r} and {tuple(v.shape)!r}"
             raise KernelInputError(msg)
+        plan = self._plan
         target = self.tail if layer is None else self.tail[layer]
         head = (slice(None),) if layer is None else ()
-        target[(*head, step.index[0], 0, 0, step.index[1])] = k.to(g.dtype)
-        target[(*head, step.index[0], 0, 1, step.index[1])] = v.to(g.dtype)
-        if step.closed is None:
-            return
-        closed = step.closed
-        n = int(closed.shape[1])
+        target[(*head, plan.row_ids, 0, 0, plan.offsets)] = k.to(g.dtype)
+        target[(*head, plan.row_ids, 0, 1, plan.offsets)] = v.to(g.dtype)
+        # Every row's entry is launched; those whose token closes no block are masked (-1).
+        n = plan.batch
         if layer is None:
-            rows_t, blocks_t = closed[0].repeat(g.layers), closed[1].repeat(g.layers)
+            rows_t, blocks_t = plan.row_ids.repeat(g.layers), plan.closing.repeat(g.layers)
             layers_t = self._layer_ids.repeat_interleave(n)
         else:
-            rows_t, blocks_t = closed[0], closed[1]
+            rows_t, blocks_t = plan.row_ids, plan.closing
             layers_t = self._layer_ids[layer : layer + 1].expand(n).contiguous()
-        self._remember(
-            self._kernels.writeback(
-                self.tail,
-                self.host_arena,
-                rows=rows_t,
-                layers=layers_t,
-                slots=torch.zeros_like(rows_t),
-                blocks=blocks_t,
-            )
+        self._kernels.writeback(
+            self.tail,
+            self.host_arena,
+            rows=rows_t,
+            layers=layers_t,
+            slots=torch.zeros_like(rows_t),
+            blocks=blocks_t,
+            **self._current_stream(),
         )
 
     def append(self, rows: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -437,8 +547,7 @@ class OffloadedKV:
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             msg = f"k and v must be {expected!r}; got {tuple(k.shape)!r} and {tuple(v.shape)!r}"
             raise KernelInputError(msg)
-        self.advance(rows)
-        self.write_token(None, rows, k, v)
+        self.write_token(None, self.advance(rows), k, v)
 
     def attend(
         self,
@@ -453,9 +562,10 @@ class OffloadedKV:
 
         Args:
             layer: QSA layer index in ``[0, L)``.
-            rows: ``B`` distinct active rows.
+            rows: the step's rows (what the last :meth:`advance` returned).
             q: ``[B, Hq, D]`` bf16 queries.
-            blocks: ``[B, K]`` int32 selected complete blocks (``-1`` padding), ``K <= S``.
+            blocks: ``[B, K]`` int32 selected complete blocks (``-1`` padding), ``K <= S``; a
+                padding row's entries must be ``-1`` (see :attr:`step_closed_blocks`).
             scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
 
         Returns:
@@ -466,20 +576,20 @@ class OffloadedKV:
         if not 0 <= layer < g.layers:
             msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers})"
             raise KernelInputError(msg)
-        self._check_active(rows)
-        if blocks.dim() != 2 or blocks.shape[0] != len(rows):
-            msg = f"blocks must be [B={len(rows)}, K]; got {tuple(blocks.shape)!r}"
-            raise KernelInputError(msg)
         if self._step < 0:
             msg = "attend before begin_step(); every decode step needs a stamp"
             raise KernelInputError(msg)
+        self._check_planned("attend", rows)
+        if blocks.dim() != 2 or blocks.shape[0] != len(rows):
+            msg = f"blocks must be [B={len(rows)}, K]; got {tuple(blocks.shape)!r}"
+            raise KernelInputError(msg)
         self.wait_for_host_writes()
-        row_t, tail_tokens = self._indices_of(rows)
+        plan = self._plan
         slots = self._kernels.fetch(
             blocks.to(torch.int32).contiguous().unsqueeze(1),
-            row_t,
+            plan.row_ids,
             self._layer_ids[layer : layer + 1],
-            step=self._step,
+            step=self._stamp,
             tables=self.tables,
             hot=self.hot,
             host_arena=self.host_arena,
@@ -495,7 +605,7 @@ class OffloadedKV:
 
         tail_records = self.tail[layer].view(g.rows, *g.record_shape)
         out_tail, lse_tail = self._kernels.decode(
-            q, tail_tokens, tail_records, scale=scale, out_dtype=torch.float32
+            q, plan.tail_tokens, tail_records, scale=scale, out_dtype=torch.float32
         )
         return self._kernels.merge(
             torch.stack((out_hot, out_tail)),
@@ -507,7 +617,8 @@ class OffloadedKV:
         """Order the current stream after every write to the host arena or tail still in flight.
 
         Call it before reading the arena from the device by other means (e.g. a fetch issued by
-        a caller); :meth:`append` and :meth:`attend` call it themselves. It does not block the host.
+        a caller); :meth:`advance` and :meth:`attend` call it themselves. It does not block the
+        host.
         """
         if self._pending:
             stream = torch.cuda.current_stream(self.device)
@@ -534,28 +645,34 @@ class OffloadedKV:
 
     def _set_length(self, row: int, tokens: int) -> None:
         self._lengths[row] = tokens
-        self._row_indices.clear()
 
-    def _indices_of(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([B] int32 row ids, [B, 3] int32 open-block token ids, -1 padded)`` on the device.
-
-        Built with one host-to-device copy on a batch's first layer, then reused by every layer
-        until a row's length changes.
-        """
-        key = tuple(rows)
-        cached = self._row_indices.get(key)
-        if cached is None:
-            counts = [self._lengths[row] % BLOCK_TOKENS for row in rows]
-            index = torch.tensor([list(rows), counts], dtype=torch.int32).to(self.device)
-            row_t, open_counts = index[0], index[1]
-            offsets = self._block_offsets[: BLOCK_TOKENS - 1]
-            tail_tokens = torch.where(
-                offsets < open_counts.unsqueeze(-1),
-                row_t.unsqueeze(-1) * BLOCK_TOKENS + offsets,
-                -1,
+    def _padding_rows(self, real: int, pad_to: object) -> list[int]:
+        """Free rows that fill a step of ``real`` rows up to ``pad_to``."""
+        if pad_to is None:
+            return []
+        if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < real:
+            msg = f"pad_to={pad_to!r} is not allowed; allowed: an int >= the {real} rows"
+            raise KernelInputError(msg)
+        free = [r for r, state in enumerate(self._states) if state is RowState.FREE]
+        if len(free) < pad_to - real:
+            msg = (
+                f"pad_to={pad_to!r} needs {pad_to - real} free rows to pad {real} rows; "
+                f"{len(free)} of {self.geometry.rows} are free"
             )
-            cached = self._row_indices[key] = (row_t, tail_tokens)
-        return cached
+            raise KernelInputError(msg)
+        return free[: pad_to - real]
+
+    def _check_planned(self, call: str, rows: Sequence[int]) -> None:
+        if not self._planned or self._plan.rows != tuple(rows):
+            have = list(self._plan.rows) if self._planned else None
+            msg = f"{call} for rows {list(rows)!r}; the last advance() counted rows {have!r}"
+            raise KernelInputError(msg)
+
+    def _current_stream(self) -> dict[str, torch.cuda.Stream]:
+        """Keyword arguments that put a write-back on the current stream (CUDA) or inline."""
+        if self.path is KernelPath.TRITON and self.device.type == "cuda":
+            return {"stream": torch.cuda.current_stream(self.device)}
+        return {}
 
     def _remember(self, event: torch.cuda.Event | None) -> None:
         if event is not None:

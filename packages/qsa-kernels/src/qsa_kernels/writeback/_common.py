@@ -96,11 +96,12 @@ def run_on_side_stream(
 ) -> torch.cuda.Event | None:
     """Run ``launch`` on ``stream`` after the current stream's work; return its completion event.
 
-    On the CPU (the Triton interpreter) ``launch`` runs inline and ``None`` is returned. Device
-    tensors in ``keep_alive`` are marked as used by ``stream`` so the caching allocator does not
-    recycle them before the copy ends.
+    On the CPU (the Triton interpreter) ``launch`` runs inline and ``None`` is returned; so it does
+    when ``stream`` is the current stream, whose order already covers every later use (and which
+    may be capturing a CUDA graph). Otherwise device tensors in ``keep_alive`` are marked as used
+    by ``stream`` so the caching allocator does not recycle them before the copy ends.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or stream == torch.cuda.current_stream(device):
         launch()
         return None
     side = stream if stream is not None else torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]

@@ -21,13 +21,15 @@ def writeback_blocks_reference(
 ) -> None:
     """Copy ``hot[layers[i], rows[i], slots[i]]`` to ``host_arena[rows[i], layers[i], blocks[i]]``.
 
-    Synchronous reference of :func:`qsa_kernels.writeback_blocks` (same arguments, no stream).
+    Synchronous reference of :func:`qsa_kernels.writeback_blocks` (same arguments, no stream); an
+    entry whose block is ``-1`` is skipped.
     """
     check_blocks_args(hot, host_arena, rows=rows, layers=layers, slots=slots, blocks=blocks)
     for r, layer, s, b in zip(
         rows.tolist(), layers.tolist(), slots.tolist(), blocks.tolist(), strict=True
     ):
-        host_arena[r, layer, b].copy_(hot[layer, r, s])
+        if b >= 0:
+            host_arena[r, layer, b].copy_(hot[layer, r, s])
 
 
 def offload_prompt_reference(

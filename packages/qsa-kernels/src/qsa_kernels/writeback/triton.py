@@ -20,7 +20,7 @@ def _writeback_blocks_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     rows_ptr,  # [N] int32
     layers_ptr,  # [N] int32
     slots_ptr,  # [N] int32 local hot slot
-    blocks_ptr,  # [N] int32 host block id
+    blocks_ptr,  # [N] int32 host block id, -1 to skip the entry
     L,
     R,
     S,
@@ -34,7 +34,7 @@ def _writeback_blocks_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     slot = tl.load(slots_ptr + i).to(tl.int64)
     blk = tl.load(blocks_ptr + i).to(tl.int64)
     offs = tl.arange(0, BLOCK_W)
-    mask = offs < W
+    mask = (offs < W) & (blk >= 0)
     words = tl.load(hot_ptr + ((layer * R + row) * S + slot) * W + offs, mask=mask)
     tl.store(host_ptr + ((row * L + layer) * NB + blk) * W + offs, words, mask=mask)
 
@@ -76,8 +76,10 @@ def writeback_blocks(
 
     Entry ``i`` copies the record ``hot[layers[i], rows[i], slots[i]]`` to
     ``host_arena[rows[i], layers[i], blocks[i]]``, bit for bit, with the GPU storing straight into
-    pinned memory. Nothing else in the arena is written. The copy runs on ``stream`` (a fresh side
-    stream if ``None``) after all work already queued on the current stream.
+    pinned memory; an entry whose block is ``-1`` is skipped, so a CUDA graph can launch a fixed
+    number of entries and mask those without a closed block. Nothing else in the arena is written.
+    The copy runs on ``stream`` (a fresh side stream if ``None``) after all work already queued on
+    the current stream; given the current stream, it is queued in order and no event is returned.
 
     Args:
         hot: ``[L, R, S, 2, 4, Hkv, D]`` hot cache (FP8 E4M3 or bf16).
@@ -85,12 +87,14 @@ def writeback_blocks(
         rows: ``[N]`` int32 request rows.
         layers: ``[N]`` int32 layers.
         slots: ``[N]`` int32 local hot slots in ``[0, S)``.
-        blocks: ``[N]`` int32 destination block ids in ``[0, NB)``; distinct per (row, layer).
+        blocks: ``[N]`` int32 destination block ids in ``[0, NB)``, distinct per (row, layer), or
+            ``-1`` to skip the entry.
         stream: CUDA stream to copy on; a fresh side stream if ``None``.
 
     Returns:
         A CUDA event recorded after the copy on the side stream (wait on it before reading the
-        arena or refetching those blocks); ``None`` on the CPU, where the copy is already done.
+        arena or refetching those blocks); ``None`` on the CPU, where the copy is already done,
+        and on the current stream, which orders everything after it.
 
     Raises:
         KernelInputError: On a bad shape, dtype, device or layout.
