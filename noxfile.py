@@ -238,12 +238,11 @@ def _bundle_engine_logs(
 
 #: The engine tests split into groups that ``--concurrent`` can run side by side: each group's
 #: engines are only ever compared with engines of the same group. ``(name, test file, -k
-#: expression or None, graph modes)``; the offload group's engines turn CUDA graphs off
-#: themselves (the offloaded decode is not captured yet), so it runs once.
+#: expression or None)``; each group runs once per graph mode.
 _ENGINE_TEST_GROUPS = (
-    ("qwen", "tests/test_engine.py", "not llama", ("0", "1")),
-    ("llama", "tests/test_engine.py", "llama", ("0", "1")),
-    ("offload", "tests/test_engine_offload.py", None, ("0",)),
+    ("qwen", "tests/test_engine.py", "not llama"),
+    ("llama", "tests/test_engine.py", "llama"),
+    ("offload", "tests/test_engine_offload.py", None),
 )
 
 
@@ -258,6 +257,39 @@ def _select(pytest_args: list[str], expression: str | None) -> list[str]:
     if not expressions:
         return args
     return [*args, "-k", " and ".join(f"({e})" for e in expressions)]
+
+
+def _engine_environment(session: nox.Session) -> dict[str, str]:
+    """Install the engine payload and the workspace records; the environment that runs on them."""
+    _GPU_ENGINE_HOME.mkdir(parents=True, exist_ok=True)
+    site = _install_engine_payload(session)
+    dists = _GPU_ENGINE_HOME / "dists"
+    _write_workspace_dists(dists)
+    return {
+        "PYTHONPATH": os.pathsep.join([str(site), str(dists), _src_path()]),
+        "QSA_REQUIRE_GPU": "1",
+        "QSA_TESTING_PLATFORM": "cuda",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@nox.session(name="gpu-engine-bench", python=False)
+def gpu_engine_bench(session: nox.Session) -> None:
+    """Offloaded against resident serving in real engines on the GPU machine (a benchmark).
+
+    Installs the engine payload as ``gpu-engine`` does and runs
+    ``packages/qsa-sglang-plugin/benchmarks/bench_engine_offload.py``; arguments after ``--`` go
+    to it (``--contexts``, ``--batches``, ``--new-tokens``, ``--deadline``, ``--out``, default
+    ``docs/bench``).
+    """
+    env = _engine_environment(session)
+    script = _package_dir(Package.SGLANG_PLUGIN) / "benchmarks" / "bench_engine_offload.py"
+    args = list(session.posargs)
+    if "--out" not in args:
+        args += ["--out", str(ROOT / "docs" / "bench")]
+    if "--workdir" not in args:
+        args += ["--workdir", str(_GPU_ENGINE_HOME / "bench")]
+    session.run(sys.executable, str(script), *args, env=env, external=True)
 
 
 @nox.session(name="gpu-engine", python=False)
@@ -281,16 +313,7 @@ def gpu_engine(session: nox.Session) -> None:
     out, graphs, deadline, concurrent, pytest_args = _engine_posargs(session)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    _GPU_ENGINE_HOME.mkdir(parents=True, exist_ok=True)
-    site = _install_engine_payload(session)
-    dists = _GPU_ENGINE_HOME / "dists"
-    _write_workspace_dists(dists)
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(site), str(dists), _src_path()]),
-        "QSA_REQUIRE_GPU": "1",
-        "QSA_TESTING_PLATFORM": "cuda",
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = _engine_environment(session)
     failed = []
     junit = [f"--junitxml={out / 'junit-standins.xml'}"] if out is not None else []
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *junit]
@@ -305,9 +328,7 @@ def gpu_engine(session: nox.Session) -> None:
     logs_dir = _GPU_ENGINE_HOME
     runs: list[tuple[str, subprocess.Popen[str], threading.Thread, pathlib.Path]] = []
     for mode in graphs:
-        for group, test_file, expression, modes in _ENGINE_TEST_GROUPS:
-            if mode not in modes:
-                continue
+        for group, test_file, expression in _ENGINE_TEST_GROUPS:
             name = f"graphs{mode}-{group}"
             log = logs_dir / f"engine-{name}.log"
             command = [
@@ -349,7 +370,7 @@ def gpu_engine(session: nox.Session) -> None:
             failed.append(f"{name} (pytest status {status})")
     if out is not None:
         for mode in graphs:
-            names = [f"graphs{mode}-{g}" for g, _, _, modes in _ENGINE_TEST_GROUPS if mode in modes]
+            names = [f"graphs{mode}-{group}" for group, _, _ in _ENGINE_TEST_GROUPS]
             _bundle_engine_logs(
                 [_GPU_ENGINE_HOME / f"pytest-{n}" for n in names],
                 [

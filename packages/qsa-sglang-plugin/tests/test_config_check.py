@@ -101,7 +101,6 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
             {"max_running_requests": None},
             ["--max-running-requests=None", "a positive integer", "host arena"],
         ),
-        ({"cuda_graphs": True}, ["--disable-cuda-graph=False", "set (decode CUDA graphs off)"]),
         ({"prefill_max_requests": None}, ["--prefill-max-requests=None", "supported: 1"]),
         ({"prefill_max_requests": 2}, ["--prefill-max-requests=2", "one prompt at a time"]),
     ],
@@ -125,11 +124,9 @@ def test_supported_kv_dtypes_pass(dtype: str) -> None:
 
 
 def test_resident_mode_does_not_need_the_offload_flags() -> None:
-    """p2-resident keeps the history on the GPU: no arena to size, nothing kept off graphs."""
+    """p2-resident keeps the history on the GPU: no arena to size, no prompt to stage."""
     resident = parse_switches(
         {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-resident"}
     )
-    facts = dataclasses.replace(
-        GOOD, max_running_requests=None, cuda_graphs=True, prefill_max_requests=None
-    )
+    facts = dataclasses.replace(GOOD, max_running_requests=None, prefill_max_requests=None)
     assert check_configuration(facts, resident) is not None

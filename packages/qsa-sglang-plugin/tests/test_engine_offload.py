@@ -31,14 +31,14 @@ from qsa_testing import (
 
 QWEN = tiny_qwen4_exp()
 OFFLOAD_SWITCHES = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
-#: Decode CUDA graphs stay off: the offloaded decode step is not captured yet.
+#: Decode CUDA graphs follow the session (``QSA_TESTING_CUDA_GRAPHS``), as upstream's do: on the
+#: H200 both arms run eagerly and then both captured.
 OFFLOAD_ARGS = {
     "radix_cache_backend": "qsa_hisparse",
     "disable_overlap_schedule": True,
     "enable_metrics": True,
     "max_running_requests": 4,
     "prefill_max_requests": 1,
-    "disable_cuda_graph": True,
     "context_length": 8192,
 }
 LIFECYCLE = EngineConfig(
@@ -58,7 +58,6 @@ UPSTREAM_SAME_CHUNKS = EngineConfig(
     server_args={
         "chunked_prefill_size": 1024,
         "max_running_requests": 4,
-        "disable_cuda_graph": True,
         "context_length": 8192,
     },
 )

@@ -58,7 +58,6 @@ class ConfigFacts:
         enable_mixed_chunk: ``--enable-mixed-chunk``.
         disable_radix_cache: ``--disable-radix-cache``.
         radix_cache_backend: ``--radix-cache-backend`` (None = SGLang's default tree cache).
-        cuda_graphs: decode CUDA graphs on (a CUDA device without ``--disable-cuda-graph``).
         max_running_requests: ``--max-running-requests`` (None = SGLang sizes it).
         prefill_max_requests: ``--prefill-max-requests`` (None = no limit).
     """
@@ -78,7 +77,6 @@ class ConfigFacts:
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = True
     radix_cache_backend: str | None = RADIX_CACHE_BACKEND
-    cuda_graphs: bool = False
     max_running_requests: int | None = 8
     prefill_max_requests: int | None = 1
 
@@ -95,9 +93,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     when ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
     attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, overlap
     scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend; with
-    ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
-    ``--prefill-max-requests 1`` (one staged prompt) and, until the offloaded decode is captured
-    in CUDA graphs, ``--disable-cuda-graph``.
+    ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena) and
+    ``--prefill-max-requests 1`` (one staged prompt).
 
     Returns:
         The model's QSA profile, or None when every switch is off (nothing is checked).
@@ -224,13 +221,6 @@ def _check_offload(facts: ConfigFacts) -> None:
             "1",
             "one prompt at a time is staged on the GPU before its K/V moves to the host",
         )
-    if facts.cuda_graphs:
-        raise _reject(
-            "--disable-cuda-graph",
-            False,
-            "set (decode CUDA graphs off)",
-            "the offloaded decode step is not captured in CUDA graphs yet",
-        )
 
 
 def _as_str(value: object) -> str:
@@ -277,7 +267,6 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         radix_cache_backend=None
         if cfg.radix_cache_backend is None
         else str(cfg.radix_cache_backend),
-        cuda_graphs=str(cfg.device) == "cuda" and not bool(cfg.disable_cuda_graph),
         max_running_requests=None
         if cfg.max_running_requests is None
         else int(cfg.max_running_requests),

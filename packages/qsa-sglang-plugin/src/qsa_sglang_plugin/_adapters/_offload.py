@@ -21,6 +21,12 @@ happens when the request's first decode step is planned or when the next prompt 
 staging area, whichever comes first. One prompt is staged at a time (``--prefill-max-requests
 1``).
 
+Decode runs eagerly or in SGLang's decode CUDA graphs. Each step is planned outside the graph
+(``init_forward_metadata_out_graph``: the hand-off, the rows, one small host-to-device copy) into
+the store's fixed step buffers; the captured layers read only those, and the padding SGLang adds
+to reach a captured batch size becomes free rows whose work is masked. Planning reads the batch's
+request slots from the device once per step.
+
 Operators see ``qsa_hisparse_host_arena_bytes``, ``qsa_hisparse_offload_rows_in_use``,
 ``qsa_hisparse_offload_decode_steps_total``, ``qsa_hisparse_selected_blocks_total`` and
 ``qsa_hisparse_fetched_blocks_total`` (selected blocks that missed the hot cache) on SGLang's
@@ -114,9 +120,7 @@ class OffloadRuntime:
         self._layer_ids = tuple(sorted(self._ordinal, key=self._ordinal.__getitem__))
         self._block_topk = block_topk
         self._row_of_slot: dict[int, int] = {}
-        self._rows: list[int] = []
-        self._rows_t: torch.Tensor | None = None  # the step's rows on the device, [B, 1]
-        self._closed: torch.Tensor | None = None
+        self._rows: tuple[int, ...] = ()  # the planned step's rows, padding last
         self._pending_counts = torch.zeros(2, dtype=torch.int64, device=kv.device)
         self._steps = 0
         self._metrics = _Metrics(tp_rank)
@@ -161,15 +165,22 @@ class OffloadRuntime:
 
     # ---- the backend's calls ---------------------------------------------------------------------
 
-    def begin_decode(self, forward_batch: Any) -> None:
+    def begin_decode(
+        self, forward_batch: Any, *, graph: bool = False, capture: bool = False
+    ) -> None:
         """Plan one decode step: hand off a prompt that starts decoding, then count the new tokens.
 
         Args:
-            forward_batch: SGLang's ``ForwardBatch`` of a decode step.
+            forward_batch: SGLang's ``ForwardBatch`` of a decode step, or the CUDA graph runner's
+                padded view of one (``batch_size`` rows, the last ``num_padding`` of them padding).
+            graph: the step replays a captured CUDA graph of ``batch_size`` rows.
+            capture: the step is being captured: every row is padding.
         """
-        slots = forward_batch.req_pool_indices.tolist()
+        batch = int(forward_batch.batch_size)
+        real = 0 if capture else batch - int(getattr(forward_batch, "num_padding", 0) or 0)
+        slots = forward_batch.req_pool_indices[:real].tolist()
         lens = forward_batch.seq_lens_cpu
-        seq_lens = (lens if lens is not None else forward_batch.seq_lens).tolist()
+        seq_lens = (lens if lens is not None else forward_batch.seq_lens)[:real].tolist()
         rows = []
         for slot, seq_len in zip(slots, seq_lens, strict=True):
             row = self._row_of_slot.get(slot)
@@ -186,14 +197,13 @@ class OffloadRuntime:
                 )
                 raise OffloadRuntimeError(msg)
             rows.append(row)
-        self.kv.advance(rows)
+        try:
+            self._rows = self.kv.advance(rows, pad_to=batch if graph or capture else None)
+        except KernelInputError as exc:
+            raise OffloadRuntimeError(f"cannot plan the decode step: {exc}") from exc
         self.kv.begin_step()
-        self._rows = rows
-        # One host-to-device copy per step for what every layer reuses: rows and closed blocks.
-        step = torch.tensor([rows, [n // BLOCK_TOKENS for n in seq_lens]], dtype=torch.int32)
-        step = step.to(self.kv.device)
-        self._rows_t, self._closed = step[0].long().unsqueeze(1), step[1]
-        self._count_step()
+        if not capture:
+            self._count_step()
 
     def stage(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, forward_batch: Any
@@ -264,7 +274,7 @@ class OffloadRuntime:
         """
         ordinal = self._ordinal_of(layer_id)
         g = self.kv.geometry
-        batch = len(self._rows)
+        batch = len(self._rows)  # padding included under a CUDA graph
         self.kv.write_token(
             ordinal,
             self._rows,
@@ -282,8 +292,7 @@ class OffloadRuntime:
 
     def _complete_blocks(self, indices: torch.Tensor) -> torch.Tensor:
         """``[B, block_topk]`` int32 selected complete blocks (``-1`` padded) from ``indices``."""
-        assert self._closed is not None  # set by begin_decode
-        closed = self._closed.unsqueeze(1)
+        closed = self.kv.step_closed_blocks.unsqueeze(1)  # 0 for padding rows: nothing selected
         width = indices.shape[1] if indices.dim() == 2 else -1
         if width == self._block_topk:
             blocks = indices.to(torch.int32)
@@ -330,10 +339,10 @@ class OffloadRuntime:
 
     def _count_blocks(self, ordinal: int, blocks: torch.Tensor) -> None:
         """Add this layer's selected and missing blocks to the device-side counters (no sync)."""
-        assert self._rows_t is not None  # set by begin_decode
         valid = blocks >= 0
         block_slot = self.kv.tables.block_slot[ordinal]
-        resident = block_slot[self._rows_t, blocks.clamp(min=0).long()] >= 0
+        rows = self.kv.step_row_ids.long().unsqueeze(1)
+        resident = block_slot[rows, blocks.clamp(min=0).long()] >= 0
         self._pending_counts += torch.stack((valid.sum(), (valid & ~resident).sum()))
 
     def _count_step(self) -> None:
@@ -504,6 +513,14 @@ def _backend_class() -> type[Any]:
             super().init_forward_metadata(forward_batch)
             if forward_batch.forward_mode.is_decode():
                 self.qsa_runtime.begin_decode(forward_batch)
+
+        def init_forward_metadata_out_graph(
+            self, forward_batch: Any, in_capture: bool = False
+        ) -> None:
+            # The CUDA graph runner's per-step planning, outside the captured forward.
+            super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+            if forward_batch.forward_mode.is_decode():
+                self.qsa_runtime.begin_decode(forward_batch, graph=True, capture=in_capture)
 
         def forward_extend(  # noqa: PLR0917 (upstream's signature)
             self,

@@ -1,0 +1,285 @@
+"""Benchmark p2-offload against resident serving in real SGLang 0.5.23 engines on one GPU.
+
+Two engines serve the model-shaped tiny Qwen4Exp (the real QSA layer geometry: 24 query heads,
+2 K/V heads of dim 256, block top-k 512; the rest of the model small) side by side, with the same
+scheduler flags and decode CUDA graphs on:
+
+- **resident**: upstream SGLang, no plugin: the QSA layer's K/V in SGLang's pool on the GPU;
+- **offload**: the plugin with ``SGLANG_QSA_HISPARSE_V3=p2-offload``: the K/V in pinned host
+  memory, only the selected blocks fetched.
+
+For each context length and batch size, ``B`` requests of that many prompt tokens generate
+``--new-tokens`` greedy tokens concurrently, on each engine in turn. Reported per cell:
+
+- decode tokens/s: the median ``gen throughput`` of SGLang's own ``Decode batch`` log lines
+  while all ``B`` requests decode (the scheduler's count of tokens over wall time);
+- prefill tokens/s (batch 1): prompt tokens over the request's wall time less its decode time;
+- whether the greedy tokens agree (batch 1; a near-tie may swap one token within bf16 noise).
+
+And, from the offload engine's start-up log, the GPU bytes SGLang's pool sizer charges per token
+with and without the QSA layers' K/V, whose ratio is how many more requests of any context length
+the same GPU budget admits (the fixed staging, hot caches and tails aside). Both engines get pools
+of ``max batch x longest context`` tokens, so that they can share the GPU.
+
+Writes ``<out>/engine_offload.md`` and ``.json`` after every cell, so a run cut short keeps what
+it measured. Needs CUDA and SGLang (``nox -s gpu-engine-bench`` on the GPU machine); exits with
+status 77 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+_SKIPPED = 77
+_DECODE_LINE = re.compile(
+    r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)"
+)
+_PRICE = re.compile(r"pool sizing charges (\d+) B per token \(was (\d+) B")
+_OFFLOAD = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+
+
+@dataclasses.dataclass
+class Cell:
+    """One (context, batch) measurement of one engine."""
+
+    arm: str
+    context: int
+    batch: int
+    decode_tokens_per_s: float
+    wall_s: float
+    prefill_tokens_per_s: float | None
+    output_ids: list[int]
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--contexts", default="32768,131072,262144", help="prompt lengths, comma separated"
+    )
+    parser.add_argument("--batches", default="1,8", help="concurrent requests, comma separated")
+    parser.add_argument("--new-tokens", type=int, default=200, help="greedy tokens per request")
+    parser.add_argument(
+        "--deadline", type=float, default=float("inf"), help="seconds; no cell starts after it"
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
+    parser.add_argument("--workdir", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    for name, values in (("--contexts", args.contexts), ("--batches", args.batches)):
+        if not values or min(values) < 1:
+            parser.error(f"{name} {values!r} is not allowed; allowed: positive integers")
+    if args.new_tokens < 80:
+        parser.error(f"--new-tokens {args.new_tokens!r} is not allowed; allowed: >= 80")
+    return args
+
+
+def _configs(args: argparse.Namespace) -> dict[str, Any]:
+    from qsa_testing import EngineConfig, tiny_qwen4_exp
+
+    longest = max(args.contexts) + args.new_tokens + 64
+    model = tiny_qwen4_exp(model_shaped=True, max_position_embeddings=longest)
+    common = {
+        "context_length": longest,
+        "max_running_requests": max(args.batches),
+        "prefill_max_requests": 1,
+        "disable_overlap_schedule": True,
+        "max_total_tokens": max(args.batches) * longest,
+        "disable_cuda_graph": False,
+        "cuda_graph_max_bs_decode": max(args.batches),
+        "decode_log_interval": 20,
+    }
+    return {
+        "resident": EngineConfig(model, plugin=False, server_args=common),
+        "offload": EngineConfig(
+            model,
+            switches=_OFFLOAD,
+            server_args={**common, "radix_cache_backend": "qsa_hisparse", "enable_metrics": True},
+        ),
+    }
+
+
+def _measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) -> Cell:
+    from qsa_testing import GenerateRequest
+
+    model = engine.config.model
+    requests = [
+        GenerateRequest(model.prompt(context, seed=100 + i), new_tokens, top_logprobs=0)
+        for i in range(batch)
+    ]
+    mark = engine.log_path.stat().st_size
+    replies: list[Any] = [None] * batch
+
+    def run(i: int) -> None:
+        replies[i] = engine.generate(requests[i], timeout=1800.0)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started
+    if any(r is None for r in replies):
+        msg = f"{arm}: a request of the {batch} x {context}-token batch got no reply"
+        raise RuntimeError(msg)
+    with engine.log_path.open("rb") as log:
+        log.seek(mark)
+        text = log.read().decode("utf-8", "replace")
+    rates = [float(r) for n, r in _DECODE_LINE.findall(text) if int(n) == batch]
+    if not rates:
+        msg = f"{arm}: no 'Decode batch' log line with {batch} running requests"
+        raise RuntimeError(msg)
+    decode = statistics.median(rates[1:] if len(rates) > 2 else rates)  # the first may span prefill
+    prefill = None
+    if batch == 1:
+        prefill_s = wall - (new_tokens - 1) / decode
+        prefill = context / prefill_s if prefill_s > 0 else None
+    return Cell(arm, context, batch, decode, wall, prefill, list(replies[0].output_ids))
+
+
+def _token_prices(engine: Any) -> dict[str, int]:
+    """GPU bytes per token the offload engine's pool sizer charges, and would charge resident."""
+    found = _PRICE.findall(engine.log_path.read_text(encoding="utf-8", errors="replace"))
+    if not found:
+        msg = f"no pool sizing line in {engine.log_path}"
+        raise RuntimeError(msg)
+    offload, resident = (int(x) for x in found[-1])
+    return {"offload": offload, "resident": resident}
+
+
+def _write(
+    out: pathlib.Path, args: argparse.Namespace, cells: list[Cell], prices: dict[str, int]
+) -> None:
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(0)
+    data = {
+        "machine": {
+            "gpu": device,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "command": " ".join(sys.argv),
+        "gpu_bytes_per_token": prices,
+        "cells": [dataclasses.asdict(c) for c in cells],
+    }
+    (out / "engine_offload.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    by_key = {(c.arm, c.context, c.batch): c for c in cells}
+    lines = [
+        "# p2-offload against resident serving, real SGLang 0.5.23 engines",
+        "",
+        f"GPU {device}, torch {torch.__version__}; the model-shaped tiny Qwen4Exp (one QSA layer "
+        "of the real geometry), decode CUDA graphs on in both engines, the same scheduler flags. "
+        f"`{data['command']}`; written by `packages/qsa-sglang-plugin/benchmarks/"
+        "bench_engine_offload.py`.",
+        "",
+        "| context | batch | resident decode tok/s | offload decode tok/s | offload / resident "
+        "| resident prefill tok/s | offload prefill tok/s | same greedy tokens |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for context in args.contexts:
+        for batch in args.batches:
+            r, o = by_key.get(("resident", context, batch)), by_key.get(("offload", context, batch))
+            if r is None or o is None:
+                continue
+            same = "yes" if r.output_ids == o.output_ids else _first_difference(r, o)
+
+            def rate(x: float | None) -> str:
+                return "" if x is None else f"{x:,.0f}"
+
+            speed = o.decode_tokens_per_s / r.decode_tokens_per_s
+            lines.append(
+                f"| {context:,} | {batch} | {r.decode_tokens_per_s:,.1f} | "
+                f"{o.decode_tokens_per_s:,.1f} | {speed:.2f} "
+                f"| {rate(r.prefill_tokens_per_s)} | {rate(o.prefill_tokens_per_s)} | {same} |"
+            )
+    ratio = prices["resident"] / prices["offload"]
+    lines += [
+        "",
+        f"GPU bytes per token in SGLang's pool sizing: {prices['resident']:,} resident, "
+        f"{prices['offload']:,} offloaded (the compressed index only): the same GPU budget holds "
+        f"**{ratio:.1f}x** the tokens, and as many more concurrent requests of any context length, "
+        "as far as the host arena's rows allow.",
+    ]
+    (out / "engine_offload.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _first_difference(r: Cell, o: Cell) -> str:
+    for i, (a, b) in enumerate(zip(r.output_ids, o.output_ids, strict=False)):
+        if a != b:
+            return f"first differs at token {i}"
+    return "lengths differ"
+
+
+def main(argv: list[str]) -> int:
+    """Start both engines, measure every (context, batch) cell, write the report."""
+    args = _parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_engine_offload: needs a CUDA device; skipped", file=sys.stderr)
+        return _SKIPPED
+    from qsa_testing import start_engine
+
+    started = time.monotonic()
+    workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-bench-"))
+    engines: dict[str, Any] = {}
+    boots: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def boot(arm: str, config: Any) -> None:
+        try:
+            boots[arm] = start_engine(config, workdir / arm, timeout=900.0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=boot, args=item) for item in _configs(args).items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engines = dict(sorted(boots.items()))
+    try:
+        if errors:
+            raise errors[0]
+        prices = _token_prices(engines["offload"])
+        print(
+            f"bench_engine_offload: engines up after {time.monotonic() - started:.0f} s; {prices}"
+        )
+        cells: list[Cell] = []
+        for context in args.contexts:
+            for batch in args.batches:
+                if time.monotonic() - started > args.deadline:
+                    print(f"bench_engine_offload: deadline reached before {context} x {batch}")
+                    break
+                for arm in ("resident", "offload"):
+                    cell = _measure(engines[arm], context, batch, args.new_tokens, arm)
+                    cells.append(cell)
+                    print(
+                        f"bench_engine_offload: {arm:8} context {context:>7} batch {batch}: "
+                        f"decode {cell.decode_tokens_per_s:,.1f} tok/s, wall {cell.wall_s:.1f} s, "
+                        f"prefill {cell.prefill_tokens_per_s or 0:,.0f} tok/s",
+                        flush=True,
+                    )
+                _write(args.out, args, cells, prices)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
