@@ -288,6 +288,27 @@ def test_a_captured_decode_step_replays_the_eager_steps() -> None:
     assert torch.equal(graphed.tail[:, [0, 2]], eager.tail[:, [0, 2]])
 
 
+def test_compare_finds_every_byte_of_arena_and_tail_and_one_that_differs(
+    kernel_device: str,
+) -> None:
+    """compare() checks closed blocks and tail against a resident copy, and sees one bad byte."""
+    store = _store(kernel_device, 4)
+    k, v = _tokens(9, 0, kernel_device), _tokens(9, 1, kernel_device)
+    store.admit(0, k[:, :6], v[:, :6])
+    for t in range(6, 9):  # three decode tokens: block 1 closes, block 2 opens
+        store.append([0], k[:, t : t + 1], v[:, t : t + 1])
+    result = store.compare(0, k, v)
+    assert result.bytes_compared == 2 * 9 * _L * _HKV * _D * 2
+    assert result.bytes_differing == 0
+    store.wait_for_host_writes()
+    if kernel_device != "cpu":
+        torch.cuda.synchronize()
+    store.host_arena[0, 1, 1, 0, 2, 0, 5] += 1  # one K element of token 6, layer 1
+    assert store.compare(0, k, v).bytes_differing in (1, 2)  # one bf16 element: 1 or 2 bytes
+    with pytest.raises(KernelInputError, match=r"k and v must be \(2, 9, 1, 16\)"):
+        store.compare(0, k[:, :8], v[:, :8])
+
+
 def test_geometry_bytes_equal_what_the_store_allocates() -> None:
     store = _store("cpu", path=KernelPath.REFERENCE)
     g = store.geometry

@@ -3,6 +3,6 @@
 Composed from the decode-path kernels (fetch, write-back, sparse decode, LSE merge).
 """
 
-from qsa_kernels.offload._store import OffloadedKV, OffloadGeometry, RowState
+from qsa_kernels.offload._store import KVComparison, OffloadedKV, OffloadGeometry, RowState
 
-__all__ = ("OffloadGeometry", "OffloadedKV", "RowState")
+__all__ = ("KVComparison", "OffloadGeometry", "OffloadedKV", "RowState")

@@ -44,7 +44,7 @@ from qsa_kernels.writeback import (
     writeback_blocks_reference,
 )
 
-__all__ = ("OffloadGeometry", "OffloadedKV", "RowState")
+__all__ = ("KVComparison", "OffloadGeometry", "OffloadedKV", "RowState")
 
 _KV_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 
@@ -163,12 +163,33 @@ _KERNELS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class KVComparison:
+    """What :meth:`OffloadedKV.compare` found.
+
+    Attributes:
+        bytes_compared: K and V bytes of the row's tokens, every layer.
+        bytes_differing: those that differ from the expected K/V (0 when the offload is exact).
+    """
+
+    bytes_compared: int
+    bytes_differing: int
+
+
+def _differing_bytes(have: torch.Tensor, want: torch.Tensor) -> int:
+    """Bytes of ``have`` that differ from ``want`` (same shape and dtype, any devices)."""
+    a = have.contiguous().view(torch.uint8).cpu()
+    b = want.contiguous().view(torch.uint8).cpu()
+    return int((a != b).sum())
+
+
 class _StepPlan:
     """One decode step's device-side plan, in buffers allocated once for ``R`` rows.
 
     One int32 device vector holds, for the step's ``B`` rows (padding included): the row ids, the
     new token's offset in the tail, the row's complete blocks after the token, the block the token
-    closes (``-1`` if none) and the row's open-block token ids (``[B, 3]``, ``-1`` padded). The
+    closes (``-1`` if none), the token's position and the row's open-block token ids (``[B, 3]``,
+    ``-1`` padded). The
     host fills a pinned copy of it and moves it in one copy per step; two pinned copies take turns,
     each reused only once its previous copy has completed.
 
@@ -177,7 +198,7 @@ class _StepPlan:
         batch: ``B``.
     """
 
-    _FIELDS = 4  # rows, tail offsets, complete blocks, closing block; then 3 tail tokens per row
+    _FIELDS = 5  # rows, tail offsets, complete blocks, closing block, position; 3 tail tokens/row
 
     def __init__(self, max_rows: int, device: torch.device) -> None:
         self.rows: tuple[int, ...] = ()
@@ -214,6 +235,11 @@ class _StepPlan:
         return self._field(3)
 
     @property
+    def positions(self) -> torch.Tensor:
+        """``[B]`` int32 device: each new token's position in its row (padding: 0)."""
+        return self._field(4)
+
+    @property
     def tail_tokens(self) -> torch.Tensor:
         """``[B, 3]`` int32 device: tail-record token ids of each row's open block (-1 padded)."""
         start = self._FIELDS * self._r
@@ -248,6 +274,7 @@ class _StepPlan:
             fields[2, :n] = torch.where(is_real, length_t // BLOCK_TOKENS, 0)
             closes = is_real & (offset == BLOCK_TOKENS - 1)
             fields[3, :n] = torch.where(closes, position // BLOCK_TOKENS, -1)
+            fields[4, :n] = torch.where(is_real, position, 0)
             count = torch.where(is_real, open_count, 1)  # padding: its one (ignored) token
             slots = torch.arange(BLOCK_TOKENS - 1, dtype=torch.int32)
             tails[:n] = torch.where(
@@ -411,6 +438,43 @@ class OffloadedKV:
             torch.cuda.current_stream(self.device).synchronize()
         return self.host_arena[row, :, :blocks].contiguous()
 
+    def compare(self, row: int, k: torch.Tensor, v: torch.Tensor) -> KVComparison:
+        """Compare what row ``row`` holds (arena blocks and tail) with its K/V, byte for byte.
+
+        A diagnostic (it synchronises with the device and reads the arena on the host): ``k`` and
+        ``v`` are the K/V a resident cache would hold for the row's tokens, e.g. a shadow copy
+        kept by a caller that checks the offload.
+
+        Args:
+            row: an active row.
+            k: ``[L, T, Hkv, D]`` keys of the row's ``T = length(row)`` tokens, the geometry's
+                dtype, any device.
+            v: the values, shaped like ``k``.
+        """
+        self._check_active([row])
+        g = self.geometry
+        tokens = self._lengths[row]
+        expected = (g.layers, tokens, g.kv_heads, g.head_dim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected or k.dtype != g.dtype:
+            msg = (
+                f"k and v must be {expected!r} {g.dtype}; got {tuple(k.shape)!r} "
+                f"{k.dtype} and {tuple(v.shape)!r}"
+            )
+            raise KernelInputError(msg)
+        self.wait_for_host_writes()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        blocks, open_tokens = divmod(tokens, BLOCK_TOKENS)
+        closed = blocks * BLOCK_TOKENS
+        shape = (g.layers, blocks, BLOCK_TOKENS, g.kv_heads, g.head_dim)
+        want = torch.stack((k[:, :closed].reshape(shape), v[:, :closed].reshape(shape)), dim=2)
+        have = self.host_arena[row, :, :blocks]
+        tail = self.tail[:, row, 0, :, :open_tokens]  # [L, 2, open, Hkv, D]
+        want_tail = torch.stack((k[:, closed:], v[:, closed:]), dim=1)
+        differing = _differing_bytes(have, want) + _differing_bytes(tail, want_tail)
+        element = torch.empty((), dtype=g.dtype).element_size()
+        return KVComparison(2 * tokens * g.layers * g.kv_heads * g.head_dim * element, differing)
+
     def state(self, row: int) -> RowState:
         """Whether row ``row`` holds a request."""
         return self._states[self._check_row(row)]
@@ -488,6 +552,11 @@ class OffloadedKV:
     def step_row_ids(self) -> torch.Tensor:
         """``[B]`` int32 device: the planned rows, padding last (fixed address)."""
         return self._plan.row_ids
+
+    @property
+    def step_positions(self) -> torch.Tensor:
+        """``[B]`` int32 device: each planned row's new token position (padding: 0; fixed)."""
+        return self._plan.positions
 
     def write_token(
         self, layer: int | None, rows: Sequence[int], k: torch.Tensor, v: torch.Tensor
