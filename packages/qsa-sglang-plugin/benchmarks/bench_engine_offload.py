@@ -2,7 +2,7 @@
 
 Two engines serve the model-shaped tiny Qwen4Exp (the real QSA layer geometry: 24 query heads,
 2 K/V heads of dim 256, block top-k 512; the rest of the model small) side by side, with the same
-scheduler flags and decode CUDA graphs on:
+scheduler flags, decode CUDA graphs on and prefill graphs off:
 
 - **resident**: upstream SGLang, no plugin: the QSA layer's K/V in SGLang's pool on the GPU;
 - **offload**: the plugin with ``SGLANG_QSA_HISPARSE_V3=p2-offload``: the K/V in pinned host
@@ -97,6 +97,7 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "disable_overlap_schedule": True,
         "max_total_tokens": max(args.batches) * longest,
         "disable_cuda_graph": False,
+        "cuda_graph_backend_prefill": "disabled",  # p2-offload captures decode only
         "cuda_graph_max_bs_decode": max(args.batches),
         "decode_log_interval": 20,
     }
@@ -165,7 +166,7 @@ def _write(
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name(0)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     data = {
         "machine": {
             "gpu": device,
@@ -260,21 +261,21 @@ def main(argv: list[str]) -> int:
             f"bench_engine_offload: engines up after {time.monotonic() - started:.0f} s; {prices}"
         )
         cells: list[Cell] = []
-        for context in args.contexts:
-            for batch in args.batches:
-                if time.monotonic() - started > args.deadline:
-                    print(f"bench_engine_offload: deadline reached before {context} x {batch}")
-                    break
-                for arm in ("resident", "offload"):
-                    cell = _measure(engines[arm], context, batch, args.new_tokens, arm)
-                    cells.append(cell)
-                    print(
-                        f"bench_engine_offload: {arm:8} context {context:>7} batch {batch}: "
-                        f"decode {cell.decode_tokens_per_s:,.1f} tok/s, wall {cell.wall_s:.1f} s, "
-                        f"prefill {cell.prefill_tokens_per_s or 0:,.0f} tok/s",
-                        flush=True,
-                    )
-                _write(args.out, args, cells, prices)
+        # Batch 1 at every context first: a run cut short by --deadline keeps the longest one.
+        for batch, context in ((b, c) for b in args.batches for c in args.contexts):
+            if time.monotonic() - started > args.deadline:
+                print(f"bench_engine_offload: deadline reached before {context} x {batch}")
+                break
+            for arm in ("resident", "offload"):
+                cell = _measure(engines[arm], context, batch, args.new_tokens, arm)
+                cells.append(cell)
+                print(
+                    f"bench_engine_offload: {arm:8} context {context:>7} batch {batch}: "
+                    f"decode {cell.decode_tokens_per_s:,.1f} tok/s, wall {cell.wall_s:.1f} s, "
+                    f"prefill {cell.prefill_tokens_per_s or 0:,.0f} tok/s",
+                    flush=True,
+                )
+            _write(args.out, args, cells, prices)
     finally:
         for engine in engines.values():
             engine.close()

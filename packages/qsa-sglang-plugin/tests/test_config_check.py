@@ -101,6 +101,10 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
             {"max_running_requests": None},
             ["--max-running-requests=None", "a positive integer", "host arena"],
         ),
+        (
+            {"prefill_graphs": True},
+            ["--cuda-graph-backend-prefill='enabled'", "supported: 'disabled' (decode CUDA graphs"],
+        ),
         ({"prefill_max_requests": None}, ["--prefill-max-requests=None", "supported: 1"]),
         ({"prefill_max_requests": 2}, ["--prefill-max-requests=2", "one prompt at a time"]),
     ],

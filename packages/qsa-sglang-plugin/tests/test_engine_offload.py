@@ -31,8 +31,11 @@ from qsa_testing import (
 
 QWEN = tiny_qwen4_exp()
 OFFLOAD_SWITCHES = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+#: The same, with every released row's host bytes compared with a resident copy of its K/V.
+VERIFIED_SWITCHES = {**OFFLOAD_SWITCHES, "SGLANG_QSA_HISPARSE_VERIFY": "1"}
 #: Decode CUDA graphs follow the session (``QSA_TESTING_CUDA_GRAPHS``), as upstream's do: on the
-#: H200 both arms run eagerly and then both captured.
+#: H200 both arms run eagerly and then both captured. Prefill graphs stay off in both arms
+#: (p2-offload refuses them).
 OFFLOAD_ARGS = {
     "radix_cache_backend": "qsa_hisparse",
     "disable_overlap_schedule": True,
@@ -40,15 +43,16 @@ OFFLOAD_ARGS = {
     "max_running_requests": 4,
     "prefill_max_requests": 1,
     "context_length": 8192,
+    "cuda_graph_backend_prefill": "disabled",
 }
 LIFECYCLE = EngineConfig(
-    QWEN, switches=OFFLOAD_SWITCHES, server_args={**OFFLOAD_ARGS, "chunked_prefill_size": 1024}
+    QWEN, switches=VERIFIED_SWITCHES, server_args={**OFFLOAD_ARGS, "chunked_prefill_size": 1024}
 )
 #: So few KV slots that three concurrent 400 + 500-token requests cannot all decode: SGLang
 #: retracts one and prefills it again later.
 RETRACTING = EngineConfig(
     QWEN,
-    switches=OFFLOAD_SWITCHES,
+    switches=VERIFIED_SWITCHES,
     server_args={**OFFLOAD_ARGS, "context_length": 1024, "max_total_tokens": 1536},
 )
 #: Upstream with the same prefill chunks as LIFECYCLE (chunking moves prefill logprobs on CUDA).
@@ -59,6 +63,7 @@ UPSTREAM_SAME_CHUNKS = EngineConfig(
         "chunked_prefill_size": 1024,
         "max_running_requests": 4,
         "context_length": 8192,
+        "cuda_graph_backend_prefill": "disabled",
     },
 )
 #: Pools sized by SGLang from its memory budget (no --max-total-tokens), as an operator runs them.
@@ -68,7 +73,7 @@ UPSTREAM_SIZED = EngineConfig(
     plugin=False,
     server_args={**UPSTREAM_SAME_CHUNKS.server_args, **SIZED_BY_MEMORY},
 )
-OFFLOAD_SIZED = EngineConfig(
+OFFLOAD_SIZED = EngineConfig(  # no resident copy: sized as an operator's engine
     QWEN, switches=OFFLOAD_SWITCHES, server_args={**LIFECYCLE.server_args, **SIZED_BY_MEMORY}
 )
 #: Prompts above 2,051 tokens (sparse selection), neither a multiple of 4 (open tails), one
@@ -200,6 +205,33 @@ def test_concurrent_requests_decode_together_and_give_every_lease_back(
     assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
 
 
+def _resident_bytes_per_token() -> int:
+    """K and V bytes one token takes in SGLang's pool for the QSA layers (bf16)."""
+    text = QWEN.text_config
+    layers = list(text["layer_types"]).count("full_attention")
+    return layers * 2 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * 2
+
+
+def test_the_host_holds_every_token_byte_for_byte_as_sglangs_pool_would(
+    engines: EnginePool,
+) -> None:
+    """Each released row's arena blocks and tail equal a resident copy of its K/V."""
+    engine = engines.engine(LIFECYCLE)
+    verified = "qsa_hisparse_offload_verified_bytes_total"
+    before = _value(engine, verified)
+    prompt, new = 1203, 9  # 300 complete blocks and 3 tokens, then 8 decode tokens
+    call = _Background(engine, GenerateRequest(QWEN.prompt(prompt, seed=50), new).body())
+    call.join(600)
+    assert call.completion_tokens == new
+    # The last generated token is never fed back, so the row holds prompt + new - 1 tokens.
+    expected = (prompt + new - 1) * _resident_bytes_per_token()
+    _wait_for(lambda: _value(engine, verified) - before == expected, seconds=30)
+    # Nothing any test sent to this engine (finished, aborted, concurrent) differed.
+    assert _value(engine, "qsa_hisparse_offload_differing_bytes_total") == 0
+    log = engine.log_path.read_text(encoding="utf-8", errors="replace")
+    assert f"{prompt + new - 1} tokens, {expected} K/V bytes on the host equal" in log
+
+
 def test_a_prompt_longer_than_the_context_is_refused_and_takes_nothing(
     engines: EnginePool,
 ) -> None:
@@ -271,6 +303,9 @@ def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
     assert retractions >= 1
     assert _released(engine, "retracted") == retractions
     assert _live_leases(engine) == 0
+    # Every row given back, retracted ones too, held exactly its tokens' K/V.
+    assert _value(engine, "qsa_hisparse_offload_verified_bytes_total") > 0
+    assert _value(engine, "qsa_hisparse_offload_differing_bytes_total") == 0
 
 
 def _max_total_tokens(engine: Engine) -> int:

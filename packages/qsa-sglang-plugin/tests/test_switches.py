@@ -54,6 +54,11 @@ def test_prefix_cache_budget_and_entries_parse() -> None:
     assert Feature.PREFIX_CACHE in switches.features
 
 
+def test_verification_is_off_unless_asked_for_with_offload() -> None:
+    assert not parse_switches(ON).verify_offload
+    assert parse_switches({**ON, "SGLANG_QSA_HISPARSE_VERIFY": "1"}).verify_offload
+
+
 @pytest.mark.parametrize(
     ("env", "fragments"),
     [
@@ -82,6 +87,14 @@ def test_prefix_cache_budget_and_entries_parse() -> None:
         (
             {"SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"},
             ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB='64' requires SGLANG_QSA_HISPARSE_V3"],
+        ),
+        ({**ON, "SGLANG_QSA_HISPARSE_VERIFY": "on"}, ["SGLANG_QSA_HISPARSE_VERIFY='on'", "'1'"]),
+        (
+            {**ON, "SGLANG_QSA_HISPARSE_V3": "p2-resident", "SGLANG_QSA_HISPARSE_VERIFY": "1"},
+            [
+                "requires SGLANG_QSA_HISPARSE_V3='p2-offload'",
+                "got SGLANG_QSA_HISPARSE_V3='p2-resident'",
+            ],
         ),
     ],
 )

@@ -58,6 +58,8 @@ class ConfigFacts:
         enable_mixed_chunk: ``--enable-mixed-chunk``.
         disable_radix_cache: ``--disable-radix-cache``.
         radix_cache_backend: ``--radix-cache-backend`` (None = SGLang's default tree cache).
+        prefill_graphs: prefill CUDA graphs on (a CUDA device whose resolved
+            ``cuda_graph_config`` has a prefill backend other than ``disabled``).
         max_running_requests: ``--max-running-requests`` (None = SGLang sizes it).
         prefill_max_requests: ``--prefill-max-requests`` (None = no limit).
     """
@@ -77,6 +79,7 @@ class ConfigFacts:
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = True
     radix_cache_backend: str | None = RADIX_CACHE_BACKEND
+    prefill_graphs: bool = False
     max_running_requests: int | None = 8
     prefill_max_requests: int | None = 1
 
@@ -93,8 +96,9 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     when ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
     attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, overlap
     scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend; with
-    ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena) and
-    ``--prefill-max-requests 1`` (one staged prompt).
+    ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
+    ``--prefill-max-requests 1`` (one staged prompt) and, on CUDA, prefill CUDA graphs off
+    (``--cuda-graph-backend-prefill disabled``; decode graphs are supported).
 
     Returns:
         The model's QSA profile, or None when every switch is off (nothing is checked).
@@ -221,6 +225,14 @@ def _check_offload(facts: ConfigFacts) -> None:
             "1",
             "one prompt at a time is staged on the GPU before its K/V moves to the host",
         )
+    if facts.prefill_graphs:
+        raise _reject(
+            "--cuda-graph-backend-prefill",
+            "enabled",
+            "'disabled' (decode CUDA graphs stay on)",
+            "prefill graph capture runs the staging of prompts for requests that hold no "
+            "host-arena row",
+        )
 
 
 def _as_str(value: object) -> str:
@@ -267,6 +279,7 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         radix_cache_backend=None
         if cfg.radix_cache_backend is None
         else str(cfg.radix_cache_backend),
+        prefill_graphs=str(cfg.device) == "cuda" and _prefill_graph_backend(cfg) != "disabled",
         max_running_requests=None
         if cfg.max_running_requests is None
         else int(cfg.max_running_requests),
@@ -274,6 +287,18 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         if cfg.prefill_max_requests is None
         else int(cfg.prefill_max_requests),
     )
+
+
+def _prefill_graph_backend(cfg: Any) -> str:
+    """The prefill CUDA graph backend SGLang resolved (``disabled``, ``breakable``, ``full``)."""
+    phase = getattr(getattr(cfg, "cuda_graph_config", None), "prefill", None)
+    backend = getattr(phase, "backend", None)
+    if backend is not None:
+        return str(backend)
+    # Not resolved into a config object: the flags that decide it, and SGLang's CUDA default.
+    if cfg.disable_cuda_graph or getattr(cfg, "disable_prefill_cuda_graph", False):
+        return "disabled"
+    return str(getattr(cfg, "cuda_graph_backend_prefill", None) or "breakable")
 
 
 def after_resolve_once(result: object, server_args: Any, *args: object, **kwargs: object) -> None:

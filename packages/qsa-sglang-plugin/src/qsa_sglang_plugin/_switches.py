@@ -17,6 +17,7 @@ from qsa_sglang_plugin._errors import SwitchError
 __all__ = (
     "ENV_ACTIVATION_DIR",
     "ENV_HISPARSE_V3",
+    "ENV_HISPARSE_VERIFY",
     "ENV_MODEL_COMPAT",
     "ENV_PREFIX_CACHE_MAX_ENTRIES",
     "ENV_PREFIX_CACHE_MB",
@@ -32,6 +33,8 @@ __all__ = (
 
 ENV_MODEL_COMPAT: Final = "SGLANG_QSA_MODEL_COMPAT"
 ENV_HISPARSE_V3: Final = "SGLANG_QSA_HISPARSE_V3"
+#: ``1``: keep a resident copy of the offloaded K/V and check the host arena against it (tests).
+ENV_HISPARSE_VERIFY: Final = "SGLANG_QSA_HISPARSE_VERIFY"
 ENV_PREFIX_CACHE_MB: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB"
 ENV_PREFIX_CACHE_MAX_ENTRIES: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES"
 #: Directory for per-process activation records; the launcher sets it.
@@ -79,10 +82,15 @@ class Switches:
         hisparse: the ``SGLANG_QSA_HISPARSE_V3`` mode, or None when unset.
         prefix_cache_mb: host prefix-cache budget per TP rank in MiB (2**20 bytes); 0 = off.
         prefix_cache_max_entries: retained plus pending checkpoints per TP rank.
+        verify_offload: ``SGLANG_QSA_HISPARSE_VERIFY=1`` (p2-offload only): a resident copy of
+            every offloaded token's K/V on the GPU, compared byte for byte with the host arena
+            and tail when the request gives its row back. A diagnostic that costs the GPU
+            memory offload saves.
     """
 
     model_compat: bool = False
     hisparse: HiSparseMode | None = None
+    verify_offload: bool = False
     prefix_cache_mb: int = 0
     prefix_cache_max_entries: int = DEFAULT_PREFIX_CACHE_MAX_ENTRIES
 
@@ -178,6 +186,18 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         if raw_entries
         else DEFAULT_PREFIX_CACHE_MAX_ENTRIES
     )
+    raw_verify = environ.get(ENV_HISPARSE_VERIFY, "")
+    if raw_verify not in ("", "0", "1"):
+        msg = f"{ENV_HISPARSE_VERIFY}={raw_verify!r} is not allowed; allowed: unset, '0', '1'"
+        raise SwitchError(msg)
+    verify_offload = raw_verify == "1"
+    if verify_offload and hisparse is not HiSparseMode.P2_OFFLOAD:
+        msg = (
+            f"{ENV_HISPARSE_VERIFY}='1' checks the offload and requires "
+            f"{ENV_HISPARSE_V3}={HiSparseMode.P2_OFFLOAD.value!r}, "
+            f"got {ENV_HISPARSE_V3}={raw_mode!r}"
+        )
+        raise SwitchError(msg)
     if prefix_cache_mb > 0 and hisparse is None:
         allowed = ", ".join(repr(m.value) for m in HiSparseMode)
         msg = (
@@ -188,6 +208,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
     return Switches(
         model_compat=model_compat,
         hisparse=hisparse,
+        verify_offload=verify_offload,
         prefix_cache_mb=prefix_cache_mb,
         prefix_cache_max_entries=max_entries,
     )

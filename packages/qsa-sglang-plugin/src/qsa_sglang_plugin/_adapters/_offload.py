@@ -27,6 +27,11 @@ the store's fixed step buffers; the captured layers read only those, and the pad
 to reach a captured batch size becomes free rows whose work is masked. Planning reads the batch's
 request slots from the device once per step.
 
+With ``SGLANG_QSA_HISPARSE_VERIFY=1`` the runtime also keeps a resident copy of every token's K/V
+on the GPU (what SGLang's pool would have held) and, when a request gives its row back, compares
+the host arena and tail with it byte for byte (``qsa_hisparse_offload_verified_bytes_total``,
+``qsa_hisparse_offload_differing_bytes_total``): the tests' proof of the bytes on the host.
+
 Operators see ``qsa_hisparse_host_arena_bytes``, ``qsa_hisparse_offload_rows_in_use``,
 ``qsa_hisparse_offload_decode_steps_total``, ``qsa_hisparse_selected_blocks_total`` and
 ``qsa_hisparse_fetched_blocks_total`` (selected blocks that missed the hot cache) on SGLang's
@@ -93,6 +98,14 @@ class _Metrics:
             "qsa_hisparse_fetched_blocks",
             "Selected blocks that missed the hot cache and were read from the host arena.",
         )
+        self.verified = counter(
+            "qsa_hisparse_offload_verified_bytes",
+            "K/V bytes of released rows compared with their resident copy (verification on).",
+        )
+        self.differing = counter(
+            "qsa_hisparse_offload_differing_bytes",
+            "Compared K/V bytes that differed from their resident copy (verification on).",
+        )
 
 
 class OffloadRuntime:
@@ -103,10 +116,17 @@ class OffloadRuntime:
         layer_ordinal: SGLang layer id of each QSA layer -> its index in ``kv`` (``[0, L)``).
         block_topk: width of the indexer's block selection (512 for Qwen3.8-Flash-Next).
         tp_rank: the TP rank, for the metrics' labels.
+        verify: keep a resident copy of every row's K/V and compare the row with it on release.
     """
 
     def __init__(
-        self, kv: OffloadedKV, layer_ordinal: Mapping[int, int], block_topk: int, tp_rank: int
+        self,
+        kv: OffloadedKV,
+        layer_ordinal: Mapping[int, int],
+        block_topk: int,
+        tp_rank: int,
+        *,
+        verify: bool = False,
     ) -> None:
         self.kv = kv
         g = kv.geometry
@@ -116,6 +136,14 @@ class OffloadRuntime:
         self.staging_v = torch.zeros(shape, dtype=g.dtype, device=kv.device)
         self._staged_row: int | None = None
         self._staged_tokens = 0
+        # The resident copy for verification: [R, L, T_max, Hkv, D] K and V, or None.
+        self._resident: tuple[torch.Tensor, torch.Tensor] | None = None
+        if verify:
+            rows_shape = (g.rows, *shape)
+            self._resident = (
+                torch.zeros(rows_shape, dtype=g.dtype, device=kv.device),
+                torch.zeros(rows_shape, dtype=g.dtype, device=kv.device),
+            )
         self._ordinal = dict(layer_ordinal)
         self._layer_ids = tuple(sorted(self._ordinal, key=self._ordinal.__getitem__))
         self._block_topk = block_topk
@@ -159,6 +187,8 @@ class OffloadRuntime:
         if self._staged_row == row:
             self._staged_row, self._staged_tokens = None, 0
         if self.kv.state(row) is RowState.ACTIVE:
+            if self._resident is not None:
+                self._verify(row)
             self.kv.release(row)
         self._metrics.rows_in_use.set(self.rows_in_use)
         self.flush_counters()  # once per request: the one device read outside the log interval
@@ -275,12 +305,13 @@ class OffloadRuntime:
         ordinal = self._ordinal_of(layer_id)
         g = self.kv.geometry
         batch = len(self._rows)  # padding included under a CUDA graph
-        self.kv.write_token(
-            ordinal,
-            self._rows,
-            k.reshape(batch, g.kv_heads, g.head_dim),
-            v.reshape(batch, g.kv_heads, g.head_dim),
-        )
+        k = k.reshape(batch, g.kv_heads, g.head_dim)
+        v = v.reshape(batch, g.kv_heads, g.head_dim)
+        self.kv.write_token(ordinal, self._rows, k, v)
+        if self._resident is not None:  # where SGLang's pool would have put the token
+            rows, positions = self.kv.step_row_ids.long(), self.kv.step_positions.long()
+            self._resident[0][rows, ordinal, positions] = k.to(g.dtype)
+            self._resident[1][rows, ordinal, positions] = v.to(g.dtype)
         blocks = self._complete_blocks(indices)
         self._count_blocks(ordinal, blocks)
         out, _lse = self.kv.attend(
@@ -334,8 +365,34 @@ class OffloadRuntime:
             )
             raise OffloadRuntimeError(msg)
         self.kv.admit(row, self.staging_k[:, :tokens], self.staging_v[:, :tokens])
+        if self._resident is not None:
+            self._resident[0][row, :, :tokens] = self.staging_k[:, :tokens]
+            self._resident[1][row, :, :tokens] = self.staging_v[:, :tokens]
         self._staged_row, self._staged_tokens = None, 0
         logger.debug("offload: row %d took a %d-token prompt", row, tokens)
+
+    def _verify(self, row: int) -> None:
+        """Compare a row's arena and tail with its resident copy (one device sync, diagnostics)."""
+        assert self._resident is not None
+        tokens = self.kv.length(row)
+        k, v = (t[row, :, :tokens] for t in self._resident)
+        result = self.kv.compare(row, k, v)
+        self._metrics.verified.inc(result.bytes_compared)
+        self._metrics.differing.inc(result.bytes_differing)
+        if result.bytes_differing:
+            logger.error(
+                "offload: row %d: %d of %d K/V bytes on the host differ from the resident copy",
+                row,
+                result.bytes_differing,
+                result.bytes_compared,
+            )
+        else:
+            logger.info(
+                "offload: row %d: %d tokens, %d K/V bytes on the host equal the resident copy",
+                row,
+                tokens,
+                result.bytes_compared,
+            )
 
     def _count_blocks(self, ordinal: int, blocks: torch.Tensor) -> None:
         """Add this layer's selected and missing blocks to the device-side counters (no sync)."""
@@ -386,6 +443,12 @@ def _offload_requested() -> bool:
     return current_switches().hisparse is HiSparseMode.P2_OFFLOAD
 
 
+def _verification_requested() -> bool:
+    from qsa_sglang_plugin._switches import current_switches
+
+    return current_switches().verify_offload
+
+
 def _geometry(
     *,
     layers: int,
@@ -411,10 +474,14 @@ def _geometry(
         raise ConfigurationError(f"p2-offload cannot hold this KV cache: {exc}") from exc
 
 
-def fixed_device_bytes(geometry: OffloadGeometry) -> int:
-    """GPU bytes the runtime allocates once: staging (one prompt), hot caches, tails, tables."""
+def fixed_device_bytes(geometry: OffloadGeometry, *, verify: bool = False) -> int:
+    """GPU bytes the runtime allocates once: staging (one prompt), hot caches, tails, tables.
+
+    With ``verify``, also the resident copy of every row (``R`` prompts' worth of staging).
+    """
     staging = geometry.layers * geometry.max_blocks * geometry.record_bytes
-    return staging + geometry.device_bytes
+    resident = geometry.host_bytes if verify else 0  # the arena's size, on the device
+    return staging + resident + geometry.device_bytes
 
 
 def _qsa_profile(model_config: Any) -> Any:
@@ -465,9 +532,17 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
         )
         raise ConfigurationError(msg)
     kv = OffloadedKV(geometry, torch.device(runner.device))
+    verify = _verification_requested()
     runtime = OffloadRuntime(
-        kv, layer_ordinal, int(profile.block_topk), int(get_parallel().tp_rank)
+        kv, layer_ordinal, int(profile.block_topk), int(get_parallel().tp_rank), verify=verify
     )
+    if verify:
+        logger.warning(
+            "offload: SGLANG_QSA_HISPARSE_VERIFY=1: a resident copy of every row's K/V (%s) is "
+            "kept on %s and checked against the host arena when each request ends",
+            format_bytes(geometry.host_bytes),
+            kv.device,
+        )
     logger.info(
         "offload: host arena %s (%d rows x %d QSA layers x %d blocks, %s, %s); on %s: staging, "
         "hot caches, tails and tables %s; full-KV pool %s; kernels: %s",
@@ -721,7 +796,7 @@ def after_pool_configurator_init(
     index_only = int(
         configurator._compute_qsa_cell_size(hf_config=model_config.hf_config, num_layers=layers)
     )
-    fixed = fixed_device_bytes(geometry)
+    fixed = fixed_device_bytes(geometry, verify=_verification_requested())
     configurator._cell_size = index_only
     configurator._fixed_overhead_bytes += fixed
     logger.info(
