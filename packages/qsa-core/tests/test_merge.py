@@ -43,6 +43,14 @@ def test_duplicate_ids_are_rejected() -> None:
         merge_topk([[(1.0, 4)], [(0.5, 4)]], 2)
 
 
+def test_a_duplicate_id_with_another_score_between_its_copies_is_rejected() -> None:
+    """The two copies of id 4 do not sort next to each other (0.7 lies between them)."""
+    with pytest.raises(MergeError, match=r"global id 4 appears twice \(scores 1.0 and 0.5\)"):
+        merge_topk([[(1.0, 4), (0.7, 5)], [(0.5, 4)]], 3)
+    with pytest.raises(MergeError, match=r"global id 4 appears twice \(scores 1.0 and 0.5\)"):
+        topk_reference([1.0, 0.7, 0.5], [4, 5, 4], k=1)
+
+
 @pytest.mark.parametrize("k", [-1, True])
 def test_bad_k_is_rejected(k: int) -> None:
     """Negative or boolean k is rejected."""

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from qsa_hostcache import (
+    ArenaAllocationError,
+    CacheConfigError,
     CacheNamespace,
     CheckpointTooLarge,
     DeviceError,
@@ -343,6 +345,30 @@ def test_budget_below_one_block_is_rejected() -> None:
     """A budget smaller than one block raises ValueError naming both numbers."""
     with pytest.raises(ValueError, match=r"100.*1024"):
         HostPrefixCache(100, block_bytes=1024, pin_memory=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"budget_bytes": 4.5e6}, r"budget_bytes=4500000.0 is not allowed; it must be an int >= 1"),
+        ({"budget_bytes": True}, r"budget_bytes=True is not allowed"),
+        ({"budget_bytes": 1 << 20, "block_bytes": 0}, r"block_bytes=0 is not allowed"),
+        ({"budget_bytes": 1 << 20, "max_entries": 2.0}, r"max_entries=2.0 is not allowed"),
+    ],
+)
+def test_sizes_that_are_not_positive_ints_are_refused_by_name(
+    kwargs: dict[str, object], match: str
+) -> None:
+    with pytest.raises(CacheConfigError, match=match):
+        HostPrefixCache(pin_memory=False, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_budget_the_host_cannot_allocate_raises_the_package_error_with_its_size() -> None:
+    """4 EiB: torch's allocator refuses; the cache says how much it asked for, as a MemoryError."""
+    with pytest.raises(
+        ArenaAllocationError, match=r"4611686018427387904 bytes \(4294967296.0 GiB\)"
+    ):
+        HostPrefixCache(1 << 62, pin_memory=False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")

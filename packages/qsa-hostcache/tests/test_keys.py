@@ -197,3 +197,38 @@ def test_uint64_ids_beyond_int64_are_refused_not_wrapped() -> None:
         token_bytes(wrapping)
     with pytest.raises(InvalidKeyError, match="int64 range"):
         token_bytes(np.array([2**63], dtype=np.uint64))
+
+
+def test_a_key_shared_by_threads_keeps_the_chain_of_a_private_key() -> None:
+    """Threads that extend one key's memoized chain at once each get the true chain."""
+    import threading
+
+    tokens = list(range(64 * 400))
+    want = page_keys(PrefixKey(NS, tokens, page_size=64))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the threads as often as the interpreter can
+    try:
+        for _ in range(20):
+            shared = PrefixKey(NS, tokens, page_size=64)
+            results: list[tuple[int, ...]] = []
+            start = threading.Barrier(8)
+
+            def match(
+                pages: int,
+                key: PrefixKey = shared,
+                start: threading.Barrier = start,
+                results: list[tuple[int, ...]] = results,
+            ) -> None:
+                start.wait()
+                results.append(tuple(key.page_hashes(num_pages=pages)[:pages]))
+
+            threads = [threading.Thread(target=match, args=(50 * (i + 1),)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for got in results:
+                assert got == want[: len(got)]
+            assert page_keys(shared) == want
+    finally:
+        sys.setswitchinterval(switch)

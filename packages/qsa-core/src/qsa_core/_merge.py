@@ -11,7 +11,6 @@ Order rule: ``a`` precedes ``b`` when ``a.score > b.score``, or the scores are e
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 import struct
@@ -57,14 +56,19 @@ def _check_k(k: int) -> None:
 
 
 def _order(candidates: Iterable[TopKCandidate], k: int) -> list[TopKCandidate]:
-    ranked = sorted(candidates, key=lambda c: (-c.score, c.global_id))
-    for previous, current in itertools.pairwise(ranked):
-        if previous.global_id == current.global_id:
+    seen: dict[int, float] = {}
+    for candidate in candidates:  # checked before sorting: a repeat may carry another score
+        if candidate.global_id in seen:
             msg = (
-                f"global id {current.global_id!r} appears twice (scores {previous.score!r} and "
-                f"{current.score!r}); ownership must be disjoint"
+                f"global id {candidate.global_id!r} appears twice (scores "
+                f"{seen[candidate.global_id]!r} and {candidate.score!r}); ownership must be disjoint"
             )
             raise MergeError(msg)
+        seen[candidate.global_id] = candidate.score
+    ranked = sorted(
+        (TopKCandidate(score, gid) for gid, score in seen.items()),
+        key=lambda c: (-c.score, c.global_id),
+    )
     return ranked[:k]
 
 

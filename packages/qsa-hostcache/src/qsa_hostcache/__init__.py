@@ -10,6 +10,8 @@ pins one for restore. It knows nothing of any serving engine.
 from qsa_hostcache._arena import CopyFence
 from qsa_hostcache._cache import HostPrefixCache, Lease, Match, PublishTicket, TicketState
 from qsa_hostcache._errors import (
+    ArenaAllocationError,
+    CacheConfigError,
     CheckpointTooLarge,
     DeviceError,
     HostCacheError,
@@ -56,6 +58,8 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "CacheStats",
     # errors
     "HostCacheError",
+    "CacheConfigError",
+    "ArenaAllocationError",
     "InvalidKeyError",
     "CheckpointTooLarge",
     "SegmentError",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from qsa_hostcache._errors import DeviceError, SegmentError
+from qsa_hostcache._errors import ArenaAllocationError, DeviceError, SegmentError
 from qsa_hostcache._layout import plan_extents
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,16 @@ class HostArena:
                 raise DeviceError(f"device must be a CUDA device, got {self._device!r}")
             self._stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
         start = time.perf_counter()
-        self._buf = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
+        try:
+            self._buf = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
+        except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:  # torch's own words
+            what = "pinned" if pin else "pageable"
+            msg = (
+                f"cannot allocate a {what} host arena of {capacity_bytes!r} bytes "
+                f"({capacity_bytes / 2**30:.1f} GiB); lower the budget "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            )
+            raise ArenaAllocationError(msg) from None
         self.pinned = bool(pin and self._buf.is_pinned())
         self.block_bytes = block_bytes
         self.capacity_bytes = capacity_bytes

@@ -18,7 +18,13 @@ from types import TracebackType
 import torch
 
 from qsa_hostcache._arena import CopyFence, HostArena
-from qsa_hostcache._errors import InvalidKeyError, LeaseError, SegmentError, TicketStateError
+from qsa_hostcache._errors import (
+    CacheConfigError,
+    InvalidKeyError,
+    LeaseError,
+    SegmentError,
+    TicketStateError,
+)
 from qsa_hostcache._index import EntryState, IndexEntry, PrefixIndex
 from qsa_hostcache._keys import DEFAULT_HASHER, PageHasher, PrefixKey
 from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
@@ -311,7 +317,8 @@ class HostPrefixCache:
         hasher: Page hasher for the key chain (default xxh3-64). Change it only for tests.
 
     Raises:
-        ValueError: ``budget_bytes`` below one block, or a non-positive size.
+        CacheConfigError: a size that is not a positive int, or ``budget_bytes`` below one block.
+        ArenaAllocationError: the host cannot allocate (or pin) an arena of that size.
     """
 
     def __init__(
@@ -326,26 +333,29 @@ class HostPrefixCache:
         device: torch.device | str | int | None = None,
         hasher: PageHasher = DEFAULT_HASHER,
     ) -> None:
-        for name, value in (
+        sizes: tuple[tuple[str, object], ...] = (
+            ("budget_bytes", budget_bytes),
             ("block_bytes", block_bytes),
             ("page_size", page_size),
             ("segment_align", segment_align),
             ("max_entries", max_entries),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        )
+        for name, value in sizes:  # typed as object: callers pass what they pass
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CacheConfigError(f"{name}={value!r} is not allowed; it must be an int >= 1")
         num_blocks = budget_bytes // block_bytes
         if num_blocks < 1:
-            raise ValueError(
+            raise CacheConfigError(
                 f"budget_bytes {budget_bytes!r} is below one block of {block_bytes!r} bytes"
             )
         self._segment_align = segment_align
         self._lock = threading.RLock()
         self._cache_id = next(_CACHE_IDS)
-        self._index = PrefixIndex(num_blocks, block_bytes, max_entries, page_size, hasher)
+        # The arena first: a size the host cannot hold fails here, before any per-block table.
         self._arena = HostArena(
             num_blocks * block_bytes, block_bytes, pin_memory=pin_memory, device=device
         )
+        self._index = PrefixIndex(num_blocks, block_bytes, max_entries, page_size, hasher)
         self._committing: list[PublishTicket] = []
 
     # ---- configuration ---------------------------------------------------------------------

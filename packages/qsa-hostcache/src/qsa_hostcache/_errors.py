@@ -12,6 +12,14 @@ class HostCacheError(Exception):
     """Base class of every exception this package raises on purpose."""
 
 
+class CacheConfigError(HostCacheError, ValueError):
+    """A size given to the cache (budget, block, page, alignment, entries) is not allowed."""
+
+
+class ArenaAllocationError(HostCacheError, MemoryError):
+    """The host could not allocate (or pin) the arena of the requested size."""
+
+
 class InvalidKeyError(HostCacheError, ValueError):
     """A namespace, token sequence, page size or page extra identity is malformed."""
 

@@ -207,7 +207,8 @@ class PrefixKey:
 
     Only complete pages take part in matching: a key of ``T`` tokens has ``T // page_size`` pages,
     and the 0..page_size-1 trailing tokens are kept but never matched. Instances are immutable;
-    page hashes are memoized per hasher, and :meth:`prefix` shares them.
+    page hashes are memoized per hasher, and :meth:`prefix` shares them. A key may be shared by
+    threads: a memoized chain is never changed in place, only replaced by a longer copy.
 
     Args:
         namespace: Where this prefix lives; keys of different namespaces never match.
@@ -324,18 +325,23 @@ class PrefixKey:
         index it, do not rely on its length.
         """
         want = self.num_pages if num_pages is None else min(num_pages, self.num_pages)
-        done = self._hashes.get(hasher)
-        if done is None:
-            done = self._hashes.setdefault(hasher, [])
+        done = self._hashes.get(hasher, [])
         if len(done) < want:
-            self._extend_chain(hasher, done, want)
+            longer = self._extended_chain(hasher, done, want)
+            # Publish the copy (one dict store); a thread that published a longer one first
+            # keeps it, and either is a correct prefix of the chain.
+            if len(self._hashes.get(hasher, ())) < len(longer):
+                self._hashes[hasher] = longer
+            done = longer
         return done  # type: ignore[return-value]
 
-    def _extend_chain(self, hasher: PageHasher, done: list[int], want: int) -> None:
+    def _extended_chain(self, hasher: PageHasher, done: list[int], want: int) -> list[int]:
+        """A new list: ``done`` followed by the chain's pages ``len(done) .. want - 1``."""
         step = self._page_size * TOKEN_BYTES
         view = memoryview(self._tokens)
         h = done[-1] if done else self.chain_seed(hasher)
-        append = done.append
+        chain = list(done)
+        append = chain.append
         start = len(done)
         extras = self._extras
         if hasher is DEFAULT_HASHER and not extras:
@@ -343,7 +349,7 @@ class PrefixKey:
             for off in range(start * step, want * step, step):
                 h = hasher(view[off : off + step], h)
                 append(h)
-            return
+            return chain
         for page in range(start, want):
             off = page * step
             h = hasher(view[off : off + step], h) & _MASK
@@ -351,6 +357,7 @@ class PrefixKey:
             if extra is not None:
                 h = hasher(extra, h ^ EXTRA_TAG) & _MASK
             append(h)
+        return chain
 
     def __repr__(self) -> str:
         return (
