@@ -126,6 +126,21 @@ def test_bad_selection_names_value_and_position(selected: list[object], pattern:
         plan_residency_step(HotCacheState.empty(4), selected, 0, num_blocks=100)
 
 
+@pytest.mark.parametrize(
+    ("blocks", "stamps", "pattern"),
+    [
+        ((True,), (0,), r"slot_block\[0\]=True is not an integer"),
+        ((0, 0.5), (0, 1), r"slot_block\[1\]=0.5 is not an integer"),
+        ((3,), (1.0,), r"slot_stamp\[0\]=1.0 is not an integer"),
+    ],
+)
+def test_a_state_of_non_integer_ids_or_stamps_is_refused_by_position(
+    blocks: tuple[object, ...], stamps: tuple[object, ...], pattern: str
+) -> None:
+    with pytest.raises(ResidencyError, match=pattern):
+        HotCacheState(blocks, stamps)  # type: ignore[arg-type]
+
+
 def test_step_must_exceed_every_stamp() -> None:
     """A step equal to the newest stamp is rejected."""
     state = HotCacheState((1, 2), (5, 7))

@@ -59,9 +59,10 @@ def _order(candidates: Iterable[TopKCandidate], k: int) -> list[TopKCandidate]:
     seen: dict[int, float] = {}
     for candidate in candidates:  # checked before sorting: a repeat may carry another score
         if candidate.global_id in seen:
+            first = seen[candidate.global_id]
             msg = (
-                f"global id {candidate.global_id!r} appears twice (scores "
-                f"{seen[candidate.global_id]!r} and {candidate.score!r}); ownership must be disjoint"
+                f"global id {candidate.global_id!r} appears twice (scores {first!r} and "
+                f"{candidate.score!r}); ownership must be disjoint"
             )
             raise MergeError(msg)
         seen[candidate.global_id] = candidate.score

@@ -82,6 +82,11 @@ class HotCacheState:
         if not self.slot_block:
             msg = "a hot cache needs at least one slot; got 0"
             raise ResidencyError(msg)
+        for name, values in (("slot_block", self.slot_block), ("slot_stamp", self.slot_stamp)):
+            for slot, value in enumerate(values):
+                if not is_int(value):
+                    msg = f"{name}[{slot}]={value!r} is not an integer (bool and float are not)"
+                    raise ResidencyError(msg)
         seen: dict[int, int] = {}
         for slot, block in enumerate(self.slot_block):
             if block < -1:
