@@ -90,3 +90,46 @@ def test_console_script_is_installed() -> None:
     done = subprocess.run([exe, "--help"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert "doctor" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--steps", "0"], "--steps 0 is not allowed; allowed: an integer >= 1"),
+        (["--context-len", "-1"], "--context-len -1 is not allowed; allowed: an integer >= 2048"),
+        (["--requests", "0"], "--requests 0 is not allowed"),
+        (["--noise", "nan"], "--noise nan is not allowed"),
+    ],
+)
+def test_demo_refuses_values_it_cannot_run_naming_the_flag(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit status 2 and one line naming the flag and what is allowed, never a traceback."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(["demo", *argv])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err
+    assert "Traceback" not in err
+
+
+def test_plan_help_names_itself_and_shows_defaults_and_dtypes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: qsa-hisparse plan")
+    assert "(default: 64)" in out
+    assert "{bf16,fp8_e4m3}" in out
+    assert "qsa-plan" not in out
+
+
+def test_plan_with_a_missing_config_says_so(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.json"
+    assert main(["plan", "--config", str(missing)]) == 2
+    assert f"qsa-hisparse plan: error: --config {str(missing)!r}: no such file" in (
+        capsys.readouterr().err
+    )

@@ -1,4 +1,4 @@
-"""``qsa-plan``: print the capacity plan as a table.
+"""``qsa-plan`` (also ``qsa-hisparse plan``): print the capacity plan as a table.
 
 ``qsa-plan plan [flags]`` (or ``qsa-plan [flags]``); defaults are the Qwen3.8-Flash-Next TP2 FP8
 setup of 8 requests × 262,144 tokens. ``--config`` reads an HF config (JSON) instead of the preset.
@@ -46,32 +46,67 @@ def _dtype(text: str) -> KVDType:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``qsa-plan`` argument parser (one ``plan`` command)."""
-    parser = argparse.ArgumentParser(prog="qsa-plan", description=__doc__)
+def build_parser(prog: str = "qsa-plan") -> argparse.ArgumentParser:
+    """The plan command's argument parser; ``prog`` is the name the user typed."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    plan = commands.add_parser("plan", help="print the per-rank capacity plan as a table")
-    plan.add_argument("--config", type=pathlib.Path, help="HF config.json (default: preset)")
-    plan.add_argument("--page-size", type=int, default=64, help="KV page size, tokens (64)")
-    plan.add_argument("--tp", type=int, default=2, help="tensor-parallel size (2)")
-    plan.add_argument("--kv-dtype", type=_dtype, default=KVDType.FP8_E4M3, help="raw K/V dtype")
-    plan.add_argument("--index-dtype", type=_dtype, default=KVDType.BF16, help="index dtype")
-    plan.add_argument("--gpu-budget-gib", type=_gib, default=9 * _GIB, help="GPU GiB per rank (9)")
-    plan.add_argument("--host-budget-gib", type=_gib, default=12 * _GIB, help="host GiB per rank")
+    plan = commands.add_parser(
+        "plan",
+        help="print the per-rank capacity plan as a table",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    dtypes = "{" + ",".join(d.value for d in KVDType) + "}"
+    plan.add_argument(
+        "--config",
+        type=pathlib.Path,
+        help="HF config.json; None: the Qwen3.8-Flash-Next preset",
+    )
+    plan.add_argument("--page-size", type=int, default=64, help="KV page size, tokens")
+    plan.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    plan.add_argument(
+        "--kv-dtype",
+        type=_dtype,
+        default=KVDType.FP8_E4M3.value,
+        metavar=dtypes,
+        help="raw K/V dtype",
+    )
+    plan.add_argument(
+        "--index-dtype", type=_dtype, default=KVDType.BF16.value, metavar=dtypes, help="index dtype"
+    )
+    plan.add_argument("--gpu-budget-gib", type=_gib, default="9", help="GPU GiB per rank")
+    plan.add_argument("--host-budget-gib", type=_gib, default="12", help="host GiB per rank")
     plan.add_argument("--context-len", type=int, default=262144, help="tokens per request")
-    plan.add_argument("--requests", type=int, default=8, help="concurrent requests (8)")
-    plan.add_argument("--hot-slots", type=int, default=None, help="hot blocks/layer/request")
-    plan.add_argument("--reserved-hot-slots", type=int, default=64, help="extra hot slots (64)")
-    plan.add_argument("--state-slots", type=int, default=None, help="recurrent-state slots")
+    plan.add_argument("--requests", type=int, default=8, help="concurrent requests")
+    plan.add_argument(
+        "--hot-slots", type=int, default=None, help="hot blocks per layer and request (None: auto)"
+    )
+    plan.add_argument("--reserved-hot-slots", type=int, default=64, help="extra hot slots")
+    plan.add_argument(
+        "--state-slots", type=int, default=None, help="recurrent-state slots (None: auto)"
+    )
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``qsa-plan``; returns the exit status (0 ok, 2 bad input)."""
+def _read_config(path: pathlib.Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        msg = f"--config {str(path)!r}: no such file"
+        raise QSAConfigError(msg) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        msg = f"--config {str(path)!r} cannot be read: {exc}"
+        raise QSAConfigError(msg) from None
+    except json.JSONDecodeError as exc:
+        msg = f"--config {str(path)!r} is not JSON: {exc}"
+        raise QSAConfigError(msg) from None
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "qsa-plan") -> int:
+    """Run the plan command; returns the exit status (0 ok, 2 bad input)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if not args_list or (args_list[0].startswith("-") and args_list[0] not in {"-h", "--help"}):
         args_list.insert(0, "plan")
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(args_list)
     try:
         if args.config is None:
@@ -81,9 +116,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     QWEN38_FLASH_NEXT_TEXT_CONFIG, page_size=args.page_size
                 )
         else:
-            profile = QSAProfile.from_text_config(
-                json.loads(args.config.read_text()), page_size=args.page_size
-            )
+            config = _read_config(args.config)
+            if not isinstance(config, dict):
+                msg = (
+                    f"--config {str(args.config)!r} holds a {type(config).__name__}, not an object"
+                )
+                raise QSAConfigError(msg)
+            profile = QSAProfile.from_text_config(config, page_size=args.page_size)
         plan = plan_capacity(
             profile,
             tp_size=args.tp,
@@ -97,8 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             reserved_hot_slots=args.reserved_hot_slots,
             state_slots=args.state_slots,
         )
-    except (QSAConfigError, CapacityError, OSError, json.JSONDecodeError) as exc:
-        sys.stderr.write(f"qsa-plan: error: {exc}\n")
+    except (QSAConfigError, CapacityError) as exc:
+        sys.stderr.write(f"{prog} plan: error: {exc}\n")
         return 2
     sys.stdout.write(render_plan(plan))
     return 0

@@ -20,7 +20,7 @@ def _demo(argv: Sequence[str]) -> int:
 def _plan(argv: Sequence[str]) -> int:
     from qsa_core._cli import main
 
-    return main(["plan", *argv])
+    return main(["plan", *argv], prog="qsa-hisparse")
 
 
 def _launch(argv: Sequence[str]) -> int:

@@ -28,6 +28,7 @@ import torch
 
 from qsa_core import (
     QWEN38_FLASH_NEXT,
+    CapacityError,
     HotCacheState,
     KVDType,
     QSAProfile,
@@ -226,26 +227,43 @@ def prefix_cache_demo(profile: QSAProfile, *, turns: int, turn_tokens: int, seed
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the memory plan and the synthetic decode trace; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="qsa-hisparse demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--context-len", type=int, default=262_144, help="tokens (262144)")
-    parser.add_argument("--requests", type=int, default=8, help="concurrent requests (8)")
-    parser.add_argument("--steps", type=int, default=48, help="synthetic decode steps (48)")
-    parser.add_argument("--noise", type=float, default=0.15, help="score noise per step (0.15)")
+    parser = argparse.ArgumentParser(
+        prog="qsa-hisparse demo",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--context-len", type=int, default=262_144, help="tokens per request")
+    parser.add_argument("--requests", type=int, default=8, help="concurrent requests")
+    parser.add_argument("--steps", type=int, default=48, help="synthetic decode steps")
+    parser.add_argument("--noise", type=float, default=0.15, help="score noise per step")
     parser.add_argument("--seed", type=int, default=20261129, help="random seed")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-
     profile = QWEN38_FLASH_NEXT
+    smallest = profile.compress_ratio * profile.block_topk  # one full block selection
+    for flag, value, least in (
+        ("--context-len", args.context_len, smallest),
+        ("--requests", args.requests, 1),
+        ("--steps", args.steps, 1),
+    ):
+        if value < least:
+            parser.error(f"{flag} {value!r} is not allowed; allowed: an integer >= {least}")
+    if not 0.0 <= args.noise < float("inf"):
+        parser.error(f"--noise {args.noise!r} is not allowed; allowed: a finite number >= 0")
+
     tp_size = 2
-    plan = plan_capacity(
-        profile,
-        tp_size=tp_size,
-        kv_dtype=KVDType.FP8_E4M3,
-        index_dtype=KVDType.BF16,
-        gpu_budget_bytes=9 * _GIB,
-        host_budget_bytes=12 * _GIB,
-        context_len=args.context_len,
-        num_requests=args.requests,
-    )
+    try:
+        plan = plan_capacity(
+            profile,
+            tp_size=tp_size,
+            kv_dtype=KVDType.FP8_E4M3,
+            index_dtype=KVDType.BF16,
+            gpu_budget_bytes=9 * _GIB,
+            host_budget_bytes=12 * _GIB,
+            context_len=args.context_len,
+            num_requests=args.requests,
+        )
+    except CapacityError as exc:
+        parser.error(str(exc))
     sys.stdout.write(render_plan(plan))
     sys.stdout.write("\n")
 
