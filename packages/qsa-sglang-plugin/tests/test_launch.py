@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,7 +84,16 @@ def standin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return script
 
 
+def _model(tmp_path: Path) -> Path:
+    """A model directory the launcher's pre-flight accepts (the stand-in never reads it)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}", encoding="utf-8")
+    return model
+
+
 def _argv(script: Path, tmp_path: Path, *server: str, timeout: float = 20.0) -> list[str]:
+    serving = ["--model-path", str(_model(tmp_path)), "--page-size", "64", "--device", "cpu"]
     return [
         "--server-command",
         f"{sys.executable} {script}",
@@ -98,6 +108,7 @@ def _argv(script: Path, tmp_path: Path, *server: str, timeout: float = 20.0) -> 
         "--",
         "--port",
         str(_free_port()),
+        *serving,
         *server,
     ]
 
@@ -243,3 +254,64 @@ def test_ready_then_sigterm_is_forwarded_and_group_stops(standin: Path, tmp_path
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("server", "fragment"),
+    [
+        (["--model-path", "/no/such/model"], "--model-path '/no/such/model' does not exist"),
+        (
+            ["--kv-cache-dtype", "fp8_e5m2"],
+            "--kv-cache-dtype='fp8_e5m2' is not supported; supported",
+        ),
+        (["--page-size", "16"], "--page-size=16 is not supported; supported: 64"),
+        (["--device", "cuda"], "--device='cuda' but this machine shows no NVIDIA driver"),
+    ],
+)
+def test_refuses_server_flags_the_plugin_would_refuse_before_starting_anything(
+    *,
+    standin: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    server: list[str],
+    fragment: str,
+) -> None:
+    """Refused in well under a second, naming the flag and the allowed values; nothing starts."""
+    monkeypatch.setenv("STANDIN_MODE", "ok")
+    monkeypatch.setattr(launch, "_NVIDIA_DRIVER_PATHS", (tmp_path / "no-driver",))
+    started = time.monotonic()
+    assert launch.main(_argv(standin, tmp_path, *server)) == 1  # the last flag given wins
+    assert time.monotonic() - started < 1.0
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "child.pid").exists()
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--poll-interval", "--stop-grace"])
+def test_refuses_a_negative_or_endless_wait_by_name(
+    standin: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    for bad in ("-1", "inf", "soon"):
+        argv = _argv(standin, tmp_path)
+        argv[argv.index(flag) + 1] = bad
+        with pytest.raises(SystemExit) as excinfo:
+            launch.main(argv)
+        assert excinfo.value.code == 2
+        assert f"argument {flag}: {bad!r} is not allowed" in capsys.readouterr().err
+    assert not (tmp_path / "child.pid").exists()
+
+
+def test_a_failed_launch_leaves_no_temporary_activation_directory(
+    standin: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    argv = _argv(standin, tmp_path)
+    at = argv.index("--activation-dir")
+    del argv[at : at + 2]  # the launcher makes its own temporary directory
+    _launch_fails("exit-early", argv, tmp_path, monkeypatch, capsys)
+    assert list(temp.iterdir()) == []

@@ -5,15 +5,18 @@ Usage::
     python -m qsa_sglang_plugin.launch [options] -- <sglang server args>
     qsa-hisparse launch [options] -- <sglang server args>
 
-Steps: parse the switches (at least one must be on); make sure ``SGLANG_PLUGINS`` lets the
+Steps: parse the switches (at least one must be on); refuse, in milliseconds and naming the flag,
+server flags the plugin would refuse after SGLang's minute-long start (a missing
+``--model-path``, a KV dtype or page size the kernels do not store, a CUDA device on a machine
+without an NVIDIA driver); make sure ``SGLANG_PLUGINS`` lets the
 plugin load in every process (set it to ``qsa_hisparse`` when unset; refuse a list without it);
 check that the entry point is installed and that the native libraries have the supported versions;
 start the server in its own process group with ``SGLANG_QSA_HISPARSE_ACTIVATION_DIR`` pointing at
 an empty directory; wait until the health endpoint answers 200 and the directory holds exactly one
 verified scheduler record per TP rank (and PP rank); then print the address and supervise the
 server, forwarding SIGTERM, SIGINT and SIGHUP to its process group. On any failure the launcher
-stops the whole process group (SIGTERM, then SIGKILL after a grace period) and exits non-zero with
-the reason.
+stops the whole process group (SIGTERM, then SIGKILL after a grace period), removes the temporary
+activation directory it made, and exits non-zero with the reason.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -38,6 +42,7 @@ from types import FrameType
 from typing import Final
 
 from qsa_sglang_plugin._activation import ActivationRecord, read_records, write_atomic
+from qsa_sglang_plugin._config_check import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_PAGE_SIZE
 from qsa_sglang_plugin._errors import LaunchError, SwitchError
 from qsa_sglang_plugin._switches import (
     ENV_ACTIVATION_DIR,
@@ -118,6 +123,65 @@ def _server_topology(server_args: Sequence[str]) -> _Topology:
         )
         raise LaunchError(msg)
     return topo
+
+
+#: Where an NVIDIA driver shows itself; without one, a CUDA server cannot start.
+_NVIDIA_DRIVER_PATHS: Final = (Path("/dev/nvidiactl"), Path("/proc/driver/nvidia/version"))
+
+
+def _check_serving_flags(server_args: Sequence[str]) -> None:
+    """Refuse, before the slow start, server flags the plugin will refuse anyway."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model-path", "--model", default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--page-size", type=int, default=None)
+    parser.add_argument("--device", default=None)
+    try:
+        known, _ = parser.parse_known_args(list(server_args))
+    except SystemExit as exc:  # argparse exits on a malformed value
+        msg = f"cannot read the server arguments {list(server_args)!r}"
+        raise LaunchError(msg) from exc
+    if known.model_path is None:
+        msg = "no --model-path in the server arguments"
+        raise LaunchError(msg)
+    model = Path(known.model_path).expanduser()
+    local = known.model_path.startswith(("/", "./", "../", "~"))
+    if (local or model.exists()) and not (model / "config.json").is_file():
+        what = "does not exist" if not model.exists() else "has no config.json"
+        msg = f"--model-path {known.model_path!r} {what}"
+        raise LaunchError(msg)
+    if known.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        msg = (
+            f"--kv-cache-dtype={known.kv_cache_dtype!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+        )
+        raise LaunchError(msg)
+    if known.page_size != SUPPORTED_PAGE_SIZE:
+        msg = (
+            f"--page-size={known.page_size!r} is not supported; supported: {SUPPORTED_PAGE_SIZE} "
+            "(give it explicitly: SGLang's default differs)"
+        )
+        raise LaunchError(msg)
+    device = known.device or "cuda"
+    if device.startswith("cuda") and not any(p.exists() for p in _NVIDIA_DRIVER_PATHS):
+        msg = (
+            f"--device={device!r} but this machine shows no NVIDIA driver "
+            f"({', '.join(map(str, _NVIDIA_DRIVER_PATHS))} missing); pass --device cpu to serve "
+            "on the CPU"
+        )
+        raise LaunchError(msg)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        msg = f"{text!r} is not allowed; allowed: a positive number of seconds"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def _server_env(base: dict[str, str], activation_dir: Path) -> dict[str, str]:
@@ -300,12 +364,14 @@ def _parser() -> argparse.ArgumentParser:
         help="empty directory for activation records (default: a new temporary directory)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=1800.0, help="seconds to wait for readiness"
+        "--timeout", type=_seconds, default=1800.0, help="seconds to wait for readiness"
     )
-    parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between checks")
+    parser.add_argument(
+        "--poll-interval", type=_seconds, default=0.5, help="seconds between checks"
+    )
     parser.add_argument(
         "--stop-grace",
-        type=float,
+        type=_seconds,
         default=30.0,
         help="seconds between SIGTERM and SIGKILL when stopping the server",
     )
@@ -334,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         own, server_args = args_list, []
     opts = _parser().parse_args(own)
+    created: Path | None = None  # the temporary activation directory, if this launch made it
     if not server_args:
         return _fail("no server arguments; pass them after '--'")
     try:
@@ -347,9 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         topo = _server_topology(server_args)
+        _check_serving_flags(server_args)
         _check_installation()
         if opts.activation_dir is None:
             activation_dir = Path(tempfile.mkdtemp(prefix="qsa-hisparse-activation-"))
+            created = activation_dir
         else:
             activation_dir = opts.activation_dir
             activation_dir.mkdir(parents=True, exist_ok=True)
@@ -359,6 +428,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = _server_env(dict(os.environ), activation_dir)
     except LaunchError as exc:
         return _fail(str(exc))
+    status = _serve(opts, server_args, env, topo, switches, activation_dir)
+    if status != 0 and created is not None:  # a failed launch leaves no temporary directory
+        shutil.rmtree(created, ignore_errors=True)
+    return status
+
+
+def _serve(  # noqa: PLR0917 (main's state, passed on once)
+    opts: argparse.Namespace,
+    server_args: Sequence[str],
+    env: dict[str, str],
+    topo: _Topology,
+    switches: Switches,
+    activation_dir: Path,
+) -> int:
+    """Start the server, wait until it is verified ready, then supervise it."""
     raw_command = opts.server_command or os.environ.get(ENV_SERVER_COMMAND, "")
     command = (
         shlex.split(raw_command) if raw_command else [sys.executable, "-m", "sglang.launch_server"]
