@@ -13,7 +13,8 @@ For each context length and batch size, ``B`` requests of that many prompt token
 
 - decode tokens/s: the median ``gen throughput`` of SGLang's own ``Decode batch`` log lines
   while all ``B`` requests decode (the scheduler's count of tokens over wall time);
-- prefill tokens/s (batch 1): prompt tokens over the request's wall time less its decode time;
+- prefill tokens/s (batch 1): prompt tokens over the request's wall time less its decode time
+  (each engine first serves one unmeasured request, so no cell pays for compiling a kernel);
 - whether the greedy tokens agree (batch 1; a near-tie may swap one token within bf16 noise).
 
 And, from the offload engine's start-up log, the GPU bytes SGLang's pool sizer charges per token
@@ -256,6 +257,10 @@ def main(argv: list[str]) -> int:
     try:
         if errors:
             raise errors[0]
+        # One request per engine before measuring: a kernel's first use compiles it (Triton, JIT),
+        # and the two engines share the compile cache, so whichever ran first would pay for both.
+        for arm, engine in engines.items():
+            _measure(engine, min(args.contexts), 1, 80, arm)
         prices = _token_prices(engines["offload"])
         print(
             f"bench_engine_offload: engines up after {time.monotonic() - started:.0f} s; {prices}"
