@@ -278,12 +278,12 @@ def gpu_engine_bench(session: nox.Session) -> None:
     """Offloaded against resident serving in real engines on the GPU machine (a benchmark).
 
     Installs the engine payload as ``gpu-engine`` does and runs
-    ``packages/qsa-sglang-plugin/benchmarks/bench_engine_offload.py``; arguments after ``--`` go
+    ``packages/qsa-sglang-plugin/benchmarks/engine_offload.py``; arguments after ``--`` go
     to it (``--contexts``, ``--batches``, ``--new-tokens``, ``--deadline``, ``--out``, default
     ``docs/bench``).
     """
     env = _engine_environment(session)
-    script = _package_dir(Package.SGLANG_PLUGIN) / "benchmarks" / "bench_engine_offload.py"
+    script = _package_dir(Package.SGLANG_PLUGIN) / "benchmarks" / "engine_offload.py"
     args = list(session.posargs)
     if "--out" not in args:
         args += ["--out", str(ROOT / "docs" / "bench")]

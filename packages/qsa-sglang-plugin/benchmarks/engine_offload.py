@@ -23,7 +23,8 @@ the same GPU budget admits (the fixed staging, hot caches and tails aside). Both
 of ``max batch x longest context`` tokens, so that they can share the GPU.
 
 Writes ``<out>/engine_offload.md`` and ``.json`` after every cell, so a run cut short keeps what
-it measured. Needs CUDA and SGLang (``nox -s gpu-engine-bench`` on the GPU machine); exits with
+it measured. Needs CUDA and SGLang: ``nox -s gpu-engine-bench`` runs it on the GPU machine with
+the engine payload (``nox -s bench`` leaves it out: its scripts are ``bench_*.py``); exits with
 status 77 without CUDA.
 """
 
@@ -186,7 +187,7 @@ def _write(
         f"GPU {device}, torch {torch.__version__}; the model-shaped tiny Qwen4Exp (one QSA layer "
         "of the real geometry), decode CUDA graphs on in both engines, the same scheduler flags. "
         f"`{data['command']}`; written by `packages/qsa-sglang-plugin/benchmarks/"
-        "bench_engine_offload.py`.",
+        "engine_offload.py`.",
         "",
         "| context | batch | resident decode tok/s | offload decode tok/s | offload / resident "
         "| resident prefill tok/s | offload prefill tok/s | same greedy tokens |",
@@ -232,7 +233,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench_engine_offload: needs a CUDA device; skipped", file=sys.stderr)
+        print("engine_offload: needs a CUDA device; skipped", file=sys.stderr)
         return _SKIPPED
     from qsa_testing import start_engine
 
@@ -262,20 +263,18 @@ def main(argv: list[str]) -> int:
         for arm, engine in engines.items():
             _measure(engine, min(args.contexts), 1, 80, arm)
         prices = _token_prices(engines["offload"])
-        print(
-            f"bench_engine_offload: engines up after {time.monotonic() - started:.0f} s; {prices}"
-        )
+        print(f"engine_offload: engines up after {time.monotonic() - started:.0f} s; {prices}")
         cells: list[Cell] = []
         # Batch 1 at every context first: a run cut short by --deadline keeps the longest one.
         for batch, context in ((b, c) for b in args.batches for c in args.contexts):
             if time.monotonic() - started > args.deadline:
-                print(f"bench_engine_offload: deadline reached before {context} x {batch}")
+                print(f"engine_offload: deadline reached before {context} x {batch}")
                 break
             for arm in ("resident", "offload"):
                 cell = _measure(engines[arm], context, batch, args.new_tokens, arm)
                 cells.append(cell)
                 print(
-                    f"bench_engine_offload: {arm:8} context {context:>7} batch {batch}: "
+                    f"engine_offload: {arm:8} context {context:>7} batch {batch}: "
                     f"decode {cell.decode_tokens_per_s:,.1f} tok/s, wall {cell.wall_s:.1f} s, "
                     f"prefill {cell.prefill_tokens_per_s or 0:,.0f} tok/s",
                     flush=True,
