@@ -19,12 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from qsa_core._checks import is_int
 from qsa_core._errors import LayoutError
 
-__all__ = ("ZigzagLayout",)
+__all__ = ("MAX_CP_SIZE", "MAX_SEQ_LEN", "ZigzagLayout")
+
+#: Most CP ranks a layout is built for; a larger count is a mistake, refused before the rank lists.
+MAX_CP_SIZE: Final = 1 << 10
+#: Longest packed request a layout takes, in rows (16,777,216: 64 times a 256K context).
+MAX_SEQ_LEN: Final = 1 << 24
 
 T = TypeVar("T")
 
@@ -43,12 +48,17 @@ class ZigzagLayout:
     _rank_rows: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not is_int(self.cp_size) or self.cp_size < 1:
-            msg = f"cp_size={self.cp_size!r} is not allowed; it must be a positive integer"
+        if not is_int(self.cp_size) or not 1 <= self.cp_size <= MAX_CP_SIZE:
+            msg = (
+                f"cp_size={self.cp_size!r} is not allowed; allowed: an integer in 1..{MAX_CP_SIZE}"
+            )
             raise LayoutError(msg)
         for position, length in enumerate(self.seq_lens):
-            if not is_int(length) or length < 0:
-                msg = f"seq_lens[{position}]={length!r} is not allowed; it must be an integer >= 0"
+            if not is_int(length) or not 0 <= length <= MAX_SEQ_LEN:
+                msg = (
+                    f"seq_lens[{position}]={length!r} is not allowed; allowed: an integer in "
+                    f"0..{MAX_SEQ_LEN}"
+                )
                 raise LayoutError(msg)
         rows: list[list[int]] = [[] for _ in range(self.cp_size)]
         base = 0

@@ -114,8 +114,12 @@ class LeaseTable:
         """Take the lowest free slot for ``request_id``; the lease starts ALLOCATED.
 
         Raises:
-            LeaseError: no free slot, or ``request_id`` already holds a live lease.
+            LeaseError: ``request_id`` is not a str, no free slot, or ``request_id`` already holds
+                a live lease.
         """
+        if not isinstance(request_id, str):  # callers without a type checker
+            msg = f"request_id={request_id!r} is not allowed; it must be a str"  # type: ignore[unreachable]
+            raise LeaseError(msg)
         if request_id in self._by_rid:
             msg = (
                 f"request {request_id!r} already holds the live lease in slot "

@@ -34,18 +34,23 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import SupportsIndex
+from typing import Final, SupportsIndex
 
 from qsa_core._checks import is_int
 from qsa_core._errors import ResidencyError
 
 __all__ = (
+    "MAX_HOT_SLOTS",
     "HotCacheState",
     "ResidencyFill",
     "ResidencyPlan",
     "plan_residency_batch",
     "plan_residency_step",
 )
+
+
+#: Most slots one hot cache is built with (the block top-k is 512; 1,048,576 is a mistake's size).
+MAX_HOT_SLOTS: Final = 1 << 20
 
 
 def _as_int_tuple(name: str, values: Iterable[object]) -> tuple[int, ...]:
@@ -108,8 +113,10 @@ class HotCacheState:
     @classmethod
     def empty(cls, num_slots: int) -> HotCacheState:
         """A cache of ``num_slots`` empty, never-used slots."""
-        if not is_int(num_slots) or num_slots < 1:
-            msg = f"num_slots={num_slots!r} is not allowed; it must be a positive integer"
+        if not is_int(num_slots) or not 1 <= num_slots <= MAX_HOT_SLOTS:
+            msg = (
+                f"num_slots={num_slots!r} is not allowed; allowed: an integer in 1..{MAX_HOT_SLOTS}"
+            )
             raise ResidencyError(msg)
         return cls((-1,) * num_slots, (-1,) * num_slots)
 
