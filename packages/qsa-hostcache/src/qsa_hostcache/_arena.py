@@ -141,6 +141,8 @@ class HostArena:
             SegmentError: A sparse or otherwise non-strided tensor.
             DeviceError: A tensor on another device.
         """
+        if not isinstance(tensor, torch.Tensor):
+            raise SegmentError(f"a segment must be a torch.Tensor; got {tensor!r}")
         if tensor.layout is not torch.strided:
             raise SegmentError(
                 f"segment tensors must be dense (torch.strided); got layout {tensor.layout!r}"

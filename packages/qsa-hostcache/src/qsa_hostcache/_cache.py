@@ -439,6 +439,7 @@ class HostPrefixCache:
         """
         # Every tensor is checked before the reservation, which may evict checkpoints: a publish
         # that cannot copy its tensors must leave the cache as it was.
+        self._check_key(key)
         for tensor in segments.values():
             self._arena.check_source(tensor)
         specs = [SegmentSpec.like(name, tensor) for name, tensor in segments.items()]
@@ -504,8 +505,11 @@ class HostPrefixCache:
         """Pin a checkpoint found earlier; ``None`` if it was evicted or invalidated since.
 
         Raises:
-            LeaseError: ``match`` was found by another cache (its entry id means nothing here).
+            LeaseError: ``match`` is not a :class:`Match`, or was found by another cache (its entry
+                id means nothing here).
         """
+        if not isinstance(match, Match):
+            raise LeaseError(f"pin takes a Match this cache returned; got {match!r}")
         if match.cache_id != self._cache_id:
             raise LeaseError(
                 f"match of entry {match.entry_id!r} came from cache {match.cache_id!r}; this is "
@@ -584,6 +588,8 @@ class HostPrefixCache:
     # ---- internals -------------------------------------------------------------------------
 
     def _check_key(self, key: PrefixKey) -> None:
+        if not isinstance(key, PrefixKey):
+            raise InvalidKeyError(f"a key must be a PrefixKey; got {key!r}")
         if key.page_size != self._index.page_size:
             raise InvalidKeyError(
                 f"key page size {key.page_size!r} differs from the cache's "

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import array
 import ctypes
+import reprlib
 import struct
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, NewType, Protocol
+from typing import TYPE_CHECKING, Final, NewType, Protocol, cast
 
 import xxhash
 
@@ -168,8 +169,8 @@ def token_bytes(tokens: object) -> bytes:
         return _tensor_token_bytes(tokens)  # type: ignore[arg-type]
     if isinstance(tokens, (bytes, bytearray, str)):
         raise InvalidKeyError(
-            f"tokens must be integer ids, not {type(tokens).__name__!r}; wrap raw int64 bytes "
-            f"in array.array('q')"
+            f"tokens must be integer ids, not {type(tokens).__name__!r} {reprlib.repr(tokens)}; "
+            f"wrap raw int64 bytes in array.array('q')"
         )
     try:
         view = memoryview(tokens)  # type: ignore[arg-type]
@@ -192,14 +193,31 @@ def token_bytes(tokens: object) -> bytes:
     elif isinstance(tokens, Iterable):
         ids = tokens
     else:
-        raise InvalidKeyError(f"tokens must be a sequence of ints, got {type(tokens).__name__!r}")
+        raise InvalidKeyError(
+            f"tokens must be a sequence of ints, got {tokens!r} ({type(tokens).__name__})"
+        )
+    ids = list(ids)
     try:
         arr = array.array("q", ids)
     except (TypeError, OverflowError) as exc:
-        raise InvalidKeyError(f"token ids must be ints in the int64 range: {exc}") from exc
+        position, bad = next(
+            (i, t) for i, t in enumerate(ids) if not _is_int64(t)
+        )  # array() refused one: name it
+        raise InvalidKeyError(
+            f"token ids must be ints in the int64 range; tokens[{position}]={bad!r}"
+        ) from exc
     if sys.byteorder != "little":
         arr.byteswap()
     return arr.tobytes()
+
+
+def _is_int64(value: object) -> bool:
+    """Whether ``array('q')`` takes ``value``: an int (or ``__index__``) in the int64 range."""
+    try:
+        array.array("q", [cast("int", value)])  # array() itself checks the value
+    except (TypeError, OverflowError):
+        return False
+    return True
 
 
 class PrefixKey:
@@ -229,8 +247,9 @@ class PrefixKey:
         page_size: int = 64,
         page_extras: Mapping[int, bytes] | Sequence[bytes | None] | None = None,
     ) -> None:
-        if page_size < 1:
-            raise InvalidKeyError(f"page_size must be >= 1, got {page_size!r}")
+        given: object = page_size
+        if not isinstance(given, int) or isinstance(given, bool) or page_size < 1:
+            raise InvalidKeyError(f"page_size must be an int >= 1, got {page_size!r}")
         raw = token_bytes(tokens)
         self._namespace = namespace
         self._ns_material = namespace.material()

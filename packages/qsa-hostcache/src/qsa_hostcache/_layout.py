@@ -48,8 +48,11 @@ class SegmentSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise SegmentError(f"segment name must be a non-empty string, got {self.name!r}")
-        if self.nbytes < 0:
-            raise SegmentError(f"segment {self.name!r}: nbytes must be >= 0, got {self.nbytes!r}")
+        nbytes: object = self.nbytes
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or self.nbytes < 0:
+            raise SegmentError(
+                f"segment {self.name!r}: nbytes must be an int >= 0, got {self.nbytes!r}"
+            )
 
     @classmethod
     def like(cls, name: str, tensor: TensorLike) -> SegmentSpec:

@@ -1,0 +1,154 @@
+"""Every public call succeeds or refuses with this package's error, naming the value it refused,
+and a refused call leaves the cache as it was: its checkpoints, statistics and LRU order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import reprlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsa_hostcache import (
+    CacheNamespace,
+    HostCacheError,
+    HostPrefixCache,
+    PrefixKey,
+    SegmentSpec,
+)
+
+#: Any kind of value a caller might pass where an argument belongs.
+ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**20), max_value=2**20),
+    st.sampled_from([2**31, 2**63, 2**64, -(2**63)]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.sampled_from([(), [], b"x", object()]),
+)
+
+NS_ARGS: Mapping[str, Any] = {
+    "model": "m@1",
+    "dtype": "float8_e4m3fn",
+    "tp_size": 2,
+    "tp_rank": 0,
+    "config_digest": "cfg",
+}
+NS = CacheNamespace(**NS_ARGS)
+PAGE, BLOCK = 4, 1024
+
+#: ``(name, call taking keyword arguments, valid keyword arguments)``.
+CASES: tuple[tuple[str, Callable[..., object], Mapping[str, Any]], ...] = (
+    ("CacheNamespace", CacheNamespace, NS_ARGS),
+    (
+        "PrefixKey",
+        lambda **kw: PrefixKey(NS, kw["tokens"], page_size=kw["page_size"]),
+        {"tokens": [1, 2, 3, 4], "page_size": PAGE},
+    ),
+    (
+        "PrefixKey tokens",
+        lambda **kw: PrefixKey(NS, [1, 2, kw["token"], 4], page_size=PAGE),
+        {"token": 3},
+    ),
+    (
+        "HostPrefixCache",
+        lambda **kw: HostPrefixCache(pin_memory=False, **kw),
+        {"budget_bytes": 8 * BLOCK, "max_entries": 4, "page_size": PAGE, "block_bytes": BLOCK},
+    ),
+)
+PARAMETERS = [(name, call, valid, arg) for name, call, valid in CASES for arg in valid]
+
+
+def _shows(message: str, value: object) -> bool:
+    if isinstance(value, float) and math.isnan(value):
+        return "nan" in message.lower()
+    shown = (repr(value), reprlib.repr(value))  # a long value may be shown shortened
+    return any(r in message for r in shown) or (isinstance(value, str) and value in message)
+
+
+def _refusal(call: Callable[..., object], kwargs: Mapping[str, Any]) -> HostCacheError | None:
+    try:
+        call(**kwargs)
+    except HostCacheError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize(
+    ("call", "valid", "arg"),
+    [(call, valid, arg) for _, call, valid, arg in PARAMETERS],
+    ids=[f"{name}-{arg}" for name, _, _, arg in PARAMETERS],
+)
+@settings(deadline=None, max_examples=60)
+@given(value=ANY_VALUE)
+def test_a_call_succeeds_or_refuses_with_the_package_error_naming_the_value(
+    call: Callable[..., object], valid: Mapping[str, Any], arg: str, value: object
+) -> None:
+    assert _refusal(call, valid) is None
+    refused = _refusal(call, {**valid, arg: value})
+    assert refused is None or _shows(str(refused), value), (arg, value, str(refused))
+
+
+def _cache_with_two_checkpoints() -> HostPrefixCache:
+    cache = HostPrefixCache(
+        8 * BLOCK, max_entries=4, page_size=PAGE, block_bytes=BLOCK, pin_memory=False
+    )
+    for first in (0, 100):
+        key = PrefixKey(NS, list(range(first, first + 2 * PAGE)), page_size=PAGE)
+        assert cache.publish(key, {"kv": torch.full((BLOCK,), first % 251, dtype=torch.uint8)})
+    return cache
+
+
+def _observable(cache: HostPrefixCache) -> tuple[object, ...]:
+    """What a caller can see of the cache: statistics, LRU order and each checkpoint's bytes."""
+    restored = []
+    for first in (0, 100):
+        query = PrefixKey(NS, list(range(first, first + 2 * PAGE)), page_size=PAGE)
+        lease = cache.acquire(query)
+        assert lease is not None
+        into = {"kv": torch.empty(BLOCK, dtype=torch.uint8)}
+        cache.restore(lease, into).wait()
+        lease.release()
+        restored.append(into["kv"].tolist())
+    return cache.stats(), tuple(cache.lru_order()), tuple(map(tuple, restored))
+
+
+def _stats_and_order(cache: HostPrefixCache) -> tuple[object, ...]:
+    """Statistics and the LRU order; ``too_large``, whose job is to count refusals, left out."""
+    stats = dataclasses.replace(cache.stats(), too_large=0)
+    return stats, tuple(cache.lru_order())
+
+
+def _calls(value: object) -> dict[str, Callable[[HostPrefixCache], object]]:
+    """Calls on the cache with ``value`` in one argument's place."""
+    good = PrefixKey(NS, list(range(200, 200 + PAGE)), page_size=PAGE)
+    return {
+        "match max_tokens": lambda c: c.match(good, max_tokens=value),  # type: ignore[arg-type]
+        "publish segments": lambda c: c.publish(good, {"kv": value}),  # type: ignore[dict-item]
+        "publish key": lambda c: c.publish(value, {"kv": torch.zeros(4, dtype=torch.uint8)}),  # type: ignore[arg-type]
+        "reserve segments": lambda c: c.reserve(good, [SegmentSpec("kv", value)]),  # type: ignore[arg-type]
+        "pin": lambda c: c.pin(value),  # type: ignore[arg-type]
+    }
+
+
+@pytest.mark.parametrize("call_name", list(_calls(None)))
+@settings(deadline=None, max_examples=40)
+@given(value=ANY_VALUE)
+def test_a_refused_cache_call_changes_no_checkpoint_statistic_or_order(
+    call_name: str, value: object
+) -> None:
+    cache = _cache_with_two_checkpoints()
+    contents = _observable(cache)
+    before = _stats_and_order(cache)
+    refused = _refusal(_calls(value)[call_name], {"c": cache})
+    if refused is None:
+        return  # accepted: a valid call may change the cache
+    assert _stats_and_order(cache) == before, str(refused)
+    assert _observable(cache)[2] == contents[2]
