@@ -9,6 +9,7 @@ and a refused call on a stateful object must leave that object as it was.
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -113,7 +114,8 @@ def _shows(message: str, value: object) -> bool:
     """Whether ``message`` shows ``value`` (its repr, or its str for text and objects)."""
     if isinstance(value, float) and math.isnan(value):
         return "nan" in message.lower()
-    return repr(value) in message or (isinstance(value, str) and value in message)
+    shown = (repr(value), reprlib.repr(value))  # a long value may be shown shortened
+    return any(r in message for r in shown) or (isinstance(value, str) and value in message)
 
 
 def _refusal(call: Callable[..., object], kwargs: Mapping[str, Any]) -> Exception | None:

@@ -14,7 +14,7 @@ from qsa_core._capacity import (
     MemoryTier,
     plan_capacity,
 )
-from qsa_core._cp import ZigzagLayout
+from qsa_core._cp import MAX_CP_SIZE, MAX_SEQ_LEN, ZigzagLayout
 from qsa_core._errors import (
     CapacityError,
     LayoutError,
@@ -65,6 +65,8 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # sharding placement and context-parallel layout
     "ShardPlacement",
     "ZigzagLayout",
+    "MAX_CP_SIZE",
+    "MAX_SEQ_LEN",
     # distributed top-k order
     "TopKCandidate",
     "candidate_sort_key",

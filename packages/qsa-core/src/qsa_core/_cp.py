@@ -28,7 +28,8 @@ __all__ = ("MAX_CP_SIZE", "MAX_SEQ_LEN", "ZigzagLayout")
 
 #: Most CP ranks a layout is built for; a larger count is a mistake, refused before the rank lists.
 MAX_CP_SIZE: Final = 1 << 10
-#: Longest packed request a layout takes, in rows (16,777,216: 64 times a 256K context).
+#: Longest request any part of the workspace takes, in tokens (16,777,216: 64 times a 256K
+#: context); a longer one is a mistake, refused before anything is sized by it.
 MAX_SEQ_LEN: Final = 1 << 24
 
 T = TypeVar("T")

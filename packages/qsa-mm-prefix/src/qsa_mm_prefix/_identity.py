@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import reprlib
 from collections.abc import Iterable
 
+from qsa_core import MAX_SEQ_LEN
 from qsa_mm_prefix._encoding import Packer, digest_bytes
 from qsa_mm_prefix._errors import (
     ContentError,
@@ -44,7 +46,8 @@ def _view(content: BufferLike) -> memoryview:
         view = memoryview(content)  # type: ignore[arg-type]  # checked here, at runtime
     except TypeError as exc:
         raise ContentTypeError(
-            f"content of type {type(content).__name__!r} does not support the buffer protocol; "
+            f"content {reprlib.repr(content)} of type {type(content).__name__!r} does not "
+            "support the buffer protocol; "
             "pass bytes, a memoryview, a numpy array or a contiguous tensor's numpy view"
         ) from exc
     if not view.c_contiguous:
@@ -173,7 +176,8 @@ def _check_spans(
     for index, item in enumerate(items):
         if item.end > num_tokens:
             raise SpanOutOfRangeError(
-                f"item {index} spans tokens [{item.start}, {item.end}) but the prompt has "
+                f"item {index} spans tokens [{item.start}, {item.end}) (start {item.start}, "
+                f"length {item.length}) but the prompt has "
                 f"{num_tokens} tokens"
             )
         if spatial_merge_size is not None and item.grid is not None:
@@ -252,6 +256,9 @@ def build_prompt_identity(
         ContentError: Content not C-contiguous, or a shape that cannot describe it.
     """
     num_tokens = _check_int(num_tokens, "num_tokens", 0)
+    if num_tokens > MAX_SEQ_LEN:
+        msg = f"num_tokens={num_tokens!r} is not allowed; allowed: 0..{MAX_SEQ_LEN}"
+        raise InvalidPromptError(msg)
     page_size = _check_int(page_size, "page_size", 1)
     if spatial_merge_size is not None:
         _check_int(spatial_merge_size, "spatial_merge_size", 1)

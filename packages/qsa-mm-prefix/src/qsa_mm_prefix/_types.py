@@ -125,6 +125,11 @@ class ProcessorFingerprint:
             raise InvalidFingerprintError(
                 f"processor version must be a non-empty str, got {version!r}"
             )
+        given: object = args
+        if not isinstance(given, Mapping):
+            raise InvalidFingerprintError(
+                f"preprocessing arguments must be a mapping of names to values, got {args!r}"
+            )
         bad = [key for key in args if not _is_nonempty_str(key)]
         if bad:
             raise InvalidFingerprintError(
@@ -186,6 +191,11 @@ class MultimodalItem:
         if not is_int_at_least(self.length, 1):
             raise SpanOutOfRangeError(f"item length must be an int >= 1, got {self.length!r}")
         if self.grid is not None:
+            given: object = self.grid
+            if not isinstance(given, (tuple, list)):
+                raise InvalidGridError(
+                    f"grid must be three positive ints (t, h, w) or None, got {self.grid!r}"
+                )
             grid = tuple(self.grid)
             if len(grid) != 3 or not all(is_int_at_least(v, 1) for v in grid):
                 raise InvalidGridError(
@@ -193,6 +203,9 @@ class MultimodalItem:
                 )
             object.__setattr__(self, "grid", grid)
         if self.shape is not None:
+            given_shape: object = self.shape
+            if not isinstance(given_shape, (tuple, list)):
+                raise ContentError(f"shape must be a tuple of ints or None, got {self.shape!r}")
             shape = tuple(self.shape)
             _check_nonneg_ints(shape, "shape")
             object.__setattr__(self, "shape", shape)
