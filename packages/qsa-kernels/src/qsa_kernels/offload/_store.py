@@ -698,12 +698,19 @@ class OffloadedKV:
     # -- internals --
 
     def _check_row(self, row: int) -> int:
-        if not 0 <= row < self.geometry.rows:
+        given: object = row
+        if (
+            not isinstance(given, int)
+            or isinstance(given, bool)
+            or not 0 <= row < self.geometry.rows
+        ):
             msg = f"row={row!r} is not allowed; allowed: [0, {self.geometry.rows})"
             raise KernelInputError(msg)
         return row
 
     def _check_active(self, rows: Sequence[int]) -> None:
+        for row in rows:
+            self._check_row(row)
         if len(set(rows)) != len(rows):
             msg = f"rows {list(rows)!r} repeat a row; each row may appear once per call"
             raise KernelInputError(msg)

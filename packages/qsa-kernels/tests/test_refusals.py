@@ -1,0 +1,101 @@
+"""The host-side entry points succeed or refuse with KernelInputError naming the bad value, and a
+refused call on the offloaded store changes no row, tail or arena byte.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsa_kernels import KernelInputError, KernelPath
+from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+
+ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**12), max_value=2**12),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.sampled_from([(), [], torch.float32, torch.int8, object()]),
+)
+GEOMETRY: Mapping[str, Any] = {
+    "layers": 2,
+    "rows": 3,
+    "hot_slots": 4,
+    "max_blocks": 3,
+    "kv_heads": 1,
+    "head_dim": 16,
+    "dtype": torch.bfloat16,
+}
+
+
+def _shows(message: str, value: object) -> bool:
+    if isinstance(value, float) and math.isnan(value):
+        return "nan" in message.lower()
+    shown = (repr(value), reprlib.repr(value))
+    return any(r in message for r in shown) or (isinstance(value, str) and value in message)
+
+
+def _refusal(call: Callable[..., object], kwargs: Mapping[str, Any]) -> KernelInputError | None:
+    try:
+        call(**kwargs)
+    except KernelInputError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("field", list(GEOMETRY))
+@settings(deadline=None, max_examples=60)
+@given(value=ANY_VALUE)
+def test_a_geometry_is_built_or_refused_naming_the_field_value(field: str, value: object) -> None:
+    refused = _refusal(OffloadGeometry, {**GEOMETRY, field: value})
+    assert refused is None or _shows(str(refused), value), (field, value, str(refused))
+
+
+def _store() -> OffloadedKV:
+    store = OffloadedKV(OffloadGeometry(**GEOMETRY), torch.device("cpu"), path=KernelPath.REFERENCE)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 5, 1, 16, generator=g).bfloat16()
+    store.admit(0, k, k + 1)
+    return store
+
+
+def _snapshot(store: OffloadedKV) -> tuple[object, ...]:
+    return (
+        [store.length(r) for r in range(3)],
+        [store.state(r) for r in range(3)],
+        store.tail.clone(),
+        store.host_arena[0, :, :1].clone(),
+    )
+
+
+def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    return a[:2] == b[:2] and all(torch.equal(x, y) for x, y in zip(a[2:], b[2:], strict=True))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("call", ["advance rows", "advance pad_to", "length", "release", "compare"])
+@settings(deadline=None, max_examples=60)
+@given(value=ANY_VALUE)
+def test_a_refused_store_call_changes_nothing_and_names_the_value(call: str, value: object) -> None:
+    store = _store()
+    before = _snapshot(store)
+    k = torch.zeros(2, 5, 1, 16, dtype=torch.bfloat16)
+    calls: dict[str, Callable[[], object]] = {
+        "advance rows": lambda: store.advance([value]),  # type: ignore[list-item]
+        "advance pad_to": lambda: store.advance([0], pad_to=value),  # type: ignore[arg-type]
+        "length": lambda: store.length(value),  # type: ignore[arg-type]
+        "release": lambda: store.release(value),  # type: ignore[arg-type]
+        "compare": lambda: store.compare(value, k, k),  # type: ignore[arg-type]
+    }
+    refused = _refusal(calls[call], {})
+    if refused is None:
+        return
+    assert _same(_snapshot(store), before), str(refused)
+    assert _shows(str(refused), value), str(refused)
