@@ -477,10 +477,16 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """Ruff lint and format check over the whole workspace."""
+    """Ruff lint and format check over the whole workspace, and declared against real imports.
+
+    ``tools/check_dependencies.py`` fails when a package's source imports a distribution it does
+    not declare, declares a workspace package it never imports, or imports another workspace
+    package's private module.
+    """
     _uv_sync(session, "--only-group", "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", str(ROOT / "tools" / "check_dependencies.py"))
 
 
 @nox.session(python=PYTHON)

@@ -21,7 +21,7 @@ from qsa_core import (
     plan_capacity,
     render_plan,
 )
-from qsa_core._cli import main
+from qsa_core.cli import main
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -18,7 +18,7 @@ def _demo(argv: Sequence[str]) -> int:
 
 
 def _plan(argv: Sequence[str]) -> int:
-    from qsa_core._cli import main
+    from qsa_core.cli import main
 
     return main(["plan", *argv], prog="qsa-hisparse")
 
