@@ -31,7 +31,16 @@ from qsa_sglang_plugin._errors import (
     LaunchError,
     SwitchError,
 )
-from qsa_sglang_plugin._switches import Feature, HiSparseMode, Switches, parse_switches
+from qsa_sglang_plugin._switches import (
+    ENV_ACTIVATION_DIR,
+    ENV_SGLANG_PLUGINS,
+    PLUGIN_NAME,
+    SWITCH_PREFIX,
+    Feature,
+    HiSparseMode,
+    Switches,
+    parse_switches,
+)
 from qsa_sglang_plugin._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
@@ -39,7 +48,11 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # entry point and activation records
     "activate",
     "ActivationRecord",
-    # switches
+    # switches, and the names an engine's environment uses
+    "PLUGIN_NAME",
+    "SWITCH_PREFIX",
+    "ENV_ACTIVATION_DIR",
+    "ENV_SGLANG_PLUGINS",
     "Feature",
     "HiSparseMode",
     "Switches",

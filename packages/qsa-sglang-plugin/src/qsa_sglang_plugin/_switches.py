@@ -24,6 +24,7 @@ __all__ = (
     "ENV_SGLANG_PLUGINS",
     "PLUGIN_NAME",
     "RADIX_CACHE_BACKEND",
+    "SWITCH_PREFIX",
     "Feature",
     "HiSparseMode",
     "Switches",
@@ -31,6 +32,8 @@ __all__ = (
     "parse_switches",
 )
 
+#: What every switch's name starts with.
+SWITCH_PREFIX: Final = "SGLANG_QSA_"
 ENV_MODEL_COMPAT: Final = "SGLANG_QSA_MODEL_COMPAT"
 ENV_HISPARSE_V3: Final = "SGLANG_QSA_HISPARSE_V3"
 #: ``1``: keep a resident copy of the offloaded K/V and check the host arena against it (tests).

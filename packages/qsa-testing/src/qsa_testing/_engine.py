@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from qsa_sglang_plugin import ENV_ACTIVATION_DIR, ENV_SGLANG_PLUGINS, PLUGIN_NAME, SWITCH_PREFIX
 from qsa_testing._errors import EngineConfigError, EngineRequestError, EngineStartError
 from qsa_testing._models import TinyModel, TinyModelKind
 from qsa_testing.standins import (
@@ -40,7 +41,6 @@ from qsa_testing.standins import (
 __all__ = (
     "ENV_CUDA_GRAPHS",
     "ENV_PLATFORM",
-    "PLUGIN_ENTRY_POINT",
     "Engine",
     "EngineConfig",
     "FrozenArgs",
@@ -58,11 +58,8 @@ ENV_PLATFORM: Final = "QSA_TESTING_PLATFORM"
 #: ``1``: CUDA engines capture CUDA graphs, for decode and, where SGLang captures them, prefill
 #: (``0``, the default: eager). A configuration's own ``disable_cuda_graph`` wins.
 ENV_CUDA_GRAPHS: Final = "QSA_TESTING_CUDA_GRAPHS"
-#: The plugin's entry-point name in ``sglang.srt.plugins``.
-PLUGIN_ENTRY_POINT: Final = "qsa_hisparse"
 #: ``SGLANG_PLUGINS`` for an engine without the plugin: an allow-list no entry point matches.
 _NO_PLUGINS: Final = "qsa-testing-no-plugins"
-_SWITCH_PREFIX: Final = "SGLANG_QSA_"
 _LOG_TAIL_LINES: Final = 60
 
 
@@ -165,9 +162,9 @@ class EngineConfig:
         object.__setattr__(self, "server_args", FrozenArgs(self.server_args))
         object.__setattr__(self, "standins", frozenset(StandIn(s) for s in self.standins))
         for name, value in self.switches.items():
-            if not name.startswith(_SWITCH_PREFIX) or not isinstance(value, str):
+            if not name.startswith(SWITCH_PREFIX) or not isinstance(value, str):
                 msg = (
-                    f"switch {name}={value!r} is not allowed; switches are {_SWITCH_PREFIX}* "
+                    f"switch {name}={value!r} is not allowed; switches are {SWITCH_PREFIX}* "
                     "environment variables with string values"
                 )
                 raise EngineConfigError(msg)
@@ -183,7 +180,7 @@ class EngineConfig:
     def label(self) -> str:
         """A short, filesystem-safe name for logs: model, plugin state, switches, overrides."""
         parts = [self.model.name, "plugin" if self.plugin else "upstream"]
-        parts += [f"{k.removeprefix(_SWITCH_PREFIX).lower()}={v}" for k, v in self.switches.items()]
+        parts += [f"{k.removeprefix(SWITCH_PREFIX).lower()}={v}" for k, v in self.switches.items()]
         parts += [f"{k}={v}" for k, v in self.server_args.items()]
         parts += sorted(s.value for s in self.standins)
         if self.replica:
@@ -481,14 +478,14 @@ def _server_args(
 
 
 def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_SWITCH_PREFIX)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SWITCH_PREFIX)}
     env.update(_PLATFORM_ENV[platform])
     env.update(dict(config.switches))
-    env["SGLANG_PLUGINS"] = PLUGIN_ENTRY_POINT if config.plugin else _NO_PLUGINS
+    env[ENV_SGLANG_PLUGINS] = PLUGIN_NAME if config.plugin else _NO_PLUGINS
     if config.plugin:
         activation = workdir / "activation"
         activation.mkdir(exist_ok=True)
-        env["SGLANG_QSA_HISPARSE_ACTIVATION_DIR"] = str(activation)
+        env[ENV_ACTIVATION_DIR] = str(activation)
     standins = platform_standins(platform) | config.standins
     env[ENV_STANDINS] = ",".join(sorted(s.value for s in standins))
     paths = [str(boot_directory()), *filter(None, [os.environ.get("PYTHONPATH")])]
