@@ -60,10 +60,21 @@ def _packages() -> dict[str, Package]:
 
 
 def _imports(path: pathlib.Path) -> Iterator[tuple[int, str]]:
-    """``(line, dotted module)`` of every absolute import in one file."""
+    """``(line, dotted module)`` of every absolute import in one file.
+
+    A ``pytest_plugins`` list of module names counts: pytest imports them.
+    """
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "pytest_plugins" for t in node.targets)
+            and isinstance(node.value, (ast.Tuple, ast.List))
+        ):
+            for element in node.value.elts:
+                if isinstance(element, ast.Constant) and isinstance(element.value, str):
+                    yield node.lineno, element.value
+        elif isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

@@ -6,19 +6,19 @@ Enable them with ``pytest_plugins = ["qsa_testing.pytest_plugin"]`` in a top-lev
 log path and tail of the engine it used last are attached to its report; at the end the session
 lists every engine start and its cost.
 
-GPU gating: tests marked ``@pytest.mark.gpu`` skip cleanly where CUDA is absent; under
-``QSA_REQUIRE_GPU=1`` (the GPU sessions) a missing device fails them instead, so a GPU run can
-never pass by skipping.
+It also loads :mod:`qsa_pytest_gpu`, the GPU gate: tests marked ``@pytest.mark.gpu`` skip where
+CUDA is absent and fail instead under ``QSA_REQUIRE_GPU=1`` (the GPU sessions).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator, Iterator
 
 import pytest
 
 from qsa_testing._pool import EnginePool
+
+pytest_plugins = ("qsa_pytest_gpu",)
 
 _POOL = pytest.StashKey[EnginePool]()
 
@@ -62,23 +62,3 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     total = sum(start.seconds for start in pool.starts)
     terminalreporter.write_line(f"{total:7.1f} s  in all, {len(pool.starts)} engines")
     terminalreporter.write_line(f"generations served: {pool.report_path}")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip (or, under ``QSA_REQUIRE_GPU=1``, fail) ``gpu`` tests where CUDA is absent."""
-    del config
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    required = os.environ.get("QSA_REQUIRE_GPU") == "1"
-    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
-    for item in items:
-        if item.get_closest_marker("gpu") is None:
-            continue
-        item.add_marker(pytest.mark.usefixtures("_fail_without_gpu") if required else skip)
-
-
-@pytest.fixture
-def _fail_without_gpu() -> None:
-    pytest.fail("QSA_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
