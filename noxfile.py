@@ -56,7 +56,7 @@ class Package(enum.StrEnum):
     SGLANG_PLUGIN = "qsa-sglang-plugin"
     HISPARSE = "qsa-hisparse"
     TESTING = "qsa-testing"
-    PYTEST_GPU = "qsa-pytest-gpu"
+    PYTEST = "qsa-pytest"
 
 
 def _package_dir(package: Package) -> pathlib.Path:

@@ -1,8 +1,8 @@
 """Check that each workspace package declares exactly what its source imports.
 
 For every ``packages/*/pyproject.toml``, the modules that ``src/`` imports (anywhere in a file,
-lazy imports included) are mapped to distributions and compared with ``[project]
-dependencies``:
+lazy imports and ``pytest_plugins`` included) are mapped to distributions and compared with
+``[project] dependencies`` and its optional extras:
 
 - a distribution imported but not declared fails (it would be missing where only the declared
   dependencies are installed);
@@ -51,9 +51,11 @@ def _packages() -> dict[str, Package]:
         project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
         src = pyproject.parent / "src"
         (module,) = [p.name for p in src.iterdir() if (p / "__init__.py").is_file()]
+        specs = [*project.get("dependencies", [])]
+        for extra in project.get("optional-dependencies", {}).values():
+            specs += extra  # an extra's imports are declared by it
         declared = frozenset(
-            _normalise(re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0])
-            for spec in project.get("dependencies", [])
+            _normalise(re.split(r"[<>=!~;\[ ]", spec, maxsplit=1)[0]) for spec in specs
         )
         found[module] = Package(_normalise(project["name"]), module, pyproject.parent, declared)
     return found

@@ -8,14 +8,10 @@ and a refused call on a stateful object must leave that object as it was.
 
 from __future__ import annotations
 
-import math
-import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import qsa_core
 from qsa_core import (
@@ -33,22 +29,13 @@ from qsa_core import (
     plan_residency_step,
     topk_reference,
 )
+from qsa_pytest.refusals import Case, any_value, check_refusal, each_argument, refusal, shows
 
 #: Every exception class qsa-core exports.
 PACKAGE_ERRORS: tuple[type[Exception], ...] = tuple(
     getattr(qsa_core, name) for name in qsa_core.__all__ if name.endswith("Error")
 )
 
-#: Any kind of value a caller might pass where an argument belongs.
-ANY_VALUE = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**20), max_value=2**20),
-    st.sampled_from([2**31, 2**32, 2**63, 2**64, 2**70, -(2**63)]),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=4),
-    st.sampled_from([KVDType.BF16, (), [], object()]),
-)
 
 CAPACITY_ARGS: Mapping[str, Any] = {
     "tp_size": 2,
@@ -64,7 +51,7 @@ CAPACITY_ARGS: Mapping[str, Any] = {
 }
 
 #: ``(name, call taking keyword arguments, valid keyword arguments)``.
-CASES: tuple[tuple[str, Callable[..., object], Mapping[str, Any]], ...] = (
+CASES: tuple[Case, ...] = (
     (
         "plan_capacity",
         lambda **kw: plan_capacity(QWEN38_FLASH_NEXT, **kw),
@@ -107,49 +94,24 @@ CASES: tuple[tuple[str, Callable[..., object], Mapping[str, Any]], ...] = (
     ),
 )
 
-PARAMETERS = [(name, call, valid, arg) for name, call, valid in CASES for arg in valid]
 
-
-def _shows(message: str, value: object) -> bool:
-    """Whether ``message`` shows ``value`` (its repr, or its str for text and objects)."""
-    if isinstance(value, float) and math.isnan(value):
-        return "nan" in message.lower()
-    shown = (repr(value), reprlib.repr(value))  # a long value may be shown shortened
-    return any(r in message for r in shown) or (isinstance(value, str) and value in message)
-
-
-def _refusal(call: Callable[..., object], kwargs: Mapping[str, Any]) -> Exception | None:
-    """The package error ``call(**kwargs)`` raised, or None when it succeeded."""
-    try:
-        call(**kwargs)
-    except PACKAGE_ERRORS as exc:
-        return exc
-    return None
-
-
-@pytest.mark.parametrize(
-    ("call", "valid", "arg"),
-    [(call, valid, arg) for _, call, valid, arg in PARAMETERS],
-    ids=[f"{name}-{arg}" for name, _, _, arg in PARAMETERS],
-)
+@each_argument(CASES)
 @settings(deadline=None)  # a refusal of a huge size must be fast; an accepted one may build it
-@given(value=ANY_VALUE)
+@given(value=any_value(extra=[KVDType.BF16]))
 def test_a_call_succeeds_or_refuses_with_the_package_error_naming_the_value(
     call: Callable[..., object], valid: Mapping[str, Any], arg: str, value: object
 ) -> None:
-    assert _refusal(call, valid) is None  # the valid call itself succeeds
-    refused = _refusal(call, {**valid, arg: value})
-    assert refused is None or _shows(str(refused), value), (arg, value, str(refused))
+    check_refusal(call, valid, arg, value, PACKAGE_ERRORS)
 
 
 @settings(deadline=None)
-@given(request_id=ANY_VALUE)
+@given(request_id=any_value())
 def test_a_refused_lease_call_leaves_the_table_as_it_was(request_id: object) -> None:
     table = LeaseTable(2)
     held = table.acquire("a")
     before = (table.num_free, table.live_handles, table.state(held))
-    refused = _refusal(table.acquire, {"request_id": request_id})
+    refused = refusal(table.acquire, {"request_id": request_id}, PACKAGE_ERRORS)
     if refused is not None:
         assert (table.num_free, table.live_handles, table.state(held)) == before
-        assert _shows(str(refused), request_id), str(refused)
+        assert shows(str(refused), request_id), str(refused)
     table.check_invariants()

@@ -2,7 +2,7 @@
 
 Without CUDA the Triton kernels run on CPU tensors through Triton's interpreter; Triton reads
 ``TRITON_INTERPRET`` once, at its first import, so it is set here before any test imports it.
-Tests marked ``@pytest.mark.gpu`` are gated by :mod:`qsa_pytest_gpu`: skipped where CUDA is
+Tests marked ``@pytest.mark.gpu`` are gated by :mod:`qsa_pytest.gpu`: skipped where CUDA is
 absent, failed instead under ``QSA_REQUIRE_GPU=1`` (set by ``nox -s gpu-tests``).
 """
 
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-pytest_plugins = ("qsa_pytest_gpu",)
+pytest_plugins = ("qsa_pytest.gpu",)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,6 +1,6 @@
 """Device choice, GPU gating and poisoned allocations shared by this package's tests.
 
-Tests marked ``@pytest.mark.gpu`` are gated by :mod:`qsa_pytest_gpu`: skipped where CUDA is
+Tests marked ``@pytest.mark.gpu`` are gated by :mod:`qsa_pytest.gpu`: skipped where CUDA is
 absent, failed instead under ``QSA_REQUIRE_GPU=1`` (set by ``nox -s gpu-tests``).
 
 Without CUDA the Triton kernels still run, on CPU tensors, through Triton's interpreter. Triton
@@ -33,7 +33,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-pytest_plugins = ("qsa_pytest_gpu",)
+pytest_plugins = ("qsa_pytest.gpu",)
 
 # Wall-clock deadlines are meaningless on a shared 2-core CI machine; examples must still pass.
 settings.register_profile("qsa", deadline=None)

@@ -4,27 +4,17 @@ refused call on the offloaded store changes no row, tail or arena byte.
 
 from __future__ import annotations
 
-import math
-import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from qsa_kernels import KernelInputError, KernelPath
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+from qsa_pytest.refusals import any_value, refusal, shows
 
-ANY_VALUE = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**12), max_value=2**12),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=4),
-    st.sampled_from([(), [], torch.float32, torch.int8, object()]),
-)
 GEOMETRY: Mapping[str, Any] = {
     "layers": 2,
     "rows": 3,
@@ -36,27 +26,12 @@ GEOMETRY: Mapping[str, Any] = {
 }
 
 
-def _shows(message: str, value: object) -> bool:
-    if isinstance(value, float) and math.isnan(value):
-        return "nan" in message.lower()
-    shown = (repr(value), reprlib.repr(value))
-    return any(r in message for r in shown) or (isinstance(value, str) and value in message)
-
-
-def _refusal(call: Callable[..., object], kwargs: Mapping[str, Any]) -> KernelInputError | None:
-    try:
-        call(**kwargs)
-    except KernelInputError as exc:
-        return exc
-    return None
-
-
 @pytest.mark.parametrize("field", list(GEOMETRY))
 @settings(deadline=None, max_examples=60)
-@given(value=ANY_VALUE)
+@given(value=any_value(max_int=2**12, extra=[torch.float32, torch.int8]))
 def test_a_geometry_is_built_or_refused_naming_the_field_value(field: str, value: object) -> None:
-    refused = _refusal(OffloadGeometry, {**GEOMETRY, field: value})
-    assert refused is None or _shows(str(refused), value), (field, value, str(refused))
+    refused = refusal(OffloadGeometry, {**GEOMETRY, field: value}, KernelInputError)
+    assert refused is None or shows(str(refused), value), (field, value, str(refused))
 
 
 def _store() -> OffloadedKV:
@@ -82,7 +57,7 @@ def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
 
 @pytest.mark.parametrize("call", ["advance rows", "advance pad_to", "length", "release", "compare"])
 @settings(deadline=None, max_examples=60)
-@given(value=ANY_VALUE)
+@given(value=any_value(max_int=2**12, extra=[torch.float32, torch.int8]))
 def test_a_refused_store_call_changes_nothing_and_names_the_value(call: str, value: object) -> None:
     store = _store()
     before = _snapshot(store)
@@ -94,8 +69,8 @@ def test_a_refused_store_call_changes_nothing_and_names_the_value(call: str, val
         "release": lambda: store.release(value),  # type: ignore[arg-type]
         "compare": lambda: store.compare(value, k, k),  # type: ignore[arg-type]
     }
-    refused = _refusal(calls[call], {})
+    refused = refusal(calls[call], {}, KernelInputError)
     if refused is None:
         return
     assert _same(_snapshot(store), before), str(refused)
-    assert _shows(str(refused), value), str(refused)
+    assert shows(str(refused), value), str(refused)

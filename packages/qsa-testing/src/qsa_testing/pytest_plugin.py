@@ -6,7 +6,7 @@ Enable them with ``pytest_plugins = ["qsa_testing.pytest_plugin"]`` in a top-lev
 log path and tail of the engine it used last are attached to its report; at the end the session
 lists every engine start and its cost.
 
-It also loads :mod:`qsa_pytest_gpu`, the GPU gate: tests marked ``@pytest.mark.gpu`` skip where
+It also loads :mod:`qsa_pytest.gpu`, the GPU gate: tests marked ``@pytest.mark.gpu`` skip where
 CUDA is absent and fail instead under ``QSA_REQUIRE_GPU=1`` (the GPU sessions).
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 from qsa_testing._pool import EnginePool
 
-pytest_plugins = ("qsa_pytest_gpu",)
+pytest_plugins = ("qsa_pytest.gpu",)
 
 _POOL = pytest.StashKey[EnginePool]()
 

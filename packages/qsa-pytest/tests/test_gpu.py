@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-CONFTEST = 'pytest_plugins = ("qsa_pytest_gpu",)\n'  # as each package's conftest loads it
+CONFTEST = 'pytest_plugins = ("qsa_pytest.gpu",)\n'  # as each package's conftest loads it
 TESTS = """
 import pytest
 

@@ -1,6 +1,6 @@
-"""qsa-pytest-gpu: the pytest plugin that gates ``@pytest.mark.gpu`` tests on a CUDA device.
+"""The pytest plugin that gates ``@pytest.mark.gpu`` tests on a CUDA device.
 
-Load it from a package's top-level ``conftest.py`` with ``pytest_plugins = ("qsa_pytest_gpu",)``.
+Load it from a package's top-level ``conftest.py`` with ``pytest_plugins = ("qsa_pytest.gpu",)``.
 Where CUDA is absent a ``gpu`` test is skipped at its setup, with the reason; under
 ``QSA_REQUIRE_GPU=1`` its setup fails instead, so that a run meant for the GPU cannot pass by
 skipping. torch is imported only when a ``gpu`` test is set up.
@@ -13,9 +13,7 @@ from typing import Final
 
 import pytest
 
-from qsa_pytest_gpu._version import __version__
-
-__all__ = ("ENV_REQUIRE_GPU", "MARKER", "__version__")
+__all__ = ("ENV_REQUIRE_GPU", "MARKER")
 
 #: The marker of a test that needs a CUDA device.
 MARKER: Final = "gpu"

@@ -1,3 +1,0 @@
-"""The version of qsa-pytest-gpu; the single source read by the build and by ``__version__``."""
-
-__version__ = "0.1.0"
