@@ -22,9 +22,7 @@ activation directory it made, and exits non-zero with the reason.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
-import json
 import logging
 import os
 import shlex
@@ -32,18 +30,15 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Final
 
-from qsa_sglang_plugin._activation import ActivationRecord, read_records, write_atomic
 from qsa_sglang_plugin._config_check import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_PAGE_SIZE
 from qsa_sglang_plugin._errors import LaunchError, SwitchError
+from qsa_sglang_plugin._readiness import Topology, server_topology, wait_ready
+from qsa_sglang_plugin._supervisor import FORWARDED_SIGNALS, ServerGroup, supervise
 from qsa_sglang_plugin._switches import (
     ENV_ACTIVATION_DIR,
     ENV_SGLANG_PLUGINS,
@@ -60,69 +55,6 @@ logger = logging.getLogger(__name__)
 #: Overrides the server command (a shell-quoted string); the default runs SGLang's server.
 ENV_SERVER_COMMAND: Final = "QSA_HISPARSE_SERVER_COMMAND"
 _ENTRY_POINT_VALUE: Final = "qsa_sglang_plugin:activate"
-_FORWARDED: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-@dataclass(frozen=True, slots=True)
-class _Topology:
-    host: str
-    port: int
-    tp_size: int
-    pp_size: int
-    dp_size: int
-    nnodes: int
-
-    @property
-    def expected_ranks(self) -> frozenset[tuple[int, int]]:
-        return frozenset((tp, pp) for tp in range(self.tp_size) for pp in range(self.pp_size))
-
-    @property
-    def address(self) -> str:
-        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
-
-
-def _server_topology(server_args: Sequence[str]) -> _Topology:
-    """The few server flags the launcher needs, read the way SGLang's parser reads them."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--tp-size", "--tensor-parallel-size", "--tp", type=int, default=1)
-    parser.add_argument("--pp-size", "--pipeline-parallel-size", type=int, default=1)
-    parser.add_argument("--dp-size", "--data-parallel-size", type=int, default=1)
-    parser.add_argument("--nnodes", type=int, default=1)
-    try:
-        known, _ = parser.parse_known_args(list(server_args))
-    except SystemExit as exc:  # argparse exits on a malformed value
-        msg = f"cannot read the server arguments {list(server_args)!r}"
-        raise LaunchError(msg) from exc
-    topo = _Topology(
-        host=known.host,
-        port=known.port,
-        tp_size=known.tp_size,
-        pp_size=known.pp_size,
-        dp_size=known.dp_size,
-        nnodes=known.nnodes,
-    )
-    for flag, value in (("--tp-size", topo.tp_size), ("--pp-size", topo.pp_size)):
-        if value < 1:
-            msg = f"{flag}={value!r} is not allowed; allowed: a positive integer"
-            raise LaunchError(msg)
-    if topo.nnodes != 1:
-        msg = (
-            f"--nnodes={topo.nnodes!r} is not supported by the launcher; supported: 1 "
-            "(activation records are read from a local directory)"
-        )
-        raise LaunchError(msg)
-    if topo.dp_size != 1:
-        msg = (
-            f"--dp-size={topo.dp_size!r} is not supported by the launcher; supported: 1 "
-            "(one scheduler per TP rank)"
-        )
-        raise LaunchError(msg)
-    return topo
 
 
 #: Where an NVIDIA driver shows itself; without one, a CUDA server cannot start.
@@ -221,134 +153,6 @@ def _check_installation() -> None:
         raise LaunchError(msg)
 
 
-def _assess(
-    records: Sequence[ActivationRecord], topo: _Topology, switches: Switches
-) -> tuple[set[tuple[int, int]], list[str]]:
-    """Ranks with a valid scheduler record, and every problem found in the records."""
-    seen: dict[tuple[int, int], int] = {}
-    problems: list[str] = []
-    want_features = tuple(f.value for f in switches.features)
-    want_mode = None if switches.hisparse is None else switches.hisparse.value
-    for rec in records:
-        if rec.role != "scheduler":
-            continue
-        rank = (rec.tp_rank, rec.pp_rank)
-        where = f"record of pid {rec.pid} (TP rank {rec.tp_rank}, PP rank {rec.pp_rank})"
-        if rank not in topo.expected_ranks:
-            problems.append(
-                f"{where} is outside --tp-size {topo.tp_size} / --pp-size {topo.pp_size}"
-            )
-        if rank in seen:
-            problems.append(f"{where} duplicates the record of pid {seen[rank]}")
-        seen.setdefault(rank, rec.pid)
-        if not rec.verified:
-            problems.append(f"{where} is not verified")
-        if rec.features != want_features or rec.hisparse_mode != want_mode:
-            problems.append(
-                f"{where} has features {list(rec.features)!r} mode {rec.hisparse_mode!r}; "
-                f"requested {list(want_features)!r} mode {want_mode!r}"
-            )
-        if rec.prefix_cache_mb != switches.prefix_cache_mb:
-            problems.append(
-                f"{where} has prefix cache {rec.prefix_cache_mb} MiB; "
-                f"requested {switches.prefix_cache_mb} MiB"
-            )
-        mismatches = version_mismatches(rec.versions)
-        if mismatches:
-            problems.append(
-                f"{where} runs unsupported versions: " + "; ".join(map(str, mismatches))
-            )
-    return set(seen) & topo.expected_ranks, problems
-
-
-def _healthy(address: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(f"{address}/health", timeout=2.0) as response:
-            return int(response.status) == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def _live_group_members(pgid: int) -> list[int]:
-    """Pids of live (non-zombie) processes in process group ``pgid`` (Linux ``/proc``)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
-
-
-class _Server:
-    """The server's process group.
-
-    The leader stays unreaped until :meth:`reap`, so its pid (the group id) cannot be reused while
-    the launcher may still signal the group.
-    """
-
-    def __init__(self, command: Sequence[str], env: dict[str, str]) -> None:
-        import subprocess
-
-        self._proc = subprocess.Popen(list(command), env=env, start_new_session=True)
-        self.pid = self._proc.pid
-        self._reaped: int | None = None
-
-    def exit_code(self) -> int | None:
-        """The leader's exit status (negative = killed by that signal) without reaping it."""
-        if self._reaped is not None:
-            return self._reaped
-        info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        if info is None:
-            return None
-        if info.si_code == os.CLD_EXITED:
-            return info.si_status
-        return -info.si_status
-
-    def signal_group(self, signum: int) -> None:
-        if self._reaped is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signum)
-
-    def stop(self, grace: float, first: int = signal.SIGTERM) -> int:
-        """Signal the group, wait up to ``grace`` s for every member, then SIGKILL; reap."""
-        if _live_group_members(self.pid):
-            self.signal_group(first)
-        if not self._wait_empty(grace):
-            logger.warning("server group %d did not stop in %.1f s; killing it", self.pid, grace)
-            self.signal_group(signal.SIGKILL)
-            self._wait_empty(10.0)
-        return self.reap()
-
-    def _wait_empty(self, seconds: float) -> bool:
-        """Poll until no live member of the group is left or ``seconds`` pass; True if empty."""
-        deadline = time.monotonic() + seconds
-        while _live_group_members(self.pid):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-    def reap(self) -> int:
-        if self._reaped is None:
-            self._reaped = self._proc.wait()
-        return self._reaped
-
-
-def _write_ready(directory: Path, address: str, records: Sequence[ActivationRecord]) -> None:
-    payload = {
-        "address": address,
-        "schedulers": [{"pid": r.pid, "tp_rank": r.tp_rank, "pp_rank": r.pp_rank} for r in records],
-    }
-    write_atomic(directory / "ready.json", json.dumps(payload, indent=2, sort_keys=True))
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qsa-hisparse launch",
@@ -413,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "SGLANG_QSA_MODEL_COMPAT=1 (and SGLANG_QSA_HISPARSE_V3=p2-offload or p2-resident)"
         )
     try:
-        topo = _server_topology(server_args)
+        topo = server_topology(server_args)
         _check_serving_flags(server_args)
         _check_installation()
         if opts.activation_dir is None:
@@ -438,7 +242,7 @@ def _serve(  # noqa: PLR0917 (main's state, passed on once)
     opts: argparse.Namespace,
     server_args: Sequence[str],
     env: dict[str, str],
-    topo: _Topology,
+    topo: Topology,
     switches: Switches,
     activation_dir: Path,
 ) -> int:
@@ -454,14 +258,14 @@ def _serve(  # noqa: PLR0917 (main's state, passed on once)
         del frame
         received.append(signum)
 
-    previous = {s: signal.signal(s, _on_signal) for s in _FORWARDED}
+    previous = {s: signal.signal(s, _on_signal) for s in FORWARDED_SIGNALS}
     try:
-        server = _Server([*command, *server_args], env)
+        server = ServerGroup([*command, *server_args], env)
         sys.stderr.write(
             f"qsa-hisparse launch: started server pid {server.pid}; activation records in "
             f"{activation_dir}\n"
         )
-        status = _wait_ready(
+        wait_ready(
             server,
             topo=topo,
             switches=switches,
@@ -469,83 +273,12 @@ def _serve(  # noqa: PLR0917 (main's state, passed on once)
             opts=opts,
             received=received,
         )
-        if status is not None:
-            return status
-        return _supervise(server, opts.stop_grace, opts.poll_interval, received)
+        return supervise(server, opts.stop_grace, opts.poll_interval, received)
+    except LaunchError as exc:
+        return _fail(str(exc))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def _wait_ready(
-    server: _Server,
-    *,
-    topo: _Topology,
-    switches: Switches,
-    activation_dir: Path,
-    opts: argparse.Namespace,
-    received: list[int],
-) -> int | None:
-    """Block until ready (returns None) or fail, stopping the server (returns the status)."""
-    deadline = time.monotonic() + float(opts.timeout)
-    expected = sorted(topo.expected_ranks)
-    while True:
-        if received:
-            server.stop(opts.stop_grace, first=received[0])
-            return _fail(f"interrupted by signal {received[0]} before the server was ready")
-        code = server.exit_code()
-        if code is not None:
-            server.stop(opts.stop_grace)
-            return _fail(f"the server exited with status {code} before it was ready")
-        records, unreadable = read_records(activation_dir)
-        ready, problems = _assess(records, topo, switches)
-        problems = unreadable + problems
-        if problems:
-            server.stop(opts.stop_grace)
-            return _fail("activation records rejected: " + "; ".join(problems))
-        healthy = _healthy(topo.address)
-        if healthy and ready == topo.expected_ranks:
-            break
-        if time.monotonic() >= deadline:
-            missing = sorted(topo.expected_ranks - ready)
-            waiting = []
-            if not healthy:
-                waiting.append(f"{topo.address}/health to answer 200")
-            if missing:
-                waiting.append(
-                    "a verified scheduler record from (TP rank, PP rank) "
-                    + ", ".join(str(m) for m in missing)
-                )
-            server.stop(opts.stop_grace)
-            return _fail(f"timed out after {opts.timeout:g} s waiting for " + " and ".join(waiting))
-        time.sleep(float(opts.poll_interval))
-    schedulers = sorted(
-        (r for r in records if r.role == "scheduler"), key=lambda r: (r.pp_rank, r.tp_rank)
-    )
-    _write_ready(activation_dir, topo.address, schedulers)
-    sys.stdout.write(
-        f"qsa-hisparse launch: ready at {topo.address}; {len(schedulers)} scheduler activation "
-        f"record(s) verified for (TP rank, PP rank) {expected}\n"
-    )
-    sys.stdout.flush()
-    return None
-
-
-def _supervise(server: _Server, grace: float, poll: float, received: list[int]) -> int:
-    """Wait for the server; forward a received signal to its group. Returns the exit status."""
-    while True:
-        if received:
-            signum = received[0]
-            sys.stderr.write(f"qsa-hisparse launch: forwarding signal {signum} to the server\n")
-            stopped = server.stop(grace, first=signum)
-            if stopped in (0, -signum):
-                return 0
-            return stopped if stopped > 0 else 128 - stopped
-        code = server.exit_code()
-        if code is not None:
-            server.stop(grace)
-            return _fail(f"the server exited with status {code}") if code != 0 else 0
-        time.sleep(poll)
 
 
 if __name__ == "__main__":
