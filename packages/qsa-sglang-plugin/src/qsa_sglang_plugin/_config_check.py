@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from qsa_core import QSAConfigError, QSAProfile
+from qsa_core import QWEN38_FLASH_NEXT, QSAConfigError, QSAProfile
 from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import (
     RADIX_CACHE_BACKEND,
@@ -33,7 +33,8 @@ __all__ = (
 )
 
 SUPPORTED_ARCHITECTURE: Final = "Qwen4ExpForConditionalGeneration"
-SUPPORTED_PAGE_SIZE: Final = 64
+#: The page size of the compressed-index pages the kernels address (qsa-core's, 64 tokens).
+SUPPORTED_PAGE_SIZE: Final = QWEN38_FLASH_NEXT.page_size
 #: ``--kv-cache-dtype`` values the QSA kernels take; ``auto`` only with a bfloat16 checkpoint.
 SUPPORTED_KV_CACHE_DTYPES: Final = ("auto", "bf16", "bfloat16", "fp8_e4m3")
 

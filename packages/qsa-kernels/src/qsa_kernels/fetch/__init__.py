@@ -5,7 +5,8 @@ contract; ``HotCacheTables`` is the device residency state both update. Layouts 
 ``qsa_kernels.fetch._tables``.
 """
 
-from qsa_kernels.fetch._tables import BLOCK_TOKENS, HotCacheTables
+from qsa_kernels._geometry import BLOCK_TOKENS
+from qsa_kernels.fetch._tables import HotCacheTables
 from qsa_kernels.fetch.reference import fetch_selected_blocks_reference
 from qsa_kernels.fetch.triton import fetch_selected_blocks
 

@@ -27,11 +27,9 @@ from qsa_kernels._checks import (
     check_same_device,
 )
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels._geometry import BLOCK_TOKENS
 
 __all__ = ("BLOCK_TOKENS", "HotCacheTables", "check_kv_layouts")
-
-#: Tokens per QSA block (the compress ratio).
-BLOCK_TOKENS = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

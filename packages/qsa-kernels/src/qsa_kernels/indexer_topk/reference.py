@@ -7,23 +7,16 @@ import math
 import torch
 
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels._geometry import BLOCK_TOKENS, BLOCKS_PER_PAGE, INDEX_HEAD_DIM
 from qsa_kernels.indexer_topk._select import row_topk_reference
 from qsa_kernels.indexer_topk._validate import check_indexer_inputs
 
 __all__ = ("indexer_scores_reference", "indexer_topk_reference")
 
-#: Tokens per compressed block (the QSA compress ratio).
-COMPRESS_RATIO = 4
-#: Compressed blocks per page of the index-key cache.
-BLOCKS_PER_PAGE = 16
-#: Index heads and head dimension.
-INDEX_HEADS = 4
-INDEX_HEAD_DIM = 128
-
 
 def visible_blocks(seq_lens: torch.Tensor, page_table_width: int) -> torch.Tensor:
     """Complete blocks a decode query sees: ``min(seq_len // 4, P * 16)``, int32 ``[B]``."""
-    n = torch.div(seq_lens.to(torch.int64), COMPRESS_RATIO, rounding_mode="floor")
+    n = torch.div(seq_lens.to(torch.int64), BLOCK_TOKENS, rounding_mode="floor")
     return n.clamp(0, page_table_width * BLOCKS_PER_PAGE).to(torch.int32)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from qsa_kernels._checks import KV_DTYPES
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._path import KernelPath
 from qsa_kernels.fetch import (
@@ -45,8 +46,6 @@ from qsa_kernels.writeback import (
 )
 
 __all__ = ("KVComparison", "OffloadGeometry", "OffloadedKV", "RowState")
-
-_KV_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 
 
 class RowState(enum.Enum):
@@ -84,8 +83,8 @@ class OffloadGeometry:
             if not isinstance(value, int) or value < 1:
                 msg = f"{name}={value!r} is not allowed; it must be a positive integer"
                 raise KernelInputError(msg)
-        if self.dtype not in _KV_DTYPES:
-            msg = f"dtype={self.dtype!r} is not allowed; allowed: {_KV_DTYPES!r}"
+        if self.dtype not in KV_DTYPES:
+            msg = f"dtype={self.dtype!r} is not allowed; allowed: {KV_DTYPES!r}"
             raise KernelInputError(msg)
 
     @property

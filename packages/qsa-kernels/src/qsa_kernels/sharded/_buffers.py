@@ -16,7 +16,7 @@ import enum
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.fetch._tables import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS
 
 __all__ = ("CollectiveBytes", "HeadLayout", "ShardedDecodeBuffers")
 

@@ -25,7 +25,7 @@ import torch
 from qsa_core import ShardPlacement
 from qsa_kernels._checks import check_ndim
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.fetch._tables import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels.sharded._layout import _check_rank
 
 __all__ = (

@@ -15,7 +15,7 @@ from qsa_kernels._checks import (
     check_unit_last_stride,
 )
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.fetch._tables import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS
 
 __all__ = ("check_decode_args",)
 

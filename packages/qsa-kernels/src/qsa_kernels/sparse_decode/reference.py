@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qsa_kernels.fetch._tables import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels.sparse_decode._validate import check_decode_args
 
 __all__ = ("gather_selected_kv", "sparse_decode_reference")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qsa_kernels.fetch._tables import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels.writeback._common import check_blocks_args, check_prompt_args
 
 __all__ = ("offload_prompt_reference", "writeback_blocks_reference")

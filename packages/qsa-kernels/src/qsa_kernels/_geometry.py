@@ -1,0 +1,23 @@
+"""The QSA geometry the kernels are built for, taken from qsa-core's Qwen3.8-Flash-Next profile.
+
+Every kernel and composed path reads these names from here; nothing else in the package spells
+the numbers. A model whose profile differs (another compress ratio, page or index shape) is
+refused where it meets the kernels (the plugin checks the profile at start-up).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from qsa_core import QWEN38_FLASH_NEXT
+
+__all__ = ("BLOCKS_PER_PAGE", "BLOCK_TOKENS", "INDEX_HEADS", "INDEX_HEAD_DIM")
+
+#: Tokens per QSA block (the compress ratio): an arena, hot-cache or tail record holds one block.
+BLOCK_TOKENS: Final = QWEN38_FLASH_NEXT.compress_ratio
+#: Compressed blocks per page of the index-key cache (``page_size // compress_ratio``).
+BLOCKS_PER_PAGE: Final = QWEN38_FLASH_NEXT.blocks_per_page
+#: Index query heads of the decode indexer.
+INDEX_HEADS: Final = QWEN38_FLASH_NEXT.index_n_heads
+#: Head dimension of the index queries and keys.
+INDEX_HEAD_DIM: Final = QWEN38_FLASH_NEXT.index_head_dim
