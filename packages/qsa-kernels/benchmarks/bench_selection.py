@@ -29,8 +29,10 @@ import torch
 import triton
 import triton.testing
 
+from qsa_kernels import _topk_radix as _radix
+from qsa_kernels import _topk_select as _select
 from qsa_kernels.ds_label import label_topk
-from qsa_kernels.indexer_topk import _radix, _select, indexer_topk
+from qsa_kernels.indexer_topk import indexer_topk
 from qsa_kernels.indexer_topk.triton import indexer_keys
 from qsa_kernels.topk_merge import merge_candidates
 

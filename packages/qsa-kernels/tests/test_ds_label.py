@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qsa_kernels import _topk_select as _select
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.ds_label import label_keys_reference, label_topk, label_topk_reference
-from qsa_kernels.indexer_topk import _select
 
 
 def _case(  # noqa: PLR0917

@@ -10,17 +10,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from qsa_kernels import _topk_radix as _radix
+from qsa_kernels import _topk_select as _select
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels._topk_keys import KEY_NONE
 from qsa_kernels.indexer_topk import (
-    _radix,
-    _select,
     indexer_scores,
     indexer_scores_reference,
     indexer_topk,
     indexer_topk_reference,
 )
 from qsa_kernels.indexer_topk import triton as indexer_triton
-from qsa_kernels.indexer_topk._keys import KEY_NONE
 
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.indexer_topk._select import row_topk_reference
+from qsa_kernels._topk_select import row_topk_reference
 
 __all__ = ("LabelTopK", "label_keys_reference", "label_topk_reference")
 

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from qsa_kernels._checks import check_unit_last_stride
+from qsa_kernels._topk_select import interpreting, row_topk
 from qsa_kernels.ds_label.reference import LabelTopK, check_label_inputs
-from qsa_kernels.indexer_topk._select import interpreting, row_topk
 
 __all__ = ("label_topk",)
 

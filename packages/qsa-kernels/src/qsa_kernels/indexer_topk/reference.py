@@ -8,7 +8,7 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS, BLOCKS_PER_PAGE, INDEX_HEAD_DIM
-from qsa_kernels.indexer_topk._select import row_topk_reference
+from qsa_kernels._topk_select import row_topk_reference
 from qsa_kernels.indexer_topk._validate import check_indexer_inputs
 
 __all__ = ("indexer_scores_reference", "indexer_topk_reference")

@@ -17,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from qsa_kernels import _topk_radix as _radix
+from qsa_kernels import _topk_select as _select
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCKS_PER_PAGE, INDEX_HEAD_DIM
-from qsa_kernels.indexer_topk import _radix, _select
-from qsa_kernels.indexer_topk._select import interpreting, pack_key, topk_from_keys
+from qsa_kernels._topk_select import interpreting, pack_key, topk_from_keys
 from qsa_kernels.indexer_topk._validate import check_indexer_inputs
 from qsa_kernels.indexer_topk.reference import visible_blocks
 

@@ -21,8 +21,8 @@ import math
 import torch
 
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels._topk_keys import KEY_NONE
 from qsa_kernels.indexer_topk import indexer_scores, indexer_scores_reference
-from qsa_kernels.indexer_topk._keys import KEY_NONE
 from qsa_kernels.sharded._buffers import ShardedDecodeBuffers
 from qsa_kernels.sharded._group import KernelPath, ShardGroup, all_gather_flat
 from qsa_kernels.sharded._layout import LocalIndexTable

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.indexer_topk._keys import KEY_NONE_JIT
-from qsa_kernels.indexer_topk._select import pack_key
+from qsa_kernels._topk_keys import KEY_NONE_JIT
+from qsa_kernels._topk_select import pack_key
 from qsa_kernels.topk_merge.reference import MergedTopK, check_merge_inputs
 
 __all__ = ("merge_candidates",)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_kernels.indexer_topk._keys import KEY_NONE_JIT
+from qsa_kernels._topk_keys import KEY_NONE_JIT
 
 #: Histogram bins of the radix digit.
 BINS = 4096

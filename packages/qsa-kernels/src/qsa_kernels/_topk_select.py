@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_kernels.indexer_topk import _radix
-from qsa_kernels.indexer_topk._keys import KEY_NONE_JIT
+from qsa_kernels import _topk_radix as _radix
+from qsa_kernels._topk_keys import KEY_NONE_JIT
 
 #: Rows of at least this many columns select by :mod:`._radix`, narrower ones by ``torch.topk``.
 #: Measured on an H200 (``docs/bench/selection.md``): at 16K-256K columns the radix select with its
