@@ -146,6 +146,22 @@ def test_offload_prompt_rejects_blocks_past_the_arena() -> None:
         offload_prompt_reference(k, k.clone(), arena, 0)
 
 
+def test_writeback_rejects_a_strided_index_vector_naming_it() -> None:
+    """The kernel reads index vectors densely: a strided view would copy the wrong records."""
+    hot = torch.zeros((2, 3, 1, 2, 4, 1, 16), dtype=torch.bfloat16)
+    arena = torch.zeros((3, 2, 4, 2, 4, 1, 16), dtype=torch.bfloat16)
+    before = arena.clone()
+    layers = torch.tensor([[0, 0], [1, 1]], dtype=torch.int32)[:, 0]  # [0, 1] with stride 2
+    rows = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(
+        KernelInputError, match=r"layers must be contiguous; got shape \(2,\) with strides \(2,\)"
+    ):
+        writeback_blocks(hot, arena, rows=rows, layers=layers, slots=rows, blocks=rows)
+    with pytest.raises(KernelInputError, match="layers must be contiguous"):
+        writeback_blocks_reference(hot, arena, rows=rows, layers=layers, slots=rows, blocks=rows)
+    assert torch.equal(arena, before)
+
+
 def test_writeback_rejects_mismatched_index_lengths() -> None:
     """The four index vectors must have one length."""
     hot = torch.zeros((1, 1, 2, 2, 4, 1, 16), dtype=torch.bfloat16)

@@ -47,7 +47,10 @@ def check_blocks_args(
         check_dtype(name, t, (torch.int32,))
         check_dim(name, t, 0, rows.shape[0], "N of rows")
     check_same_device(hot.device, rows=rows, layers=layers, slots=slots, blocks=blocks)
-    check_contiguous(hot=hot, host_arena=host_arena)
+    # The kernel reads the index vectors densely from their first element.
+    check_contiguous(
+        hot=hot, host_arena=host_arena, rows=rows, layers=layers, slots=slots, blocks=blocks
+    )
 
 
 def check_prompt_args(
