@@ -188,9 +188,8 @@ class _StepPlan:
     One int32 device vector holds, for the step's ``B`` rows (padding included): the row ids, the
     new token's offset in the tail, the row's complete blocks after the token, the block the token
     closes (``-1`` if none), the token's position and the row's open-block token ids (``[B, 3]``,
-    ``-1`` padded). The
-    host fills a pinned copy of it and moves it in one copy per step; two pinned copies take turns,
-    each reused only once its previous copy has completed.
+    ``-1`` padded). The host fills a pinned copy of it and moves it in one copy per step; two
+    pinned copies take turns, each reused only once its previous copy has completed.
 
     Attributes:
         rows: the step's rows, in batch order, padding last.
@@ -336,6 +335,10 @@ class OffloadedKV:
         self._pending: list[torch.cuda.Event] = []
         self._layer_ids = torch.arange(g.layers, dtype=torch.int32, device=self.device)
         self._block_offsets = torch.arange(BLOCK_TOKENS, dtype=torch.int32, device=self.device)
+        # The write-back's fixed index vectors, sliced per call: every entry's source slot (the
+        # tail record, 0) and each layer's id repeated for every row ([L, R]).
+        self._zero_slots = torch.zeros(g.layers * g.rows, dtype=torch.int32, device=self.device)
+        self._layer_of = self._layer_ids.repeat_interleave(g.rows).view(g.layers, g.rows)
         # Hot-cache stamps: every fetch reads this counter and advances it by one, on the device.
         self._stamp = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._plan = _StepPlan(g.rows, self.device)
@@ -414,7 +417,7 @@ class OffloadedKV:
         if open_tokens:
             self.tail[:, row, 0, 0, :open_tokens] = k[:, closed - first :]
             self.tail[:, row, 0, 1, :open_tokens] = v[:, closed - first :]
-        self._set_length(row, tokens)
+        self._lengths[row] = tokens
         self._states[row] = RowState.ACTIVE
 
     def export_prefix(self, row: int, blocks: int) -> torch.Tensor:
@@ -471,8 +474,7 @@ class OffloadedKV:
         tail = self.tail[:, row, 0, :, :open_tokens]  # [L, 2, open, Hkv, D]
         want_tail = torch.stack((k[:, closed:], v[:, closed:]), dim=1)
         differing = _differing_bytes(have, want) + _differing_bytes(tail, want_tail)
-        element = torch.empty((), dtype=g.dtype).element_size()
-        return KVComparison(2 * tokens * g.layers * g.kv_heads * g.head_dim * element, differing)
+        return KVComparison(tokens * g.layers * g.record_bytes // BLOCK_TOKENS, differing)
 
     def state(self, row: int) -> RowState:
         """Whether row ``row`` holds a request."""
@@ -482,7 +484,7 @@ class OffloadedKV:
         """Free a row; its arena bytes are left as they are and overwritten by the next admit."""
         self._check_row(row)
         self._states[row] = RowState.FREE
-        self._set_length(row, 0)
+        self._lengths[row] = 0
         if row in self._plan.rows:
             self._planned = False
             self._plan.clear()
@@ -531,7 +533,7 @@ class OffloadedKV:
         if fresh:
             self.tail[:, torch.tensor(fresh, device=self.device)] = 0
         for row, position in zip(rows, positions, strict=True):
-            self._set_length(row, position + 1)
+            self._lengths[row] = position + 1
         step_rows = (*rows, *padding)
         lengths = [position + 1 for position in positions] + [1] * len(padding)
         self._plan.load(step_rows, lengths, len(rows))
@@ -588,16 +590,16 @@ class OffloadedKV:
         n = plan.batch
         if layer is None:
             rows_t, blocks_t = plan.row_ids.repeat(g.layers), plan.closing.repeat(g.layers)
-            layers_t = self._layer_ids.repeat_interleave(n)
+            layers_t = self._layer_of[:, :n].contiguous().view(-1)  # the kernel reads dense
         else:
             rows_t, blocks_t = plan.row_ids, plan.closing
-            layers_t = self._layer_ids[layer : layer + 1].expand(n).contiguous()
+            layers_t = self._layer_of[layer, :n]
         self._kernels.writeback(
             self.tail,
             self.host_arena,
             rows=rows_t,
             layers=layers_t,
-            slots=torch.zeros_like(rows_t),
+            slots=self._zero_slots[: rows_t.numel()],
             blocks=blocks_t,
             **self._current_stream(),
         )
@@ -714,12 +716,9 @@ class OffloadedKV:
             msg = f"rows {list(rows)!r} repeat a row; each row may appear once per call"
             raise KernelInputError(msg)
         for row in rows:
-            if self._states[self._check_row(row)] is not RowState.ACTIVE:
+            if self._states[row] is not RowState.ACTIVE:
                 msg = f"row {row!r} is {self._states[row].value!r}; it must be active"
                 raise KernelInputError(msg)
-
-    def _set_length(self, row: int, tokens: int) -> None:
-        self._lengths[row] = tokens
 
     def _padding_rows(self, real: int, pad_to: object) -> list[int]:
         """Free rows that fill a step of ``real`` rows up to ``pad_to``."""
