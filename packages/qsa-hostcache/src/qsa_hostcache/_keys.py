@@ -196,7 +196,8 @@ def token_bytes(tokens: object) -> bytes:
         raise InvalidKeyError(
             f"tokens must be a sequence of ints, got {tokens!r} ({type(tokens).__name__})"
         )
-    ids = list(ids)
+    if not isinstance(ids, (list, tuple)):  # an iterator is read twice if array() refuses it
+        ids = list(ids)
     try:
         arr = array.array("q", ids)
     except (TypeError, OverflowError) as exc:
