@@ -53,6 +53,12 @@ __all__ = (
 MAX_HOT_SLOTS: Final = 1 << 20
 
 
+def _check_slot_int(name: str, slot: int, value: object) -> None:
+    if not is_int(value):
+        msg = f"{name}[{slot}]={value!r} is not an integer (bool and float are not)"
+        raise ResidencyError(msg)
+
+
 def _as_int_tuple(name: str, values: Iterable[object]) -> tuple[int, ...]:
     out: list[int] = []
     for position, value in enumerate(values):
@@ -87,13 +93,9 @@ class HotCacheState:
         if not self.slot_block:
             msg = "a hot cache needs at least one slot; got 0"
             raise ResidencyError(msg)
-        for name, values in (("slot_block", self.slot_block), ("slot_stamp", self.slot_stamp)):
-            for slot, value in enumerate(values):
-                if not is_int(value):
-                    msg = f"{name}[{slot}]={value!r} is not an integer (bool and float are not)"
-                    raise ResidencyError(msg)
         seen: dict[int, int] = {}
         for slot, block in enumerate(self.slot_block):
+            _check_slot_int("slot_block", slot, block)
             if block < -1:
                 msg = f"slot_block[{slot}]={block!r} is not allowed; allowed: -1 or a block id >= 0"
                 raise ResidencyError(msg)
@@ -106,6 +108,7 @@ class HotCacheState:
                     raise ResidencyError(msg)
                 seen[block] = slot
         for slot, stamp in enumerate(self.slot_stamp):
+            _check_slot_int("slot_stamp", slot, stamp)
             if stamp < -1:
                 msg = f"slot_stamp[{slot}]={stamp!r} is not allowed; allowed: -1 or a step >= 0"
                 raise ResidencyError(msg)
