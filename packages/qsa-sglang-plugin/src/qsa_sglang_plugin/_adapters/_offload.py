@@ -145,7 +145,6 @@ class OffloadRuntime:
                 torch.zeros(rows_shape, dtype=g.dtype, device=kv.device),
             )
         self._ordinal = dict(layer_ordinal)
-        self._layer_ids = tuple(sorted(self._ordinal, key=self._ordinal.__getitem__))
         self._block_topk = block_topk
         self._row_of_slot: dict[int, int] = {}
         self._rows: tuple[int, ...] = ()  # the planned step's rows, padding last
