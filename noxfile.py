@@ -101,7 +101,7 @@ def gpu_tests(session: nox.Session) -> None:
     an error, not a reason to pass.
     """
     env = {"PYTHONPATH": _src_path(), "QSA_REQUIRE_GPU": "1", "PYTHONUNBUFFERED": "1"}
-    for package in (Package.KERNELS, Package.HOSTCACHE, Package.HISPARSE):
+    for package in (Package.KERNELS, Package.HOSTCACHE, Package.HISPARSE, Package.PYTEST):
         session.chdir(_package_dir(package))
         session.run(
             sys.executable,
