@@ -9,7 +9,7 @@ import pytest
 
 from qsa_core import QWEN38_FLASH_NEXT_TEXT_CONFIG
 from qsa_sglang_plugin import ConfigurationError, parse_switches
-from qsa_sglang_plugin._config_check import ConfigFacts, check_configuration
+from qsa_sglang_plugin._config_check import ConfigFacts, _prefill_graph_backend, check_configuration
 
 COMPAT = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1"})
 OFFLOAD = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"})
@@ -102,8 +102,11 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
             ["--max-running-requests=None", "a positive integer", "host arena"],
         ),
         (
-            {"prefill_graphs": True},
-            ["--cuda-graph-backend-prefill='enabled'", "supported: 'disabled' (decode CUDA graphs"],
+            {"prefill_graph_backend": "breakable"},
+            [
+                "--cuda-graph-backend-prefill='breakable'",
+                "supported: 'disabled' (decode CUDA graphs",
+            ],
         ),
         ({"prefill_max_requests": None}, ["--prefill-max-requests=None", "supported: 1"]),
         ({"prefill_max_requests": 2}, ["--prefill-max-requests=2", "one prompt at a time"]),
@@ -134,3 +137,23 @@ def test_resident_mode_does_not_need_the_offload_flags() -> None:
     )
     facts = dataclasses.replace(GOOD, max_running_requests=None, prefill_max_requests=None)
     assert check_configuration(facts, resident) is not None
+
+
+@pytest.mark.parametrize(
+    ("flags", "backend"),
+    [
+        ({"cuda_graph_backend_prefill": "breakable"}, "breakable"),
+        ({"cuda_graph_backend_prefill": "full"}, "full"),
+        ({"cuda_graph_backend_prefill": "breakable", "disable_cuda_graph": True}, "disabled"),
+        ({"disable_prefill_cuda_graph": True}, "disabled"),
+    ],
+)
+def test_the_prefill_graph_backend_is_read_as_sglang_resolves_the_flags(
+    flags: dict[str, Any], backend: str
+) -> None:
+    """The fact behind the prefill-graph refusal, from a real ServerArgs."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="dummy", device="cpu", **flags)
+    assert _prefill_graph_backend(resolving_view(args)) == backend

@@ -59,8 +59,8 @@ class ConfigFacts:
         enable_mixed_chunk: ``--enable-mixed-chunk``.
         disable_radix_cache: ``--disable-radix-cache``.
         radix_cache_backend: ``--radix-cache-backend`` (None = SGLang's default tree cache).
-        prefill_graphs: prefill CUDA graphs on (a CUDA device whose resolved
-            ``cuda_graph_config`` has a prefill backend other than ``disabled``).
+        prefill_graph_backend: the prefill CUDA graph backend SGLang resolved (``disabled``,
+            ``breakable``, ``full``); ``disabled`` off CUDA.
         max_running_requests: ``--max-running-requests`` (None = SGLang sizes it).
         prefill_max_requests: ``--prefill-max-requests`` (None = no limit).
     """
@@ -80,7 +80,7 @@ class ConfigFacts:
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = True
     radix_cache_backend: str | None = RADIX_CACHE_BACKEND
-    prefill_graphs: bool = False
+    prefill_graph_backend: str = "disabled"
     max_running_requests: int | None = 8
     prefill_max_requests: int | None = 1
 
@@ -226,10 +226,10 @@ def _check_offload(facts: ConfigFacts) -> None:
             "1",
             "one prompt at a time is staged on the GPU before its K/V moves to the host",
         )
-    if facts.prefill_graphs:
+    if facts.prefill_graph_backend != "disabled":
         raise _reject(
             "--cuda-graph-backend-prefill",
-            "enabled",
+            facts.prefill_graph_backend,
             "'disabled' (decode CUDA graphs stay on)",
             "prefill graph capture runs the staging of prompts for requests that hold no "
             "host-arena row",
@@ -280,7 +280,9 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         radix_cache_backend=None
         if cfg.radix_cache_backend is None
         else str(cfg.radix_cache_backend),
-        prefill_graphs=str(cfg.device) == "cuda" and _prefill_graph_backend(cfg) != "disabled",
+        prefill_graph_backend=_prefill_graph_backend(cfg)
+        if str(cfg.device) == "cuda"
+        else "disabled",
         max_running_requests=None
         if cfg.max_running_requests is None
         else int(cfg.max_running_requests),
@@ -296,10 +298,15 @@ def _prefill_graph_backend(cfg: Any) -> str:
     backend = getattr(phase, "backend", None)
     if backend is not None:
         return str(backend)
-    # Not resolved into a config object: the flags that decide it, and SGLang's CUDA default.
+    # Not resolved into a config object: the flags that decide it, then SGLang's own default.
     if cfg.disable_cuda_graph or getattr(cfg, "disable_prefill_cuda_graph", False):
         return "disabled"
-    return str(getattr(cfg, "cuda_graph_backend_prefill", None) or "breakable")
+    chosen = getattr(cfg, "cuda_graph_backend_prefill", None)
+    if chosen is None:
+        from sglang.srt.model_executor.cuda_graph_config import default_prefill_backend
+
+        chosen = default_prefill_backend()
+    return str(chosen)
 
 
 def after_resolve_once(result: object, server_args: Any, *args: object, **kwargs: object) -> None:
