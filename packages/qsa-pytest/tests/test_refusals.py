@@ -20,6 +20,8 @@ from qsa_pytest.refusals import HUGE_INTS, any_value, check_refusal, refusal, sh
         ("got 'bool'", False, False),
         ("score is NaN for id 0", float("nan"), True),
         ("shape (16,) cannot describe 1 content bytes", b"x", True),
+        ("a checkpoint of 2 bytes", b"ab", True),
+        ("a checkpoint of 12 bytes", b"ab", False),
         (
             f"tokens {__import__('reprlib').repr('abcdefghijklmnopqrstuvwxyz' * 3)}",
             "abcdefghijklmnopqrstuvwxyz" * 3,
