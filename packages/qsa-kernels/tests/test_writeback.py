@@ -121,6 +121,21 @@ def test_offload_prompt_packs_complete_blocks_only(
 
 
 @pytest.mark.gpu
+def test_offload_prompt_takes_more_blocks_than_a_grid_axis_beyond_the_first_holds() -> None:
+    """A 262,148-token prompt (65,537 blocks; CUDA grid axes 1 and 2 stop at 65,535) lands whole."""
+    torch.manual_seed(5)
+    L, T, Hkv, D = 2, 4 * 65_537, 1, 16
+    k = _random((L, T, Hkv, D), torch.bfloat16).cuda()
+    v = _random((L, T, Hkv, D), torch.bfloat16).cuda()
+    arena = torch.zeros((1, L, T // 4, 2, 4, Hkv, D), dtype=torch.bfloat16).pin_memory()
+    arena_ref = arena.clone()
+    n, event = offload_prompt(k, v, arena, 0)
+    _wait(event, "cuda")
+    assert n == offload_prompt_reference(k.cpu(), v.cpu(), arena_ref, 0) == T // 4
+    assert torch.equal(arena.view(torch.uint8), arena_ref.view(torch.uint8))
+
+
+@pytest.mark.gpu
 def test_writeback_runs_after_work_queued_on_the_current_stream() -> None:
     """A block written on the current stream just before the call is what reaches the arena."""
     dev = torch.device("cuda")

@@ -331,3 +331,112 @@ def test_the_same_memory_budget_holds_more_tokens_and_serves_them_alike(
     # tails and tables are a fixed few MiB.
     assert offloaded > 5 * resident, (offloaded, resident)
     assert_same_generation(want, got, atol=BF16_NOISE, what="sized by memory")
+
+
+# ---- the host prefix cache -----------------------------------------------------------------------
+
+#: Checkpoints of the tiny model take about 0.6 MB per 1,024 tokens (512 B of K/V and 64 B of
+#: index per token, and the recurrent state) in 1 MiB blocks: 6 MiB hold a few prompts' worth,
+#: so the tests below also evict.
+PREFIX_CACHE = EngineConfig(
+    QWEN,
+    switches={**OFFLOAD_SWITCHES, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "6"},
+    server_args={**LIFECYCLE.server_args, "enable_cache_report": True},
+)
+#: Checkpoints land where a 1,024-token prefill chunk ends (1,024 and 2,048 of a 3,000-token
+#: prompt): its prompt end is not a whole number of 64-token pages.
+CHUNK = 1024
+
+
+def _prefix_stat(engine: Engine, name: str) -> float:
+    return _value(engine, f"qsa_hisparse_prefix_cache_{name}")
+
+
+def test_the_same_prompt_twice_reuses_its_checkpoint_and_answers_alike(
+    engines: EnginePool,
+) -> None:
+    engine = engines.engine(PREFIX_CACHE)
+    request = GenerateRequest(QWEN.prompt(3000, seed=60), max_new_tokens=16)
+    loads_before = _prefix_stat(engine, "loads_total")
+    loaded_before = _prefix_stat(engine, "loaded_tokens_total")
+    cold = engine.generate(request)
+    warm = engine.generate(request)
+    assert cold.cached_tokens == 0
+    assert warm.cached_tokens == 2 * CHUNK
+    assert_same_generation(cold, warm, what="warm against cold")
+    assert _prefix_stat(engine, "loads_total") == loads_before + 1
+    assert _prefix_stat(engine, "loaded_tokens_total") == loaded_before + 2 * CHUNK
+    assert _prefix_stat(engine, "bytes_out_total") > 0
+    assert _prefix_stat(engine, "load_back_failures_total") == 0
+    assert _live_leases(engine) == 0
+    assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
+
+
+def test_the_cache_report_credits_the_host_tier(engines: EnginePool) -> None:
+    """With ``--enable-cache-report`` the reply splits the cached tokens by tier: all host.
+
+    SGLang's OpenAI usage (``usage.prompt_tokens_details.cached_tokens``) is this reply's
+    ``cached_tokens``; the tiny model has no tokenizer for the OpenAI routes.
+    """
+    engine = engines.engine(PREFIX_CACHE)
+    body = GenerateRequest(QWEN.prompt(2100, seed=61), max_new_tokens=4).body()
+    cold = engine.post_json("/generate", body)
+    warm = engine.post_json("/generate", body)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert warm["meta_info"]["cached_tokens"] == 2 * CHUNK
+    assert warm["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 2 * CHUNK}
+    assert warm["output_ids"] == cold["output_ids"]
+
+
+def test_a_multi_turn_chat_reuses_each_earlier_turn(engines: EnginePool) -> None:
+    engine = engines.engine(PREFIX_CACHE)
+    history: tuple[int, ...] = ()
+    cached = []
+    for turn, new in enumerate((1100, 1000, 1000)):
+        history += QWEN.prompt(new, seed=70 + turn)
+        reply = engine.generate(GenerateRequest(history, max_new_tokens=32))
+        cached.append(reply.cached_tokens)
+        history += reply.output_ids
+    # Turn 1 (1,100 tokens) is checkpointed at 1,024; turn 2 (2,132) reuses it and is
+    # checkpointed at 2,048; turn 3 (3,164) reuses that.
+    assert cached == [0, CHUNK, 2 * CHUNK], cached
+
+
+def test_another_cache_salt_shares_nothing(engines: EnginePool) -> None:
+    engine = engines.engine(PREFIX_CACHE)
+    prompt = QWEN.prompt(2100, seed=62)
+    tenant_a = engine.generate(GenerateRequest(prompt, max_new_tokens=8, cache_salt="tenant-a"))
+    tenant_b = engine.generate(GenerateRequest(prompt, max_new_tokens=8, cache_salt="tenant-b"))
+    again_b = engine.generate(GenerateRequest(prompt, max_new_tokens=8, cache_salt="tenant-b"))
+    unsalted = engine.generate(GenerateRequest(prompt, max_new_tokens=8))
+    assert (tenant_a.cached_tokens, tenant_b.cached_tokens) == (0, 0)
+    assert again_b.cached_tokens == 2 * CHUNK
+    assert unsalted.cached_tokens == 0
+    assert_same_generation(tenant_a, again_b, what="tenant b's warm run against tenant a's")
+
+
+def test_eviction_under_a_small_budget_never_returns_a_wrong_prefix(
+    engines: EnginePool,
+) -> None:
+    engine = engines.engine(PREFIX_CACHE)
+    evictions_before = _prefix_stat(engine, "evictions_total")
+    requests = [GenerateRequest(QWEN.prompt(2100, seed=80 + s), max_new_tokens=8) for s in range(4)]
+    cold = [engine.generate(r) for r in requests]
+    # Four prompts' checkpoints (3 MiB each) do not fit in 6 MiB: the oldest went first.
+    assert _prefix_stat(engine, "evictions_total") > evictions_before
+    again = [engine.generate(r) for r in reversed(requests)]
+    for request, want, got in zip(reversed(requests), reversed(cold), again, strict=True):
+        assert got.cached_tokens in (0, CHUNK, 2 * CHUNK)
+        assert_same_generation(want, got, what=f"prompt {request.input_ids[:3]} again")
+    assert again[0].cached_tokens == 2 * CHUNK  # the newest checkpoint survived
+    assert _prefix_stat(engine, "used_bytes") <= 6 << 20
+
+
+def test_a_flush_drops_every_checkpoint(engines: EnginePool) -> None:
+    engine = engines.engine(PREFIX_CACHE)
+    request = GenerateRequest(QWEN.prompt(2100, seed=63), max_new_tokens=4)
+    engine.generate(request)
+    _wait_for(lambda: _live_leases(engine) == 0)
+    engine.flush_cache()
+    assert _prefix_stat(engine, "ready_entries") == 0
+    assert engine.generate(request).cached_tokens == 0

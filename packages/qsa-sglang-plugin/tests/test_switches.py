@@ -88,6 +88,18 @@ def test_verification_is_off_unless_asked_for_with_offload() -> None:
             {"SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"},
             ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB='64' requires SGLANG_QSA_HISPARSE_V3"],
         ),
+        (
+            {
+                "SGLANG_QSA_MODEL_COMPAT": "1",
+                "SGLANG_QSA_HISPARSE_V3": "p2-resident",
+                "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64",
+            },
+            [
+                "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB='64' requires "
+                "SGLANG_QSA_HISPARSE_V3='p2-offload'",
+                "got SGLANG_QSA_HISPARSE_V3='p2-resident'",
+            ],
+        ),
         ({**ON, "SGLANG_QSA_HISPARSE_VERIFY": "on"}, ["SGLANG_QSA_HISPARSE_VERIFY='on'", "'1'"]),
         (
             {**ON, "SGLANG_QSA_HISPARSE_V3": "p2-resident", "SGLANG_QSA_HISPARSE_VERIFY": "1"},

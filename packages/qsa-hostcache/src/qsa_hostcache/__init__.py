@@ -31,7 +31,7 @@ from qsa_hostcache._keys import (
     token_bytes,
 )
 from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
-from qsa_hostcache._stats import CacheStats
+from qsa_hostcache._stats import CacheStats, StatSeries
 from qsa_hostcache._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
@@ -56,6 +56,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "Lease",
     "CopyFence",
     "CacheStats",
+    "StatSeries",
     # errors
     "HostCacheError",
     "CacheConfigError",

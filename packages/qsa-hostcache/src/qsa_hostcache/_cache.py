@@ -161,15 +161,20 @@ class PublishTicket:
     def state(self) -> TicketState:
         return self._state
 
-    def write(self, segments: Mapping[str, torch.Tensor]) -> None:
+    def write(self, segments: Mapping[str, torch.Tensor]) -> CopyFence:
         """Copy segments in: from CPU tensors synchronously, from CUDA tensors on the side stream.
 
         Each segment is written once; several calls may split the segments between them. A CUDA
-        copy starts after the work already queued on the current stream (the producer).
+        copy starts after the work already queued on the current stream (the producer); the
+        producer must not overwrite a source before the returned fence (``fence.wait()`` orders
+        the current stream after it).
 
         Args:
             segments: Name -> tensor; the tensor's bytes must equal the spec's ``nbytes`` (and
                 its dtype and shape the spec's, where the spec has them).
+
+        Returns:
+            The fence of this call's copies (done already when every source is on the CPU).
 
         Raises:
             TicketStateError: The ticket is no longer RESERVED.
@@ -181,8 +186,10 @@ class PublishTicket:
                 f"write needs a 'reserved' ticket; entry {self.entry_id!r} is {self._state.value!r}"
             )
         items = _placed(self._entry.layout, segments, self._written)
-        self._fences.append(self._cache._arena.write(self._entry.blocks, items))
+        fence = self._cache._arena.write(self._entry.blocks, items)
+        self._fences.append(fence)
         self._written.update(segments)
+        return fence
 
     def commit(self) -> TicketState:
         """Publish: visible now if the copies are done, else once they finish.

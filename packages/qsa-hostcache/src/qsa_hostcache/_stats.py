@@ -42,6 +42,21 @@ _GAUGE_HELP: Final = {
 
 
 @dataclass(frozen=True, slots=True)
+class StatSeries:
+    """One field of :class:`CacheStats` as a metric.
+
+    Attributes:
+        name: The field's name (``hits``, ``used_bytes``...).
+        counter: True for a monotonic counter, False for a gauge (occupancy now).
+        help: One line that says what it counts, for a metric's help text.
+    """
+
+    name: str
+    counter: bool
+    help: str
+
+
+@dataclass(frozen=True, slots=True)
 class CacheStats:
     """Counters since construction (monotonic) and occupancy now. Bytes are bytes, tokens tokens."""
 
@@ -83,6 +98,16 @@ class CacheStats:
         """Hits per lookup (0.0 before the first lookup)."""
         return self.hits / self.lookups if self.lookups else 0.0
 
+    @staticmethod
+    def series() -> tuple[StatSeries, ...]:
+        """Every field, in declaration order, with its kind and help text."""
+        return tuple(
+            StatSeries(f.name, True, _COUNTER_HELP[f.name])
+            if f.name in _COUNTER_HELP
+            else StatSeries(f.name, False, _GAUGE_HELP[f.name])
+            for f in fields(CacheStats)
+        )
+
     def to_prometheus(
         self, prefix: str = "qsa_hostcache", labels: Mapping[str, str] | None = None
     ) -> str:
@@ -103,13 +128,13 @@ class CacheStats:
                 parts.append(f'{name}="{escaped}"')
             label_text = "{" + ",".join(parts) + "}"
         lines: list[str] = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in _COUNTER_HELP:
-                metric, kind, text = f"{prefix}_{f.name}_total", "counter", _COUNTER_HELP[f.name]
+        for series in self.series():
+            value = getattr(self, series.name)
+            if series.counter:
+                metric, kind = f"{prefix}_{series.name}_total", "counter"
             else:
-                metric, kind, text = f"{prefix}_{f.name}", "gauge", _GAUGE_HELP[f.name]
-            lines.append(f"# HELP {metric} {text}")
+                metric, kind = f"{prefix}_{series.name}", "gauge"
+            lines.append(f"# HELP {metric} {series.help}")
             lines.append(f"# TYPE {metric} {kind}")
             lines.append(f"{metric}{label_text} {int(value)}")
         return "\n".join(lines) + "\n"

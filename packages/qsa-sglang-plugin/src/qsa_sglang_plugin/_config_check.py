@@ -63,6 +63,8 @@ class ConfigFacts:
             ``breakable``, ``full``); ``disabled`` off CUDA.
         max_running_requests: ``--max-running-requests`` (None = SGLang sizes it).
         prefill_max_requests: ``--prefill-max-requests`` (None = no limit).
+        chunked_prefill_size: ``--chunked-prefill-size`` after resolution (None or <= 0 = no
+            chunking).
     """
 
     architectures: tuple[str, ...]
@@ -83,6 +85,7 @@ class ConfigFacts:
     prefill_graph_backend: str = "disabled"
     max_running_requests: int | None = 8
     prefill_max_requests: int | None = 1
+    chunked_prefill_size: int | None = None
 
 
 def _reject(flag: str, value: object, supported: str, why: str) -> ConfigurationError:
@@ -99,7 +102,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend; with
     ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
     ``--prefill-max-requests 1`` (one staged prompt) and, on CUDA, prefill CUDA graphs off
-    (``--cuda-graph-backend-prefill disabled``; decode graphs are supported).
+    (``--cuda-graph-backend-prefill disabled``; decode graphs are supported); with the host
+    prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size.
 
     Returns:
         The model's QSA profile, or None when every switch is off (nothing is checked).
@@ -147,6 +151,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_hisparse(facts)
     if switches.hisparse is HiSparseMode.P2_OFFLOAD:
         _check_offload(facts)
+    if switches.prefix_cache_mb > 0:
+        _check_prefix_cache(facts)
     return profile
 
 
@@ -236,6 +242,18 @@ def _check_offload(facts: ConfigFacts) -> None:
         )
 
 
+def _check_prefix_cache(facts: ConfigFacts) -> None:
+    chunk = facts.chunked_prefill_size
+    if chunk is not None and chunk > 0 and chunk % facts.page_size:
+        raise _reject(
+            "--chunked-prefill-size",
+            chunk,
+            f"a multiple of the page size ({facts.page_size}), or -1 (no chunking)",
+            "the host prefix cache checkpoints a prompt where a prefill chunk ends on a page "
+            "boundary; other chunk ends hold no whole page of recurrent state",
+        )
+
+
 def _as_str(value: object) -> str:
     return str(value).removeprefix("torch.")
 
@@ -289,6 +307,9 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         prefill_max_requests=None
         if cfg.prefill_max_requests is None
         else int(cfg.prefill_max_requests),
+        chunked_prefill_size=None
+        if cfg.chunked_prefill_size is None
+        else int(cfg.chunked_prefill_size),
     )
 
 

@@ -147,8 +147,8 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
     Raises:
         SwitchError: a value is malformed, or ``SGLANG_QSA_HISPARSE_V3`` is set without
             ``SGLANG_QSA_MODEL_COMPAT=1``, or the prefix cache is on without
-            ``SGLANG_QSA_HISPARSE_V3``. The message names the variable, its value and what is
-            allowed.
+            ``SGLANG_QSA_HISPARSE_V3=p2-offload``. The message names the variable, its value and
+            what is allowed.
     """
     raw_compat = environ.get(ENV_MODEL_COMPAT, "")
     if raw_compat not in ("", "0", "1"):
@@ -201,11 +201,13 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             f"got {ENV_HISPARSE_V3}={raw_mode!r}"
         )
         raise SwitchError(msg)
-    if prefix_cache_mb > 0 and hisparse is None:
-        allowed = ", ".join(repr(m.value) for m in HiSparseMode)
+    if prefix_cache_mb > 0 and hisparse is not HiSparseMode.P2_OFFLOAD:
+        # Resident QSA has upstream's HiCache for host prefix caching; this one checkpoints
+        # the offload staging area.
         msg = (
-            f"{ENV_PREFIX_CACHE_MB}={raw_mb!r} requires {ENV_HISPARSE_V3} to be one of "
-            f"{allowed}, got {ENV_HISPARSE_V3}={raw_mode!r}"
+            f"{ENV_PREFIX_CACHE_MB}={raw_mb!r} requires "
+            f"{ENV_HISPARSE_V3}={HiSparseMode.P2_OFFLOAD.value!r}, "
+            f"got {ENV_HISPARSE_V3}={raw_mode!r}"
         )
         raise SwitchError(msg)
     return Switches(

@@ -254,20 +254,25 @@ class GenerateRequest:
         input_ids: the prompt.
         max_new_tokens: tokens to generate.
         top_logprobs: alternatives returned per generated token (0 for none).
+        cache_salt: the request's ``cache_salt`` (prefix caches share only within one salt).
     """
 
     input_ids: tuple[int, ...]
     max_new_tokens: int = 8
     top_logprobs: int = 5
+    cache_salt: str | None = None
 
     def body(self) -> dict[str, Any]:
         """The JSON body SGLang's ``/generate`` takes."""
-        return {
+        body: dict[str, Any] = {
             "input_ids": list(self.input_ids),
             "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0},
             "return_logprob": True,
             "top_logprobs_num": self.top_logprobs,
         }
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
+        return body
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,9 +45,10 @@ def _label_score_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     BLOCK_T: tl.constexpr,  # constexpr: tokens per program
     DOT_FP32: tl.constexpr,  # constexpr: fp32 operands in the interpreter
 ):
-    b = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2)
+    # Token tiles on grid axis 0: axes 1 and 2 stop at 65,535 programs (8.4M tokens here).
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(2).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0), width)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     obase = out_ptr + b * stride_ob + g * stride_oh
@@ -117,7 +118,7 @@ def label_topk(
     channels = channels.contiguous()
     req_to_token = req_to_token.contiguous()
     group = hq // hkv
-    grid = (batch, hkv, triton.cdiv(width, _BLOCK_T))
+    grid = (triton.cdiv(width, _BLOCK_T), batch, hkv)
     _label_score_kernel[grid](
         q,
         label_cache,

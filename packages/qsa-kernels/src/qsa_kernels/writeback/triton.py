@@ -52,8 +52,9 @@ def _offload_prompt_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     HALF: tl.constexpr,  # int32 words of one block's K (or V) rows; constexpr for one tile
     BLOCK_H: tl.constexpr,  # next_pow2(HALF)
 ):
-    layer = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1).to(tl.int64)
+    # Blocks on grid axis 0 (up to 2**31 - 1 programs; axis 1 stops at 65,535, 262,144 tokens).
+    blk = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < HALF
     src = layer * T_WORDS + blk * HALF + offs
@@ -168,7 +169,7 @@ def offload_prompt(
     def launch() -> None:
         if n == 0:
             return
-        _offload_prompt_kernel[(L, n)](
+        _offload_prompt_kernel[(n, L)](
             k.view(torch.int32) if T else k,
             v.view(torch.int32) if T else v,
             host_words,

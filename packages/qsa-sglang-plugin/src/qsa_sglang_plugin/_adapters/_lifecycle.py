@@ -21,6 +21,7 @@ from typing import Any
 
 from qsa_core import LeaseHandle, LeaseState, LeaseTable
 from qsa_sglang_plugin._adapters._offload import OffloadRuntime, runtime_of
+from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime, build_prefix_cache
 from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND, HiSparseMode, current_switches
 
 __all__ = ("LeaseOutcome", "radix_cache_factory")
@@ -82,9 +83,48 @@ def _cache_class() -> type[Any]:
             slots = int(self.req_to_token_pool.size)
             self.qsa_leases = LeaseTable(slots)
             self.qsa_offload: OffloadRuntime | None = None  # set by the factory under p2-offload
+            self.qsa_prefix: PrefixCacheRuntime | None = None  # set with the prefix cache on
             self._qsa_by_rid: dict[str, LeaseHandle] = {}
             self._qsa_metrics = _Metrics(int(get_parallel().tp_rank))
             logger.info("%s lifecycle: %d lease slots", RADIX_CACHE_BACKEND, slots)
+
+        # ---- SGLang's prefix-cache calls (the host prefix cache, when it is on) -----------------
+
+        def match_prefix(self, params: Any) -> Any:
+            result = super().match_prefix(params)
+            prefix = self.qsa_prefix
+            if prefix is None or params.req is None:
+                return result
+            key = params.key
+            hit = prefix.lookup(params.req, key.token_ids[: len(key)])
+            if hit <= result.device_prefix_len:
+                return result
+            return result._replace(
+                host_hit_length=hit - result.device_prefix_len,
+                full_kv_hit_length=max(int(result.full_kv_hit_length), hit),
+            )
+
+        def init_load_back(self, params: Any) -> Any:
+            prefix = self.qsa_prefix
+            if prefix is None or params.req is None or params.host_hit_length <= 0:
+                return super().init_load_back(params)
+            req = params.req
+            loaded = (
+                params.host_hit_length
+                if prefix.load_back(req, req.prefix_len + params.host_hit_length)
+                else 0
+            )
+            return loaded, params.best_match_node
+
+        def prefix_device_indices(self, req: Any) -> Any:
+            slots = None if self.qsa_prefix is None else self.qsa_prefix.prefix_slots(req)
+            if slots is None:
+                return super().prefix_device_indices(req)
+            return slots[: req.prefix_len]
+
+        def load_back_is_cache_owned(self) -> bool:
+            # Loaded slots belong to the request and are freed with it.
+            return self.qsa_prefix is None and bool(super().load_back_is_cache_owned())
 
         # ---- SGLang's lifecycle calls ------------------------------------------------------------
 
@@ -98,15 +138,24 @@ def _cache_class() -> type[Any]:
             self._qsa_metrics.live.inc()
             if self.qsa_offload is not None:
                 self.qsa_offload.bind(int(req.kv.req_pool_idx), handle.slot)
+            if self.qsa_prefix is not None:
+                self.qsa_prefix.restore_row(req, handle.slot)
 
         def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
             super().checkpoint(req, up_to=up_to, **kwargs)
             handle = self._qsa_by_rid.get(req.rid)
-            if handle is not None and up_to >= len(req.origin_input_ids):
+            if handle is None:
+                return
+            prompt = len(req.origin_input_ids)
+            if self.qsa_prefix is not None and not req.finished() and up_to <= prompt:
+                self.qsa_prefix.publish(req, handle.slot, up_to)
+            if up_to >= prompt:
                 self._to_decoding(handle)
 
         def on_release(self, req: Any, *, checkpointed: bool) -> None:
             super().on_release(req, checkpointed=checkpointed)
+            if self.qsa_prefix is not None:
+                self.qsa_prefix.forget(req)
             handle = self._qsa_by_rid.pop(req.rid, None)
             if handle is None:
                 msg = f"request {req.rid!r} released a KV row without holding a lease"
@@ -137,6 +186,9 @@ def _cache_class() -> type[Any]:
                 )
                 return
             super().reset()
+            prefix = getattr(self, "qsa_prefix", None)
+            if prefix is not None:
+                prefix.invalidate()
 
         # ---- helpers -----------------------------------------------------------------------------
 
@@ -158,6 +210,15 @@ def radix_cache_factory(ctx: Any) -> Any:
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
     cache = create_unified_radix_cache(ctx, cache_class=_cache_class())
-    if current_switches().hisparse is HiSparseMode.P2_OFFLOAD:
+    switches = current_switches()
+    if switches.hisparse is HiSparseMode.P2_OFFLOAD:
         cache.qsa_offload = runtime_of(ctx.tp_worker.model_runner)
+        if switches.prefix_cache_mb > 0:
+            cache.qsa_prefix = build_prefix_cache(
+                ctx,
+                cache,
+                cache.qsa_offload,
+                budget_bytes=switches.prefix_cache_bytes,
+                max_entries=switches.prefix_cache_max_entries,
+            )
     return cache

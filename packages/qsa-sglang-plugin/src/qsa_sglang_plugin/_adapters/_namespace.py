@@ -22,6 +22,7 @@ __all__ = (
     "cache_namespace_from_sglang",
     "config_digest_from_sglang",
     "kv_storage_dtype",
+    "request_salt",
     "resolved_args",
 )
 
@@ -142,6 +143,16 @@ def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def request_salt(
+    *, cache_salt: str | None = None, lora_id: str | None = None, extra_key: str | None = None
+) -> str | None:
+    """A request's part of the namespace: a JSON object of the three, or ``None`` if all unset."""
+    parts = {"cache_salt": cache_salt, "lora": lora_id, "extra_key": extra_key}
+    if all(v is None for v in parts.values()):
+        return None
+    return json.dumps(parts, sort_keys=True, separators=(",", ":"))
+
+
 def cache_namespace_from_sglang(
     server_args: Any,
     model_config: Any,
@@ -181,12 +192,7 @@ def cache_namespace_from_sglang(
     revision = getattr(view, "revision", None)
     model = f"{model_path}@{revision}" if revision else str(model_path)
     dtype = kv_storage_dtype(str(view.kv_cache_dtype), _model_dtype(model_config))
-    parts = {"cache_salt": cache_salt, "lora": lora_id, "extra_key": extra_key}
-    salt = (
-        None
-        if all(v is None for v in parts.values())
-        else json.dumps(parts, sort_keys=True, separators=(",", ":"))
-    )
+    salt = request_salt(cache_salt=cache_salt, lora_id=lora_id, extra_key=extra_key)
     return CacheNamespace(
         model=model,
         dtype=dtype,

@@ -44,7 +44,7 @@ import functools
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 
@@ -63,6 +63,14 @@ __all__ = (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class _Fence(Protocol):
+    """Copies in flight on another stream (``qsa_hostcache.CopyFence``)."""
+
+    def wait(self) -> None:
+        """Order the current stream's later work after the copies."""
+
 
 #: Decode steps between two log lines (and two reads of the device-side block counters).
 LOG_EVERY_STEPS: Final = 256
@@ -136,6 +144,8 @@ class OffloadRuntime:
         self.staging_v = torch.zeros(shape, dtype=g.dtype, device=kv.device)
         self._staged_row: int | None = None
         self._staged_tokens = 0
+        # Copies still reading the staged prompt (checkpoints on their way to the host).
+        self._staging_readers: list[_Fence] = []
         # The resident copy for verification: [R, L, T_max, Hkv, D] K and V, or None.
         self._resident: tuple[torch.Tensor, torch.Tensor] | None = None
         if verify:
@@ -178,6 +188,52 @@ class OffloadRuntime:
     def staged_row(self) -> int | None:
         """The row whose prompt is in the staging area, if any."""
         return self._staged_row
+
+    @property
+    def staged_tokens(self) -> int:
+        """Tokens of :attr:`staged_row`'s prompt in the staging area (0 when none)."""
+        return self._staged_tokens
+
+    def staged_layers(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per QSA layer, ``[tokens, Hkv, D]`` views of ``row``'s first ``tokens`` staged tokens.
+
+        Views, not copies: a reader that outlives the current stream's work registers its copies
+        with :meth:`keep_staging_until`.
+
+        Raises:
+            OffloadRuntimeError: the staging area does not hold ``tokens`` tokens of ``row``.
+        """
+        if self._staged_row != row or not 0 < tokens <= self._staged_tokens:
+            msg = (
+                f"row {row!r} asks for {tokens!r} staged tokens; the staging area holds "
+                f"{self._staged_tokens!r} tokens of row {self._staged_row!r}"
+            )
+            raise OffloadRuntimeError(msg)
+        return self._layer_views(tokens)
+
+    def stage_prefix(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Give the staging area to ``row``, whose first ``tokens`` tokens come from elsewhere.
+
+        For a prefix restored from the host prefix cache: the caller fills the returned views
+        (as :meth:`staged_layers`) before the row's first prefill chunk runs.
+
+        Raises:
+            OffloadRuntimeError: the prefix does not fit the staging area.
+        """
+        g = self.kv.geometry
+        if not 0 < tokens <= g.max_tokens:
+            msg = (
+                f"a restored prefix of {tokens!r} tokens; the staging area holds 1 to "
+                f"{g.max_tokens!r}"
+            )
+            raise OffloadRuntimeError(msg)
+        self._claim_staging(row)
+        self._staged_tokens = tokens
+        return self._layer_views(tokens)
+
+    def keep_staging_until(self, fence: _Fence) -> None:
+        """Copies reading the staging area until ``fence``: the next prompt waits for them."""
+        self._staging_readers.append(fence)
 
     def release(self, row: int) -> None:
         """The request of lease row ``row`` gave its KV slot back (finish, abort, retraction)."""
@@ -270,6 +326,12 @@ class OffloadRuntime:
             raise OffloadRuntimeError(msg)
         if self._staged_row != row:
             self._claim_staging(row)
+        if prefix > self._staged_tokens:
+            msg = (
+                f"row {row!r} prefills tokens [{prefix!r}, {end!r}) but the staging area holds "
+                f"only its first {self._staged_tokens!r}"
+            )
+            raise OffloadRuntimeError(msg)
         n = end - prefix
         self.staging_k[ordinal, prefix:end] = k[:n].reshape(n, g.kv_heads, g.head_dim)
         self.staging_v[ordinal, prefix:end] = v[:n].reshape(n, g.kv_heads, g.head_dim)
@@ -348,11 +410,21 @@ class OffloadRuntime:
             raise OffloadRuntimeError(msg)
         return ordinal
 
+    def _layer_views(self, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        layers = range(self.kv.geometry.layers)
+        return (
+            [self.staging_k[i, :tokens] for i in layers],
+            [self.staging_v[i, :tokens] for i in layers],
+        )
+
     def _claim_staging(self, row: int) -> None:
         """Give the staging area to ``row``, first handing off a prompt still waiting in it."""
         held = self._staged_row
         if held is not None and self.kv.state(held) is RowState.FREE:
             self._hand_off(held, self._staged_tokens)
+        for fence in self._staging_readers:  # the next prompt overwrites what they still read
+            fence.wait()
+        self._staging_readers.clear()
         self._staged_row, self._staged_tokens = row, 0
 
     def _hand_off(self, row: int, tokens: int) -> None:

@@ -1,0 +1,496 @@
+"""The host prefix cache inside SGLang: prompt checkpoints published, matched and loaded back.
+
+With ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB > 0`` (and ``p2-offload``), one
+:class:`PrefixCacheRuntime` per scheduler (TP rank) keeps checkpoints of prompt prefixes in a
+:class:`qsa_hostcache.HostPrefixCache` (pinned host memory where CUDA is), and the ``qsa_hisparse``
+tree cache (:mod:`._lifecycle`) calls it where SGLang's own prefix caches attach:
+
+- ``checkpoint(req, up_to)`` (every prefill chunk's end, and the prompt's): when ``up_to`` is a
+  whole number of pages (64 tokens for QSA), :meth:`PrefixCacheRuntime.publish` writes a
+  checkpoint of the first ``up_to`` tokens; the device copies run on the cache's side stream and
+  the checkpoint becomes matchable when they finish.
+- ``match_prefix``: :meth:`PrefixCacheRuntime.lookup` finds the longest published checkpoint of the
+  request's key and reports it as a host hit; SGLang then budgets for it.
+- ``init_load_back``: :meth:`PrefixCacheRuntime.load_back` pins the checkpoint, takes KV slots for
+  its tokens and restores their compressed index rows; SGLang counts them in ``prefix_len`` and so
+  in ``meta_info.cached_tokens``. Anything that fails here (the checkpoint was evicted, no slots)
+  returns 0 and the request computes its whole prompt: never a partial state.
+- ``maybe_hand_to_session`` (the request's row and state slot now exist):
+  :meth:`PrefixCacheRuntime.restore_row` copies the raw K/V into the staging area, the recurrent
+  state into the request's slot, and keeps SGLang from clearing that slot.
+
+A checkpoint of ``T`` tokens holds everything the model's state is at that boundary:
+
+=================  ================================================  ==============================
+segment            contents                                          source
+=================  ================================================  ==============================
+``k.<i>, v.<i>``   QSA layer ``i``'s raw K/V, ``[T, Hkv, D]``        the offload staging area
+``index``          every QSA layer's compressed index keys,          ``QSATokenToKVPool``, slots
+                   ``[L, T / 4, Hi, Di]``                            ``// 4``
+``state.<j>``      the request's recurrent state: GDN conv and       ``MambaPool.get_cpu_copy`` of
+                   temporal states and every state registered with   its slot
+                   the pool (PLE)
+=================  ================================================  ==============================
+
+Not stored: the indexer's pending key ring and RoPE ring. ``T`` is a multiple of the compress ratio
+(4), so no group is pending at the boundary, and the next group's four ring entries are written
+before compression reads them.
+
+Keys: :func:`cache_namespace_from_sglang` (model, weights, every flag that changes the bytes, TP
+rank) with the request's ``cache_salt``, LoRA id and ``extra_key``, over every token id. Requests
+with images, embeddings or other inputs the token ids do not name are not matched or published
+(``qsa_hisparse_prefix_cache_bypassed_total{reason}``). With several TP ranks, each hit length,
+load-back and publish is agreed by one MIN over the TP group's CPU group, so a rank-local eviction
+never splits the ranks.
+
+``flush_cache`` (and SGLang's weight updates, which flush) drop every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+from torch.utils import _pytree as pytree
+
+from qsa_hostcache import (
+    CacheStats,
+    CheckpointTooLarge,
+    HostCacheError,
+    HostPrefixCache,
+    Lease,
+    PrefixKey,
+    SegmentSpec,
+)
+from qsa_sglang_plugin._adapters._namespace import cache_namespace_from_sglang, request_salt
+from qsa_sglang_plugin._errors import OffloadRuntimeError
+from qsa_sglang_plugin._hostmem import format_bytes
+
+if TYPE_CHECKING:
+    from qsa_hostcache import CacheNamespace
+    from qsa_sglang_plugin._adapters._offload import OffloadRuntime
+
+__all__ = ("METRIC_PREFIX", "BypassReason", "PrefixCacheRuntime", "build_prefix_cache")
+
+logger = logging.getLogger(__name__)
+
+#: Prefix of the prefix cache's Prometheus series (the library's counters and occupancy).
+METRIC_PREFIX: Final = "qsa_hisparse_prefix_cache"
+
+
+class BypassReason(enum.StrEnum):
+    """Why a request is neither matched nor published."""
+
+    MULTIMODAL = "multimodal"
+    """Image, video or audio inputs: their identities are not in the key yet."""
+    INPUT_EMBEDS = "input_embeds"
+    """Embeddings given instead of token ids."""
+    EMBED_OVERRIDES = "embed_overrides"
+    """Positional embedding overrides: the same ids carry other vectors."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Load:
+    """A checkpoint pinned for one request between ``init_load_back`` and its row."""
+
+    lease: Lease
+    slots: torch.Tensor  # [T] int64 KV slots SGLang's allocator gave the prefix
+
+
+def _shape(spec: SegmentSpec) -> tuple[int, ...]:
+    """The shape a segment was published with (this module publishes every segment with one)."""
+    if spec.shape is None:
+        msg = f"segment {spec.name!r} was published without a shape"
+        raise OffloadRuntimeError(msg)
+    return spec.shape
+
+
+class _Metrics:
+    """The cache's own counters and occupancy, mirrored into SGLang's Prometheus registry."""
+
+    def __init__(self, tp_rank: int) -> None:
+        from prometheus_client import Counter, Gauge
+
+        rank = str(tp_rank)
+        self._series: dict[str, Any] = {}
+        for series in CacheStats.series():
+            metric: Any
+            if series.counter:
+                metric = Counter(f"{METRIC_PREFIX}_{series.name}", series.help, ("tp_rank",))
+            else:
+                metric = Gauge(
+                    f"{METRIC_PREFIX}_{series.name}",
+                    series.help,
+                    ("tp_rank",),
+                    multiprocess_mode="livesum",
+                )
+            self._series[series.name] = metric.labels(tp_rank=rank)
+        self._last: CacheStats | None = None
+        self.publish_errors = Counter(
+            f"{METRIC_PREFIX}_publish_errors",
+            "Checkpoints that failed while being written (the request was served).",
+            ("tp_rank",),
+        ).labels(tp_rank=rank)
+        self.loads = Counter(
+            f"{METRIC_PREFIX}_loads",
+            "Requests that resumed from a checkpoint (SGLang counts its tokens as cached).",
+            ("tp_rank",),
+        ).labels(tp_rank=rank)
+        self.loaded_tokens = Counter(
+            f"{METRIC_PREFIX}_loaded_tokens",
+            "Prompt tokens served from checkpoints instead of computed.",
+            ("tp_rank",),
+        ).labels(tp_rank=rank)
+        self.load_back_failures = Counter(
+            f"{METRIC_PREFIX}_load_back_failures",
+            "Hits that could not be loaded back (the request recomputed its prompt).",
+            ("tp_rank",),
+        ).labels(tp_rank=rank)
+        bypassed = Counter(
+            f"{METRIC_PREFIX}_bypassed",
+            "Requests the prefix cache does not key (not matched, not published), by reason.",
+            ("tp_rank", "reason"),
+        )
+        self.bypassed = {r: bypassed.labels(tp_rank=rank, reason=r.value) for r in BypassReason}
+
+    def update(self, stats: CacheStats) -> None:
+        for series in CacheStats.series():
+            value = int(getattr(stats, series.name))
+            metric = self._series[series.name]
+            if series.counter:
+                before = 0 if self._last is None else int(getattr(self._last, series.name))
+                if value > before:
+                    metric.inc(value - before)
+            else:
+                metric.set(value)
+        self._last = stats
+
+
+class PrefixCacheRuntime:
+    """The host prefix cache of one scheduler and the SGLang state it checkpoints.
+
+    Args:
+        cache: the checkpoints (one host arena).
+        offload: the offload runtime, whose staging area holds the prompt being prefilled.
+        kv_pool: SGLang's ``QSATokenToKVPool`` (the compressed index keys).
+        req_to_token_pool: SGLang's ``HybridReqToTokenPool`` (request rows; the recurrent state
+            pool ``mamba_pool``, if the model has one).
+        allocator: SGLang's token-slot allocator (KV slots for a loaded prefix).
+        namespace: this rank's namespace without a request's salt.
+        tp_group: SGLang's TP ``GroupCoordinator`` (``None`` or one rank: no agreement needed).
+        tp_rank: this rank, for the metrics' labels.
+    """
+
+    def __init__(
+        self,
+        cache: HostPrefixCache,
+        offload: OffloadRuntime,
+        *,
+        kv_pool: Any,
+        req_to_token_pool: Any,
+        allocator: Any,
+        namespace: CacheNamespace,
+        tp_group: Any = None,
+        tp_rank: int = 0,
+    ) -> None:
+        self.cache = cache
+        self._offload = offload
+        self._kv_pool = kv_pool
+        self._req_to_token = req_to_token_pool
+        self._allocator = allocator
+        self._namespace = namespace
+        self._ratio = int(kv_pool.qsa_compress_ratio)
+        group = getattr(tp_group, "cpu_group", None)
+        self._group = group if int(getattr(tp_group, "world_size", 1)) > 1 else None
+        self._loads: dict[str, _Load] = {}
+        self._mamba = getattr(req_to_token_pool, "mamba_pool", None)
+        self._state_spec: pytree.TreeSpec | None = None
+        self._state_present: tuple[bool, ...] = ()
+        if self._mamba is not None:  # the pool's own round-trip structure, read from slot 0
+            sample = self._mamba.get_cpu_copy(torch.zeros(1, dtype=torch.int64, device="cpu"))
+            leaves, self._state_spec = pytree.tree_flatten(sample)
+            self._state_present = tuple(isinstance(x, torch.Tensor) for x in leaves)
+        self._metrics = _Metrics(tp_rank)
+        self._sync_metrics()
+
+    # ---- keys ------------------------------------------------------------------------------------
+
+    def bypass_reason(self, req: Any) -> BypassReason | None:
+        """Why ``req`` cannot be keyed by its token ids, or ``None`` when it can."""
+        if getattr(req, "multimodal_inputs", None) is not None:
+            return BypassReason.MULTIMODAL
+        if getattr(req, "input_embeds", None) is not None:
+            return BypassReason.INPUT_EMBEDS
+        if getattr(req, "positional_embed_overrides", None) is not None:
+            return BypassReason.EMBED_OVERRIDES
+        return None
+
+    def key(self, req: Any, tokens: Any) -> PrefixKey:
+        """The key of ``tokens`` (``req``'s first token ids) in ``req``'s namespace."""
+        salt = request_salt(
+            cache_salt=getattr(req, "cache_salt", None),
+            lora_id=getattr(req, "lora_id", None),
+            extra_key=getattr(req, "extra_key", None),
+        )
+        namespace = (
+            self._namespace if salt is None else dataclasses.replace(self._namespace, salt=salt)
+        )
+        return PrefixKey(namespace, tokens, page_size=self.cache.page_size)
+
+    # ---- SGLang's calls --------------------------------------------------------------------------
+
+    def lookup(self, req: Any, tokens: Any) -> int:
+        """Tokens of the longest checkpoint that is a prefix of ``tokens`` (0 on a miss).
+
+        Args:
+            req: SGLang's ``Req``.
+            tokens: the ids SGLang matches (at most the prompt less its last token).
+        """
+        reason = self.bypass_reason(req)
+        if reason is not None:
+            self._metrics.bypassed[reason].inc()
+            return self._agree(0)
+        found = 0
+        if len(tokens) >= self.cache.page_size:
+            match = self.cache.match(self.key(req, tokens), max_tokens=len(tokens))
+            found = 0 if match is None else match.num_tokens
+        hit = self._agree(found)
+        self._sync_metrics()
+        return hit
+
+    def load_back(self, req: Any, tokens: int) -> bool:
+        """Pin ``req``'s checkpoint of ``tokens`` tokens, take KV slots, restore the index.
+
+        Returns:
+            True when every rank did (the slots are :meth:`prefix_slots`); False when any could
+            not (nothing is held: the request computes its prompt).
+        """
+        lease: Lease | None = None
+        slots: torch.Tensor | None = None
+        try:
+            lease = self.cache.acquire(
+                self.key(req, req.full_untruncated_fill_ids[:tokens]), max_tokens=tokens
+            )
+            if lease is not None and lease.match.num_tokens == tokens:
+                slots = self._allocator.alloc(tokens)
+            if slots is not None:
+                assert lease is not None
+                self._restore_index(lease, slots)
+        except (HostCacheError, RuntimeError):
+            logger.exception("prefix cache: load-back of %d tokens for %r failed", tokens, req.rid)
+            if slots is not None:
+                self._allocator.free(slots)
+                slots = None
+        if self._agree(int(slots is not None)) != 1:
+            if slots is not None:
+                self._allocator.free(slots)
+            if lease is not None:
+                lease.release()
+            self._metrics.load_back_failures.inc()
+            logger.info("prefix cache: %r recomputes its %d cached tokens", req.rid, tokens)
+            return False
+        assert lease is not None
+        assert slots is not None
+        self._loads[req.rid] = _Load(lease, slots)
+        self._metrics.loads.inc()
+        self._metrics.loaded_tokens.inc(tokens)
+        return True
+
+    def prefix_slots(self, req: Any) -> torch.Tensor | None:
+        """The KV slots of ``req``'s loaded prefix, while it waits for its row."""
+        load = self._loads.get(req.rid)
+        return None if load is None else load.slots
+
+    def restore_row(self, req: Any, row: int) -> None:
+        """Fill the loaded prefix's K/V and recurrent state into ``req``'s new row and slot."""
+        load = self._loads.pop(req.rid, None)
+        if load is None:
+            return
+        with load.lease:
+            match = load.lease.match
+            k_views, v_views = self._offload.stage_prefix(row, match.num_tokens)
+            targets = {f"k.{i}": t for i, t in enumerate(k_views)}
+            targets.update({f"v.{i}": t for i, t in enumerate(v_views)})
+            self.cache.restore(load.lease, targets).wait()
+            if self._mamba is not None:
+                assert self._state_spec is not None
+                state = self._restore_state(load.lease)
+                slot = self._req_to_token.translate_mamba_indices(req.kv.mamba_pool_idx.reshape(1))
+                self._mamba.load_cpu_copy(state, slot)
+                req.kv.mamba_needs_clear = False  # SGLang would zero the restored state
+        self._sync_metrics()
+        logger.debug("prefix cache: %r resumes after %d cached tokens", req.rid, match.num_tokens)
+
+    def publish(self, req: Any, row: int, up_to: int) -> bool:
+        """Checkpoint ``req``'s first ``up_to`` tokens, if that is a whole number of pages.
+
+        Returns:
+            True when the checkpoint was committed on every rank (matchable once its copies
+            finish); False when it was skipped (not page-aligned, bypassed, already cached, no
+            room on some rank) or failed (logged; the request is served either way).
+        """
+        if up_to < self.cache.page_size or up_to % self.cache.page_size:
+            return False
+        if self.bypass_reason(req) is not None:
+            return False
+        key = self.key(req, req.full_untruncated_fill_ids[:up_to])
+        ticket = None
+        try:
+            k_views, v_views = self._offload.staged_layers(row, up_to)
+            sources: dict[str, torch.Tensor] = {f"k.{i}": t for i, t in enumerate(k_views)}
+            sources.update({f"v.{i}": t for i, t in enumerate(v_views)})
+            sources["index"] = self._index_rows(req, up_to)
+            sources.update(self._state_of(req))
+            ticket = self.cache.reserve(
+                key, [SegmentSpec.like(name, t) for name, t in sources.items()]
+            )
+        except CheckpointTooLarge as exc:
+            logger.warning("prefix cache: %s", exc)
+        except (HostCacheError, RuntimeError):
+            logger.exception("prefix cache: cannot checkpoint %r at %d tokens", req.rid, up_to)
+            self._metrics.publish_errors.inc()
+        if self._agree(int(ticket is not None)) != 1:
+            if ticket is not None:
+                ticket.abort()
+            self._sync_metrics()
+            return False
+        assert ticket is not None
+        try:
+            self._offload.keep_staging_until(ticket.write(sources))
+            ticket.commit()
+        except (HostCacheError, RuntimeError):
+            logger.exception("prefix cache: checkpoint of %r at %d tokens failed", req.rid, up_to)
+            ticket.abort()
+            self._metrics.publish_errors.inc()
+            return False
+        finally:
+            self._sync_metrics()
+        logger.debug(
+            "prefix cache: %r checkpointed at %d tokens (%s)",
+            req.rid,
+            up_to,
+            format_bytes(sum(t.numel() * t.element_size() for t in sources.values())),
+        )
+        return True
+
+    def forget(self, req: Any) -> None:
+        """``req`` gave its row back: drop a load that never reached it."""
+        load = self._loads.pop(req.rid, None)
+        if load is not None:
+            load.lease.release()
+
+    def invalidate(self) -> int:
+        """Drop every checkpoint (a flush); returns how many were matchable."""
+        for load in self._loads.values():
+            load.lease.release()
+        self._loads.clear()
+        dropped = self.cache.invalidate_all()
+        self._sync_metrics()
+        return dropped
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _agree(self, value: int) -> int:
+        """The minimum of ``value`` over the TP ranks (one collective; ``value`` on one rank)."""
+        if self._group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._group)
+        return int(t.item())
+
+    def _group_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
+        """``[T / 4]`` compressed slots of a page-aligned run of ``[T]`` token slots."""
+        return token_slots[:: self._ratio].long() // self._ratio
+
+    def _index_rows(self, req: Any, tokens: int) -> torch.Tensor:
+        """``[L, T / 4, Hi, Di]`` compressed index keys of ``req``'s first ``tokens`` tokens."""
+        row_slots = self._req_to_token.req_to_token[int(req.kv.req_pool_idx), :tokens]
+        groups = self._group_slots(row_slots)
+        return torch.stack([buf[groups] for buf in self._kv_pool.qsa_compressed_k_buffer_pool])
+
+    def _restore_index(self, lease: Lease, slots: torch.Tensor) -> None:
+        spec = lease.match.segment("index")
+        buffers: Sequence[torch.Tensor] = self._kv_pool.qsa_compressed_k_buffer_pool
+        rows = torch.empty(_shape(spec), dtype=buffers[0].dtype, device=buffers[0].device)
+        self.cache.restore(lease, {"index": rows}).wait()
+        groups = self._group_slots(slots.to(buffers[0].device))
+        for layer, buf in enumerate(buffers):
+            buf[groups] = rows[layer]
+
+    def _state_of(self, req: Any) -> dict[str, torch.Tensor]:
+        """``state.<j>`` CPU tensors of ``req``'s recurrent state slot (none without a pool)."""
+        if self._mamba is None:
+            return {}
+        slot = self._req_to_token.translate_mamba_indices(req.kv.mamba_pool_idx.reshape(1))
+        leaves = pytree.tree_leaves(self._mamba.get_cpu_copy(slot))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        return {f"state.{j}": t.contiguous() for j, t in enumerate(tensors)}
+
+    def _restore_state(self, lease: Lease) -> Any:
+        """The leased checkpoint's recurrent state, in the structure ``load_cpu_copy`` takes."""
+        assert self._state_spec is not None
+        targets: dict[str, torch.Tensor] = {}
+        for j in range(sum(self._state_present)):
+            spec = lease.match.segment(f"state.{j}")
+            dtype = getattr(torch, str(spec.dtype).removeprefix("torch."))
+            targets[f"state.{j}"] = torch.empty(_shape(spec), dtype=dtype)
+        self.cache.restore(lease, targets)  # CPU targets: done on return
+        tensors = iter(targets.values())
+        leaves = [next(tensors) if present else None for present in self._state_present]
+        return pytree.tree_unflatten(leaves, self._state_spec)
+
+    def _sync_metrics(self) -> None:
+        self._metrics.update(self.cache.stats())
+
+
+def build_prefix_cache(
+    ctx: Any, tree_cache: Any, offload: OffloadRuntime, *, budget_bytes: int, max_entries: int
+) -> PrefixCacheRuntime:
+    """The prefix cache of one scheduler.
+
+    Args:
+        ctx: SGLang's ``TreeCacheBuildContext``.
+        tree_cache: the ``qsa_hisparse`` tree cache built from it (its page size, pools and
+            allocator are the scheduler's).
+        offload: the model runner's offload runtime.
+        budget_bytes: host bytes for checkpoints on this rank.
+        max_entries: checkpoints kept at most.
+
+    Raises:
+        qsa_hostcache.ArenaAllocationError: the host cannot allocate (or pin) the budget.
+    """
+    from sglang.srt.runtime_context import get_parallel
+
+    runner = ctx.tp_worker.model_runner
+    tp_rank = int(get_parallel().tp_rank)
+    page_size = int(tree_cache.page_size)
+    device = torch.device(runner.device)
+    cache = HostPrefixCache(
+        budget_bytes,
+        max_entries=max_entries,
+        page_size=page_size,
+        device=device if device.type == "cuda" else None,
+    )
+    namespace = cache_namespace_from_sglang(runner.server_args, runner.model_config, tp_rank)
+    runtime = PrefixCacheRuntime(
+        cache,
+        offload,
+        kv_pool=runner.token_to_kv_pool,
+        req_to_token_pool=tree_cache.req_to_token_pool,
+        allocator=tree_cache.token_to_kv_pool_allocator,
+        namespace=namespace,
+        tp_group=getattr(ctx, "tp_group", None),
+        tp_rank=tp_rank,
+    )
+    logger.info(
+        "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens",
+        format_bytes(cache.capacity_bytes),
+        "pinned" if cache.pinned else "pageable",
+        max_entries,
+        page_size,
+    )
+    return runtime
