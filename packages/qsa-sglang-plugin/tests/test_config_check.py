@@ -130,6 +130,30 @@ def test_supported_kv_dtypes_pass(dtype: str) -> None:
     assert check_configuration(dataclasses.replace(GOOD, kv_cache_dtype=dtype), OFFLOAD)
 
 
+PREFIX = parse_switches(
+    {
+        "SGLANG_QSA_MODEL_COMPAT": "1",
+        "SGLANG_QSA_HISPARSE_V3": "p2-offload",
+        "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64",
+    }
+)
+
+
+@pytest.mark.parametrize("chunk", [None, -1, 64, 1024, 8192])
+def test_the_prefix_cache_takes_chunks_of_whole_pages_or_none(chunk: int | None) -> None:
+    assert check_configuration(dataclasses.replace(GOOD, chunked_prefill_size=chunk), PREFIX)
+
+
+@pytest.mark.parametrize("chunk", [1000, 63, 8200])
+def test_the_prefix_cache_refuses_chunks_that_end_inside_a_page(chunk: int) -> None:
+    facts = dataclasses.replace(GOOD, chunked_prefill_size=chunk)
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(facts, PREFIX)
+    assert f"--chunked-prefill-size={chunk}" in str(info.value)
+    assert "a multiple of the page size (64), or -1" in str(info.value)
+    assert check_configuration(facts, OFFLOAD) is not None  # offload alone takes any chunk
+
+
 def test_resident_mode_does_not_need_the_offload_flags() -> None:
     """p2-resident keeps the history on the GPU: no arena to size, no prompt to stage."""
     resident = parse_switches(

@@ -440,3 +440,20 @@ def test_a_flush_drops_every_checkpoint(engines: EnginePool) -> None:
     engine.flush_cache()
     assert _prefix_stat(engine, "ready_entries") == 0
     assert engine.generate(request).cached_tokens == 0
+
+
+def test_an_ignore_eos_request_computes_its_prompt_and_answers_alike(
+    engines: EnginePool,
+) -> None:
+    """SGLang admits ``ignore_eos`` requests past the tree cache when it is disabled
+    (``PrefillAdder.add_one_req``): no load-back, so they recompute, and must still be right."""
+    engine = engines.engine(PREFIX_CACHE)
+    request = GenerateRequest(QWEN.prompt(2100, seed=64), max_new_tokens=8)
+    cold = engine.generate(request)
+    body = request.body()
+    body["sampling_params"] = {**body["sampling_params"], "ignore_eos": True}
+    ignoring = Generation.from_reply(engine.post_json("/generate", body))
+    assert ignoring.cached_tokens == 0
+    assert_same_generation(cold, ignoring, what="ignore_eos against the first run")
+    assert engine.generate(request).cached_tokens == 2 * CHUNK  # the checkpoint is still there
+    assert _live_leases(engine) == 0

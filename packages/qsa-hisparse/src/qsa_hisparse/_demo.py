@@ -204,7 +204,7 @@ def prefix_cache_demo(profile: QSAProfile, *, turns: int, turn_tokens: int, seed
             grid=(1, 32, 32),
         )
         identity = build_prompt_identity(len(tokens), [item], processor=processor, page_size=page)
-        key = PrefixKey(namespace, tokens, page_size=page, page_extras=identity.page_identities)
+        key = PrefixKey(namespace, tokens, page_size=page, page_extras=identity.page_extras)
         match = cache.match(key, max_tokens=len(tokens) - 1)
         outcomes.append((user, match.num_tokens if match is not None else 0))
         cache.publish(

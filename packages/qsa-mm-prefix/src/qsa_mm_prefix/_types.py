@@ -270,15 +270,15 @@ class PromptIdentity:
 
     For a reusable prompt, ``page_identities[p]`` is the extra identity of page ``p`` (tokens
     ``[p·page_size, (p+1)·page_size)``, the last page possibly partial): empty bytes when no image
-    overlaps the page, so text-only pages keep the keys they would have without this package;
-    otherwise a 16-byte digest of the page size and the keys of every image overlapping the page,
+    overlaps the page; otherwise a 16-byte digest of the page size and the keys of every image overlapping the page,
     by position, each with the offset (tokens) of the overlap's first token inside the image; with
     the key's span that fixes the overlap exactly. A page's identity depends
     only on the images that overlap it, so two prompts that differ only after page ``p`` agree on
     pages ``0..p``; the prefix cache's chained page keys carry the earlier pages' identity forward.
 
     A bypassed prompt has no page identities and no image keys; it must never be matched or
-    captured.
+    captured. Give a prefix key :attr:`page_extras`, not ``page_identities``: it leaves text pages
+    out, so they key exactly as the same tokens without images.
 
     Attributes:
         num_tokens: Prompt length (tokens).
@@ -304,6 +304,15 @@ class PromptIdentity:
     def bypass_reason(self) -> BypassReason | None:
         """The bypass class, or ``None`` for a reusable prompt."""
         return None if self.bypass is None else self.bypass.reason
+
+    @property
+    def page_extras(self) -> dict[int, bytes]:
+        """``page -> identity`` of the pages an image overlaps, for a prefix key's page extras.
+
+        Text pages have no entry, so their keys equal those of the same tokens in a prompt
+        without images; a page after an image still differs through the chained page keys.
+        """
+        return {page: extra for page, extra in enumerate(self.page_identities) if extra}
 
     @property
     def num_pages(self) -> int:
