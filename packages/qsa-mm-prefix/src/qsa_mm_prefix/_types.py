@@ -270,9 +270,9 @@ class PromptIdentity:
 
     For a reusable prompt, ``page_identities[p]`` is the extra identity of page ``p`` (tokens
     ``[p·page_size, (p+1)·page_size)``, the last page possibly partial): empty bytes when no image
-    overlaps the page; otherwise a 16-byte digest of the page size and the keys of every image overlapping the page,
-    by position, each with the offset (tokens) of the overlap's first token inside the image; with
-    the key's span that fixes the overlap exactly. A page's identity depends
+    overlaps the page; otherwise a 16-byte digest of the page size and the keys of every image
+    overlapping the page, by position, each with the offset (tokens) of the overlap's first token
+    inside the image; with the key's span that fixes the overlap exactly. A page's identity depends
     only on the images that overlap it, so two prompts that differ only after page ``p`` agree on
     pages ``0..p``; the prefix cache's chained page keys carry the earlier pages' identity forward.
 
