@@ -74,7 +74,13 @@ if TYPE_CHECKING:
     from qsa_hostcache import CacheNamespace
     from qsa_sglang_plugin._adapters._offload import OffloadRuntime
 
-__all__ = ("METRIC_PREFIX", "BypassReason", "PrefixCacheRuntime", "build_prefix_cache")
+__all__ = (
+    "METRIC_PREFIX",
+    "BypassReason",
+    "PrefixCacheRuntime",
+    "agree_min",
+    "build_prefix_cache",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,20 @@ class _Load:
 
     lease: Lease
     slots: torch.Tensor  # [T] int64 KV slots SGLang's allocator gave the prefix
+
+
+def agree_min(value: int, group: Any) -> int:
+    """The minimum of ``value`` over the ranks of ``group`` (one all-reduce on its CPU group).
+
+    Every rank of a TP group calls it with its own view (a hit length, 1 for "I can"); all get the
+    same answer, so a rank-local eviction or a full arena on one rank never splits the ranks.
+    ``group=None`` (one rank) returns ``value``.
+    """
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+    return int(t.item())
 
 
 def _shape(spec: SegmentSpec) -> tuple[int, ...]:
@@ -395,12 +415,7 @@ class PrefixCacheRuntime:
     # ---- internals -------------------------------------------------------------------------------
 
     def _agree(self, value: int) -> int:
-        """The minimum of ``value`` over the TP ranks (one collective; ``value`` on one rank)."""
-        if self._group is None:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._group)
-        return int(t.item())
+        return agree_min(value, self._group)
 
     def _group_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
         """``[T / 4]`` compressed slots of a page-aligned run of ``[T]`` token slots."""
