@@ -35,6 +35,18 @@ def test_arena_is_pinned_where_cuda_exists() -> None:
     assert cache._arena.buffer().is_pinned()
 
 
+@pytest.mark.parametrize("device", ["cuda", torch.device("cuda"), 0, None])
+def test_an_arena_for_cuda_without_an_index_takes_the_current_devices_tensors(
+    device: object,
+) -> None:
+    """``device="cuda"`` (how engines name their device) is the current device, ``cuda:0``."""
+    cache = HostPrefixCache(4 * MIB, block_bytes=MIB, device=device)  # type: ignore[arg-type]
+    segment = torch.arange(1024, device=torch.device("cuda", torch.cuda.current_device()))
+    ticket = cache.publish(key(1), {"segment": segment}, wait=True)
+    assert ticket is not None
+    assert ticket.state is TicketState.PUBLISHED
+
+
 def test_cuda_segments_round_trip_bit_exactly() -> None:
     """fp8, bf16, int64 and a non-contiguous CUDA slice come back identical, to CUDA and CPU."""
     cache = HostPrefixCache(64 * MIB, block_bytes=MIB)

@@ -100,6 +100,9 @@ class HostArena:
             )
             if self._device.type != "cuda":
                 raise DeviceError(f"device must be a CUDA device, got {self._device!r}")
+            index: int | None = self._device.index  # None for "cuda": the current device
+            if index is None:
+                self._device = torch.device("cuda", torch.cuda.current_device())
             self._stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
         start = time.perf_counter()
         try:
