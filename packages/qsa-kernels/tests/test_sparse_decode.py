@@ -141,7 +141,11 @@ def test_fp32_output_is_the_bf16_output_before_its_rounding(kernel_device: str) 
     else:
         assert torch.equal(out32.bfloat16(), out16)
     assert torch.equal(lse32, lse16)
-    torch.testing.assert_close(out32, ref32, atol=1e-3, rtol=1e-3)
+    # On the GPU the kernel rounds the probabilities to bf16 for the P·V product (its tl.dot
+    # operands), one bf16 step (2^-8 relative) per term: the fp32 part is that accurate, no more
+    # (measured on the H200: 2.4e-3 at most).
+    step = 2**-8 if kernel_device == "cuda" else 1e-3
+    torch.testing.assert_close(out32, ref32, atol=step, rtol=step)
     torch.testing.assert_close(lse32, ref_lse, atol=2e-3, rtol=1e-4)
 
 
