@@ -368,6 +368,7 @@ def test_the_same_prompt_twice_reuses_its_checkpoint_and_answers_alike(
     assert _prefix_stat(engine, "loaded_tokens_total") == loaded_before + 2 * CHUNK
     assert _prefix_stat(engine, "bytes_out_total") > 0
     assert _prefix_stat(engine, "load_back_failures_total") == 0
+    assert _prefix_stat(engine, "publish_errors_total") == 0
     assert _live_leases(engine) == 0
     assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
 
@@ -430,6 +431,7 @@ def test_eviction_under_a_small_budget_never_returns_a_wrong_prefix(
         assert_same_generation(want, got, what=f"prompt {request.input_ids[:3]} again")
     assert again[0].cached_tokens == 2 * CHUNK  # the newest checkpoint survived
     assert _prefix_stat(engine, "used_bytes") <= 6 << 20
+    assert _prefix_stat(engine, "publish_errors_total") == 0  # refused for room, never failed
 
 
 def test_a_flush_drops_every_checkpoint(engines: EnginePool) -> None:
