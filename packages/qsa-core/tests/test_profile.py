@@ -165,6 +165,15 @@ def test_kv_dtype_parses_flag_spellings(name: str, dtype: KVDType) -> None:
     assert dtype.itemsize == (2 if dtype is KVDType.BF16 else 1)
 
 
+def test_kv_dtype_spellings_come_from_the_enum() -> None:
+    """The SGLang flag values and torch names of each dtype are the enum's, and parse takes them."""
+    assert KVDType.sglang_flag_values() == ("auto", "bf16", "bfloat16", "fp8_e4m3")
+    assert [d.torch_name for d in KVDType] == ["bfloat16", "float8_e4m3fn"]
+    for dtype in KVDType:
+        for name in (*dtype.sglang_names, dtype.torch_name):
+            assert KVDType.parse(name) is dtype
+
+
 def test_kv_dtype_rejects_unknown_names() -> None:
     """An unknown dtype name lists the allowed ones."""
     with pytest.raises(QSAConfigError, match="'int4' is not supported; allowed"):

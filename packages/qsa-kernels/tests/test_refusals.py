@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from qsa_kernels import KernelInputError, KernelPath
+from qsa_core import KVDType
+from qsa_kernels import KernelInputError, KernelPath, kv_torch_dtype
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
 from qsa_pytest.refusals import any_value, refusal, shows
 
@@ -32,6 +33,14 @@ GEOMETRY: Mapping[str, Any] = {
 def test_a_geometry_is_built_or_refused_naming_the_field_value(field: str, value: object) -> None:
     refused = refusal(OffloadGeometry, {**GEOMETRY, field: value}, KernelInputError)
     assert refused is None or shows(str(refused), value), (field, value, str(refused))
+
+
+def test_kv_dtypes_map_to_torch_in_one_place() -> None:
+    """Each qsa-core KV dtype has its torch dtype; anything else is refused naming the value."""
+    assert kv_torch_dtype(KVDType.BF16) is torch.bfloat16
+    assert kv_torch_dtype(KVDType.FP8_E4M3) is torch.float8_e4m3fn
+    with pytest.raises(KernelInputError, match="kv_dtype='bf16' is not allowed"):
+        kv_torch_dtype("bf16")  # type: ignore[arg-type]
 
 
 def _store() -> OffloadedKV:

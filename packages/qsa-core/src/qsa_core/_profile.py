@@ -39,7 +39,13 @@ DEFAULT_PAGE_SIZE: Final[int] = 64
 
 
 class KVDType(enum.Enum):
-    """Storage dtype of the raw K/V cache (and of the compressed index)."""
+    """Storage dtype of the raw K/V cache (and of the compressed index).
+
+    The one definition of the K/V dtypes QSA serves and their spellings: the value is the
+    ``--kv-cache-dtype`` name, :attr:`sglang_names` every ``--kv-cache-dtype`` value that selects
+    it, :attr:`torch_name` the name torch gives it. qsa-core does not import torch;
+    ``qsa_kernels.kv_torch_dtype`` maps a member to its ``torch.dtype``.
+    """
 
     BF16 = "bf16"
     FP8_E4M3 = "fp8_e4m3"
@@ -49,25 +55,43 @@ class KVDType(enum.Enum):
         """Bytes per element."""
         return 2 if self is KVDType.BF16 else 1
 
+    @property
+    def sglang_names(self) -> tuple[str, ...]:
+        """The ``--kv-cache-dtype`` values that select this dtype (``auto`` aside)."""
+        return ("bf16", "bfloat16") if self is KVDType.BF16 else ("fp8_e4m3",)
+
+    @property
+    def torch_name(self) -> str:
+        """The dtype's name in torch, without the ``torch.`` prefix (``"float8_e4m3fn"``)."""
+        return "bfloat16" if self is KVDType.BF16 else "float8_e4m3fn"
+
+    @classmethod
+    def sglang_flag_values(cls) -> tuple[str, ...]:
+        """Every ``--kv-cache-dtype`` value QSA serves: ``auto``, then each member's names."""
+        return ("auto", *(name for dtype in cls for name in dtype.sglang_names))
+
+    def _parse_names(self) -> tuple[str, ...]:
+        # Also taken by parse: ``auto`` (planned as bf16) and the short fp8 spellings.
+        extra = ("auto",) if self is KVDType.BF16 else ("fp8", "fp8_e4m3fn")
+        names = (*self.sglang_names, *extra, self.torch_name)
+        return tuple(dict.fromkeys(names))
+
     @classmethod
     def parse(cls, name: str) -> KVDType:
         """Parse a dtype name as SGLang flags spell it.
 
         Accepted (case-insensitive): ``bf16``, ``bfloat16``, ``auto`` (BF16); ``fp8_e4m3``,
-        ``fp8``, ``float8_e4m3fn`` (FP8 E4M3).
+        ``fp8``, ``fp8_e4m3fn``, ``float8_e4m3fn`` (FP8 E4M3).
 
         Raises:
             QSAConfigError: for any other name.
         """
         key = name.strip().lower()
-        if key in {"bf16", "bfloat16", "auto"}:
-            return cls.BF16
-        if key in {"fp8_e4m3", "fp8", "float8_e4m3fn", "fp8_e4m3fn"}:
-            return cls.FP8_E4M3
-        msg = (
-            f"kv dtype {name!r} is not supported; allowed: 'bf16', 'bfloat16', 'auto', "
-            "'fp8_e4m3', 'fp8', 'float8_e4m3fn'"
-        )
+        for dtype in cls:
+            if key in dtype._parse_names():
+                return dtype
+        allowed = ", ".join(repr(n) for dtype in cls for n in dtype._parse_names())
+        msg = f"kv dtype {name!r} is not supported; allowed: {allowed}"
         raise QSAConfigError(msg)
 
 

@@ -5,6 +5,7 @@ the same subpackage, computes the same contract with plain torch, and is what te
 compare against.
 """
 
+from qsa_kernels._checks import kv_torch_dtype
 from qsa_kernels._errors import DeviceUnavailableError, KernelInputError, QSAKernelError
 from qsa_kernels._version import __version__
 from qsa_kernels.cp import (
@@ -80,6 +81,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "fetch_selected_blocks",
     "fetch_selected_blocks_reference",
     "gather_selected_kv",
+    "kv_torch_dtype",
     "lse_merge",
     "lse_merge_reference",
     "offload_prompt",

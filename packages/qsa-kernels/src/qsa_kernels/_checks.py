@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from qsa_core import KVDType
 from qsa_kernels._errors import KernelInputError
 
 __all__ = (
@@ -21,12 +22,31 @@ __all__ = (
     "check_ndim",
     "check_same_device",
     "check_unit_last_stride",
+    "kv_torch_dtype",
     "next_pow2",
     "sm_count",
 )
 
-#: K/V element types the decode path accepts.
-KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.bfloat16)
+
+def kv_torch_dtype(kv_dtype: KVDType) -> torch.dtype:
+    """The ``torch.dtype`` that stores K/V of ``kv_dtype`` (the one place a KVDType meets torch).
+
+    Raises:
+        KernelInputError: ``kv_dtype`` is not a :class:`qsa_core.KVDType`.
+    """
+    value: object = kv_dtype  # callers without types pass flag strings
+    if not isinstance(value, KVDType):
+        msg = f"kv_dtype={kv_dtype!r} is not allowed; it must be a qsa_core.KVDType"
+        raise KernelInputError(msg)
+    dtype = getattr(torch, kv_dtype.torch_name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+#: K/V element types the decode path accepts: qsa-core's :class:`~qsa_core.KVDType`, fp8 first.
+KV_DTYPES: tuple[torch.dtype, ...] = tuple(
+    kv_torch_dtype(d) for d in sorted(KVDType, key=lambda d: d.itemsize)
+)
 
 
 def check_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:

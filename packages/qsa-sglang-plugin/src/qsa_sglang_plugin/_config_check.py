@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from qsa_core import QWEN38_FLASH_NEXT, QSAConfigError, QSAProfile
+from qsa_core import QWEN38_FLASH_NEXT, KVDType, QSAConfigError, QSAProfile
 from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import (
     RADIX_CACHE_BACKEND,
@@ -35,8 +35,9 @@ __all__ = (
 SUPPORTED_ARCHITECTURE: Final = "Qwen4ExpForConditionalGeneration"
 #: The page size of the compressed-index pages the kernels address (qsa-core's, 64 tokens).
 SUPPORTED_PAGE_SIZE: Final = QWEN38_FLASH_NEXT.page_size
-#: ``--kv-cache-dtype`` values the QSA kernels take; ``auto`` only with a bfloat16 checkpoint.
-SUPPORTED_KV_CACHE_DTYPES: Final = ("auto", "bf16", "bfloat16", "fp8_e4m3")
+#: ``--kv-cache-dtype`` values the QSA kernels take (qsa-core's :class:`~qsa_core.KVDType`);
+#: ``auto`` only with a bfloat16 checkpoint.
+SUPPORTED_KV_CACHE_DTYPES: Final = KVDType.sglang_flag_values()
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +141,13 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
             ", ".join(repr(d) for d in SUPPORTED_KV_CACHE_DTYPES),
             "the QSA kernels store K/V as bf16 or unscaled fp8 e4m3",
         )
-    if facts.kv_cache_dtype == "auto" and facts.model_dtype != "bfloat16":
+    bf16 = KVDType.BF16.torch_name
+    if facts.kv_cache_dtype == "auto" and facts.model_dtype != bf16:
+        explicit = ", ".join(repr(d) for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto")
         raise _reject(
             "--kv-cache-dtype",
             f"auto (model dtype {facts.model_dtype})",
-            "'auto' with a bfloat16 model, 'bf16', 'bfloat16', 'fp8_e4m3'",
+            f"'auto' with a {bf16} model, {explicit}",
             "'auto' takes the model dtype, and the QSA kernels store K/V as bf16 or fp8 e4m3",
         )
     if Feature.HISPARSE in features:

@@ -11,6 +11,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Final
 
+from qsa_core import KVDType
 from qsa_sglang_plugin._errors import AdapterError
 
 if TYPE_CHECKING:  # qsa_hostcache imports torch; the entry point must stay cheap
@@ -51,17 +52,6 @@ DIGEST_SERVER_FIELDS: Final = (
 #: Keys SGLang writes into the HF config from flags that do not change the bytes
 #: (``--context-length`` is copied to ``context_len``); dropped from the digest.
 IGNORED_CONFIG_KEYS: Final = frozenset({"context_len"})
-
-#: ``--kv-cache-dtype`` spellings -> the storage dtype name torch gives them.
-_KV_DTYPE_NAMES: Final = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp8_e4m3": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2",
-    "float16": "float16",
-    "fp16": "float16",
-    "float32": "float32",
-}
 
 
 def resolved_args(server_args: Any) -> Any:
@@ -108,17 +98,22 @@ def _model_dtype(model_or_hf_config: Any) -> str:
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     """The K/V storage dtype as torch names it: ``auto`` is the model dtype.
 
+    The spellings are :class:`qsa_core.KVDType`'s (the configuration check refuses any other
+    ``--kv-cache-dtype`` before a namespace is made).
+
     Raises:
-        AdapterError: an unknown ``--kv-cache-dtype`` spelling.
+        AdapterError: a ``--kv-cache-dtype`` that is not one of
+            :meth:`qsa_core.KVDType.sglang_flag_values`.
     """
     key = str(kv_cache_dtype).strip().lower()
     if key == "auto":
         return model_dtype
-    if key not in _KV_DTYPE_NAMES:
-        allowed = ", ".join(repr(k) for k in ("auto", *_KV_DTYPE_NAMES))
-        msg = f"--kv-cache-dtype={kv_cache_dtype!r} is not known; allowed: {allowed}"
-        raise AdapterError(msg)
-    return _KV_DTYPE_NAMES[key]
+    for dtype in KVDType:
+        if key in dtype.sglang_names:
+            return dtype.torch_name
+    allowed = ", ".join(repr(k) for k in KVDType.sglang_flag_values())
+    msg = f"--kv-cache-dtype={kv_cache_dtype!r} is not known; allowed: {allowed}"
+    raise AdapterError(msg)
 
 
 def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
