@@ -468,9 +468,13 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The main job on its embedded default: no GPU and no model needed."""
-    _uv_sync(session, "--package", Package.HISPARSE.value)
-    session.run("qsa-hisparse", "demo", *session.posargs)
+    """The memory plan, then a real SGLang engine with the plugin on the tiny model (CPU is fine).
+
+    On a machine without a GPU the engine needs the test harness's stand-ins for SGLang's
+    CUDA-only kernels, so the demo lives in ``qsa-testing`` (``python -m qsa_testing.demo``).
+    """
+    _uv_sync(session, "--package", Package.TESTING.value)
+    session.run("python", "-m", "qsa_testing.demo", *session.posargs)
 
 
 # ==== Linting and typing ==========================================================================

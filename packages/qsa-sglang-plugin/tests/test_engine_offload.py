@@ -105,7 +105,7 @@ def _series(engine: Engine) -> dict[tuple[str, str], float]:
 
 
 def _live_leases(engine: Engine) -> float:
-    return sum(v for (name, _), v in _series(engine).items() if name == "qsa_hisparse_live_leases")
+    return engine.metric("qsa_hisparse_live_leases")
 
 
 def _released(engine: Engine, outcome: str) -> float:
@@ -153,7 +153,7 @@ def _wait_for(condition: Callable[[], bool], seconds: float = 120.0) -> None:
 
 
 def _value(engine: Engine, metric: str) -> float:
-    return sum(v for (name, _), v in _series(engine).items() if name == metric)
+    return engine.metric(metric)
 
 
 def test_offloaded_decode_chooses_upstreams_tokens_within_bf16_noise(

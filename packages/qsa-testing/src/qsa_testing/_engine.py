@@ -13,6 +13,7 @@ import enum
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -61,6 +62,8 @@ ENV_CUDA_GRAPHS: Final = "QSA_TESTING_CUDA_GRAPHS"
 #: ``SGLANG_PLUGINS`` for an engine without the plugin: an allow-list no entry point matches.
 _NO_PLUGINS: Final = "qsa-testing-no-plugins"
 _LOG_TAIL_LINES: Final = 60
+#: One sample line of the Prometheus text format: ``name{labels} value`` (labels optional).
+_SAMPLE: Final = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$", re.M)
 
 
 class Platform(enum.StrEnum):
@@ -393,6 +396,18 @@ class Engine:
     def generate(self, request: GenerateRequest, *, timeout: float = 600.0) -> Generation:
         """One greedy generation."""
         return Generation.from_reply(self.post_json("/generate", request.body(), timeout=timeout))
+
+    def metric(self, name: str) -> float:
+        """The value of Prometheus series ``name`` on ``/metrics``, summed over its label sets.
+
+        ``name`` as exposed (a counter with its ``_total``); 0.0 when no sample is there yet.
+        Needs ``--enable-metrics``.
+        """
+        return sum(
+            float(m.group(2))
+            for m in _SAMPLE.finditer(self.get_text("/metrics"))
+            if m.group(1) == name
+        )
 
     def flush_cache(self) -> None:
         """``POST /flush_cache``; raises when SGLang refuses it."""
