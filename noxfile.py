@@ -30,7 +30,7 @@ import tarfile
 import threading
 import time
 import tomllib
-from typing import IO
+from typing import IO, Final
 
 import nox
 
@@ -274,18 +274,27 @@ def _engine_environment(session: nox.Session) -> dict[str, str]:
     }
 
 
+#: ``nox -s gpu-engine-bench -- [NAME] ...``: the engine benchmarks, by name.
+ENGINE_BENCHMARKS: Final = {
+    "offload": "engine_offload.py",  # offloaded against resident decode and prefill
+    "prefix_cache": "engine_prefix_cache.py",  # warm against cold TTFT of the host prefix cache
+}
+
+
 @nox.session(name="gpu-engine-bench", python=False)
 def gpu_engine_bench(session: nox.Session) -> None:
-    """Offloaded against resident serving in real engines on the GPU machine (a benchmark).
+    """A benchmark in real engines on the GPU machine: ``offload`` (default) or ``prefix_cache``.
 
-    Installs the engine payload as ``gpu-engine`` does and runs
-    ``packages/qsa-sglang-plugin/benchmarks/engine_offload.py``; arguments after ``--`` go
-    to it (``--contexts``, ``--batches``, ``--new-tokens``, ``--deadline``, ``--out``, default
-    ``docs/bench``).
+    Installs the engine payload as ``gpu-engine`` does and runs the named script of
+    ``packages/qsa-sglang-plugin/benchmarks/`` (:data:`ENGINE_BENCHMARKS`); the other arguments
+    after ``--`` go to it (``--contexts``, ``--deadline``, ``--out``, default ``docs/bench``...).
     """
-    env = _engine_environment(session)
-    script = _package_dir(Package.SGLANG_PLUGIN) / "benchmarks" / "engine_offload.py"
     args = list(session.posargs)
+    name = args.pop(0) if args and not args[0].startswith("-") else "offload"
+    if name not in ENGINE_BENCHMARKS:
+        session.error(f"benchmark {name!r} is not known; allowed: {', '.join(ENGINE_BENCHMARKS)}")
+    env = _engine_environment(session)
+    script = _package_dir(Package.SGLANG_PLUGIN) / "benchmarks" / ENGINE_BENCHMARKS[name]
     if "--out" not in args:
         args += ["--out", str(ROOT / "docs" / "bench")]
     if "--workdir" not in args:

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn
 
 from qsa_sglang_plugin._adapters._prefix import agree_min
 
@@ -39,8 +39,8 @@ def _rank(rank: int, world: int, port: int, views: list[int], out: torch.Tensor)
     ],
 )
 def test_every_rank_gets_the_smallest_view(views: list[int]) -> None:
-    out = torch.full((len(views),), -1, dtype=torch.int64).share_memory_()
-    mp.spawn(_rank, args=(len(views), _free_port(), views, out), nprocs=len(views), join=True)
+    out = torch.full((len(views),), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+    spawn(_rank, args=(len(views), _free_port(), views, out), nprocs=len(views), join=True)  # type: ignore[no-untyped-call]
     assert out.tolist() == [min(views)] * len(views)
 
 

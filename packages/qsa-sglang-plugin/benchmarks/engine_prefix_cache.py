@@ -1,0 +1,217 @@
+"""Benchmark the host prefix cache in a real SGLang 0.5.23 engine: warm against cold TTFT.
+
+One engine serves the model-shaped tiny Qwen4Exp (the real QSA layer geometry; the rest small)
+with ``p2-offload`` and ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB``, decode CUDA graphs on. For each
+context length ``C`` (a multiple of 64):
+
+1. turn 1: a ``C``-token prompt, one generated token (its prompt end is checkpointed);
+2. cold: the turn-2 prompt (turn 1 plus ``--suffix`` new tokens) under another ``cache_salt``, so
+   nothing matches: every token is prefilled;
+3. warm: the same turn-2 prompt under turn 1's salt: ``C`` tokens come from the host prefix cache
+   (``cached_tokens`` is checked), only the suffix is prefilled.
+
+Reported per context: the cold and warm time to first token (the request's wall time with one
+generated token: admission, prefill or restore plus suffix, one sampling step), their ratio, the
+checkpoint bytes restored and the bytes per second of the warm request's whole wall time (a lower
+bound on the restore bandwidth; the library's own restore benchmark, ``bench_hostcache.py``,
+measures the copy alone against a pinned host-to-device copy). Greedy tokens of cold and warm must
+agree.
+
+Writes ``<out>/engine_prefix_cache.md`` and ``.json`` after every context. Needs CUDA and SGLang:
+``nox -s gpu-engine-bench -- prefix_cache ...`` runs it on the GPU machine with the engine
+payload; exits with status 77 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import platform
+import sys
+import tempfile
+import time
+from typing import Any
+
+_SKIPPED = 77
+_PAGE = 64
+
+
+@dataclasses.dataclass
+class Row:
+    """One context length's measurement."""
+
+    context: int
+    suffix: int
+    cold_ttft_s: float
+    warm_ttft_s: float
+    cached_tokens: int
+    restored_bytes: int
+    same_tokens: bool
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="32768,131072,262144", help="turn-1 prompt lengths")
+    parser.add_argument("--suffix", type=int, default=64, help="new tokens of turn 2")
+    parser.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
+    parser.add_argument("--budget-mb", type=int, default=32768, help="prefix cache MiB")
+    parser.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared")
+    parser.add_argument(
+        "--deadline", type=float, default=float("inf"), help="seconds; no context starts after it"
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
+    parser.add_argument("--workdir", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    bad = [c for c in args.contexts if c < _PAGE or c % _PAGE]
+    if bad:
+        parser.error(f"--contexts {bad!r} are not allowed; allowed: multiples of {_PAGE}")
+    for flag, value in (("--suffix", args.suffix), ("--chunk", args.chunk)):
+        if value < 1:
+            parser.error(f"{flag} {value!r} is not allowed; allowed: a positive integer")
+    if args.chunk % _PAGE:
+        parser.error(f"--chunk {args.chunk!r} is not allowed; allowed: a multiple of {_PAGE}")
+    return args
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from qsa_testing import EngineConfig, tiny_qwen4_exp
+
+    longest = max(args.contexts) + args.suffix + args.new_tokens + 64
+    model = tiny_qwen4_exp(model_shaped=True, max_position_embeddings=longest)
+    return EngineConfig(
+        model,
+        switches={
+            "SGLANG_QSA_MODEL_COMPAT": "1",
+            "SGLANG_QSA_HISPARSE_V3": "p2-offload",
+            "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": str(args.budget_mb),
+        },
+        server_args={
+            "context_length": longest,
+            "max_running_requests": 2,
+            "prefill_max_requests": 1,
+            "disable_overlap_schedule": True,
+            "max_total_tokens": 2 * longest,
+            "chunked_prefill_size": args.chunk,
+            "disable_cuda_graph": False,
+            "cuda_graph_backend_prefill": "disabled",
+            "radix_cache_backend": "qsa_hisparse",
+            "enable_metrics": True,
+        },
+    )
+
+
+def _timed(engine: Any, request: Any) -> tuple[Any, float]:
+    started = time.monotonic()
+    reply = engine.generate(request, timeout=1800.0)
+    return reply, time.monotonic() - started
+
+
+def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
+    from qsa_testing import GenerateRequest
+
+    model = engine.config.model
+    turn1 = model.prompt(context, seed=context)
+    turn2 = turn1 + model.prompt(args.suffix, seed=context + 1)
+    salt = f"turn-{context}"
+
+    def request(new_tokens: int, cache_salt: str) -> Any:
+        return GenerateRequest(turn2, new_tokens, top_logprobs=0, cache_salt=cache_salt)
+
+    engine.generate(GenerateRequest(turn1, 1, top_logprobs=0, cache_salt=salt), timeout=1800.0)
+    cold, cold_ttft = _timed(engine, request(1, f"cold-{salt}"))  # another salt: nothing matches
+    before = engine.metric("qsa_hisparse_prefix_cache_bytes_out_total")
+    warm, warm_ttft = _timed(engine, request(1, salt))
+    restored = int(engine.metric("qsa_hisparse_prefix_cache_bytes_out_total") - before)
+    if cold.cached_tokens != 0 or warm.cached_tokens != context:
+        msg = (
+            f"{context}-token turn: cached tokens cold {cold.cached_tokens}, warm "
+            f"{warm.cached_tokens}; expected 0 and {context}"
+        )
+        raise RuntimeError(msg)
+    # The tokens compared: a few greedy steps of each (TTFT above is one step only).
+    cold_tokens = engine.generate(request(args.new_tokens, f"cold2-{salt}"), timeout=1800.0)
+    warm_tokens = engine.generate(request(args.new_tokens, salt), timeout=1800.0)
+    return Row(
+        context,
+        args.suffix,
+        cold_ttft,
+        warm_ttft,
+        warm.cached_tokens,
+        restored,
+        cold_tokens.output_ids == warm_tokens.output_ids,
+    )
+
+
+def _write(out: pathlib.Path, rows: list[Row]) -> None:
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    command = " ".join(sys.argv)
+    data = {
+        "machine": {"gpu": device, "torch": torch.__version__, "python": platform.python_version()},
+        "command": command,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+    (out / "engine_prefix_cache.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    lines = [
+        "# Host prefix cache: warm against cold time to first token, a real SGLang 0.5.23 engine",
+        "",
+        f"GPU {device}, torch {torch.__version__}; the model-shaped tiny Qwen4Exp (one QSA layer "
+        "of the real geometry) with p2-offload and the host prefix cache, decode CUDA graphs on. "
+        f"`{command}`; written by `packages/qsa-sglang-plugin/benchmarks/engine_prefix_cache.py`.",
+        "",
+        "| turn-1 tokens | new tokens | cold TTFT s | warm TTFT s | cold / warm | cached tokens "
+        "| restored MiB | restored MiB/s of warm wall | same greedy tokens |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        mib = r.restored_bytes / (1 << 20)
+        lines.append(
+            f"| {r.context:,} | {r.suffix} | {r.cold_ttft_s:.3f} | {r.warm_ttft_s:.3f} | "
+            f"{r.cold_ttft_s / r.warm_ttft_s:.1f} | {r.cached_tokens:,} | {mib:,.1f} | "
+            f"{mib / r.warm_ttft_s:,.0f} | {'yes' if r.same_tokens else 'no'} |"
+        )
+    (out / "engine_prefix_cache.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str]) -> int:
+    """Start the engine, measure every context, write the report."""
+    args = _parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("engine_prefix_cache: needs a CUDA device; skipped", file=sys.stderr)
+        return _SKIPPED
+    from qsa_testing import GenerateRequest, start_engine
+
+    started = time.monotonic()
+    workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-prefix-bench-"))
+    with start_engine(_config(args), workdir / "prefix_cache", timeout=900.0) as engine:
+        # Compile every kernel once (prefill with and without a prefix, the restore path).
+        warmup = engine.config.model.prompt(2 * args.chunk, seed=7)
+        for _ in range(2):
+            engine.generate(GenerateRequest(warmup + (11,) * 64, 2, top_logprobs=0))
+        print(f"engine_prefix_cache: engine up after {time.monotonic() - started:.0f} s")
+        rows: list[Row] = []
+        for context in args.contexts:
+            if time.monotonic() - started > args.deadline:
+                print(f"engine_prefix_cache: deadline reached before {context}")
+                break
+            row = _measure(engine, args, context)
+            rows.append(row)
+            print(
+                f"engine_prefix_cache: {context:>7} tokens: cold {row.cold_ttft_s:.3f} s, warm "
+                f"{row.warm_ttft_s:.3f} s ({row.cold_ttft_s / row.warm_ttft_s:.1f}x), "
+                f"{row.restored_bytes / (1 << 20):,.1f} MiB restored",
+                flush=True,
+            )
+            _write(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
