@@ -459,3 +459,22 @@ def test_an_ignore_eos_request_computes_its_prompt_and_answers_alike(
     assert_same_generation(cold, ignoring, what="ignore_eos against the first run")
     assert engine.generate(request).cached_tokens == 2 * CHUNK  # the checkpoint is still there
     assert _live_leases(engine) == 0
+
+
+def test_a_new_weights_version_drops_every_checkpoint_without_a_flush(
+    engines: EnginePool,
+) -> None:
+    """Weights changed by any route SGLang names with a version (``/update_weight_version``,
+    ``weight_version`` of an update that asks not to flush) are never served old checkpoints."""
+    engine = engines.engine(PREFIX_CACHE)
+    request = GenerateRequest(QWEN.prompt(2100, seed=65), max_new_tokens=4)
+    engine.generate(request)
+    assert engine.generate(request).cached_tokens == 2 * CHUNK
+    reply = engine.post_json(
+        "/update_weight_version", {"new_version": "v2", "abort_all_requests": False}
+    )
+    assert reply["success"], reply
+    assert engine.generate(request).cached_tokens == 0
+    assert engine.generate(request).cached_tokens == 2 * CHUNK  # checkpointed anew under v2
+    log = engine.log_path.read_text(encoding="utf-8", errors="replace")
+    assert "prefix cache: weights 'v2' replaced 'default'" in log

@@ -43,7 +43,9 @@ with images, embeddings or other inputs the token ids do not name are not matche
 load-back and publish is agreed by one MIN over the TP group's CPU group, so a rank-local eviction
 never splits the ranks.
 
-``flush_cache`` (and SGLang's weight updates, which flush) drop every checkpoint.
+``flush_cache`` (SGLang's weight updates flush by default) drops every checkpoint, and so does a
+new weights version (``weight_version`` of an update, also one that asks not to flush): a
+checkpoint never outlives the weights that computed it, as far as SGLang names them.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -203,6 +205,8 @@ class PrefixCacheRuntime:
         namespace: this rank's namespace without a request's salt.
         tp_group: SGLang's TP ``GroupCoordinator`` (``None`` or one rank: no agreement needed).
         tp_rank: this rank, for the metrics' labels.
+        weight_version: the served weights' version now (SGLang's ``weight_version``); read
+            before every lookup and publish.
     """
 
     def __init__(
@@ -216,8 +220,11 @@ class PrefixCacheRuntime:
         namespace: CacheNamespace,
         tp_group: Any = None,
         tp_rank: int = 0,
+        weight_version: Callable[[], object] = lambda: None,
     ) -> None:
         self.cache = cache
+        self._weight_version = weight_version
+        self._weights = weight_version()
         self._offload = offload
         self._kv_pool = kv_pool
         self._req_to_token = req_to_token_pool
@@ -270,6 +277,7 @@ class PrefixCacheRuntime:
             req: SGLang's ``Req``.
             tokens: the ids SGLang matches (at most the prompt less its last token).
         """
+        self._check_weights()
         reason = self.bypass_reason(req)
         if reason is not None:
             self._metrics.bypassed[reason].inc()
@@ -353,6 +361,7 @@ class PrefixCacheRuntime:
             finish); False when it was skipped (not page-aligned, bypassed, already cached, no
             room on some rank) or failed (logged; the request is served either way).
         """
+        self._check_weights()
         if up_to < self.cache.page_size or up_to % self.cache.page_size:
             return False
         if self.bypass_reason(req) is not None:
@@ -413,6 +422,19 @@ class PrefixCacheRuntime:
         return dropped
 
     # ---- internals -------------------------------------------------------------------------------
+
+    def _check_weights(self) -> None:
+        """Drop every checkpoint once the served weights' version changed."""
+        now = self._weight_version()
+        if now != self._weights:
+            dropped = self.invalidate()
+            logger.info(
+                "prefix cache: weights %r replaced %r; %d checkpoints dropped",
+                now,
+                self._weights,
+                dropped,
+            )
+            self._weights = now
 
     def _agree(self, value: int) -> int:
         return agree_min(value, self._group)
@@ -478,7 +500,7 @@ def build_prefix_cache(
     Raises:
         qsa_hostcache.ArenaAllocationError: the host cannot allocate (or pin) the budget.
     """
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import get_parallel, get_serving
 
     runner = ctx.tp_worker.model_runner
     tp_rank = int(get_parallel().tp_rank)
@@ -500,6 +522,7 @@ def build_prefix_cache(
         namespace=namespace,
         tp_group=getattr(ctx, "tp_group", None),
         tp_rank=tp_rank,
+        weight_version=lambda: get_serving().weight_version,
     )
     logger.info(
         "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens",
