@@ -1,16 +1,21 @@
-"""The package's declared surface imports and its version matches the installed metadata."""
+"""The package's declared surface imports, each public name has one import path, and its version
+matches the installed metadata.
+"""
 
-import importlib
 import importlib.metadata
 
 import qsa_core
+from qsa_pytest.public_api import exported_twice, missing_names
 
 
 def test_every_name_in_all_is_importable() -> None:
     """Each name listed in ``__all__`` resolves on the package."""
-    module = importlib.import_module("qsa_core")
-    missing = [name for name in module.__all__ if not hasattr(module, name)]
-    assert missing == []
+    assert missing_names("qsa_core") == []
+
+
+def test_each_public_name_has_one_import_path() -> None:
+    """No object is listed in the ``__all__`` of two public packages (root and subpackages)."""
+    assert exported_twice("qsa_core") == {}
 
 
 def test_version_matches_distribution_metadata() -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from qsa_hostcache import CacheNamespace, HostPrefixCache, PrefixKey
-from qsa_kernels import indexer_topk
+from qsa_kernels.indexer_topk import indexer_topk
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
 
 _INDEX_DIM = 128

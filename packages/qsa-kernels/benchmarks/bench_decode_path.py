@@ -98,7 +98,7 @@ def _time_fetch(
     warm-up steps run eagerly with a step tensor, then one call is captured and replayed with the
     next selection copied into its static input before the timed region.
     """
-    from qsa_kernels import HotCacheTables, fetch_selected_blocks
+    from qsa_kernels.fetch import HotCacheTables, fetch_selected_blocks
 
     dev = torch.device("cuda")
     L, B, S, NB = tables_shape
@@ -211,7 +211,7 @@ def _bench_fetch(res: dict[str, object], rows: list[str], h2d_big: float) -> Non
 
 
 def _bench_writeback(res: dict[str, object], rows: list[str], d2h_big: float) -> None:
-    from qsa_kernels import offload_prompt, writeback_blocks
+    from qsa_kernels.writeback import offload_prompt, writeback_blocks
 
     dev = torch.device("cuda")
     L, T, R, NB = 12, 32768, 2, 8192
@@ -266,7 +266,7 @@ def _bench_writeback(res: dict[str, object], rows: list[str], d2h_big: float) ->
 
 
 def _bench_decode(res: dict[str, object], rows: list[str], hbm: float) -> None:
-    from qsa_kernels import sparse_decode, sparse_decode_reference
+    from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 
     dev = torch.device("cuda")
     out: dict[str, object] = {}

@@ -11,12 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qsa_core import HotCacheState, plan_residency_step
-from qsa_kernels import (
-    HotCacheTables,
-    KernelInputError,
-    fetch_selected_blocks,
-    fetch_selected_blocks_reference,
-)
+from qsa_kernels import KernelInputError
+from qsa_kernels.fetch import HotCacheTables, fetch_selected_blocks, fetch_selected_blocks_reference
 
 DTYPES = [torch.float8_e4m3fn, torch.bfloat16]
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_kernels import KernelInputError, lse_merge, lse_merge_reference, sparse_decode_reference
+from qsa_kernels import KernelInputError
+from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
+from qsa_kernels.sparse_decode import sparse_decode_reference
 
 
 @pytest.mark.parametrize("parts", [1, 3, 7])

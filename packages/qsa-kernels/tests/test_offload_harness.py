@@ -16,8 +16,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from qsa_kernels import KernelPath, expand_blocks, indexer_topk, sparse_decode
+from qsa_kernels import KernelPath
+from qsa_kernels.expand import expand_blocks
+from qsa_kernels.indexer_topk import indexer_topk
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+from qsa_kernels.sparse_decode import sparse_decode
 
 _INDEX_HEADS = 4
 _INDEX_DIM = 128

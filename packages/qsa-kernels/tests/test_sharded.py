@@ -112,9 +112,9 @@ def _single_rank(case: dict[str, torch.Tensor], topk: int) -> dict[str, torch.Te
 def _run_case(
     shard: Any, *, name: str, lengths: tuple[int, ...], topk: int, key_kind: str, path_name: str
 ) -> dict[str, Any]:
+    from qsa_kernels import KernelPath
     from qsa_kernels.sharded import (
         HeadLayout,
-        KernelPath,
         ShardedDecodeBuffers,
         local_index_table,
         owned_token_bound,
@@ -276,9 +276,9 @@ def _write_scenario(seed: int) -> dict[str, Any]:
 
 def _run_writes(shard: Any) -> dict[str, Any]:
     """Route every write of the scenario to its owner; compare shards and a decode step."""
+    from qsa_kernels import KernelPath
     from qsa_kernels.sharded import (
         HeadLayout,
-        KernelPath,
         ShardedDecodeBuffers,
         index_write_targets,
         local_index_table,

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qsa_core import ShardPlacement, topk_reference
+from qsa_kernels import KernelPath
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.indexer_topk import indexer_scores_reference
 from qsa_kernels.sharded import (
     HeadLayout,
-    KernelPath,
     ShardedDecodeBuffers,
     ShardGroup,
     compact_owned_slots,

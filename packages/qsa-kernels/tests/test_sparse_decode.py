@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from qsa_kernels import KernelInputError, sparse_decode, sparse_decode_reference
+from qsa_kernels import KernelInputError
+from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 
 DTYPES = [torch.float8_e4m3fn, torch.bfloat16]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_kernels import (
-    KernelInputError,
+from qsa_kernels import KernelInputError
+from qsa_kernels.writeback import (
     offload_prompt,
     offload_prompt_reference,
     writeback_blocks,

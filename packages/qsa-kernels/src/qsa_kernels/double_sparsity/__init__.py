@@ -8,7 +8,7 @@ and attends exactly over those. This subpackage holds:
 * the options (:class:`DSConfig`) and the calibration file loader (:class:`ChannelConfig`);
 * the label cache (:class:`LabelCache`), preallocated per request row;
 * one layer's decode over a resident K/V store (:func:`ds_decode`, reference beside it), built on
-  :func:`qsa_kernels.sparse_decode` with one token list per KV head;
+  :func:`qsa_kernels.sparse_decode.sparse_decode` with one token list per KV head;
 * DS-Offload (:class:`DSOffloadedKV`): the K/V history in the host arena, the label cache on the
   device, the selected tokens' blocks fetched into the hot cache.
 """

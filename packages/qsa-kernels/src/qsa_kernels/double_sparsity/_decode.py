@@ -66,10 +66,10 @@ def ds_positions(
     """Logical positions each (row, KV head) attends under double sparsity.
 
     A row is dense (attends ``0 .. seq_len - 1`` with every KV head) when
-    ``config.is_dense(seq_len)``: its context is shorter than ``sparse_decode_threshold`` or fits
-    in ``heavy_token_num``. Other rows keep the ``heavy_token_num`` best tokens per KV head by the
-    label score of :func:`qsa_kernels.label_topk_reference`. The decision is per row (the original
-    integration decided per batch, so a short request turned its batch-mates dense).
+    ``config.is_dense(seq_len)``: its context is shorter than ``sparse_decode_threshold`` or fits in
+    ``heavy_token_num``. Other rows keep the ``heavy_token_num`` best tokens per KV head by the
+    label score of :func:`qsa_kernels.ds_label.label_topk_reference`. The decision is per row (the
+    original integration decided per batch, so a short request turned its batch-mates dense).
 
     Args:
         q: ``[B, Hq, D]`` bf16 queries.
@@ -163,9 +163,10 @@ def ds_decode(  # noqa: PLR0917
 ) -> DSDecodeOutput:
     """Double-sparsity decode of one layer over a resident K/V store.
 
-    Selects positions with :func:`ds_positions`, maps them to token slots through
-    ``req_to_token`` and attends exactly over each (row, KV head)'s own tokens with
-    :func:`qsa_kernels.sparse_decode` given ``[B, Hkv, T]`` lists (one launch for all heads).
+    Selects positions with :func:`ds_positions`, maps them to token slots through ``req_to_token``
+    and attends exactly over each (row, KV head)'s own tokens with
+    :func:`qsa_kernels.sparse_decode.sparse_decode` given ``[B, Hkv, T]`` lists (one launch for all
+    heads).
 
     Args:
         q: ``[B, Hq, D]`` bf16 queries.

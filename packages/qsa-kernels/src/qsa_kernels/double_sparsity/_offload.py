@@ -16,10 +16,11 @@ from collections.abc import Sequence
 import torch
 
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels.double_sparsity._config import DSConfig
 from qsa_kernels.double_sparsity._decode import DSDecodeOutput, ds_positions
 from qsa_kernels.double_sparsity._label_cache import LabelCache
-from qsa_kernels.fetch import BLOCK_TOKENS, fetch_selected_blocks
+from qsa_kernels.fetch import fetch_selected_blocks
 from qsa_kernels.lse_merge import lse_merge
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
 from qsa_kernels.sparse_decode import sparse_decode

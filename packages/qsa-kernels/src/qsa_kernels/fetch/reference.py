@@ -23,7 +23,7 @@ def fetch_selected_blocks_reference(
 ) -> torch.Tensor:
     """Make every selected block resident in its hot cache and return the slots (reference).
 
-    Same contract and arguments as :func:`qsa_kernels.fetch_selected_blocks`; implemented one
+    Same contract and arguments as :func:`qsa_kernels.fetch.fetch_selected_blocks`; implemented one
     (request, layer) at a time with Python lists and ``torch`` copies. Also checks what the kernel
     cannot check without a device sync: ids in range and distinct per row, and ``step`` greater
     than every stamp of the touched hot caches. A step tensor is read, then advanced by one, as

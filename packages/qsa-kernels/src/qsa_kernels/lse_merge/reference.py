@@ -14,7 +14,7 @@ def lse_merge_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``P`` partial attention results over disjoint key sets (reference, fp32 math).
 
-    Same contract as :func:`qsa_kernels.lse_merge`.
+    Same contract as :func:`qsa_kernels.lse_merge.lse_merge`.
     """
     check_merge_args(outputs, lse, out_dtype)
     lse32 = lse.float()

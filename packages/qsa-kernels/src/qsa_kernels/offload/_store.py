@@ -29,13 +29,9 @@ import torch
 
 from qsa_kernels._checks import KV_DTYPES
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels._path import KernelPath
-from qsa_kernels.fetch import (
-    BLOCK_TOKENS,
-    HotCacheTables,
-    fetch_selected_blocks,
-    fetch_selected_blocks_reference,
-)
+from qsa_kernels.fetch import HotCacheTables, fetch_selected_blocks, fetch_selected_blocks_reference
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
 from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 from qsa_kernels.writeback import (
@@ -295,7 +291,7 @@ class OffloadedKV:
 
     Shapes: host arena ``[R, L, NB, 2, 4, Hkv, D]`` (pinned where CUDA exists), hot cache
     ``[L, R, S, 2, 4, Hkv, D]``, open-block tails ``[L, R, 1, 2, 4, Hkv, D]`` (device), residency
-    tables :class:`~qsa_kernels.HotCacheTables`. Token counts per row are tracked on the host.
+    tables :class:`~qsa_kernels.fetch.HotCacheTables`. Token counts per row are tracked on the host.
 
     A decode step either appends every layer's token at once (:meth:`append`), or, as a model's
     forward pass produces them, counts the token once (:meth:`advance`) and then writes it layer

@@ -12,7 +12,7 @@ and closed index blocks are routed to their owners (``*_write_targets``, ``write
 
 from qsa_kernels.sharded._attention import owner_sparse_decode, partial_attention_reference
 from qsa_kernels.sharded._buffers import CollectiveBytes, HeadLayout, ShardedDecodeBuffers
-from qsa_kernels.sharded._group import KernelPath, ShardGroup, all_gather_flat, all_to_all_flat
+from qsa_kernels.sharded._group import ShardGroup, all_gather_flat, all_to_all_flat
 from qsa_kernels.sharded._layout import (
     LocalIndexTable,
     compact_owned_slots,
@@ -35,10 +35,9 @@ from qsa_kernels.sharded._writes import (
 )
 
 __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
-    # -- Group, path, transport --
+    # -- Group, transport --
     "CollectiveBytes",
     "HeadLayout",
-    "KernelPath",
     "ShardGroup",
     "ShardedDecodeBuffers",
     "all_gather_flat",

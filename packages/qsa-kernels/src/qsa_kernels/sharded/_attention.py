@@ -4,10 +4,10 @@ The selected blocks expand to token positions (plus the incomplete-group tail), 
 through the request's slot table to logical raw slots, and each rank keeps the slots it owns as
 local slots, compacted to the front of each row (:func:`compact_owned_slots`) so the attention
 kernel runs over a width that shrinks with ``N`` instead of the full ``4 * topk + 3``. Each rank
-computes a partial ``(out, lse)`` over its tokens; the partials (fp32,
-packed ``[..., D + 1]`` with the LSE last) cross the group in one collective and are combined by
-:func:`qsa_kernels.lse_merge` in fp32. The owned token sets are disjoint and cover the selection,
-so the merge equals single-rank attention over the whole selection.
+computes a partial ``(out, lse)`` over its tokens; the partials (fp32, packed ``[..., D + 1]`` with
+the LSE last) cross the group in one collective and are combined by
+:func:`qsa_kernels.lse_merge.lse_merge` in fp32. The owned token sets are disjoint and cover the
+selection, so the merge equals single-rank attention over the whole selection.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def partial_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the valid token slots, kept in fp32 (the partial of one owner).
 
-    Same math as :func:`qsa_kernels.sparse_decode_reference` without the final bf16 cast.
+    Same math as :func:`qsa_kernels.sparse_decode.sparse_decode_reference` without the final bf16
+    cast.
 
     Args:
         q: ``[B, Hq, D]`` bf16.

@@ -1,12 +1,13 @@
 """Exact distributed QSA block top-k: local scoring, local top-k, one all-gather, one merge.
 
-Each rank scores only the compressed blocks it owns (:func:`qsa_kernels.indexer_scores` on its
-local pages), keeps its best ``topk`` as ``(fp32 score, int32 global block id)`` under the
+Each rank scores only the compressed blocks it owns (:func:`qsa_kernels.indexer_topk.indexer_scores`
+on its local pages), keeps its best ``topk`` as ``(fp32 score, int32 global block id)`` under the
 ``qsa_core`` order (score descending, ties to the smaller id, ``-0.0 == +0.0``), all-gathers the
-candidates and merges them with :func:`qsa_kernels.merge_candidates`. Ownership is disjoint and a
-block of the global top-k is in its owner's local top-k, so the merge is the single-rank
-:func:`qsa_kernels.indexer_topk` set on every rank. Every rank always scores: a rank whose own
-blocks number ``<= topk`` still sends their scores, because the global row can hold more.
+candidates and merges them with :func:`qsa_kernels.topk_merge.merge_candidates`. Ownership is
+disjoint and a block of the global top-k is in its owner's local top-k, so the merge is the
+single-rank :func:`qsa_kernels.indexer_topk.indexer_topk` set on every rank. Every rank always
+scores: a rank whose own blocks number ``<= topk`` still sends their scores, because the global row
+can hold more.
 
 Exactness needs each block's score to be computed identically wherever it is scored. The Triton
 scorer computes a block from its key and the query alone (the tile it lands in does not change

@@ -41,8 +41,8 @@ def sparse_decode_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode over selected tokens (reference: gather, then fp32 attention).
 
-    Same contract as :func:`qsa_kernels.sparse_decode`, for ``[B, T]`` and ``[B, Hkv, T]`` token
-    lists alike.
+    Same contract as :func:`qsa_kernels.sparse_decode.sparse_decode`, for ``[B, T]`` and ``[B, Hkv,
+    T]`` token lists alike.
     """
     sm_scale = check_decode_args(q, token_slots, kv_cache, scale, out_dtype)
     B, Hq, D = q.shape

@@ -113,8 +113,8 @@ def sparse_decode(
     list (double sparsity selects per head): ``out = softmax(scale · q · Kᵀ) · V`` and
     ``lse = log Σ exp(scale · q · Kᵀ)`` (natural log). A row with no valid token gets ``out = 0``
     and ``lse = -inf``. Tokens are split across programs (split-K) and the parts merged by
-    :func:`qsa_kernels.lse_merge`; K/V are read in place from the hot cache (FP8 is upcast to
-    bf16 on load, unscaled), the dots run in bf16 with fp32 accumulation.
+    :func:`qsa_kernels.lse_merge.lse_merge`; K/V are read in place from the hot cache (FP8 is upcast
+    to bf16 on load, unscaled), the dots run in bf16 with fp32 accumulation.
 
     Args:
         q: ``[B, Hq, D]`` bf16 queries; Hq a multiple of Hkv (the model's groups are 12 and 24).

@@ -21,8 +21,8 @@ def writeback_blocks_reference(
 ) -> None:
     """Copy ``hot[layers[i], rows[i], slots[i]]`` to ``host_arena[rows[i], layers[i], blocks[i]]``.
 
-    Synchronous reference of :func:`qsa_kernels.writeback_blocks` (same arguments, no stream); an
-    entry whose block is ``-1`` is skipped.
+    Synchronous reference of :func:`qsa_kernels.writeback.writeback_blocks` (same arguments, no
+    stream); an entry whose block is ``-1`` is skipped.
     """
     check_blocks_args(hot, host_arena, rows=rows, layers=layers, slots=slots, blocks=blocks)
     for r, layer, s, b in zip(
@@ -37,7 +37,8 @@ def offload_prompt_reference(
 ) -> int:
     """Pack a prompt's complete blocks into ``host_arena[row, :, first_block:]``; return the count.
 
-    Synchronous reference of :func:`qsa_kernels.offload_prompt` (same arguments, no stream).
+    Synchronous reference of :func:`qsa_kernels.writeback.offload_prompt` (same arguments, no
+    stream).
     """
     n = check_prompt_args(k, v, host_arena, row, first_block)
     L, _, Hkv, D = k.shape

@@ -3,11 +3,11 @@
 Two SGLang objects meet one :class:`OffloadRuntime` per model runner:
 
 - the attention backend, a subclass of upstream's ``QwenSparseAttnBackend`` that the AFTER hook on
-  ``attn_backend_wrapper`` puts in the hybrid GDN backend's full-attention place. Prefill writes
-  the chunk's K/V to one prompt's GPU staging area and attends with upstream's kernels (with a
-  prefix: over the staged prompt); decode appends each layer's new token to the row's open-block
-  tail, writes a block that closes to the host arena, fetches the indexer's selected blocks that
-  miss the hot cache, and attends over hot cache and tail (:class:`qsa_kernels.OffloadedKV`).
+  ``attn_backend_wrapper`` puts in the hybrid GDN backend's full-attention place. Prefill writes the
+  chunk's K/V to one prompt's GPU staging area and attends with upstream's kernels (with a prefix:
+  over the staged prompt); decode appends each layer's new token to the row's open-block tail,
+  writes a block that closes to the host arena, fetches the indexer's selected blocks that miss the
+  hot cache, and attends over hot cache and tail (:class:`qsa_kernels.offload.OffloadedKV`).
   Nothing reads or writes SGLang's full-KV pool, which the BEFORE hook on
   ``QSATokenToKVPool.__init__`` makes a one-page stub, and the AFTER hook on
   ``DefaultPoolConfigurator.__init__`` sizes the pools for the compressed index alone, with
@@ -48,7 +48,8 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from qsa_kernels import BLOCK_TOKENS, KernelInputError, OffloadedKV, OffloadGeometry, RowState
+from qsa_kernels import BLOCK_TOKENS, KernelInputError
+from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
 
