@@ -1,5 +1,9 @@
 """The byte mover: one host tensor allocated up front, and copies between it and caller tensors.
 
+This is the checkpoint arena: flat bytes cut into blocks that checkpoints of any segments share.
+It is not the offload path's request K/V arena (``qsa_kernels.offload.OffloadedKV.host_arena``,
+one fixed row of raw K/V history per request).
+
 The arena knows block ids and byte offsets, never keys. On a machine with CUDA it is pinned and
 every copy to or from a CUDA tensor runs on one side stream, ordered after the caller's current
 stream and signalled by an event; copies to or from CPU tensors are synchronous. Because every

@@ -89,6 +89,9 @@ def _match_of(entry: IndexEntry, cache_id: int) -> Match:
 class Lease:
     """A pin on one checkpoint: while held, the checkpoint is never evicted or freed.
 
+    Not a request lease (that is ``qsa_core.LeaseTable``, a request's offload lifecycle): this
+    pins cached bytes for the time one restore's copies take.
+
     Release it (or leave its ``with`` block) after the restore's copies are enqueued; the arena
     orders any later overwrite of the blocks after those copies.
     """

@@ -1,10 +1,12 @@
 """The offloaded K/V of the QSA layers: host arena, per-request hot caches and open-block tails.
 
 This composes the decode-path kernels into the data path of one rank. Each request row keeps its
-whole raw K/V history in a pinned host arena; the device holds, per (layer, row), a hot cache of
-``S`` block slots governed by the ``qsa_core`` residency contract, plus the open (incomplete) block
-of the row. A decode step of one layer fetches the selected blocks that miss, attends over them in
-the hot cache and over the open block in the tail, and merges the two parts by their LSE.
+whole raw K/V history in a pinned host arena (``host_arena``: the request K/V arena, one fixed row
+per request; not qsa-hostcache's byte arena of prefix checkpoints); the device holds, per (layer,
+row), a hot cache of ``S`` block slots governed by the ``qsa_core`` residency contract, plus the
+open (incomplete) block of the row. A decode step of one layer fetches the selected blocks that
+miss, attends over them in the hot cache and over the open block in the tail, and merges the two
+parts by their LSE.
 
 A decode step is planned on the host (:meth:`OffloadedKV.advance`) into fixed device buffers: the
 step's rows, each new token's tail offset, each row's complete blocks, the block a token closes,
@@ -45,7 +47,13 @@ __all__ = ("KVComparison", "OffloadGeometry", "OffloadedKV", "RowState")
 
 
 class RowState(enum.Enum):
-    """Whether a request row holds a request."""
+    """Occupancy of one request row of the store (its arena row, hot cache and tail).
+
+    ``ACTIVE`` from :meth:`OffloadedKV.admit` to :meth:`OffloadedKV.release`, ``FREE`` otherwise.
+    It is not a request lease: a request's lifecycle (prefill, hand-off, decode, drain) is its
+    :class:`qsa_core.LeaseState` in a :class:`qsa_core.LeaseTable` (the plugin uses the lease's slot
+    as the row).
+    """
 
     FREE = "free"
     ACTIVE = "active"
@@ -289,9 +297,10 @@ class _StepPlan:
 class OffloadedKV:
     """One rank's QSA K/V under host offload (see the module docstring).
 
-    Shapes: host arena ``[R, L, NB, 2, 4, Hkv, D]`` (pinned where CUDA exists), hot cache
-    ``[L, R, S, 2, 4, Hkv, D]``, open-block tails ``[L, R, 1, 2, 4, Hkv, D]`` (device), residency
-    tables :class:`~qsa_kernels.fetch.HotCacheTables`. Token counts per row are tracked on the host.
+    Shapes: host arena (``host_arena``, the request K/V arena) ``[R, L, NB, 2, 4, Hkv, D]`` (pinned
+    where CUDA exists), hot cache ``[L, R, S, 2, 4, Hkv, D]``, open-block tails ``[L, R, 1, 2, 4,
+    Hkv, D]`` (device), residency tables :class:`~qsa_kernels.fetch.HotCacheTables`. Token counts
+    per row are tracked on the host.
 
     A decode step either appends every layer's token at once (:meth:`append`), or, as a model's
     forward pass produces them, counts the token once (:meth:`advance`) and then writes it layer
@@ -473,7 +482,7 @@ class OffloadedKV:
         return KVComparison(tokens * g.layers * g.record_bytes // BLOCK_TOKENS, differing)
 
     def state(self, row: int) -> RowState:
-        """Whether row ``row`` holds a request."""
+        """Whether row ``row`` holds a request (its occupancy, not a lease state)."""
         return self._states[self._check_row(row)]
 
     def release(self, row: int) -> None:
