@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 from qsa_core import LeaseHandle, LeaseState, LeaseTable
+from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._offload import OffloadRuntime, runtime_of
 from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime, build_prefix_cache
 from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND, HiSparseMode, current_switches
@@ -41,21 +42,17 @@ class _Metrics:
     """The lifecycle's Prometheus series, one label set per TP rank."""
 
     def __init__(self, tp_rank: int) -> None:
-        from prometheus_client import Counter, Gauge
-
-        rank = str(tp_rank)
-        self.live = Gauge(
+        make = RankMetrics(tp_rank)
+        self.live = make.gauge(
             "qsa_hisparse_live_leases",
             "Requests holding a QSA HiSparse lease (a KV row) on this TP rank.",
-            labelnames=("tp_rank",),
-            multiprocess_mode="livesum",
-        ).labels(tp_rank=rank)
-        released = Counter(
+        )
+        self.released = make.counters_by(
             "qsa_hisparse_leases_released",
             "QSA HiSparse leases given back, by why the request released its row.",
-            labelnames=("tp_rank", "outcome"),
+            "outcome",
+            LeaseOutcome,
         )
-        self.released = {o: released.labels(tp_rank=rank, outcome=o.value) for o in LeaseOutcome}
 
 
 def _outcome(req: Any) -> LeaseOutcome:

@@ -50,6 +50,7 @@ import torch
 
 from qsa_kernels import BLOCK_TOKENS, KernelInputError
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
+from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
 
@@ -79,18 +80,8 @@ LOG_EVERY_STEPS: Final = 256
 
 class _Metrics:
     def __init__(self, tp_rank: int) -> None:
-        from prometheus_client import Counter, Gauge
-
-        rank = str(tp_rank)
-
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, labelnames=("tp_rank",), multiprocess_mode="livesum").labels(
-                tp_rank=rank
-            )
-
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, labelnames=("tp_rank",)).labels(tp_rank=rank)
-
+        make = RankMetrics(tp_rank)
+        gauge, counter = make.gauge, make.counter
         self.arena_bytes = gauge(
             "qsa_hisparse_host_arena_bytes", "Bytes of the host arena of the QSA layers' K/V."
         )

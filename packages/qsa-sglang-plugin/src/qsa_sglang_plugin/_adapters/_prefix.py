@@ -68,6 +68,7 @@ from qsa_hostcache import (
     PrefixKey,
     SegmentSpec,
 )
+from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._namespace import cache_namespace_from_sglang, request_salt
 from qsa_sglang_plugin._errors import OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes
@@ -135,49 +136,34 @@ class _Metrics:
     """The cache's own counters and occupancy, mirrored into SGLang's Prometheus registry."""
 
     def __init__(self, tp_rank: int) -> None:
-        from prometheus_client import Counter, Gauge
-
-        rank = str(tp_rank)
-        self._series: dict[str, Any] = {}
-        for series in CacheStats.series():
-            metric: Any
-            if series.counter:
-                metric = Counter(f"{METRIC_PREFIX}_{series.name}", series.help, ("tp_rank",))
-            else:
-                metric = Gauge(
-                    f"{METRIC_PREFIX}_{series.name}",
-                    series.help,
-                    ("tp_rank",),
-                    multiprocess_mode="livesum",
-                )
-            self._series[series.name] = metric.labels(tp_rank=rank)
+        make = RankMetrics(tp_rank)
+        self._series: dict[str, Any] = {
+            s.name: (make.counter if s.counter else make.gauge)(f"{METRIC_PREFIX}_{s.name}", s.help)
+            for s in CacheStats.series()
+        }
         self._last: CacheStats | None = None
-        self.publish_errors = Counter(
+        self.publish_errors = make.counter(
             f"{METRIC_PREFIX}_publish_errors",
             "Checkpoints that failed while being written (the request was served).",
-            ("tp_rank",),
-        ).labels(tp_rank=rank)
-        self.loads = Counter(
+        )
+        self.loads = make.counter(
             f"{METRIC_PREFIX}_loads",
             "Requests that resumed from a checkpoint (SGLang counts its tokens as cached).",
-            ("tp_rank",),
-        ).labels(tp_rank=rank)
-        self.loaded_tokens = Counter(
+        )
+        self.loaded_tokens = make.counter(
             f"{METRIC_PREFIX}_loaded_tokens",
             "Prompt tokens served from checkpoints instead of computed.",
-            ("tp_rank",),
-        ).labels(tp_rank=rank)
-        self.load_back_failures = Counter(
+        )
+        self.load_back_failures = make.counter(
             f"{METRIC_PREFIX}_load_back_failures",
             "Hits that could not be loaded back (the request recomputed its prompt).",
-            ("tp_rank",),
-        ).labels(tp_rank=rank)
-        bypassed = Counter(
+        )
+        self.bypassed = make.counters_by(
             f"{METRIC_PREFIX}_bypassed",
             "Requests the prefix cache does not key (not matched, not published), by reason.",
-            ("tp_rank", "reason"),
+            "reason",
+            BypassReason,
         )
-        self.bypassed = {r: bypassed.labels(tp_rank=rank, reason=r.value) for r in BypassReason}
 
     def update(self, stats: CacheStats) -> None:
         for series in CacheStats.series():

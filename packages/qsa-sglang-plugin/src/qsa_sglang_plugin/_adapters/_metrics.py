@@ -1,0 +1,48 @@
+"""Prometheus series of one TP rank, made the one way SGLang's multiprocess registry reads them.
+
+Every series of the plugin carries a ``tp_rank`` label; gauges are summed over the live processes
+(``multiprocess_mode="livesum"``: SGLang serves ``/metrics`` from another process than the
+schedulers that set them).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, TypeVar
+
+__all__ = ("RankMetrics",)
+
+_Label = TypeVar("_Label", bound=enum.Enum)
+
+
+class RankMetrics:
+    """Makes the series of TP rank ``tp_rank``.
+
+    Counters are named without ``_total``; the client adds it on exposition.
+    """
+
+    def __init__(self, tp_rank: int) -> None:
+        self._rank = str(tp_rank)
+
+    def counter(self, name: str, doc: str) -> Any:
+        """A counter of this rank."""
+        from prometheus_client import Counter
+
+        return Counter(name, doc, labelnames=("tp_rank",)).labels(tp_rank=self._rank)
+
+    def gauge(self, name: str, doc: str) -> Any:
+        """A gauge of this rank, summed over live processes."""
+        from prometheus_client import Gauge
+
+        return Gauge(name, doc, labelnames=("tp_rank",), multiprocess_mode="livesum").labels(
+            tp_rank=self._rank
+        )
+
+    def counters_by(
+        self, name: str, doc: str, label: str, values: type[_Label]
+    ) -> dict[_Label, Any]:
+        """One counter of this rank per member of ``values``, labelled ``label=member.value``."""
+        from prometheus_client import Counter
+
+        family = Counter(name, doc, labelnames=("tp_rank", label))
+        return {v: family.labels(tp_rank=self._rank, **{label: v.value}) for v in values}
