@@ -124,6 +124,15 @@ def agree_min(value: int, group: Any) -> int:
     return int(t.item())
 
 
+def _kv_segments(
+    k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The raw K/V segments of a checkpoint, ``k.<i>`` and ``v.<i>`` per QSA layer ``i``."""
+    segments = {f"k.{i}": t for i, t in enumerate(k_layers)}
+    segments.update({f"v.{i}": t for i, t in enumerate(v_layers)})
+    return segments
+
+
 def _shape(spec: SegmentSpec) -> tuple[int, ...]:
     """The shape a segment was published with (this module publishes every segment with one)."""
     if spec.shape is None:
@@ -326,15 +335,10 @@ class PrefixCacheRuntime:
             return
         with load.lease:
             match = load.lease.match
-            k_views, v_views = self._offload.stage_prefix(row, match.num_tokens)
-            targets = {f"k.{i}": t for i, t in enumerate(k_views)}
-            targets.update({f"v.{i}": t for i, t in enumerate(v_views)})
+            targets = _kv_segments(*self._offload.stage_prefix(row, match.num_tokens))
             self.cache.restore(load.lease, targets).wait()
             if self._mamba is not None:
-                assert self._state_spec is not None
-                state = self._restore_state(load.lease)
-                slot = self._req_to_token.translate_mamba_indices(req.kv.mamba_pool_idx.reshape(1))
-                self._mamba.load_cpu_copy(state, slot)
+                self._mamba.load_cpu_copy(self._restore_state(load.lease), self._state_slot(req))
                 req.kv.mamba_needs_clear = False  # SGLang would zero the restored state
         self._sync_metrics()
         logger.debug("prefix cache: %r resumes after %d cached tokens", req.rid, match.num_tokens)
@@ -355,9 +359,7 @@ class PrefixCacheRuntime:
         key = self.key(req, req.full_untruncated_fill_ids[:up_to])
         ticket = None
         try:
-            k_views, v_views = self._offload.staged_layers(row, up_to)
-            sources: dict[str, torch.Tensor] = {f"k.{i}": t for i, t in enumerate(k_views)}
-            sources.update({f"v.{i}": t for i, t in enumerate(v_views)})
+            sources = _kv_segments(*self._offload.staged_layers(row, up_to))
             sources["index"] = self._index_rows(req, up_to)
             sources.update(self._state_of(req))
             ticket = self.cache.reserve(
@@ -448,10 +450,16 @@ class PrefixCacheRuntime:
         """``state.<j>`` CPU tensors of ``req``'s recurrent state slot (none without a pool)."""
         if self._mamba is None:
             return {}
-        slot = self._req_to_token.translate_mamba_indices(req.kv.mamba_pool_idx.reshape(1))
-        leaves = pytree.tree_leaves(self._mamba.get_cpu_copy(slot))
+        leaves = pytree.tree_leaves(self._mamba.get_cpu_copy(self._state_slot(req)))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         return {f"state.{j}": t.contiguous() for j, t in enumerate(tensors)}
+
+    def _state_slot(self, req: Any) -> torch.Tensor:
+        """``[1]`` physical index of ``req``'s recurrent state slot."""
+        slot: torch.Tensor = self._req_to_token.translate_mamba_indices(
+            req.kv.mamba_pool_idx.reshape(1)
+        )
+        return slot
 
     def _restore_state(self, lease: Lease) -> Any:
         """The leased checkpoint's recurrent state, in the structure ``load_cpu_copy`` takes."""
