@@ -95,13 +95,6 @@ CONCURRENT = tuple(
 BF16_NOISE = 2**-5
 
 _MAX_TOKENS = re.compile(r"max_total_num_tokens=(\d+)")
-_SAMPLE = re.compile(r"^(qsa_hisparse_[a-z_]+)\{([^}]*)\} ([0-9.e+-]+)$", re.MULTILINE)
-
-
-def _series(engine: Engine) -> dict[tuple[str, str], float]:
-    """``(metric, labels) -> value`` of this plugin's series on the Prometheus endpoint."""
-    text = engine.get_text("/metrics")
-    return {(m.group(1), m.group(2)): float(m.group(3)) for m in _SAMPLE.finditer(text)}
 
 
 def _live_leases(engine: Engine) -> float:
@@ -109,11 +102,7 @@ def _live_leases(engine: Engine) -> float:
 
 
 def _released(engine: Engine, outcome: str) -> float:
-    return sum(
-        v
-        for (name, labels), v in _series(engine).items()
-        if name == "qsa_hisparse_leases_released_total" and f'outcome="{outcome}"' in labels
-    )
+    return engine.metric("qsa_hisparse_leases_released_total", outcome=outcome)
 
 
 class _Background:

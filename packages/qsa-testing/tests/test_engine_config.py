@@ -14,7 +14,7 @@ from qsa_testing import (
     tiny_llama,
     tiny_qwen4_exp,
 )
-from qsa_testing._engine import _environment, _server_args
+from qsa_testing._engine import _environment, _server_args, sum_samples
 from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, StandIn, boot_directory
 
 
@@ -104,3 +104,20 @@ def test_labels_are_filesystem_safe_and_tell_configurations_apart() -> None:
     labels = [c.label for c in configs]
     assert len(set(labels)) == len(labels)
     assert all("/" not in label and " " not in label for label in labels)
+
+
+def test_metric_sums_the_named_series_over_the_label_sets_asked_for() -> None:
+    text = (
+        "# HELP qsa_x_total x\n# TYPE qsa_x_total counter\n"
+        'qsa_x_total{tp_rank="0",outcome="aborted"} 2.0\n'
+        'qsa_x_total{tp_rank="1",outcome="aborted"} 3.0\n'
+        'qsa_x_total{tp_rank="0",outcome="finished"} 7.0\n'
+        "qsa_x_created 1.7e9\n"
+        "qsa_y 5.0\n"
+    )
+    assert sum_samples(text, "qsa_x_total") == 12.0
+    assert sum_samples(text, "qsa_x_total", outcome="aborted") == 5.0
+    assert sum_samples(text, "qsa_x_total", outcome="aborted", tp_rank="1") == 3.0
+    assert sum_samples(text, "qsa_x_total", outcome="retracted") == 0.0
+    assert sum_samples(text, "qsa_y") == 5.0
+    assert sum_samples(text, "qsa_z") == 0.0

@@ -63,7 +63,9 @@ ENV_CUDA_GRAPHS: Final = "QSA_TESTING_CUDA_GRAPHS"
 _NO_PLUGINS: Final = "qsa-testing-no-plugins"
 _LOG_TAIL_LINES: Final = 60
 #: One sample line of the Prometheus text format: ``name{labels} value`` (labels optional).
-_SAMPLE: Final = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$", re.M)
+_SAMPLE: Final = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN)$", re.M)
+#: One ``label="value"`` pair of a sample (values without escaped quotes, as SGLang's are).
+_LABEL: Final = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"')
 
 
 class Platform(enum.StrEnum):
@@ -315,6 +317,18 @@ class Generation:
         )
 
 
+def sum_samples(text: str, name: str, **labels: str) -> float:
+    """Sum the samples of ``name`` in Prometheus text ``text`` that carry every ``labels`` pair."""
+    total = 0.0
+    for m in _SAMPLE.finditer(text):
+        if m.group(1) != name:
+            continue
+        have = dict(_LABEL.findall(m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -397,17 +411,14 @@ class Engine:
         """One greedy generation."""
         return Generation.from_reply(self.post_json("/generate", request.body(), timeout=timeout))
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, **labels: str) -> float:
         """The value of Prometheus series ``name`` on ``/metrics``, summed over its label sets.
 
-        ``name`` as exposed (a counter with its ``_total``); 0.0 when no sample is there yet.
-        Needs ``--enable-metrics``.
+        ``name`` as exposed (a counter with its ``_total``); ``labels`` keep only the samples that
+        carry each of them (``outcome="aborted"``); 0.0 when no sample is there yet. Needs
+        ``--enable-metrics``.
         """
-        return sum(
-            float(m.group(2))
-            for m in _SAMPLE.finditer(self.get_text("/metrics"))
-            if m.group(1) == name
-        )
+        return sum_samples(self.get_text("/metrics"), name, **labels)
 
     def flush_cache(self) -> None:
         """``POST /flush_cache``; raises when SGLang refuses it."""
