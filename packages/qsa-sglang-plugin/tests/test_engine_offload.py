@@ -83,6 +83,8 @@ SPARSE_PROMPTS = (
     GenerateRequest(QWEN.prompt(5001, seed=2), max_new_tokens=64),
     GenerateRequest(QWEN.prompt(301, seed=3), max_new_tokens=64),
 )
+#: The prompt the host prefix cache serves twice (checkpointed at its 1,024-token chunk ends).
+REPEATED_PROMPT = GenerateRequest(QWEN.prompt(3000, seed=60), max_new_tokens=16)
 #: Three requests that decode side by side (one decode batch of three rows).
 CONCURRENT = tuple(
     GenerateRequest(QWEN.prompt(700 + s, seed=s), max_new_tokens=16) for s in (10, 11, 12)
@@ -148,8 +150,11 @@ def _value(engine: Engine, metric: str) -> float:
 def test_offloaded_decode_chooses_upstreams_tokens_within_bf16_noise(
     engines: EnginePool,
 ) -> None:
-    # The concurrent requests' upstream runs are taken here too, while this engine is up.
-    upstream = engines.generate_all(UPSTREAM_SAME_CHUNKS, SPARSE_PROMPTS + CONCURRENT)
+    # The concurrent requests' and the prefix cache's upstream runs are taken here too, while
+    # this engine is up.
+    upstream = engines.generate_all(
+        UPSTREAM_SAME_CHUNKS, SPARSE_PROMPTS + CONCURRENT + (REPEATED_PROMPT,)
+    )
     upstream = upstream[: len(SPARSE_PROMPTS)]
     offloaded = engines.generate_all(LIFECYCLE, SPARSE_PROMPTS)
     for request, want, got in zip(SPARSE_PROMPTS, upstream, offloaded, strict=True):
@@ -344,8 +349,9 @@ def _prefix_stat(engine: Engine, name: str) -> float:
 def test_the_same_prompt_twice_reuses_its_checkpoint_and_answers_alike(
     engines: EnginePool,
 ) -> None:
+    want = engines.generate(UPSTREAM_SAME_CHUNKS, REPEATED_PROMPT)  # plugin off
     engine = engines.engine(PREFIX_CACHE)
-    request = GenerateRequest(QWEN.prompt(3000, seed=60), max_new_tokens=16)
+    request = REPEATED_PROMPT
     loads_before = _prefix_stat(engine, "loads_total")
     loaded_before = _prefix_stat(engine, "loaded_tokens_total")
     cold = engine.generate(request)
@@ -353,6 +359,7 @@ def test_the_same_prompt_twice_reuses_its_checkpoint_and_answers_alike(
     assert cold.cached_tokens == 0
     assert warm.cached_tokens == 2 * CHUNK
     assert_same_generation(cold, warm, what="warm against cold")
+    assert_same_generation(want, warm, atol=BF16_NOISE, what="warm against upstream")
     assert _prefix_stat(engine, "loads_total") == loads_before + 1
     assert _prefix_stat(engine, "loaded_tokens_total") == loaded_before + 2 * CHUNK
     assert _prefix_stat(engine, "bytes_out_total") > 0
