@@ -232,6 +232,8 @@ _MODEL_ARGS: Final[Mapping[TinyModelKind, Mapping[str, Any]]] = {
     },
     TinyModelKind.LLAMA: {},
 }
+#: Server arguments of an engine whose model takes images: SGLang's processor needs its tokenizer.
+_VISION_ARGS: Final[Mapping[str, Any]] = {"skip_tokenizer_init": False, "enable_multimodal": True}
 #: Stand-ins of every engine: dummy weights that give logprobs varying per step and per prompt.
 _COMMON_STANDINS: Final = frozenset({StandIn.DUMMY_WEIGHT_RANGE})
 _PLATFORM_STANDINS: Final[Mapping[Platform, frozenset[StandIn]]] = {
@@ -260,12 +262,15 @@ class GenerateRequest:
         max_new_tokens: tokens to generate.
         top_logprobs: alternatives returned per generated token (0 for none).
         cache_salt: the request's ``cache_salt`` (prefix caches share only within one salt).
+        image_data: one image per placeholder in ``input_ids``, in order (a URL, a path or a
+            ``data:`` URL: what SGLang's ``image_data`` takes); empty for a text prompt.
     """
 
     input_ids: tuple[int, ...]
     max_new_tokens: int = 8
     top_logprobs: int = 5
     cache_salt: str | None = None
+    image_data: tuple[str, ...] = ()
 
     def body(self) -> dict[str, Any]:
         """The JSON body SGLang's ``/generate`` takes."""
@@ -277,6 +282,8 @@ class GenerateRequest:
         }
         if self.cache_salt is not None:
             body["cache_salt"] = self.cache_salt
+        if self.image_data:
+            body["image_data"] = list(self.image_data)
         return body
 
 
@@ -503,6 +510,8 @@ def _server_args(
     if platform is Platform.CUDA:
         args["disable_cuda_graph"] = not cuda_graphs_requested()
     args.update(_MODEL_ARGS[config.model.kind])
+    if config.model.vision:
+        args.update(_VISION_ARGS)
     args.update(dict(config.server_args))
     args.update(model_path=str(model_path), host="127.0.0.1", port=port)
     return args

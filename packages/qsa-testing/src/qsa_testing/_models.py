@@ -20,6 +20,7 @@ from typing import Any, Final
 
 from qsa_core import QWEN38_FLASH_NEXT, QSAProfile
 from qsa_testing._errors import ModelSpecError
+from qsa_testing._vision import write_processor_files
 
 __all__ = (
     "FIRST_PROMPT_TOKEN",
@@ -53,11 +54,14 @@ class TinyModel:
         name: a short identifier, unique per variant (used as the directory name).
         kind: the architecture.
         config: the full ``config.json`` content (read-only).
+        vision: the model takes images: :meth:`write` adds its tokenizer and processor files, and
+            engines load them (``skip_tokenizer_init=False``, ``enable_multimodal=True``).
     """
 
     name: str
     kind: TinyModelKind
     config: Mapping[str, Any] = field(compare=False)
+    vision: bool = field(default=False, compare=False)
 
     @property
     def text_config(self) -> Mapping[str, Any]:
@@ -74,6 +78,19 @@ class TinyModel:
     def prompt_token_limit(self) -> int:
         """One past the largest token id a prompt uses (specials and vision tokens excluded)."""
         return _IMAGE_TOKEN if self.kind is TinyModelKind.QWEN4_EXP else self.vocab_size
+
+    @property
+    def image_placeholder(self) -> tuple[int, int, int]:
+        """The ids a prompt holds where one image goes: vision start, image pad, vision end.
+
+        The engine's processor expands the pad into one id per merged patch of the image.
+        """
+        if not self.vision:
+            msg = f"model {self.name!r} takes no images"
+            raise ModelSpecError(msg)
+        fields = ("vision_start_token_id", "image_token_id", "vision_end_token_id")
+        start, pad, end = (int(self.config[f]) for f in fields)
+        return start, pad, end
 
     def qsa_profile(self) -> QSAProfile:
         """The QSA geometry SGLang will see (raises for a model without QSA layers)."""
@@ -100,6 +117,8 @@ class TinyModel:
         target = path / "config.json"
         if not target.exists() or target.read_text(encoding="utf-8") != text:
             target.write_text(text, encoding="utf-8")
+        if self.vision:
+            write_processor_files(self.config, path)
         return path
 
 
@@ -125,7 +144,11 @@ def _mrope_section(head_dim: int, partial_rotary_factor: float) -> list[int]:
 
 
 def tiny_qwen4_exp(
-    *, kv_heads: int = 2, model_shaped: bool = False, max_position_embeddings: int = 8192
+    *,
+    kv_heads: int = 2,
+    model_shaped: bool = False,
+    max_position_embeddings: int = 8192,
+    vision: bool = False,
 ) -> TinyModel:
     """A Qwen4Exp with 3 Gated DeltaNet layers and 1 QSA layer (layer 3).
 
@@ -135,6 +158,8 @@ def tiny_qwen4_exp(
             instead of 4 query heads of dim 64; the width of the rest stays small.
         max_position_embeddings: the longest context the config allows (262,144 for checks of
             the real model's capacity plan; engines here use 4,096).
+        vision: engines take images for it (its tokenizer and processor are written too; the
+            weights are the same either way: the config always has its vision tower).
 
     Raises:
         ModelSpecError: ``kv_heads`` is not 1 or 2.
@@ -219,7 +244,9 @@ def tiny_qwen4_exp(
     name = f"qwen4exp-{shape}-kv{kv_heads}"
     if max_position_embeddings != 8192:
         name += f"-ctx{max_position_embeddings}"
-    return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config))
+    if vision:
+        name += "-vl"
+    return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config), vision=vision)
 
 
 def tiny_llama() -> TinyModel:
