@@ -8,6 +8,7 @@ schedulers that set them).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 __all__ = ("RankMetrics",)
@@ -39,7 +40,7 @@ class RankMetrics:
         )
 
     def counters_by(
-        self, name: str, doc: str, label: str, values: type[_Label]
+        self, name: str, doc: str, label: str, values: Iterable[_Label]
     ) -> dict[_Label, Any]:
         """One counter of this rank per member of ``values``, labelled ``label=member.value``."""
         from prometheus_client import Counter

@@ -31,6 +31,7 @@ from qsa_sglang_plugin._errors import AdapterError
 __all__ = (
     "SGLangBypass",
     "SGLangBypassReason",
+    "engine_processor_fingerprint",
     "mm_items_from_sglang",
     "processor_fingerprint_from_sglang",
     "prompt_identity_from_sglang",
@@ -172,6 +173,57 @@ def processor_fingerprint_from_sglang(
     kind = type(processor)
     version = f"transformers=={_dist_version('transformers')};sglang=={_dist_version('sglang')}"
     return ProcessorFingerprint.create(f"{kind.__module__}.{kind.__qualname__}", version, args)
+
+
+def engine_processor_fingerprint(
+    server_args: Any, model_config: Any
+) -> ProcessorFingerprint | None:
+    """The fingerprint of the image processor this engine's requests go through, if any.
+
+    Call it in a scheduler process (SGLang's runtime context is published): it loads the Hugging
+    Face processor with the arguments SGLang's scheduler loads it with, and fingerprints its image
+    processor with the checkpoint config and the settings SGLang applies around it (the
+    image-processor backend, the feature transport).
+
+    Args:
+        server_args: the engine's ``ServerArgs``.
+        model_config: the engine's ``ModelConfig``.
+
+    Returns:
+        ``None`` for a model without images, an engine that skips its tokenizer (no processor
+        runs there) or a processor that does not load (logged): image prompts then bypass.
+    """
+    if not getattr(model_config, "is_multimodal", False) or server_args.skip_tokenizer_init:
+        return None
+    from sglang.srt.runtime_context import get_mm, get_model, get_serving
+    from sglang.srt.utils.hf_transformers_utils import (
+        get_processor,
+        resolve_image_processor_backend,
+    )
+
+    serving, model = get_serving(), get_model()
+    backend = resolve_image_processor_backend(get_mm())
+    try:
+        processor = get_processor(
+            serving.tokenizer_path,
+            tokenizer_mode=serving.tokenizer_mode,
+            trust_remote_code=model.trust_remote_code,
+            revision=model.revision,
+            image_processor_backend=backend,
+            tokenizer_backend=serving.tokenizer_backend,
+            model_name=model.model_path,
+        )
+    except Exception:  # whatever the loader raises: images bypass, text prompts are unaffected
+        logger.exception("image prompts will not be reused: their processor does not load")
+        return None
+    return processor_fingerprint_from_sglang(
+        getattr(processor, "image_processor", processor),
+        hf_config=model_config.hf_config,
+        extra={
+            "image_processor_backend": str(backend),
+            "mm_feature_transport": str(getattr(server_args, "mm_feature_transport", None)),
+        },
+    )
 
 
 def _grid(item: Any) -> tuple[int, int, int] | str | None:

@@ -37,11 +37,14 @@ Not stored: the indexer's pending key ring and RoPE ring. ``T`` is a multiple of
 before compression reads them.
 
 Keys: :func:`cache_namespace_from_sglang` (model, weights, every flag that changes the bytes, TP
-rank) with the request's ``cache_salt``, LoRA id and ``extra_key``, over every token id. Requests
-with images, embeddings or other inputs the token ids do not name are not matched or published
-(``qsa_hisparse_prefix_cache_bypassed_total{reason}``). With several TP ranks, each hit length,
-load-back and publish is agreed by one MIN over the TP group's CPU group, so a rank-local eviction
-never splits the ranks.
+rank) with the request's ``cache_salt``, LoRA id and ``extra_key``, over every token id. A page an
+image overlaps also carries that image's identity (:func:`prompt_identity_from_sglang`: content,
+preprocessing, order, position, grid), so the same token ids with another picture never match; a
+page without an image keys exactly as the same tokens of a text prompt. Requests with video,
+audio, precomputed features, embeddings or other inputs the key cannot name are not matched or
+published (``qsa_hisparse_prefix_cache_bypassed_total{reason}``, and a log line). With several TP
+ranks, each hit length, load-back and publish is agreed by one MIN over the TP group's CPU group,
+so a rank-local eviction never splits the ranks.
 
 ``flush_cache`` (SGLang's weight updates flush by default) drops every checkpoint, and so does a
 new weights version (``weight_version`` of an update, also one that asks not to flush): a
@@ -53,7 +56,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -68,7 +72,15 @@ from qsa_hostcache import (
     PrefixKey,
     SegmentSpec,
 )
+from qsa_mm_prefix import MultimodalPrefixError, ProcessorFingerprint
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
+from qsa_sglang_plugin._adapters._multimodal import (
+    SGLangBypass,
+    SGLangBypassReason,
+    engine_processor_fingerprint,
+    prompt_identity_from_sglang,
+    spatial_merge_size_of,
+)
 from qsa_sglang_plugin._adapters._namespace import cache_namespace_from_sglang, request_salt
 from qsa_sglang_plugin._errors import OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes
@@ -80,6 +92,7 @@ if TYPE_CHECKING:
 __all__ = (
     "METRIC_PREFIX",
     "BypassReason",
+    "ImageKeying",
     "PrefixCacheRuntime",
     "agree_min",
     "build_prefix_cache",
@@ -92,14 +105,35 @@ METRIC_PREFIX: Final = "qsa_hisparse_prefix_cache"
 
 
 class BypassReason(enum.StrEnum):
-    """Why a request is neither matched nor published."""
+    """Why a request is neither matched nor published, besides its media (:data:`Bypass`)."""
 
-    MULTIMODAL = "multimodal"
-    """Image, video or audio inputs: their identities are not in the key yet."""
-    INPUT_EMBEDS = "input_embeds"
+    INPUT_EMBEDS = "input-embeds"
     """Embeddings given instead of token ids."""
-    EMBED_OVERRIDES = "embed_overrides"
+    EMBED_OVERRIDES = "embed-overrides"
     """Positional embedding overrides: the same ids carry other vectors."""
+    NO_PROCESSOR = "no-processor"
+    """Media, but no processor fingerprint on this engine (its tokenizer is skipped)."""
+    INVALID_MULTIMODAL = "invalid-multimodal"
+    """Media items whose spans or grids contradict the prompt (logged as an engine bug)."""
+
+
+#: Why a request is not keyed: one of the cache's own reasons or a media item's.
+Bypass = BypassReason | SGLangBypassReason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImageKeying:
+    """What an image's identity needs from the engine, besides the request.
+
+    Attributes:
+        processor: the fingerprint of the processor that turned pictures into pixel values and
+            placeholder tokens (:func:`engine_processor_fingerprint`).
+        spatial_merge_size: the vision tower's patch merge, to check each span against its grid
+            (``None``: not checked).
+    """
+
+    processor: ProcessorFingerprint
+    spatial_merge_size: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -171,7 +205,7 @@ class _Metrics:
             f"{METRIC_PREFIX}_bypassed",
             "Requests the prefix cache does not key (not matched, not published), by reason.",
             "reason",
-            BypassReason,
+            [*BypassReason, *SGLangBypassReason],
         )
 
     def update(self, stats: CacheStats) -> None:
@@ -202,6 +236,7 @@ class PrefixCacheRuntime:
         tp_rank: this rank, for the metrics' labels.
         weight_version: the served weights' version now (SGLang's ``weight_version``); read
             before every lookup and publish.
+        images: what image identities need (``None``: image prompts bypass, ``no-processor``).
     """
 
     def __init__(
@@ -216,8 +251,15 @@ class PrefixCacheRuntime:
         tp_group: Any = None,
         tp_rank: int = 0,
         weight_version: Callable[[], object] = lambda: None,
+        images: ImageKeying | None = None,
     ) -> None:
         self.cache = cache
+        self._images = images
+        # Each request's page identities, computed once at its first lookup (its media features
+        # are released when it finishes); an entry lives as long as SGLang's Req.
+        self._keyings: weakref.WeakKeyDictionary[Any, Mapping[int, bytes] | Bypass] = (
+            weakref.WeakKeyDictionary()
+        )
         self._weight_version = weight_version
         self._weights = weight_version()
         self._offload = offload
@@ -241,18 +283,25 @@ class PrefixCacheRuntime:
 
     # ---- keys ------------------------------------------------------------------------------------
 
-    def bypass_reason(self, req: Any) -> BypassReason | None:
-        """Why ``req`` cannot be keyed by its token ids, or ``None`` when it can."""
-        if getattr(req, "multimodal_inputs", None) is not None:
-            return BypassReason.MULTIMODAL
-        if getattr(req, "input_embeds", None) is not None:
-            return BypassReason.INPUT_EMBEDS
-        if getattr(req, "positional_embed_overrides", None) is not None:
-            return BypassReason.EMBED_OVERRIDES
-        return None
+    def bypass_reason(self, req: Any) -> Bypass | None:
+        """Why ``req`` cannot be keyed, or ``None`` when it can."""
+        keying = self._keying(req)
+        return None if isinstance(keying, Mapping) else keying
 
     def key(self, req: Any, tokens: Any) -> PrefixKey:
-        """The key of ``tokens`` (``req``'s first token ids) in ``req``'s namespace."""
+        """The key of ``tokens`` (``req``'s first token ids) in ``req``'s namespace.
+
+        The pages ``tokens`` covers carry the identities of the images they overlap.
+
+        Raises:
+            OffloadRuntimeError: ``req`` bypasses (:meth:`bypass_reason`).
+        """
+        keying = self._keying(req)
+        if not isinstance(keying, Mapping):
+            msg = f"request {req.rid!r} is not keyed ({keying.value}); it has no prefix key"
+            raise OffloadRuntimeError(msg)
+        pages = -(-len(tokens) // self.cache.page_size)
+        extras = {page: extra for page, extra in keying.items() if page < pages}
         salt = request_salt(
             cache_salt=getattr(req, "cache_salt", None),
             lora_id=getattr(req, "lora_id", None),
@@ -261,7 +310,7 @@ class PrefixCacheRuntime:
         namespace = (
             self._namespace if salt is None else dataclasses.replace(self._namespace, salt=salt)
         )
-        return PrefixKey(namespace, tokens, page_size=self.cache.page_size)
+        return PrefixKey(namespace, tokens, page_size=self.cache.page_size, page_extras=extras)
 
     # ---- SGLang's calls --------------------------------------------------------------------------
 
@@ -273,9 +322,7 @@ class PrefixCacheRuntime:
             tokens: the ids SGLang matches (at most the prompt less its last token).
         """
         self._check_weights()
-        reason = self.bypass_reason(req)
-        if reason is not None:
-            self._metrics.bypassed[reason].inc()
+        if self.bypass_reason(req) is not None:
             return self._agree(0)
         found = 0
         if len(tokens) >= self.cache.page_size:
@@ -411,6 +458,42 @@ class PrefixCacheRuntime:
 
     # ---- internals -------------------------------------------------------------------------------
 
+    def _keying(self, req: Any) -> Mapping[int, bytes] | Bypass:
+        """``req``'s page extras (``page -> image identity``), or why it bypasses; memoised."""
+        keying = self._keyings.get(req)
+        if keying is None:
+            keying = self._keying_of(req)
+            self._keyings[req] = keying
+            if not isinstance(keying, Mapping):
+                self._metrics.bypassed[keying].inc()
+                logger.info("prefix cache: %r is not reused (%s)", req.rid, keying.value)
+        return keying
+
+    def _keying_of(self, req: Any) -> Mapping[int, bytes] | Bypass:
+        if getattr(req, "input_embeds", None) is not None:
+            return BypassReason.INPUT_EMBEDS
+        if getattr(req, "positional_embed_overrides", None) is not None:
+            return BypassReason.EMBED_OVERRIDES
+        if getattr(req, "multimodal_inputs", None) is None:
+            return {}
+        if self._images is None:
+            return BypassReason.NO_PROCESSOR
+        try:
+            identity = prompt_identity_from_sglang(
+                req,
+                processor=self._images.processor,
+                page_size=self.cache.page_size,
+                spatial_merge_size=self._images.spatial_merge_size,
+            )
+        except MultimodalPrefixError:
+            logger.exception("prefix cache: the media items of %r contradict its prompt", req.rid)
+            return BypassReason.INVALID_MULTIMODAL
+        if isinstance(identity, SGLangBypass):
+            return identity.reason
+        if identity.bypass_reason is not None:  # the library's reasons are the adapter's first
+            return SGLangBypassReason(identity.bypass_reason.value)
+        return identity.page_extras
+
     def _check_weights(self) -> None:
         """Drop every checkpoint once the served weights' version changed."""
         now = self._weight_version()
@@ -507,6 +590,12 @@ def build_prefix_cache(
         device=device if device.type == "cuda" else None,
     )
     namespace = cache_namespace_from_sglang(runner.server_args, runner.model_config, tp_rank)
+    fingerprint = engine_processor_fingerprint(runner.server_args, runner.model_config)
+    images = (
+        None
+        if fingerprint is None
+        else ImageKeying(fingerprint, spatial_merge_size_of(runner.model_config.hf_config))
+    )
     runtime = PrefixCacheRuntime(
         cache,
         offload,
@@ -517,12 +606,14 @@ def build_prefix_cache(
         tp_group=getattr(ctx, "tp_group", None),
         tp_rank=tp_rank,
         weight_version=lambda: get_serving().weight_version,
+        images=images,
     )
     logger.info(
-        "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens",
+        "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens; %s",
         format_bytes(cache.capacity_bytes),
         "pinned" if cache.pinned else "pageable",
         max_entries,
         page_size,
+        "images keyed by their content" if images else "image prompts not reused",
     )
     return runtime
