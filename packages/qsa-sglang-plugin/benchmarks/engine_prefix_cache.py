@@ -4,7 +4,7 @@ One engine serves the model-shaped tiny Qwen4Exp (the real QSA layer geometry; t
 with ``p2-offload`` and ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB``, decode CUDA graphs on. For each
 context length ``C`` (a multiple of 64):
 
-1. turn 1: a ``C``-token prompt, one generated token (its prompt end is checkpointed);
+1. turn 1: a ``C``-token prompt, two generated tokens (its prompt end is checkpointed);
 2. cold: the turn-2 prompt (turn 1 plus ``--suffix`` new tokens) under another ``cache_salt``, so
    nothing matches: every token is prefilled;
 3. warm: the same turn-2 prompt under turn 1's salt: ``C`` tokens come from the host prefix cache
@@ -120,7 +120,8 @@ def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
     def request(new_tokens: int, cache_salt: str) -> Any:
         return GenerateRequest(turn2, new_tokens, top_logprobs=0, cache_salt=cache_salt)
 
-    engine.generate(GenerateRequest(turn1, 1, top_logprobs=0, cache_salt=salt), timeout=1800.0)
+    # Two tokens: a request that ends in the batch completing its prompt publishes no prompt end.
+    engine.generate(GenerateRequest(turn1, 2, top_logprobs=0, cache_salt=salt), timeout=1800.0)
     cold, cold_ttft = _timed(engine, request(1, f"cold-{salt}"))  # another salt: nothing matches
     before = engine.metric("qsa_hisparse_prefix_cache_bytes_out_total")
     warm, warm_ttft = _timed(engine, request(1, salt))

@@ -444,14 +444,18 @@ def test_eviction_under_a_small_budget_never_returns_a_wrong_prefix(
     assert _prefix_stat(engine, "publish_errors_total") == 0  # refused for room, never failed
 
 
-def test_a_request_that_ends_with_its_prompt_still_checkpoints_it(engines: EnginePool) -> None:
-    """One generated token: the request finishes in the batch that completes its prompt, and
-    that prompt end (2,048 tokens, a chunk end too) is still published."""
+def test_a_request_that_ends_with_its_prompt_keeps_only_its_earlier_chunk_ends(
+    engines: EnginePool,
+) -> None:
+    """One generated token: the request finishes in the batch that completes its prompt, after
+    SGLang freed its recurrent state, so its prompt end (2,048) is not published; 1,024 is."""
     engine = engines.engine(PREFIX_CACHE)
+    errors = _prefix_stat(engine, "publish_errors_total")
     prompt = QWEN.prompt(2 * CHUNK, seed=66)
     assert engine.generate(GenerateRequest(prompt, max_new_tokens=1)).cached_tokens == 0
     follow_up = GenerateRequest(prompt + QWEN.prompt(100, seed=67), max_new_tokens=4)
-    assert engine.generate(follow_up).cached_tokens == 2 * CHUNK
+    assert engine.generate(follow_up).cached_tokens == CHUNK
+    assert _prefix_stat(engine, "publish_errors_total") == errors
     assert _live_leases(engine) == 0
 
 

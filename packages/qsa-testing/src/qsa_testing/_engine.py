@@ -234,6 +234,13 @@ _MODEL_ARGS: Final[Mapping[TinyModelKind, Mapping[str, Any]]] = {
 }
 #: Server arguments of an engine whose model takes images: SGLang's processor needs its tokenizer.
 _VISION_ARGS: Final[Mapping[str, Any]] = {"skip_tokenizer_init": False, "enable_multimodal": True}
+#: The vision tower's attention per platform: SGLang's SM90 default, FA3, is not in the GPU
+#: machine's sglang-kernel (its ``flash_ops`` are trimmed away); Triton's is SGLang's own default
+#: below SM90. CPU engines keep SGLang's default.
+_PLATFORM_VISION_ARGS: Final[Mapping[Platform, Mapping[str, Any]]] = {
+    Platform.CPU: {},
+    Platform.CUDA: {"mm_attention_backend": "triton_attn"},
+}
 #: Stand-ins of every engine: dummy weights that give logprobs varying per step and per prompt.
 _COMMON_STANDINS: Final = frozenset({StandIn.DUMMY_WEIGHT_RANGE})
 _PLATFORM_STANDINS: Final[Mapping[Platform, frozenset[StandIn]]] = {
@@ -512,6 +519,7 @@ def _server_args(
     args.update(_MODEL_ARGS[config.model.kind])
     if config.model.vision:
         args.update(_VISION_ARGS)
+        args.update(_PLATFORM_VISION_ARGS[platform])
     args.update(dict(config.server_args))
     args.update(model_path=str(model_path), host="127.0.0.1", port=port)
     return args

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from qsa_testing._errors import ModelSpecError
+
 __all__ = ("image_tokens", "tiny_image", "write_processor_files")
 
 #: Ordinary id ``i`` is the character ``U+0100 + i`` (two UTF-8 bytes for every id below 1,536).
@@ -144,12 +146,16 @@ def write_processor_files(config: Mapping[str, Any], directory: Path) -> None:
 
 
 def image_tokens(config: Mapping[str, Any], width: int, height: int) -> int:
-    """Image tokens a ``width`` × ``height`` picture becomes (both multiples of patch × merge)."""
+    """Image tokens a ``width`` × ``height`` picture becomes (both multiples of patch × merge).
+
+    Raises:
+        ModelSpecError: a side is not a whole number of merged patches.
+    """
     vision = config["vision_config"]
     unit = int(vision["patch_size"]) * int(vision["spatial_merge_size"])
     if width % unit or height % unit:
         msg = f"a {width} x {height} image is not a whole number of {unit}-pixel merged patches"
-        raise ValueError(msg)
+        raise ModelSpecError(msg)
     return (width // unit) * (height // unit)
 
 

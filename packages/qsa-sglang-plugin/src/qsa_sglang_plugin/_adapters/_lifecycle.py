@@ -144,26 +144,10 @@ def _cache_class() -> type[Any]:
             if handle is None:
                 return
             prompt = len(req.origin_input_ids)
-            if self.qsa_prefix is not None:
-                at = self._publishable(req, handle, up_to, prompt)
-                if at is not None:
-                    self.qsa_prefix.publish(req, handle.slot, at)
+            if self.qsa_prefix is not None and not req.finished() and up_to <= prompt:
+                self.qsa_prefix.publish(req, handle.slot, up_to)
             if up_to >= prompt:
                 self._to_decoding(handle)
-
-        def _publishable(
-            self, req: Any, handle: LeaseHandle, up_to: int, prompt: int
-        ) -> int | None:
-            """How many tokens a checkpoint of ``req`` may hold now, if any.
-
-            While the prompt is prefilled, each chunk end; once the request finished, its prompt
-            end, if it finished in the batch that completed the prompt (one generated token, no
-            decode step ran): the staging area and the recurrent state are still at that end.
-            """
-            if not req.finished():
-                return up_to if up_to <= prompt else None
-            prefilling = self.qsa_leases.state(handle) is LeaseState.PREFILLING
-            return prompt if prefilling and up_to >= prompt else None
 
         def on_release(self, req: Any, *, checkpointed: bool) -> None:
             super().on_release(req, checkpointed=checkpointed)

@@ -538,10 +538,16 @@ class PrefixCacheRuntime:
         return {f"state.{j}": t.contiguous() for j, t in enumerate(tensors)}
 
     def _state_slot(self, req: Any) -> torch.Tensor:
-        """``[1]`` physical index of ``req``'s recurrent state slot."""
-        slot: torch.Tensor = self._req_to_token.translate_mamba_indices(
-            req.kv.mamba_pool_idx.reshape(1)
-        )
+        """``[1]`` physical index of ``req``'s recurrent state slot.
+
+        Raises:
+            OffloadRuntimeError: ``req`` holds no state slot (SGLang freed it).
+        """
+        index = req.kv.mamba_pool_idx
+        if index is None:
+            msg = f"request {req.rid!r} holds no recurrent state slot"
+            raise OffloadRuntimeError(msg)
+        slot: torch.Tensor = self._req_to_token.translate_mamba_indices(index.reshape(1))
         return slot
 
     def _restore_state(self, lease: Lease) -> Any:
