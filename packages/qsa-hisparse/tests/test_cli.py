@@ -15,10 +15,10 @@ from qsa_hisparse._demo import prefix_cache_demo, synthetic_selections, trace_de
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--help`` exits 0 and names demo, plan, launch and doctor."""
+    """``--help`` exits 0 and names demo, plan, launch, doctor and calibrate."""
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("demo", "plan", "launch", "doctor"):
+    for command in ("demo", "plan", "launch", "doctor", "calibrate"):
         assert command in out
 
 

@@ -29,6 +29,12 @@ def _launch(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _calibrate(argv: Sequence[str]) -> int:
+    from qsa_hisparse._calibrate import main
+
+    return main(argv)
+
+
 def _doctor(argv: Sequence[str]) -> int:
     from qsa_sglang_plugin.doctor import main
 
@@ -43,6 +49,7 @@ _COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "plan": (_plan, "print the memory plan of a model under host KV offload"),
     "launch": (_launch, "start an SGLang server with QSA HiSparse verified on every TP rank"),
     "doctor": (_doctor, "check that this machine and installation can serve"),
+    "calibrate": (_calibrate, "write a double-sparsity channel file from a model and a text set"),
 }
 
 

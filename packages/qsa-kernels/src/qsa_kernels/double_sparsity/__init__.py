@@ -5,7 +5,8 @@ Double Sparsity (arXiv 2408.07092; the original SGLang ``--enable-double-sparsit
 with ``q[channels] · k_label``, keeps the ``heavy_token_num`` best tokens per (request, KV head)
 and attends exactly over those. This subpackage holds:
 
-* the options (:class:`DSConfig`) and the calibration file loader (:class:`ChannelConfig`);
+* the options (:class:`DSConfig`), the calibration pass that writes a channel file
+  (:func:`calibrate_channels`) and its loader (:class:`ChannelConfig`);
 * the label cache (:class:`LabelCache`), preallocated per request row;
 * one layer's decode over a resident K/V store (:func:`ds_decode`, reference beside it), built on
   :func:`qsa_kernels.sparse_decode.sparse_decode` with one token list per KV head;
@@ -13,6 +14,7 @@ and attends exactly over those. This subpackage holds:
   device, the selected tokens' blocks fetched into the hot cache.
 """
 
+from qsa_kernels.double_sparsity._calibrate import calibrate_channels
 from qsa_kernels.double_sparsity._config import (
     ChannelConfig,
     DSConfig,
@@ -38,6 +40,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ChannelConfig",
     "DSConfig",
     "HeavyChannelType",
+    "calibrate_channels",
     "layer_key",
     "reduce_group_channels",
     # -- Label cache and decode --
