@@ -43,8 +43,10 @@ LLAMA_REQUESTS = (
     GenerateRequest(LLAMA.prompt(37, seed=5), max_new_tokens=8),
 )
 
-#: A one-block error in decode attention moves some step's logprob by more than this.
-ONE_BLOCK_SHIFT = 1e-3
+#: A one-block error in decode attention moves some step's logprob by more than this. How far
+#: depends on the machine's arithmetic, not on whether it moves: the largest shift of 7 steps was
+#: 1.5e-2 on one CPU, 3.9e-4 on another (the smallest 4e-6 and 1.6e-5) and 7.5e-3 on the H200.
+ONE_BLOCK_SHIFT = 1e-4
 #: Decode and prefill are different kernels over the same K/V; they agree within bf16 rounding
 #: (up to 3.7e-4 measured on the CPU).
 DECODE_PREFILL_ATOL = 2e-3
@@ -127,9 +129,9 @@ def test_chunked_prefill_equals_unchunked(engines: EnginePool) -> None:
 def test_a_wrong_block_in_decode_attention_changes_the_logprobs(engines: EnginePool) -> None:
     """Dropping one of 512 selected blocks moves every decode step's logprob.
 
-    The tiny model's attention is diffuse, so the shift is small: 4e-6 to 1.5e-2 per step,
-    measured on the CPU (docs/testing.md). Comparisons of two paths that read the same K/V must
-    therefore be exact, or use a tolerance below :data:`ONE_BLOCK_SHIFT`.
+    The tiny model's attention is diffuse, so the shift is small: 4e-6 to 1.5e-2 per step on one
+    CPU, 1.6e-5 to 3.9e-4 on another (docs/testing.md). Comparisons of two paths that read the
+    same K/V must therefore be exact, or use a tolerance below :data:`ONE_BLOCK_SHIFT`.
     """
     reference = engines.generate(UPSTREAM, LONG)
     perturbed = engines.generate(PERTURBED, LONG)
