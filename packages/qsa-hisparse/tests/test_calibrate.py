@@ -68,6 +68,7 @@ def test_the_same_seed_and_tokens_give_the_same_file(
         (["--seq-len", "0"], "--seq-len 0 is not allowed"),
         (["--channel-type", "v"], "invalid choice: 'v'"),
         (["--text", "/nonexistent.txt"], "is not a readable file"),
+        (["--device", "tpu:9"], "--device 'tpu:9' is not a torch device"),
     ],
 )
 def test_bad_arguments_are_refused_by_name_before_any_model_loads(

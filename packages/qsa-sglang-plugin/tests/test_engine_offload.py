@@ -29,7 +29,6 @@ from qsa_testing import (
     Platform,
     assert_same_generation,
     current_platform,
-    image_tokens,
     tiny_image,
     tiny_qwen4_exp,
 )
@@ -518,7 +517,7 @@ IMAGE_PREFIX_CACHE = EngineConfig(
     server_args=PREFIX_CACHE.server_args,
 )
 UPSTREAM_VL = EngineConfig(QWEN_VL, plugin=False, server_args=UPSTREAM_SAME_CHUNKS.server_args)
-IMAGE_TOKENS = image_tokens(QWEN_VL.config, 64, 64)
+IMAGE_TOKENS = QWEN_VL.image_tokens(64, 64)
 
 
 def _with_image(
@@ -596,7 +595,10 @@ def test_text_before_an_image_reuses_the_text_prompts_checkpoints(engines: Engin
 
 
 def test_a_text_prompt_never_matches_an_image_checkpoint(engines: EnginePool) -> None:
-    """The same ids as an image prompt, pads included, without the picture: computed anew."""
+    """The same ids as an image prompt, pads included, without the picture: computed anew.
+
+    SGLang's own pad ids (derived from the image's hash) differ from these too; where they
+    coincide, the page identities keep the prompts apart (the ``mm_hashes`` test above)."""
     engine = engines.engine(IMAGE_PREFIX_CACHE)
     text = QWEN_VL.prompt(2994, seed=95)
     request = _with_image(text, 100, image_seed=6, max_new_tokens=8)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qsa_testing import ModelSpecError, image_tokens, tiny_image, tiny_qwen4_exp
+from qsa_testing import ModelSpecError, tiny_image, tiny_qwen4_exp
 
 VL = tiny_qwen4_exp(vision=True)
 
@@ -42,7 +42,7 @@ def test_the_processor_expands_the_placeholder_into_one_pad_per_merged_patch(
     text = processor.tokenizer.decode([7, start, pad, end, 8])
     picture = Image.open(io.BytesIO(base64.b64decode(tiny_image(1).split(",", 1)[1])))
     out = processor(text=[text], images=[picture], return_tensors="pt")
-    pads = [pad] * image_tokens(VL.config, 64, 64)
+    pads = [pad] * VL.image_tokens(64, 64)
     assert out["input_ids"][0].tolist() == [7, start, *pads, end, 8]
     assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
 
@@ -54,12 +54,14 @@ def test_pictures_are_seeded_and_distinct() -> None:
 
 
 def test_image_sizes_off_the_merged_patch_grid_are_refused() -> None:
-    assert image_tokens(VL.config, 64, 128) == 8
-    with pytest.raises(ModelSpecError, match="48 x 64"):
-        image_tokens(VL.config, 48, 64)
+    assert VL.image_tokens(64, 128) == 8
+    with pytest.raises(ModelSpecError, match="48 x 64 image is not allowed"):
+        VL.image_tokens(48, 64)
 
 
 def test_a_text_model_has_no_image_placeholder() -> None:
     assert tiny_qwen4_exp() != VL
     with pytest.raises(ModelSpecError, match="takes no images"):
         _ = tiny_qwen4_exp().image_placeholder
+    with pytest.raises(ModelSpecError, match="takes no images"):
+        tiny_qwen4_exp().image_tokens(64, 64)

@@ -106,6 +106,32 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     return model.to(args.device).eval(), config
 
 
+def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """Refuse a device torch cannot name or this machine lacks, before the model loads."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parser.error(f"--device {device!r} is not a torch device; allowed: cpu, cuda, cuda:N")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device!r}: this machine has no CUDA device; allowed: cpu")
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it: whole or not at all."""
+    with tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", dir=path.parent, suffix=".tmp", delete=False
+    ) as tmp:
+        try:
+            tmp.write(text)
+        except BaseException:
+            tmp.close()
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the calibration; returns the exit status."""
     parser = _parser()
@@ -114,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sequences = _sequences(args, parser)
     import torch
     from tqdm import tqdm  # type: ignore[import-untyped]
+
+    _check_device(parser, args.device)
 
     from qsa_kernels.double_sparsity import calibrate_channels
 
@@ -133,11 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             on_batch=bar.update,
         )
     out = args.out.resolve()
-    with tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=out.parent, suffix=".tmp", delete=False
-    ) as tmp:
-        json.dump(channels, tmp, indent=1)
-    os.replace(tmp.name, out)
+    _write_atomically(out, json.dumps(channels, indent=1))
     rows = "KV head" if args.channel_type == "k" else "query head"
     sys.stdout.write(
         f"wrote {out}: {len(channels)} layers, one ranking of {head_dim} channels per {rows} "

@@ -28,7 +28,7 @@ from qsa_testing._errors import (
 from qsa_testing._models import TinyModel, TinyModelKind, tiny_llama, tiny_qwen4_exp
 from qsa_testing._pool import EnginePool, EngineStart
 from qsa_testing._version import __version__
-from qsa_testing._vision import image_tokens, tiny_image
+from qsa_testing._vision import tiny_image
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "__version__",
@@ -38,7 +38,6 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "tiny_llama",
     "tiny_qwen4_exp",
     "tiny_image",
-    "image_tokens",
     # engines
     "Engine",
     "EngineConfig",

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from qsa_core import QWEN38_FLASH_NEXT, QSAProfile
 from qsa_testing._errors import ModelSpecError
-from qsa_testing._vision import write_processor_files
+from qsa_testing._vision import merged_patch_pixels, processor_files
 
 __all__ = (
     "FIRST_PROMPT_TOKEN",
@@ -92,6 +92,23 @@ class TinyModel:
         start, pad, end = (int(self.config[f]) for f in fields)
         return start, pad, end
 
+    def image_tokens(self, width: int, height: int) -> int:
+        """Image tokens a ``width`` × ``height`` picture becomes in a prompt.
+
+        Raises:
+            ModelSpecError: the model takes no images, or a side is not a whole number of
+                merged patches.
+        """
+        _ = self.image_placeholder  # refuses a model without images
+        unit = merged_patch_pixels(self.config)
+        if width % unit or height % unit:
+            msg = (
+                f"a {width} x {height} image is not allowed for {self.name!r}; allowed: sides "
+                f"that are multiples of {unit} pixels (one merged patch)"
+            )
+            raise ModelSpecError(msg)
+        return (width // unit) * (height // unit)
+
     def qsa_profile(self) -> QSAProfile:
         """The QSA geometry SGLang will see (raises for a model without QSA layers)."""
         if self.kind is not TinyModelKind.QWEN4_EXP:
@@ -110,15 +127,19 @@ class TinyModel:
         )
 
     def write(self, directory: Path) -> Path:
-        """Write ``<directory>/<name>/config.json`` (idempotent) and return the model path."""
+        """Write the model's files under ``<directory>/<name>/`` (idempotent); return that path.
+
+        ``config.json``, and for a model that takes images its tokenizer and processor files.
+        """
         path = directory / self.name
         path.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(_plain(self.config), indent=1, sort_keys=True)
-        target = path / "config.json"
-        if not target.exists() or target.read_text(encoding="utf-8") != text:
-            target.write_text(text, encoding="utf-8")
+        files = {"config.json": json.dumps(_plain(self.config), indent=1, sort_keys=True)}
         if self.vision:
-            write_processor_files(self.config, path)
+            files.update(processor_files(self.config))
+        for name, text in files.items():
+            target = path / name
+            if not target.exists() or target.read_text(encoding="utf-8") != text:
+                target.write_text(text, encoding="utf-8")
         return path
 
 

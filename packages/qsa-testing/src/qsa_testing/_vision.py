@@ -3,11 +3,11 @@
 SGLang serves image requests of a Qwen-VL model only with its tokenizer and Hugging Face processor
 loaded (``skip_tokenizer_init=False``): the request's token ids are decoded to text, the processor
 expands each ``<|vision_start|><|image_pad|><|vision_end|>`` into one ``<|image_pad|>`` per merged
-patch and tokenizes the text again. The tokenizer written here makes that round trip exact for any
-ids: every ordinary id is one character of its own (split character by character, joined with no
-separator), and the vision ids are special tokens at the config's ids. The image processor is the
-Qwen2-VL one with the tiny vision tower's patch and merge sizes, so a 64 × 64 picture becomes a
-``(1, 4, 4)`` grid of 16 patches and 4 image tokens.
+patch and tokenizes the text again. The tokenizer made here keeps that round trip exact for any
+ids (a byte-level BPE, the kind transformers imposes on this model type, in which every ordinary
+id is one two-byte character of its own), and the vision ids are special tokens at the config's
+ids. The image processor is the Qwen2-VL one with the tiny vision tower's patch and merge sizes,
+so a 64 × 64 picture becomes a ``(1, 4, 4)`` grid of 16 patches and 4 image tokens.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import io
 import json
 import random
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Final
 
 from qsa_testing._errors import ModelSpecError
 
-__all__ = ("image_tokens", "tiny_image", "write_processor_files")
+__all__ = ("merged_patch_pixels", "processor_files", "tiny_image")
 
-#: Ordinary id ``i`` is the character ``U+0100 + i`` (two UTF-8 bytes for every id below 1,536).
+#: Ordinary id ``i`` is the character ``U+0100 + i``: two UTF-8 bytes up to ``U+07FF``.
 _FIRST_CHAR: Final = 0x100
+_LAST_TWO_BYTE_CHAR: Final = 0x7FF
 #: Special tokens the model's ids name, by their ``config.json`` field.
 _VISION_TOKENS: Final = {
     "image_token_id": "<|image_pad|>",
@@ -70,6 +70,12 @@ def _tokenizer_json(config: Mapping[str, Any]) -> str:
 
     specials = _specials(config)
     size = int(config["text_config"]["vocab_size"])
+    if _FIRST_CHAR + size - 1 > _LAST_TWO_BYTE_CHAR:
+        msg = (
+            f"vocab_size={size!r} is not allowed for the tiny tokenizer; allowed: at most "
+            f"{_LAST_TWO_BYTE_CHAR - _FIRST_CHAR + 1!r} (one two-byte character per id)"
+        )
+        raise ModelSpecError(msg)
     byte_char = _byte_chars()
     vocab = {token: i for i, token in specials.items()}
     merges: list[tuple[str, str]] = []
@@ -91,17 +97,29 @@ def _tokenizer_json(config: Mapping[str, Any]) -> str:
     return text
 
 
-def write_processor_files(config: Mapping[str, Any], directory: Path) -> None:
-    """Write the tokenizer and processor files of a tiny Qwen4Exp beside its ``config.json``.
+def merged_patch_pixels(config: Mapping[str, Any]) -> int:
+    """Pixels per side of one image token: the vision tower's patch size × spatial merge size."""
+    vision = config["vision_config"]
+    return int(vision["patch_size"]) * int(vision["spatial_merge_size"])
+
+
+def processor_files(config: Mapping[str, Any]) -> dict[str, str]:
+    """The tokenizer and processor files of a tiny Qwen4Exp, by file name, as text.
 
     Args:
         config: the model's ``config.json`` content (vision token ids, ``vision_config``).
-        directory: the model directory.
     """
     vision = config["vision_config"]
-    patch, merge = int(vision["patch_size"]), int(vision["spatial_merge_size"])
-    temporal = int(vision["temporal_patch_size"])
-    unit = patch * merge
+    unit = merged_patch_pixels(config)
+    pixels = {  # what the image and the video processor share: patching, sizes, normalisation
+        "patch_size": int(vision["patch_size"]),
+        "merge_size": int(vision["spatial_merge_size"]),
+        "temporal_patch_size": int(vision["temporal_patch_size"]),
+        "size": {"shortest_edge": unit * unit, "longest_edge": 64 * unit * unit},
+        "image_mean": _IMAGE_MEAN,
+        "image_std": _IMAGE_MEAN,
+        "processor_class": "Qwen3VLProcessor",
+    }
     files: dict[str, Any] = {
         "tokenizer_config.json": {
             "tokenizer_class": "TokenizersBackend",
@@ -112,51 +130,21 @@ def write_processor_files(config: Mapping[str, Any], directory: Path) -> None:
             "clean_up_tokenization_spaces": False,
         },
         "preprocessor_config.json": {
+            **pixels,
             "image_processor_type": "Qwen2VLImageProcessorFast",
-            "processor_class": "Qwen3VLProcessor",
-            "patch_size": patch,
-            "merge_size": merge,
-            "temporal_patch_size": temporal,
-            "size": {"shortest_edge": unit * unit, "longest_edge": 64 * unit * unit},
-            "image_mean": _IMAGE_MEAN,
-            "image_std": _IMAGE_MEAN,
             "do_rescale": True,
             "do_normalize": True,
             "do_convert_rgb": True,
         },
         "video_preprocessor_config.json": {
+            **pixels,
             "video_processor_type": "Qwen3VLVideoProcessor",
-            "processor_class": "Qwen3VLProcessor",
-            "patch_size": patch,
-            "merge_size": merge,
-            "temporal_patch_size": temporal,
-            "size": {"shortest_edge": unit * unit, "longest_edge": 64 * unit * unit},
-            "image_mean": _IMAGE_MEAN,
-            "image_std": _IMAGE_MEAN,
         },
         "processor_config.json": {"processor_class": "Qwen3VLProcessor"},
     }
-    directory.mkdir(parents=True, exist_ok=True)
     texts = {name: json.dumps(body, indent=1, sort_keys=True) for name, body in files.items()}
     texts["tokenizer.json"] = _tokenizer_json(config)
-    for name, text in texts.items():
-        target = directory / name
-        if not target.exists() or target.read_text(encoding="utf-8") != text:
-            target.write_text(text, encoding="utf-8")
-
-
-def image_tokens(config: Mapping[str, Any], width: int, height: int) -> int:
-    """Image tokens a ``width`` × ``height`` picture becomes (both multiples of patch × merge).
-
-    Raises:
-        ModelSpecError: a side is not a whole number of merged patches.
-    """
-    vision = config["vision_config"]
-    unit = int(vision["patch_size"]) * int(vision["spatial_merge_size"])
-    if width % unit or height % unit:
-        msg = f"a {width} x {height} image is not a whole number of {unit}-pixel merged patches"
-        raise ModelSpecError(msg)
-    return (width // unit) * (height // unit)
+    return texts
 
 
 def tiny_image(seed: int, *, width: int = 64, height: int = 64) -> str:

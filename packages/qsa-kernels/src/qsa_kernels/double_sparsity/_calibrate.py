@@ -24,7 +24,11 @@ from typing import Any
 
 import torch
 
-from qsa_kernels.double_sparsity._config import HeavyChannelType, layer_key
+from qsa_kernels.double_sparsity._config import (
+    HeavyChannelType,
+    check_attention_shape,
+    layer_key,
+)
 from qsa_kernels.double_sparsity._errors import DSConfigError
 
 __all__ = ("calibrate_channels",)
@@ -96,20 +100,11 @@ def calibrate_channels(
         per query head (``q``, ``qk``) of all ``head_dim`` channels, most important first.
 
     Raises:
-        DSConfigError: a bad shape or channel type, a model without that layer layout, or no
-            tokens at all.
+        DSConfigError: a bad shape or channel type (:func:`check_attention_shape`), a model
+            without that layer layout or without layers, or no tokens at all.
     """
     kind = HeavyChannelType.parse(channel_type)
-    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
-        if value < 1:
-            msg = f"{name}={value!r} is not allowed; allowed: a positive integer"
-            raise DSConfigError(msg)
-    if head_dim < 1 or num_q_heads % num_kv_heads:
-        msg = (
-            f"head_dim={head_dim!r}, num_q_heads={num_q_heads!r}, num_kv_heads={num_kv_heads!r}: "
-            "head_dim must be positive and num_kv_heads must divide num_q_heads"
-        )
-        raise DSConfigError(msg)
+    check_attention_shape(num_q_heads, num_kv_heads, head_dim)
     try:
         layers = list(model.model.layers)  # type: ignore[union-attr, arg-type]
         projections = [(layer.self_attn.q_proj, layer.self_attn.k_proj) for layer in layers]
@@ -119,6 +114,9 @@ def calibrate_channels(
             "allowed: a Hugging Face decoder with that layout (Llama, Qwen2/3, Mistral)"
         )
         raise DSConfigError(msg) from None
+    if not layers:
+        msg = f"{type(model).__name__} has no layers in model.layers; nothing to calibrate"
+        raise DSConfigError(msg)
     rows = num_kv_heads if kind is HeavyChannelType.K else num_q_heads
     stats = [_LayerStats(rows, head_dim) for _ in layers]
     with contextlib.ExitStack() as hooks, torch.no_grad():
@@ -134,7 +132,7 @@ def calibrate_channels(
                 _score(layer_stats, kind, num_q_heads, num_kv_heads, head_dim)
             if on_batch is not None:
                 on_batch(int(ids.numel()))
-    if not stats or stats[0].tokens == 0:
+    if stats[0].tokens == 0:
         msg = "the calibration saw no tokens; give at least one non-empty batch"
         raise DSConfigError(msg)
     result = {}

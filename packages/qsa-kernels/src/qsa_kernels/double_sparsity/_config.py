@@ -62,6 +62,24 @@ def _positive_int(name: str, value: object, *, minimum: int) -> None:
         raise DSConfigError(msg)
 
 
+def check_attention_shape(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Refuse an attention shape a channel config cannot describe.
+
+    Raises:
+        DSConfigError: a count that is not a positive int, or ``num_kv_heads`` not dividing
+            ``num_q_heads``.
+    """
+    for name, value in (
+        ("num_q_heads", num_q_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        _positive_int(name, value, minimum=1)
+    if num_q_heads % num_kv_heads:
+        msg = f"num_q_heads={num_q_heads!r} must be a multiple of num_kv_heads={num_kv_heads!r}"
+        raise DSConfigError(msg)
+
+
 @dataclass(frozen=True, slots=True)
 class DSConfig:
     """Double-sparsity options, validated once at construction.
@@ -211,15 +229,7 @@ class ChannelConfig:
             ChannelConfigError: naming ``source``, the key, the head, the bad value and what is
                 allowed.
         """
-        for name, value in (
-            ("num_q_heads", num_q_heads),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            _positive_int(name, value, minimum=1)
-        if num_q_heads % num_kv_heads:
-            msg = f"num_q_heads={num_q_heads!r} must be a multiple of num_kv_heads={num_kv_heads!r}"
-            raise DSConfigError(msg)
+        check_attention_shape(num_q_heads, num_kv_heads, head_dim)
         count = config.heavy_channel_num
         if count > head_dim:
             msg = f"heavy_channel_num={count!r} is not allowed; allowed: 1..head_dim={head_dim!r}"
