@@ -8,9 +8,10 @@ Usage: ``python bench_hostcache.py --out-dir DIR`` writes ``DIR/hostcache.md`` a
   the query in one token of their last page, 64 unrelated. Reported: the median and p90 of a cold
   match (fresh key: hashing + lookup + full verification), a warm match (page hashes memoized on
   the key), a miss, and building the key from a list and from a tensor.
-* Bandwidth (CUDA only): a QSA-shaped checkpoint (raw K/V, index, ring, rope, GDN and conv state,
-  PLE state) published from GPU tensors into the arena and restored into GPU tensors, against one
-  contiguous pinned copy of the same bytes in the same run. Reported as a ratio of bandwidths.
+* Bandwidth (CUDA only), at each ``--tokens`` length: a QSA-shaped checkpoint (raw K/V, index,
+  ring, rope, GDN and conv state, PLE state) published from GPU tensors into the arena and
+  restored into GPU tensors, against one contiguous pinned copy of the same bytes in the same
+  run. Reported as a ratio of bandwidths.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ QUERY_TOKENS = 262_144
 ENTRIES = 256
 MATCH_TARGET_MS = 1.0
 BANDWIDTH_TARGET = 0.80
+RESTORE_GOAL = 0.90
 NS = CacheNamespace("Qwen3.8-Flash-Next@bench", "float8_e4m3fn", 2, 0, "cfg-bench")
 OTHER_NS = CacheNamespace("Qwen3.8-Flash-Next@bench", "float8_e4m3fn", 2, 0, "cfg-bench", "t2")
 
@@ -238,23 +240,27 @@ def render(result: dict[str, object]) -> str:
     verdict = "meets" if m["meets_target"] else "misses"
     lines += ["", f"The cold match {verdict} the {MATCH_TARGET_MS} ms target.", ""]
     lines += ["## Publish and restore bandwidth", ""]
-    bw = result.get("bandwidth")
-    if not isinstance(bw, dict):
+    rows = result.get("bandwidth")
+    if not isinstance(rows, list):
         lines.append(f"Skipped: {result.get('bandwidth_note')}")
     else:
         lines += [
-            f"One TP2-rank checkpoint of {bw['tokens']:,} tokens, {bw['checkpoint_bytes']:,} "
-            f"bytes in {len(bw['segments'])} segments, between GPU tensors and the pinned arena, "
-            f"against one contiguous pinned copy of the same bytes in the same run (medians; "
-            f"target ratio >= {BANDWIDTH_TARGET}).",
+            "One TP2-rank checkpoint per row, in 7 segments, between GPU tensors and the pinned "
+            "arena, against one contiguous pinned copy of the same bytes in the same run (medians; "
+            f"target ratio >= {BANDWIDTH_TARGET}; the prefix-cache issue asks >= "
+            f"{RESTORE_GOAL} for restore at long contexts).",
             "",
-            "| direction | contiguous GB/s | cache GB/s | ratio |",
-            "| --- | ---: | ---: | ---: |",
-            f"| publish (GPU -> arena) | {bw['contiguous_d2h_GBps']:.1f} | "
-            f"{bw['publish_GBps']:.1f} | {bw['publish_ratio']:.2f} |",
-            f"| restore (arena -> GPU) | {bw['contiguous_h2d_GBps']:.1f} | "
-            f"{bw['restore_GBps']:.1f} | {bw['restore_ratio']:.2f} |",
+            "| tokens | bytes | direction | contiguous GB/s | cache GB/s | ratio |",
+            "| ---: | ---: | --- | ---: | ---: | ---: |",
         ]
+        for bw in rows:
+            head = f"| {bw['tokens']:,} | {bw['checkpoint_bytes']:,}"
+            lines += [
+                f"{head} | publish (GPU -> arena) | {bw['contiguous_d2h_GBps']:.1f} | "
+                f"{bw['publish_GBps']:.1f} | {bw['publish_ratio']:.2f} |",
+                f"{head} | restore (arena -> GPU) | {bw['contiguous_h2d_GBps']:.1f} | "
+                f"{bw['restore_GBps']:.1f} | {bw['restore_ratio']:.2f} |",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -262,8 +268,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=pathlib.Path, required=True)
     parser.add_argument("--repeat", type=int, default=200)
-    parser.add_argument("--tokens", type=int, default=16_384, help="checkpoint length (GPU part)")
+    parser.add_argument(
+        "--tokens", default="16384,131072", help="checkpoint lengths, comma-separated (GPU part)"
+    )
     args = parser.parse_args()
+    try:
+        lengths = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or any(t < PAGE * 4 or t % PAGE for t in lengths):
+        parser.error(
+            f"--tokens {args.tokens!r} is not allowed; allowed: comma-separated multiples of "
+            f"{PAGE} of at least {PAGE * 4}"
+        )
     result: dict[str, object] = {
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
         f"{len(os.sched_getaffinity(0))} cores",
@@ -272,7 +289,7 @@ def main() -> None:
         "match": bench_match(args.repeat),
     }
     if torch.cuda.is_available():
-        result["bandwidth"] = bench_bandwidth(args.tokens, max(5, args.repeat // 10))
+        result["bandwidth"] = [bench_bandwidth(t, max(5, args.repeat // 10)) for t in lengths]
     else:
         result["bandwidth_note"] = (
             "no CUDA device on this machine (torch.cuda.is_available() is False); run this "
