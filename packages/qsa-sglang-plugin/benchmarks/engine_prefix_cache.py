@@ -1,21 +1,25 @@
 """Benchmark the host prefix cache in a real SGLang 0.5.23 engine: warm against cold TTFT.
 
-One engine serves the model-shaped tiny Qwen4Exp (the real QSA layer geometry; the rest small)
-with ``p2-offload`` and ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB``, decode CUDA graphs on. For each
-context length ``C`` (a multiple of 64):
+One engine serves a dummy Qwen4Exp with ``p2-offload`` and ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB``,
+decode CUDA graphs on: ``--model full-depth`` (the default) has Qwen3.8-Flash-Next's 48 layers and
+the real width of every attention and GDN layer, small experts
+(:func:`qsa_testing.full_depth_qwen4_exp`), so a cold prefill costs about what the real model's
+does (less: its experts are small); ``--model shaped`` has one QSA layer of the real geometry and
+three small GDN layers, where the fixed costs of a request dominate. For each context length
+``C`` (a multiple of 64):
 
-1. turn 1: a ``C``-token prompt, two generated tokens (its prompt end is checkpointed);
-2. cold: the turn-2 prompt (turn 1 plus ``--suffix`` new tokens) under another ``cache_salt``, so
-   nothing matches: every token is prefilled;
-3. warm: the same turn-2 prompt under turn 1's salt: ``C`` tokens come from the host prefix cache
+1. cold: the turn-2 prompt (a ``C``-token turn 1 plus ``--suffix`` new tokens) under a
+   ``cache_salt`` of its own, so nothing matches: every token is prefilled;
+2. turn 1: the ``C``-token prompt, two generated tokens (its prompt end is checkpointed);
+3. warm: the turn-2 prompt under turn 1's salt: ``C`` tokens come from the host prefix cache
    (``cached_tokens`` is checked), only the suffix is prefilled.
 
-Reported per context: the cold and warm time to first token (the request's wall time with one
-generated token: admission, prefill or restore plus suffix, one sampling step), their ratio, the
-checkpoint bytes restored and the bytes per second of the warm request's whole wall time (a lower
-bound on the restore bandwidth; the library's own restore benchmark, ``bench_hostcache.py``,
-measures the copy alone against a pinned host-to-device copy). Greedy tokens of cold and warm must
-agree.
+Reported per context: the cold and warm time to first token as SGLang measures it
+(``first_token_latency``: from the server's receipt of the request to its prefill's end), their
+ratio, the client's wall time of each whole request (``--new-tokens`` greedy tokens over HTTP,
+which must agree), the checkpoint bytes restored and the bytes per second of the warm TTFT (a
+lower bound on the restore bandwidth; the library's own ``bench_hostcache.py`` measures the copy
+alone against a pinned host-to-device copy).
 
 Writes ``<out>/engine_prefix_cache.md`` and ``.json`` after every context. Needs CUDA and SGLang:
 ``nox -s gpu-engine-bench -- prefix_cache ...`` runs it on the GPU machine with the engine
@@ -36,6 +40,12 @@ from typing import Any
 
 _SKIPPED = 77
 _PAGE = 64
+_MODELS = {
+    "full-depth": "the full-depth dummy Qwen4Exp (48 layers, 12 QSA, the real attention and GDN "
+    "widths, 4 small experts)",
+    "shaped": "the model-shaped tiny Qwen4Exp (one QSA layer of the real geometry, three small GDN "
+    "layers)",
+}
 
 
 @dataclasses.dataclass
@@ -46,6 +56,8 @@ class Row:
     suffix: int
     cold_ttft_s: float
     warm_ttft_s: float
+    cold_wall_s: float
+    warm_wall_s: float
     cached_tokens: int
     restored_bytes: int
     same_tokens: bool
@@ -54,6 +66,9 @@ class Row:
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="32768,131072,262144", help="turn-1 prompt lengths")
+    parser.add_argument(
+        "--model", choices=("full-depth", "shaped"), default="full-depth", help="the dummy model"
+    )
     parser.add_argument("--suffix", type=int, default=64, help="new tokens of turn 2")
     parser.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
     parser.add_argument("--budget-mb", type=int, default=32768, help="prefix cache MiB")
@@ -77,10 +92,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from qsa_testing import EngineConfig, tiny_qwen4_exp
+    from qsa_testing import EngineConfig, full_depth_qwen4_exp, tiny_qwen4_exp
 
     longest = max(args.contexts) + args.suffix + args.new_tokens + 64
-    model = tiny_qwen4_exp(model_shaped=True, max_position_embeddings=longest)
+    if args.model == "full-depth":
+        model = full_depth_qwen4_exp(max_position_embeddings=longest)
+    else:
+        model = tiny_qwen4_exp(model_shaped=True, max_position_embeddings=longest)
     return EngineConfig(
         model,
         switches={
@@ -109,6 +127,13 @@ def _timed(engine: Any, request: Any) -> tuple[Any, float]:
     return reply, time.monotonic() - started
 
 
+def _server_seconds(reply: Any) -> float:
+    if reply.first_token_s is None:
+        msg = "the reply carries no first_token_latency; the engine needs --enable-metrics"
+        raise RuntimeError(msg)
+    return float(reply.first_token_s)
+
+
 def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
     from qsa_testing import GenerateRequest
 
@@ -120,11 +145,13 @@ def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
     def request(new_tokens: int, cache_salt: str) -> Any:
         return GenerateRequest(turn2, new_tokens, top_logprobs=0, cache_salt=cache_salt)
 
+    # Cold first, under a salt of its own: nothing matches, and the checkpoints it publishes are
+    # older than turn 1's, so a budget smaller than both evicts the cold request's first.
+    cold, cold_wall = _timed(engine, request(args.new_tokens, f"cold-{salt}"))
     # Two tokens: a request that ends in the batch completing its prompt publishes no prompt end.
     engine.generate(GenerateRequest(turn1, 2, top_logprobs=0, cache_salt=salt), timeout=1800.0)
-    cold, cold_ttft = _timed(engine, request(1, f"cold-{salt}"))  # another salt: nothing matches
     before = engine.metric("qsa_hisparse_prefix_cache_bytes_out_total")
-    warm, warm_ttft = _timed(engine, request(1, salt))
+    warm, warm_wall = _timed(engine, request(args.new_tokens, salt))
     restored = int(engine.metric("qsa_hisparse_prefix_cache_bytes_out_total") - before)
     if cold.cached_tokens != 0 or warm.cached_tokens != context:
         msg = (
@@ -132,21 +159,20 @@ def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
             f"{warm.cached_tokens}; expected 0 and {context}"
         )
         raise RuntimeError(msg)
-    # The tokens compared: a few greedy steps of each (TTFT above is one step only).
-    cold_tokens = engine.generate(request(args.new_tokens, f"cold2-{salt}"), timeout=1800.0)
-    warm_tokens = engine.generate(request(args.new_tokens, salt), timeout=1800.0)
     return Row(
         context,
         args.suffix,
-        cold_ttft,
-        warm_ttft,
+        _server_seconds(cold),
+        _server_seconds(warm),
+        cold_wall,
+        warm_wall,
         warm.cached_tokens,
         restored,
-        cold_tokens.output_ids == warm_tokens.output_ids,
+        cold.output_ids == warm.output_ids,
     )
 
 
-def _write(out: pathlib.Path, rows: list[Row]) -> None:
+def _write(out: pathlib.Path, model: str, new_tokens: int, rows: list[Row]) -> None:
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
@@ -155,26 +181,31 @@ def _write(out: pathlib.Path, rows: list[Row]) -> None:
     data = {
         "machine": {"gpu": device, "torch": torch.__version__, "python": platform.python_version()},
         "command": command,
+        "model": model,
         "rows": [dataclasses.asdict(r) for r in rows],
     }
     (out / "engine_prefix_cache.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
     lines = [
         "# Host prefix cache: warm against cold time to first token, a real SGLang 0.5.23 engine",
         "",
-        f"GPU {device}, torch {torch.__version__}; the model-shaped tiny Qwen4Exp (one QSA layer "
-        "of the real geometry) with p2-offload and the host prefix cache, decode CUDA graphs on. "
-        f"`{command}`; written by `packages/qsa-sglang-plugin/benchmarks/engine_prefix_cache.py`.",
+        f"GPU {device}, torch {torch.__version__}; {model}, with p2-offload and the host prefix "
+        "cache, decode CUDA graphs on. TTFT: SGLang's `first_token_latency` (from the server's "
+        "receipt of the request to its prefill's end); wall: the client's time for the whole "
+        f"request over HTTP ({new_tokens} greedy tokens, compared). `{command}`; written by "
+        "`packages/qsa-sglang-plugin/benchmarks/engine_prefix_cache.py`.",
         "",
-        "| turn-1 tokens | new tokens | cold TTFT s | warm TTFT s | cold / warm | cached tokens "
-        "| restored MiB | restored MiB/s of warm wall | same greedy tokens |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| turn-1 tokens | new prompt tokens | cold TTFT s | warm TTFT s | cold / warm | cold / "
+        "warm wall s | cached tokens | restored MiB | restored MiB/s of warm TTFT | same greedy "
+        "tokens |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         mib = r.restored_bytes / (1 << 20)
         lines.append(
             f"| {r.context:,} | {r.suffix} | {r.cold_ttft_s:.3f} | {r.warm_ttft_s:.3f} | "
-            f"{r.cold_ttft_s / r.warm_ttft_s:.1f} | {r.cached_tokens:,} | {mib:,.1f} | "
-            f"{mib / r.warm_ttft_s:,.0f} | {'yes' if r.same_tokens else 'no'} |"
+            f"{r.cold_ttft_s / r.warm_ttft_s:.1f} | {r.cold_wall_s:.3f} / {r.warm_wall_s:.3f} | "
+            f"{r.cached_tokens:,} | {mib:,.1f} | {mib / r.warm_ttft_s:,.0f} | "
+            f"{'yes' if r.same_tokens else 'no'} |"
         )
     (out / "engine_prefix_cache.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -205,12 +236,13 @@ def main(argv: list[str]) -> int:
             row = _measure(engine, args, context)
             rows.append(row)
             print(
-                f"engine_prefix_cache: {context:>7} tokens: cold {row.cold_ttft_s:.3f} s, warm "
-                f"{row.warm_ttft_s:.3f} s ({row.cold_ttft_s / row.warm_ttft_s:.1f}x), "
+                f"engine_prefix_cache: {context:>7} tokens: TTFT cold {row.cold_ttft_s:.3f} s, "
+                f"warm {row.warm_ttft_s:.3f} s ({row.cold_ttft_s / row.warm_ttft_s:.1f}x; wall "
+                f"{row.cold_wall_s:.3f} / {row.warm_wall_s:.3f} s), "
                 f"{row.restored_bytes / (1 << 20):,.1f} MiB restored",
                 flush=True,
             )
-            _write(args.out, rows)
+            _write(args.out, _MODELS[args.model], args.new_tokens, rows)
     return 0
 
 

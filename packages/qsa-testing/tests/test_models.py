@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from qsa_core import QWEN38_FLASH_NEXT
-from qsa_testing import ModelSpecError, TinyModelKind, tiny_llama, tiny_qwen4_exp
+from qsa_core import QWEN38_FLASH_NEXT, QWEN38_FLASH_NEXT_TEXT_CONFIG
+from qsa_testing import (
+    ModelSpecError,
+    TinyModelKind,
+    full_depth_qwen4_exp,
+    tiny_llama,
+    tiny_qwen4_exp,
+)
 from qsa_testing._models import FIRST_PROMPT_TOKEN
 
 
@@ -28,6 +34,32 @@ def test_tiny_qwen4_exp_keeps_the_real_qsa_rules(kv_heads: int, model_shaped: bo
     assert profile.num_kv_heads == kv_heads
     if model_shaped:
         assert (profile.num_attention_heads, profile.head_dim) == (24, 256)
+
+
+def test_the_full_depth_model_has_the_real_layers_and_widths() -> None:
+    model = full_depth_qwen4_exp(max_position_embeddings=131_072)
+    profile = model.qsa_profile()
+    real = QWEN38_FLASH_NEXT
+    for name in (
+        "num_hidden_layers",
+        "hidden_size",
+        "qsa_layer_ids",
+        "num_attention_heads",
+        "num_kv_heads",
+        "head_dim",
+        "budget",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+    ):
+        assert getattr(profile, name) == getattr(real, name), name
+    assert model.text_config["max_position_embeddings"] == 131_072
+    assert model.text_config["num_experts"] < 8  # the experts stay small
+    assert (
+        model.config["vision_config"]["out_hidden_size"]
+        == QWEN38_FLASH_NEXT_TEXT_CONFIG["hidden_size"]
+    )
 
 
 def test_mrope_sections_cover_half_the_rotary_dims() -> None:
@@ -82,7 +114,13 @@ def test_write_creates_one_config_and_is_idempotent(tmp_path: Path) -> None:
 def test_sglang_reads_the_tiny_configs(tmp_path: Path) -> None:
     from sglang.srt.configs.model_config import ModelConfig
 
-    for model in (tiny_qwen4_exp(), tiny_qwen4_exp(kv_heads=1, model_shaped=True), tiny_llama()):
+    models = (
+        tiny_qwen4_exp(),
+        tiny_qwen4_exp(kv_heads=1, model_shaped=True),
+        full_depth_qwen4_exp(),
+        tiny_llama(),
+    )
+    for model in models:
         config = ModelConfig(str(model.write(tmp_path)))
         assert config.hf_config.architectures == [model.kind.value]
         assert config.num_hidden_layers == model.text_config["num_hidden_layers"]

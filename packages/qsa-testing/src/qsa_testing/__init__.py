@@ -1,6 +1,7 @@
 """qsa-testing: test support for the QSA HiSparse workspace; never installed for serving.
 
-Tiny dummy models written at test time (:func:`tiny_qwen4_exp`, :func:`tiny_llama`), named
+Tiny dummy models written at test time (:func:`tiny_qwen4_exp`, :func:`tiny_llama`; for
+benchmarks :func:`full_depth_qwen4_exp`), named
 stand-ins for what a machine cannot run as is (:mod:`qsa_testing.standins`), and real SGLang
 0.5.23 servers for tests (:func:`start_engine`, :class:`EnginePool`, and the ``engines`` fixture
 of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens.
@@ -25,7 +26,13 @@ from qsa_testing._errors import (
     ModelSpecError,
     StandInError,
 )
-from qsa_testing._models import TinyModel, TinyModelKind, tiny_llama, tiny_qwen4_exp
+from qsa_testing._models import (
+    TinyModel,
+    TinyModelKind,
+    full_depth_qwen4_exp,
+    tiny_llama,
+    tiny_qwen4_exp,
+)
 from qsa_testing._pool import EnginePool, EngineStart
 from qsa_testing._version import __version__
 from qsa_testing._vision import tiny_image
@@ -37,6 +44,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "TinyModelKind",
     "tiny_llama",
     "tiny_qwen4_exp",
+    "full_depth_qwen4_exp",
     "tiny_image",
     # engines
     "Engine",

@@ -305,6 +305,9 @@ class Generation:
         prompt_tokens: prompt length the server counted.
         cached_tokens: prompt tokens the server reported as served from a cache.
         finish_reason: SGLang's finish type (``length``, ``stop``, ...).
+        first_token_s: seconds from the server's receipt of the request to its first token, as
+            SGLang measures it (``meta_info.first_token_latency``; ``None`` without
+            ``--enable-metrics``). Not compared.
     """
 
     output_ids: tuple[int, ...]
@@ -313,12 +316,14 @@ class Generation:
     prompt_tokens: int
     cached_tokens: int
     finish_reason: str
+    first_token_s: float | None = field(default=None, compare=False)
 
     @classmethod
     def from_reply(cls, reply: Mapping[str, Any]) -> Generation:
         """Parse one ``/generate`` reply."""
         meta = reply["meta_info"]
         tops = meta.get("output_top_logprobs") or []
+        first = meta.get("first_token_latency")
         return cls(
             output_ids=tuple(int(t) for t in reply["output_ids"]),
             logprobs=tuple(float(entry[0]) for entry in meta["output_token_logprobs"]),
@@ -328,6 +333,7 @@ class Generation:
             prompt_tokens=int(meta["prompt_tokens"]),
             cached_tokens=int(meta.get("cached_tokens") or 0),
             finish_reason=str((meta.get("finish_reason") or {}).get("type")),
+            first_token_s=None if first is None else float(first),
         )
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from qsa_core import QWEN38_FLASH_NEXT, QSAProfile
+from qsa_core import QWEN38_FLASH_NEXT, QWEN38_FLASH_NEXT_TEXT_CONFIG, QSAProfile
 from qsa_testing._errors import ModelSpecError
 from qsa_testing._vision import merged_patch_pixels, processor_files
 
@@ -26,6 +26,7 @@ __all__ = (
     "FIRST_PROMPT_TOKEN",
     "TinyModel",
     "TinyModelKind",
+    "full_depth_qwen4_exp",
     "tiny_llama",
     "tiny_qwen4_exp",
 )
@@ -190,6 +191,75 @@ def tiny_qwen4_exp(
         raise ModelSpecError(msg)
     real = QWEN38_FLASH_NEXT
     q_heads, head_dim = (real.num_attention_heads, real.head_dim) if model_shaped else (4, 64)
+    shape = "shaped" if model_shaped else "small"
+    name = f"qwen4exp-{shape}-kv{kv_heads}"
+    if max_position_embeddings != 8192:
+        name += f"-ctx{max_position_embeddings}"
+    if vision:
+        name += "-vl"
+    config = _qwen4_exp_config(
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        widths={},
+    )
+    return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config), vision=vision)
+
+
+def full_depth_qwen4_exp(*, max_position_embeddings: int = 262_144) -> TinyModel:
+    """Qwen3.8-Flash-Next's depth and the real width of its attention and GDN layers.
+
+    48 layers of hidden size 2,560, every fourth a QSA layer (12): the QSA layers of the real
+    geometry (24 query heads and 2 K/V heads of dim 256, the real indexer), the Gated DeltaNet
+    layers of the real widths (16 key and 48 value heads of dim 128). The experts (4 of 512), the
+    vocabulary and the vision tower stay small, so a prefill costs what the real model's attention
+    and GDN layers cost and less than its experts: a cold prefill timed on it is a lower bound on
+    the real model's. About 3.6 B dummy parameters (7 GiB in bf16), for benchmarks on a GPU.
+
+    Args:
+        max_position_embeddings: the longest context the config allows.
+    """
+    real = QWEN38_FLASH_NEXT
+    text = QWEN38_FLASH_NEXT_TEXT_CONFIG
+    widths = {
+        key: text[key]
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+        )
+    }
+    widths |= {
+        "num_experts": 4,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    }
+    config = _qwen4_exp_config(
+        q_heads=real.num_attention_heads,
+        kv_heads=int(text["num_key_value_heads"]),  # type: ignore[call-overload]
+        head_dim=real.head_dim,
+        max_position_embeddings=max_position_embeddings,
+        widths=widths,
+    )
+    name = f"qwen4exp-full-depth-ctx{max_position_embeddings}"
+    return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config))
+
+
+def _qwen4_exp_config(
+    *,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    max_position_embeddings: int,
+    widths: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A Qwen4Exp ``config.json``: the tiny widths and depth, less what ``widths`` sets."""
+    real = QWEN38_FLASH_NEXT
     rotary = 0.25
     text: dict[str, Any] = {
         "model_type": "qwen4_exp_text",
@@ -197,7 +267,6 @@ def tiny_qwen4_exp(
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 4,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
         "full_attention_interval": 4,
         "num_attention_heads": q_heads,
         "num_key_value_heads": kv_heads,
@@ -237,6 +306,12 @@ def tiny_qwen4_exp(
         "hidden_act": "silu",
         "mtp_num_hidden_layers": 0,
     }
+    text |= widths
+    interval = int(text["full_attention_interval"])
+    text["layer_types"] = [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(int(text["num_hidden_layers"]))
+    ]
     config = {
         "architectures": [TinyModelKind.QWEN4_EXP.value],
         "model_type": "qwen4_exp",
@@ -256,18 +331,12 @@ def tiny_qwen4_exp(
             "patch_size": 16,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
-            "out_hidden_size": 64,
+            "out_hidden_size": text["hidden_size"],
             "num_position_embeddings": 64,
             "deepstack_visual_indexes": [],
         },
     }
-    shape = "shaped" if model_shaped else "small"
-    name = f"qwen4exp-{shape}-kv{kv_heads}"
-    if max_position_embeddings != 8192:
-        name += f"-ctx{max_position_embeddings}"
-    if vision:
-        name += "-vl"
-    return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config), vision=vision)
+    return config
 
 
 def tiny_llama() -> TinyModel:
