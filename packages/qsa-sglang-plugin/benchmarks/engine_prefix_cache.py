@@ -61,6 +61,8 @@ class Row:
     cached_tokens: int
     restored_bytes: int
     same_tokens: bool
+    first_difference: int | None
+    tie_gap: float | None
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -143,7 +145,7 @@ def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
     salt = f"turn-{context}"
 
     def request(new_tokens: int, cache_salt: str) -> Any:
-        return GenerateRequest(turn2, new_tokens, top_logprobs=0, cache_salt=cache_salt)
+        return GenerateRequest(turn2, new_tokens, top_logprobs=2, cache_salt=cache_salt)
 
     # Cold first, under a salt of its own: nothing matches, and the checkpoints it publishes are
     # older than turn 1's, so a budget smaller than both evicts the cold request's first.
@@ -159,6 +161,7 @@ def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
             f"{warm.cached_tokens}; expected 0 and {context}"
         )
         raise RuntimeError(msg)
+    step, gap = _divergence(cold, warm)
     return Row(
         context,
         args.suffix,
@@ -168,8 +171,25 @@ def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
         warm_wall,
         warm.cached_tokens,
         restored,
-        cold.output_ids == warm.output_ids,
+        step is None,
+        step,
+        gap,
     )
+
+
+def _divergence(cold: Any, warm: Any) -> tuple[int | None, float | None]:
+    """The first step whose greedy tokens differ, and how close the cold run's choice was there.
+
+    The gap is the cold run's logprob of its own token less that of the warm run's token (both
+    among the cold step's top 2; ``None`` if the warm token is not there): a gap near zero is a
+    near-tie that bf16 rounding can flip, a large one a wrong prefix.
+    """
+    for step, (a, b) in enumerate(zip(cold.output_ids, warm.output_ids, strict=True)):
+        if a != b:
+            tops = dict(cold.top_logprobs[step])
+            gap = None if b not in tops else tops[a] - tops[b]
+            return step, gap
+    return None, None
 
 
 def _write(out: pathlib.Path, model: str, new_tokens: int, rows: list[Row]) -> None:
@@ -196,7 +216,7 @@ def _write(out: pathlib.Path, model: str, new_tokens: int, rows: list[Row]) -> N
         "",
         "| turn-1 tokens | new prompt tokens | cold TTFT s | warm TTFT s | cold / warm | cold / "
         "warm wall s | cached tokens | restored MiB | restored MiB/s of warm TTFT | same greedy "
-        "tokens |",
+        "tokens (else: first differing step, the cold run's top-2 logprob gap there) |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
@@ -205,9 +225,16 @@ def _write(out: pathlib.Path, model: str, new_tokens: int, rows: list[Row]) -> N
             f"| {r.context:,} | {r.suffix} | {r.cold_ttft_s:.3f} | {r.warm_ttft_s:.3f} | "
             f"{r.cold_ttft_s / r.warm_ttft_s:.1f} | {r.cold_wall_s:.3f} / {r.warm_wall_s:.3f} | "
             f"{r.cached_tokens:,} | {mib:,.1f} | {mib / r.warm_ttft_s:,.0f} | "
-            f"{'yes' if r.same_tokens else 'no'} |"
+            f"{_same(r)} |"
         )
     (out / "engine_prefix_cache.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _same(row: Row) -> str:
+    if row.same_tokens:
+        return "yes"
+    gap = "not in the top 2" if row.tie_gap is None else f"gap {row.tie_gap:.2e}"
+    return f"no: step {row.first_difference}, {gap}"
 
 
 def main(argv: list[str]) -> int:
@@ -239,7 +266,7 @@ def main(argv: list[str]) -> int:
                 f"engine_prefix_cache: {context:>7} tokens: TTFT cold {row.cold_ttft_s:.3f} s, "
                 f"warm {row.warm_ttft_s:.3f} s ({row.cold_ttft_s / row.warm_ttft_s:.1f}x; wall "
                 f"{row.cold_wall_s:.3f} / {row.warm_wall_s:.3f} s), "
-                f"{row.restored_bytes / (1 << 20):,.1f} MiB restored",
+                f"{row.restored_bytes / (1 << 20):,.1f} MiB restored, same tokens: {_same(row)}",
                 flush=True,
             )
             _write(args.out, _MODELS[args.model], args.new_tokens, rows)
