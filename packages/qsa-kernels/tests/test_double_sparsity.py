@@ -17,11 +17,16 @@ from qsa_kernels.double_sparsity import (
     LabelCache,
     ds_decode,
     ds_decode_reference,
+    ds_decode_split_reference,
     ds_positions,
 )
 from qsa_kernels.ds_label import label_keys_reference
 from qsa_kernels.offload import OffloadGeometry
-from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from qsa_kernels.sparse_decode import (
+    sparse_decode,
+    sparse_decode_reference,
+    sparse_decode_split_reference,
+)
 
 
 def _quarters(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -266,6 +271,100 @@ def test_ds_decode_equals_plain_double_sparsity(  # noqa: PLR0917
         torch.testing.assert_close(got.out.float().cpu(), want, atol=2e-2, rtol=2e-2)
     # the selection really is per KV head: some row has heads with different tokens
     assert any(len({tuple(h) for h in row}) > 1 for row in chosen if len(row[0]) == heavy)
+
+
+class _SplitPool:
+    """SGLang's MHA pool of one layer: K and V in two ``[N, Hkv, D]`` buffers, each request's
+    tokens at scattered slots, and a label cache indexed by the same slots."""
+
+    def __init__(
+        self,
+        ks: Sequence[torch.Tensor],
+        vs: Sequence[torch.Tensor],
+        channels: torch.Tensor,
+        *,
+        device: str,
+        seed: int = 0,
+    ) -> None:
+        hkv, d = ks[0].shape[1:]
+        total = sum(int(k.shape[0]) for k in ks)
+        slots = 3 + total + 7  # room SGLang leaves: padding slots before and after
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)) + 3
+        self.k = torch.zeros(slots, hkv, d, dtype=torch.bfloat16)
+        self.v = torch.zeros(slots, hkv, d, dtype=torch.bfloat16)
+        self.labels = LabelCache(channels.unsqueeze(0), rows=1, max_tokens=slots, device=device)
+        self.lengths = [int(k.shape[0]) for k in ks]
+        width = max(self.lengths)
+        self.req_to_token = torch.zeros(len(ks), width, dtype=torch.int32)
+        start = 0
+        for b, (k, v) in enumerate(zip(ks, vs, strict=True)):
+            row = order[start : start + k.shape[0]]
+            start += k.shape[0]
+            self.k[row], self.v[row] = k, v
+            self.req_to_token[b, : k.shape[0]] = row.to(torch.int32)
+            self.labels.write_slots(0, row.to(device), k.to(device))
+        self.k, self.v = self.k.to(device), self.v.to(device)
+        self.req_to_token = self.req_to_token.to(device)
+
+    def decode(self, q: torch.Tensor, config: DSConfig) -> Any:
+        return ds_decode_split_reference(
+            q.to(self.k.device),
+            self.k,
+            self.v,
+            self.labels.layer(0),
+            self.labels.channels[0],
+            self.req_to_token,
+            self.lengths,
+            config=config,
+            select_reference=self.k.device.type == "cpu",
+        )
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "c", "lengths", "heavy"),
+    [
+        (8, 2, 32, 6, [37, 90, 5, 61], 16),  # GQA group 4, one short (dense) row
+        (4, 2, 16, 8, [300, 120], 64),  # the tiny Llama's geometry
+    ],
+)
+def test_ds_decode_over_split_kv_buffers_equals_plain_double_sparsity(  # noqa: PLR0917
+    hq: int, hkv: int, d: int, c: int, lengths: list[int], heavy: int, kernel_device: str
+) -> None:
+    """Scattered slots of separate K and V buffers, labels by the same slots: the plain
+    definition's tokens and attention, and the record store's output bit for bit."""
+    q, ks, vs, channels = _case(lengths, hq, hkv, d, c, seed=hq + d + 1)
+    config = DSConfig(heavy_channel_num=c, heavy_token_num=heavy, sparse_decode_threshold=0)
+    want, chosen = _expected(q, ks, vs, channels, config, 1 / math.sqrt(d))
+    got = _SplitPool(ks, vs, channels, device=kernel_device).decode(q, config)
+    assert _positions_as_lists(got.positions) == chosen
+    torch.testing.assert_close(got.out.float().cpu(), want, atol=2e-2, rtol=2e-2)
+    store = _Resident(
+        ks, vs, channels, max_tokens=4 * math.ceil(max(lengths) / 4) + 4, device=kernel_device
+    )
+    same = store.decode(q, config, reference=True)
+    assert torch.equal(got.out, same.out)
+    assert torch.equal(got.lse, same.lse)
+
+
+def test_split_decode_refuses_value_buffers_unlike_the_keys() -> None:
+    q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
+    slots = torch.zeros(1, 3, dtype=torch.int32)
+    k = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match=r"v_buffer \(8, 2, 8\) .* must match k_buffer"):
+        sparse_decode_split_reference(q, slots, k, torch.zeros(8, 2, 8, dtype=torch.bfloat16))
+
+
+def test_label_cache_slot_writes_equal_prompt_writes() -> None:
+    gen = torch.Generator().manual_seed(3)
+    channels = _channels(gen, 2, 2, 16, 4)
+    k = _quarters(gen, 10, 2, 16)
+    by_row = LabelCache(channels, rows=2, max_tokens=16)
+    by_row.write_prompt(1, 1, k, start=2)
+    by_slot = LabelCache(channels, rows=2, max_tokens=16)
+    by_slot.write_slots(1, torch.arange(18, 28), k)
+    assert torch.equal(by_row.buffer, by_slot.buffer)
+    with pytest.raises(DSConfigError, match=r"slots \(3,\) and k \(10, 2, 16\) must agree"):
+        by_slot.write_slots(0, torch.arange(3), k)
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,17 @@ import torch
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.double_sparsity._config import DSConfig
 from qsa_kernels.ds_label import LabelTopK, label_topk, label_topk_reference
-from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from qsa_kernels.sparse_decode import (
+    sparse_decode,
+    sparse_decode_reference,
+    sparse_decode_split_reference,
+)
 
 __all__ = (
     "DSDecodeOutput",
     "ds_decode",
     "ds_decode_reference",
+    "ds_decode_split_reference",
     "ds_positions",
     "positions_to_slots",
 )
@@ -221,3 +226,54 @@ def ds_decode_reference(  # noqa: PLR0917
         scale=scale,
         reference=True,
     )
+
+
+def ds_decode_split_reference(  # noqa: PLR0917
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: Sequence[int],
+    *,
+    config: DSConfig,
+    scale: float | None = None,
+    select_reference: bool = True,
+) -> DSDecodeOutput:
+    """Double-sparsity decode of one layer over a pool that keeps K and V apart (torch attention).
+
+    SGLang's MHA pool: one ``[N, Hkv, D]`` key buffer and one value buffer per layer, and a label
+    cache indexed by the same token slots (``LabelCache(channels, rows=1, max_tokens=N)``, written
+    with :meth:`LabelCache.write_slots`), so one ``req_to_token`` maps positions for both.
+    Selection as :func:`ds_positions`; attention with
+    :func:`qsa_kernels.sparse_decode.sparse_decode_split_reference` (a split-buffer Triton kernel
+    is not written yet).
+
+    Args:
+        q: ``[B, Hq, D]`` bf16 queries.
+        k_buffer: ``[N, Hkv, D]`` keys of every token slot.
+        v_buffer: ``[N, Hkv, D]`` values, same shape and dtype.
+        label_cache: ``[N, Hkv, C]`` label rows by token slot.
+        channels: ``[Hkv, C]`` int32/int64 heavy channels of this layer.
+        req_to_token: ``[B, S]`` int32/int64 token slot of each logical position.
+        seq_lens: ``B`` host ints, ``1 <= seq_len <= S``.
+        config: the double-sparsity options.
+        scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+        select_reference: select with the torch reference (``False``: the Triton label kernel).
+
+    Returns:
+        :class:`DSDecodeOutput`.
+    """
+    positions = ds_positions(
+        q,
+        label_cache,
+        channels,
+        req_to_token,
+        seq_lens,
+        config=config,
+        reference=select_reference,
+    )
+    slots = positions_to_slots(positions, req_to_token)
+    out, lse = sparse_decode_split_reference(q, slots, k_buffer, v_buffer, scale=scale)
+    return DSDecodeOutput(out, lse, positions)

@@ -137,6 +137,24 @@ class LabelCache:
         slots = torch.tensor(flat, dtype=torch.int64, device=self.device)
         self._scatter(layer, slots, k)
 
+    def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Write the labels of keys at arbitrary slots (a cache indexed by a pool's token slots).
+
+        With ``rows=1`` and ``max_tokens`` equal to a K/V pool's slot count, slot ``s`` of the
+        label cache belongs to token slot ``s`` of the pool, so one ``req_to_token`` addresses both.
+
+        Args:
+            layer: attention layer in ``[0, L)``.
+            slots: ``[N]`` int32/int64 slots in ``[0, rows * max_tokens)``, on the cache's device.
+            k: ``[N, Hkv, D]`` the keys written there.
+        """
+        check_ndim("slots", slots, 1, "[N]")
+        check_ndim("k", k, 3, "[N, Hkv, D]")
+        if slots.shape[0] != k.shape[0]:
+            msg = f"slots {tuple(slots.shape)!r} and k {tuple(k.shape)!r} must agree on N"
+            raise DSConfigError(msg)
+        self._scatter(layer, slots.to(torch.int64), k)
+
     def _scatter(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
         self._check_layer(layer)
         _, hkv, c = self.channels.shape

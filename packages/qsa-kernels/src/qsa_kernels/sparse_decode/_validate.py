@@ -17,7 +17,7 @@ from qsa_kernels._checks import (
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS
 
-__all__ = ("check_decode_args",)
+__all__ = ("check_decode_args", "check_split_decode_args")
 
 
 #: What a sparse decode may return its output as.
@@ -65,6 +65,56 @@ def check_decode_args(
         msg = f"kv_cache must be contiguous; got strides {kv_cache.stride()!r}"
         raise KernelInputError(msg)
     check_unit_last_stride(q=q, token_slots=token_slots)
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[2])
+    if not math.isfinite(scale) or scale <= 0:
+        msg = f"scale must be a finite positive float; got {scale!r}"
+        raise KernelInputError(msg)
+    return float(scale)
+
+
+#: Dtypes of SGLang's split K/V buffers the split reference reads.
+SPLIT_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
+def check_split_decode_args(  # noqa: PLR0917
+    q: torch.Tensor,
+    token_slots: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    scale: float | None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> float:
+    """Validate a split-buffer sparse decode call; return the softmax scale."""
+    if out_dtype not in OUT_DTYPES:
+        msg = f"out_dtype={out_dtype!r} is not allowed; allowed: {OUT_DTYPES!r}"
+        raise KernelInputError(msg)
+    check_ndim("q", q, 3, "[B, Hq, D]")
+    check_dtype("q", q, (torch.bfloat16,))
+    if token_slots.dim() not in (2, 3):
+        msg = (
+            f"token_slots must be [B, T] (one list per row) or [B, Hkv, T] (one per KV head); "
+            f"got shape {tuple(token_slots.shape)!r}"
+        )
+        raise KernelInputError(msg)
+    check_dtype("token_slots", token_slots, (torch.int32,))
+    check_ndim("k_buffer", k_buffer, 3, "[N, Hkv, D]")
+    check_dtype("k_buffer", k_buffer, SPLIT_KV_DTYPES)
+    if v_buffer.shape != k_buffer.shape or v_buffer.dtype != k_buffer.dtype:
+        msg = (
+            f"v_buffer {tuple(v_buffer.shape)!r} {v_buffer.dtype!r} must match k_buffer "
+            f"{tuple(k_buffer.shape)!r} {k_buffer.dtype!r}"
+        )
+        raise KernelInputError(msg)
+    check_dim("k_buffer", k_buffer, 2, q.shape[2], "D of q")
+    check_dim("token_slots", token_slots, 0, q.shape[0], "B of q")
+    check_same_device(q.device, token_slots=token_slots, k_buffer=k_buffer, v_buffer=v_buffer)
+    hq, hkv = q.shape[1], k_buffer.shape[1]
+    if hkv == 0 or hq % hkv:
+        msg = f"Hq={hq!r} must be a positive multiple of Hkv={hkv!r}"
+        raise KernelInputError(msg)
+    if token_slots.dim() == 3:
+        check_dim("token_slots", token_slots, 1, hkv, "Hkv of k_buffer")
     if scale is None:
         return 1.0 / math.sqrt(q.shape[2])
     if not math.isfinite(scale) or scale <= 0:
