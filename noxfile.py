@@ -244,6 +244,7 @@ _ENGINE_TEST_GROUPS = (
     ("qwen", "tests/test_engine.py", "not llama"),
     ("llama", "tests/test_engine.py", "llama"),
     ("offload", "tests/test_engine_offload.py", None),
+    ("double_sparsity", "tests/test_engine_double_sparsity.py", None),
 )
 
 

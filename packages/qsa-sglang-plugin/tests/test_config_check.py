@@ -181,3 +181,67 @@ def test_the_prefill_graph_backend_is_read_as_sglang_resolves_the_flags(
 
     args = ServerArgs(model_path="dummy", device="cpu", **flags)
     assert _prefill_graph_backend(resolving_view(args)) == backend
+
+
+LLAMA = ConfigFacts(
+    architectures=("LlamaForCausalLM",),
+    text_config={
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "head_dim": 16,
+    },
+    model_dtype="bfloat16",
+    page_size=1,
+    kv_cache_dtype="auto",
+    attention_backend="qsa_ds",
+)
+
+
+def _ds(tmp_path: Any, rows: object) -> Any:
+    import json
+
+    path = tmp_path / "channels.json"
+    path.write_text(
+        json.dumps({f"model.layers.{i}.self_attn.qk_proj": rows for i in range(2)}),
+        encoding="utf-8",
+    )
+    env = {"SGLANG_QSA_DS_CHANNEL_CONFIG": str(path), "SGLANG_QSA_DS_HEAVY_CHANNELS": "4"}
+    return parse_switches(env), path
+
+
+def test_double_sparsity_passes_on_a_gqa_model_with_a_fitting_channel_file(tmp_path: Any) -> None:
+    switches, _ = _ds(tmp_path, [list(range(16)), list(range(15, -1, -1))])
+    assert check_configuration(LLAMA, switches) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        ({"attention_backend": "triton"}, ["--attention-backend='triton'", "'qsa_ds'"]),
+        (
+            {"architectures": ("Qwen4ExpForConditionalGeneration",)},
+            ["--model-path architectures", "a model without QSA layers"],
+        ),
+        ({"tp_size": 2}, ["--tp-size=2", "supported: 1"]),
+        ({"decode_cuda_graph": True}, ["--disable-cuda-graph=False", "supported: True"]),
+    ],
+)
+def test_double_sparsity_refuses_what_it_cannot_serve(
+    tmp_path: Any, change: dict[str, Any], fragments: list[str]
+) -> None:
+    switches, _ = _ds(tmp_path, [list(range(16)), list(range(16))])
+    with pytest.raises(ConfigurationError) as caught:
+        check_configuration(dataclasses.replace(LLAMA, **change), switches)
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+
+
+def test_a_malformed_channel_file_is_refused_with_its_path_and_field(tmp_path: Any) -> None:
+    switches, path = _ds(tmp_path, [list(range(16)), [0, 1, 2, 99]])
+    with pytest.raises(ConfigurationError) as caught:
+        check_configuration(LLAMA, switches)
+    text = str(caught.value)
+    for fragment in (str(path), "model.layers.0.self_attn.qk_proj", "head 1", "channel 99"):
+        assert fragment in text

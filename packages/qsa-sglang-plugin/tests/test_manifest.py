@@ -45,8 +45,12 @@ def test_manifest_tool_writes_then_detects_drift(tmp_path: Path) -> None:
 def test_drifted_digest_is_refused_with_module_and_digests() -> None:
     """A digest that differs names the module, its path, the expected and the found sha256."""
     shipped = load_manifest()
-    module, digest = shipped.modules[0]
-    bad = dataclasses.replace(shipped, modules=((module, "f" * 64), *shipped.modules[1:]))
+    index, (module, digest) = next(
+        (i, entry) for i, entry in enumerate(shipped.modules) if entry[0] == HOOKS[0].module
+    )
+    modules = list(shipped.modules)
+    modules[index] = (module, "f" * 64)
+    bad = dataclasses.replace(shipped, modules=tuple(modules))
     with pytest.raises(FingerprintMismatchError) as info:
         verify_fingerprints(HOOKS, bad)
     text = str(info.value)

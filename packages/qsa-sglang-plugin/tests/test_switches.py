@@ -169,3 +169,68 @@ def test_absurd_prefix_cache_sizes_are_refused_at_parse_time(
     with pytest.raises(SwitchError, match=rf"{name}='{value}' is not allowed.*up to {maximum}"):
         parse_switches(env)
     assert parse_switches({**env, name: str(maximum)}) is not None
+
+
+DS = "SGLANG_QSA_DS_CHANNEL_CONFIG"
+
+
+def test_double_sparsity_switches_take_the_library_defaults() -> None:
+    from qsa_kernels.double_sparsity import DSConfig
+
+    switches = parse_switches({DS: "/models/channels.json"})
+    ds = switches.double_sparsity
+    assert ds is not None
+    assert switches.features == (Feature.FRAMEWORK, Feature.DOUBLE_SPARSITY)
+    defaults = DSConfig()
+    assert (ds.heavy_channel_num, ds.heavy_token_num, ds.sparse_decode_threshold) == (
+        defaults.heavy_channel_num,
+        defaults.heavy_token_num,
+        defaults.sparse_decode_threshold,
+    )
+    assert ds.heavy_channel_type == defaults.heavy_channel_type.value
+    tuned = parse_switches(
+        {
+            DS: "c.json",
+            "SGLANG_QSA_DS_HEAVY_CHANNELS": "8",
+            "SGLANG_QSA_DS_HEAVY_TOKENS": "64",
+            "SGLANG_QSA_DS_CHANNEL_TYPE": "k",
+            "SGLANG_QSA_DS_THRESHOLD": "0",
+        }
+    ).double_sparsity
+    assert tuned is not None
+    assert (tuned.heavy_channel_num, tuned.heavy_token_num, tuned.heavy_channel_type) == (
+        8,
+        64,
+        "k",
+    )
+    assert tuned.sparse_decode_threshold == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "fragments"),
+    [
+        (
+            {"SGLANG_QSA_DS_HEAVY_TOKENS": "64"},
+            ["SGLANG_QSA_DS_HEAVY_TOKENS set without SGLANG_QSA_DS_CHANNEL_CONFIG"],
+        ),
+        (
+            {DS: "c.json", "SGLANG_QSA_DS_CHANNEL_TYPE": "v"},
+            ["SGLANG_QSA_DS_CHANNEL_TYPE='v' is not allowed", "'q', 'k', 'qk'"],
+        ),
+        (
+            {DS: "c.json", "SGLANG_QSA_DS_HEAVY_CHANNELS": "0"},
+            ["SGLANG_QSA_DS_HEAVY_CHANNELS='0' is not allowed", "a positive integer"],
+        ),
+        (
+            {DS: "c.json", "SGLANG_QSA_DS_THRESHOLD": "-1"},
+            ["SGLANG_QSA_DS_THRESHOLD='-1' is not allowed", "0 (off) or a positive"],
+        ),
+    ],
+)
+def test_a_malformed_double_sparsity_switch_is_named(
+    env: dict[str, str], fragments: list[str]
+) -> None:
+    with pytest.raises(SwitchError) as caught:
+        parse_switches(env)
+    for fragment in fragments:
+        assert fragment in str(caught.value)

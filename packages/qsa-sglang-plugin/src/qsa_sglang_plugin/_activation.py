@@ -204,6 +204,21 @@ def _register(entry: RegistrySpec) -> None:
             )
             raise ForeignHookError(msg)
         getattr(module, function)(entry.name, entry.load_factory())
+    elif entry.registry is Registry.ATTENTION_BACKEND:
+        if entry.name in module.ATTENTION_BACKENDS:
+            msg = (
+                f"attention backend {entry.name!r} is already registered by another plugin; "
+                f"{PLUGIN_NAME} needs that name"
+            )
+            raise ForeignHookError(msg)
+        getattr(module, function)(entry.name)(entry.load_factory())
+        from sglang.srt.arg_groups.choices import (
+            ATTENTION_BACKEND_CHOICES,
+            add_attention_backend_choices,
+        )
+
+        if entry.name not in ATTENTION_BACKEND_CHOICES:  # the CLI's and ServerArgs' choices
+            add_attention_backend_choices([entry.name])
 
 
 def verify_active() -> None:

@@ -15,7 +15,10 @@ from typing import Any, Final
 from qsa_core import QWEN38_FLASH_NEXT, KVDType, QSAConfigError, QSAProfile
 from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import (
+    DS_ATTENTION_BACKEND,
+    ENV_DS_CHANNEL_CONFIG,
     RADIX_CACHE_BACKEND,
+    DoubleSparsitySwitches,
     Feature,
     HiSparseMode,
     Switches,
@@ -66,6 +69,9 @@ class ConfigFacts:
         prefill_max_requests: ``--prefill-max-requests`` (None = no limit).
         chunked_prefill_size: ``--chunked-prefill-size`` after resolution (None or <= 0 = no
             chunking).
+        attention_backend: ``--attention-backend`` after resolution (None = SGLang chooses).
+        tp_size: ``--tp-size``.
+        decode_cuda_graph: decode runs in CUDA graphs (on CUDA without ``--disable-cuda-graph``).
     """
 
     architectures: tuple[str, ...]
@@ -87,6 +93,13 @@ class ConfigFacts:
     max_running_requests: int | None = 8
     prefill_max_requests: int | None = 1
     chunked_prefill_size: int | None = None
+    attention_backend: str | None = None
+    tp_size: int = 1
+    decode_cuda_graph: bool = False
+
+
+#: The features that serve a QSA checkpoint (double sparsity serves models without QSA layers).
+_QSA_FEATURES: Final = frozenset({Feature.MODEL_COMPAT, Feature.HISPARSE, Feature.PREFIX_CACHE})
 
 
 def _reject(flag: str, value: object, supported: str, why: str) -> ConfigurationError:
@@ -113,7 +126,9 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         ConfigurationError: naming the flag, the value and the supported values.
     """
     features = switches.features
-    if not features:
+    if switches.double_sparsity is not None:
+        _check_double_sparsity(facts, switches.double_sparsity)
+    if not _QSA_FEATURES.intersection(features):
         return None
     if facts.architectures != (SUPPORTED_ARCHITECTURE,):
         raise _reject(
@@ -157,6 +172,75 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     if switches.prefix_cache_mb > 0:
         _check_prefix_cache(facts)
     return profile
+
+
+def _check_double_sparsity(facts: ConfigFacts, ds: DoubleSparsitySwitches) -> None:
+    """``--attention-backend qsa_ds`` on an ordinary GQA model, and a channel file that fits it."""
+    if facts.attention_backend != DS_ATTENTION_BACKEND:
+        raise _reject(
+            "--attention-backend",
+            facts.attention_backend,
+            repr(DS_ATTENTION_BACKEND),
+            f"{ENV_DS_CHANNEL_CONFIG} turns double sparsity on, and it decodes in the "
+            f"{DS_ATTENTION_BACKEND!r} backend",
+        )
+    if SUPPORTED_ARCHITECTURE in facts.architectures:
+        raise _reject(
+            "--model-path architectures",
+            list(facts.architectures),
+            "a model without QSA layers (Llama, Qwen2/3, Mistral, ...)",
+            "a QSA model selects its blocks with its own indexer; SGLang builds its attention "
+            "backend whatever --attention-backend says",
+        )
+    if facts.tp_size != 1:
+        raise _reject(
+            "--tp-size",
+            facts.tp_size,
+            "1",
+            "the double-sparsity backend does not split its channel table over TP ranks yet",
+        )
+    if facts.decode_cuda_graph:
+        raise _reject(
+            "--disable-cuda-graph",
+            False,
+            "True",
+            "the double-sparsity decode reads host sequence lengths; it has no CUDA graph yet",
+        )
+    layers, q_heads, kv_heads, head_dim = ds_geometry(facts.text_config)
+    from qsa_kernels.double_sparsity import ChannelConfig, DSConfigError
+
+    try:
+        ChannelConfig.load(
+            ds.channel_config,
+            config=ds_config(ds),
+            layers=range(layers),
+            num_q_heads=q_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+        )
+    except DSConfigError as exc:
+        msg = f"{ENV_DS_CHANNEL_CONFIG}={ds.channel_config!r} is refused: {exc}"
+        raise ConfigurationError(msg) from exc
+
+
+def ds_config(ds: DoubleSparsitySwitches) -> Any:
+    """The library's ``DSConfig`` of the switches."""
+    from qsa_kernels.double_sparsity import DSConfig, HeavyChannelType
+
+    return DSConfig(
+        heavy_channel_num=ds.heavy_channel_num,
+        heavy_token_num=ds.heavy_token_num,
+        heavy_channel_type=HeavyChannelType.parse(ds.heavy_channel_type),
+        sparse_decode_threshold=ds.sparse_decode_threshold,
+    )
+
+
+def ds_geometry(text_config: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """``(attention layers, query heads, KV heads, head dim)`` of an ordinary GQA model."""
+    heads = int(text_config["num_attention_heads"])
+    kv_heads = int(text_config.get("num_key_value_heads") or heads)
+    head_dim = int(text_config.get("head_dim") or int(text_config["hidden_size"]) // heads)
+    return int(text_config["num_hidden_layers"]), heads, kv_heads, head_dim
 
 
 def _check_hisparse(facts: ConfigFacts) -> None:
@@ -313,6 +397,9 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         chunked_prefill_size=None
         if cfg.chunked_prefill_size is None
         else int(cfg.chunked_prefill_size),
+        attention_backend=None if cfg.attention_backend is None else str(cfg.attention_backend),
+        tp_size=int(cfg.tp_size),
+        decode_cuda_graph=str(cfg.device) == "cuda" and not bool(cfg.disable_cuda_graph),
     )
 
 

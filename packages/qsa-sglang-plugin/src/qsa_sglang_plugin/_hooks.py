@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND, Feature
+from qsa_sglang_plugin._switches import DS_ATTENTION_BACKEND, RADIX_CACHE_BACKEND, Feature
 
 __all__ = (
     "HOOKS",
@@ -149,6 +149,7 @@ class Registry(enum.StrEnum):
     """An SGLang registry this plugin adds to, by its registering function."""
 
     RADIX_CACHE_BACKEND = "sglang.srt.mem_cache.registry:register_radix_cache_backend"
+    ATTENTION_BACKEND = "sglang.srt.layers.attention.attention_registry:register_attention_backend"
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +196,23 @@ REGISTRATIONS: tuple[RegistrySpec, ...] = (
             "sglang.srt.mem_cache.base_prefix_cache",
             "sglang.srt.mem_cache.common",
             "sglang.srt.mem_cache.allocation",
+        ),
+    ),
+    RegistrySpec(
+        registry=Registry.ATTENTION_BACKEND,
+        name=DS_ATTENTION_BACKEND,
+        feature=Feature.DOUBLE_SPARSITY,
+        factory="qsa_sglang_plugin._adapters._double_sparsity:create_backend",
+        reason=(
+            "--attention-backend qsa_ds: the platform's dense backend for prefill and dense "
+            "rows, label-cache writes, double-sparsity decode of long rows."
+        ),
+        relies_on=(
+            "sglang.srt.layers.attention.attention_registry",
+            "sglang.srt.layers.attention.base_attn_backend",
+            "sglang.srt.layers.attention.torch_native_backend",
+            "sglang.srt.layers.attention.triton_backend",
+            "sglang.srt.arg_groups.choices",
         ),
     ),
 )

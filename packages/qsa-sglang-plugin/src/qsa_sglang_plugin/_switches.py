@@ -15,7 +15,13 @@ from typing import Final
 from qsa_sglang_plugin._errors import SwitchError
 
 __all__ = (
+    "DS_ATTENTION_BACKEND",
     "ENV_ACTIVATION_DIR",
+    "ENV_DS_CHANNEL_CONFIG",
+    "ENV_DS_CHANNEL_TYPE",
+    "ENV_DS_HEAVY_CHANNELS",
+    "ENV_DS_HEAVY_TOKENS",
+    "ENV_DS_THRESHOLD",
     "ENV_HISPARSE_V3",
     "ENV_HISPARSE_VERIFY",
     "ENV_MODEL_COMPAT",
@@ -25,6 +31,7 @@ __all__ = (
     "PLUGIN_NAME",
     "RADIX_CACHE_BACKEND",
     "SWITCH_PREFIX",
+    "DoubleSparsitySwitches",
     "Feature",
     "HiSparseMode",
     "Switches",
@@ -40,6 +47,16 @@ ENV_HISPARSE_V3: Final = "SGLANG_QSA_HISPARSE_V3"
 ENV_HISPARSE_VERIFY: Final = "SGLANG_QSA_HISPARSE_VERIFY"
 ENV_PREFIX_CACHE_MB: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB"
 ENV_PREFIX_CACHE_MAX_ENTRIES: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES"
+#: Double sparsity: the channel file (``qsa-hisparse calibrate`` writes it); setting it turns the
+#: ``qsa_ds`` attention backend on. The others override the defaults of the library's
+#: :class:`qsa_kernels.double_sparsity.DSConfig`.
+ENV_DS_CHANNEL_CONFIG: Final = "SGLANG_QSA_DS_CHANNEL_CONFIG"
+ENV_DS_HEAVY_CHANNELS: Final = "SGLANG_QSA_DS_HEAVY_CHANNELS"
+ENV_DS_HEAVY_TOKENS: Final = "SGLANG_QSA_DS_HEAVY_TOKENS"
+ENV_DS_CHANNEL_TYPE: Final = "SGLANG_QSA_DS_CHANNEL_TYPE"
+ENV_DS_THRESHOLD: Final = "SGLANG_QSA_DS_THRESHOLD"
+#: The attention backend double sparsity registers, the value ``--attention-backend`` takes.
+DS_ATTENTION_BACKEND: Final = "qsa_ds"
 #: Directory for per-process activation records; the launcher sets it.
 ENV_ACTIVATION_DIR: Final = "SGLANG_QSA_HISPARSE_ACTIVATION_DIR"
 #: SGLang's allow-list of general plugins (entry-point names, comma separated; empty = all).
@@ -74,6 +91,26 @@ class Feature(enum.StrEnum):
     MODEL_COMPAT = "model_compat"
     HISPARSE = "hisparse"
     PREFIX_CACHE = "prefix_cache"
+    DOUBLE_SPARSITY = "double_sparsity"
+
+
+@dataclass(frozen=True, slots=True)
+class DoubleSparsitySwitches:
+    """The ``SGLANG_QSA_DS_*`` switches, validated (the values the library's ``DSConfig`` takes).
+
+    Attributes:
+        channel_config: the channel file's path, as given.
+        heavy_channel_num: heavy channels per KV head.
+        heavy_token_num: tokens attended per (request, KV head).
+        heavy_channel_type: ``q``, ``k`` or ``qk``.
+        sparse_decode_threshold: contexts shorter than this decode densely.
+    """
+
+    channel_config: str
+    heavy_channel_num: int
+    heavy_token_num: int
+    heavy_channel_type: str
+    sparse_decode_threshold: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +133,17 @@ class Switches:
     verify_offload: bool = False
     prefix_cache_mb: int = 0
     prefix_cache_max_entries: int = DEFAULT_PREFIX_CACHE_MAX_ENTRIES
+    double_sparsity: DoubleSparsitySwitches | None = None
 
     @property
     def any_on(self) -> bool:
         """True when at least one feature is requested."""
-        return self.model_compat or self.hisparse is not None or self.prefix_cache_mb > 0
+        return (
+            self.model_compat
+            or self.hisparse is not None
+            or self.prefix_cache_mb > 0
+            or self.double_sparsity is not None
+        )
 
     @property
     def prefix_cache_bytes(self) -> int:
@@ -119,6 +162,8 @@ class Switches:
             out.append(Feature.HISPARSE)
         if self.prefix_cache_mb > 0:
             out.append(Feature.PREFIX_CACHE)
+        if self.double_sparsity is not None:
+            out.append(Feature.DOUBLE_SPARSITY)
         return tuple(out)
 
 
@@ -216,6 +261,58 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         verify_offload=verify_offload,
         prefix_cache_mb=prefix_cache_mb,
         prefix_cache_max_entries=max_entries,
+        double_sparsity=_parse_double_sparsity(environ),
+    )
+
+
+#: Largest heavy channel / token count and threshold the parser accepts.
+_MAX_DS_VALUE: Final = 1 << 24
+
+
+def _parse_double_sparsity(environ: Mapping[str, str]) -> DoubleSparsitySwitches | None:
+    """The ``SGLANG_QSA_DS_*`` switches, or None when the channel file is not set.
+
+    The defaults and the allowed channel types are the library's (imported only when a
+    ``SGLANG_QSA_DS_*`` variable is set).
+    """
+    names = (ENV_DS_HEAVY_CHANNELS, ENV_DS_HEAVY_TOKENS, ENV_DS_CHANNEL_TYPE, ENV_DS_THRESHOLD)
+    path = environ.get(ENV_DS_CHANNEL_CONFIG, "")
+    if not path:
+        stray = [n for n in names if environ.get(n, "")]
+        if stray:
+            msg = (
+                f"{', '.join(stray)} set without {ENV_DS_CHANNEL_CONFIG}; set the channel file too"
+            )
+            raise SwitchError(msg)
+        return None
+    from qsa_kernels.double_sparsity import DSConfig, HeavyChannelType
+
+    defaults = DSConfig()
+
+    def number(name: str, default: int, *, zero_allowed: bool) -> int:
+        raw = environ.get(name, "")
+        if not raw:
+            return default
+        return _positive_int(name, raw, zero_allowed=zero_allowed, maximum=_MAX_DS_VALUE)
+
+    raw_type = environ.get(ENV_DS_CHANNEL_TYPE, "") or defaults.heavy_channel_type.value
+    allowed_types = [t.value for t in HeavyChannelType]
+    if raw_type not in allowed_types:
+        msg = (
+            f"{ENV_DS_CHANNEL_TYPE}={raw_type!r} is not allowed; allowed: unset, "
+            f"{', '.join(repr(t) for t in allowed_types)}"
+        )
+        raise SwitchError(msg)
+    return DoubleSparsitySwitches(
+        channel_config=path,
+        heavy_channel_num=number(
+            ENV_DS_HEAVY_CHANNELS, defaults.heavy_channel_num, zero_allowed=False
+        ),
+        heavy_token_num=number(ENV_DS_HEAVY_TOKENS, defaults.heavy_token_num, zero_allowed=False),
+        heavy_channel_type=raw_type,
+        sparse_decode_threshold=number(
+            ENV_DS_THRESHOLD, defaults.sparse_decode_threshold, zero_allowed=True
+        ),
     )
 
 

@@ -1,0 +1,241 @@
+"""Double sparsity inside SGLang: the ``qsa_ds`` attention backend for ordinary GQA models.
+
+With ``SGLANG_QSA_DS_CHANNEL_CONFIG`` set and ``--attention-backend qsa_ds``, SGLang's attention
+registry builds :class:`DoubleSparsityBackend` through :func:`create_backend`. It wraps the
+platform's dense backend (``triton`` on CUDA, ``torch_native`` on CPU), which keeps prefill and
+every dense decode exactly as upstream, and adds what double sparsity needs:
+
+- a label cache (:class:`qsa_kernels.double_sparsity.LabelCache`) indexed by SGLang's token slots,
+  ``[L, N, Hkv, C]`` for the ``N`` slots of the K/V pool, written wherever SGLang writes a key
+  (every extend and decode step, at ``out_cache_loc``), so SGLang's ``req_to_token`` addresses the
+  labels, the keys and the values alike;
+- decode: when every row of the batch is dense by :meth:`DSConfig.is_dense` (its context is below
+  ``SGLANG_QSA_DS_THRESHOLD`` or fits in the heavy tokens), the dense backend decodes it;
+  otherwise every row goes through
+  :func:`qsa_kernels.double_sparsity.ds_decode_split_reference` (label scores, the heavy tokens
+  per KV head, attention over them read from SGLang's own K and V buffers; dense rows there attend
+  every token).
+
+Limits of this backend today: no CUDA graphs (the decode reads host sequence lengths; start-up
+refuses graphs), one TP rank, the attention of sparse rows in torch (the split-buffer Triton
+kernel is not written), and the label cache is not charged to SGLang's pool sizer (it is
+``C / (2 D)`` of the K/V bytes, 12.5 % at 32 of 128 channels).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+import torch
+
+from qsa_sglang_plugin._adapters._metrics import RankMetrics
+from qsa_sglang_plugin._config_check import ds_config, ds_geometry
+from qsa_sglang_plugin._errors import AdapterError
+from qsa_sglang_plugin._switches import ENV_DS_CHANNEL_CONFIG, current_switches
+
+__all__ = ("DecodePath", "create_backend")
+
+logger = logging.getLogger(__name__)
+
+#: Prometheus names of this backend's series.
+METRIC_PREFIX = "qsa_hisparse_ds"
+#: The dense backend the wrapper decodes through, per device type.
+DENSE_BACKENDS = {"cuda": "triton", "cpu": "torch_native"}
+
+
+class DecodePath(enum.StrEnum):
+    """How a decode row attended."""
+
+    DENSE = "dense"
+    """Every token of its context."""
+    SPARSE = "sparse"
+    """Its heavy tokens per KV head."""
+
+
+def create_backend(runner: Any) -> Any:
+    """Factory of SGLang's attention registry under ``qsa_ds``: the wrapped dense backend.
+
+    Raises:
+        AdapterError: the device has no dense backend here, or the switch is off (start-up
+            checks refuse both earlier).
+    """
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.runtime_context import get_parallel
+
+    from qsa_kernels.double_sparsity import ChannelConfig, LabelCache
+
+    switches = current_switches().double_sparsity
+    if switches is None:
+        msg = f"--attention-backend qsa_ds needs {ENV_DS_CHANNEL_CONFIG}; it is not set"
+        raise AdapterError(msg)
+    device = torch.device(runner.device)
+    dense_name = DENSE_BACKENDS.get(device.type)
+    if dense_name is None:
+        msg = f"qsa_ds runs on {sorted(DENSE_BACKENDS)!r}; this runner's device is {device!r}"
+        raise AdapterError(msg)
+    dense = ATTENTION_BACKENDS[dense_name](runner)
+    config = ds_config(switches)
+    layers, q_heads, kv_heads, head_dim = ds_geometry(runner.model_config.hf_text_config.to_dict())
+    channels = ChannelConfig.load(
+        switches.channel_config,
+        config=config,
+        layers=range(layers),
+        num_q_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
+    pool = runner.token_to_kv_pool
+    keys = pool.get_key_buffer(0)
+    labels = LabelCache(
+        channels.channels,
+        rows=1,
+        max_tokens=int(keys.shape[0]),
+        dtype=keys.dtype if keys.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16,
+        device=keys.device,
+    )
+    logger.info(
+        "qsa_ds: %d heavy channels of %d, %d heavy tokens, dense below %d tokens; label cache "
+        "%d layers x %d slots (%.1f MiB) over %s",
+        config.heavy_channel_num,
+        head_dim,
+        config.heavy_token_num,
+        config.sparse_decode_threshold,
+        layers,
+        labels.max_tokens,
+        labels.buffer.numel() * labels.buffer.element_size() / (1 << 20),
+        dense_name,
+    )
+    return DoubleSparsityBackend(dense, labels, config, runner, tp_rank=int(get_parallel().tp_rank))
+
+
+class DoubleSparsityBackend:
+    """SGLang's dense backend plus label writes and double-sparsity decode (module docstring).
+
+    Everything SGLang asks of an attention backend that is not extend or decode (metadata, CUDA
+    graph state, capability queries) is the dense backend's.
+
+    Args:
+        dense: the platform's dense backend.
+        labels: the slot-indexed label cache, one layer per attention layer.
+        config: the double-sparsity options.
+        runner: SGLang's ``ModelRunner`` (its pools).
+        tp_rank: this rank, for the metrics' labels.
+    """
+
+    def __init__(
+        self, dense: Any, labels: Any, config: Any, runner: Any, *, tp_rank: int = 0
+    ) -> None:
+        self.dense = dense
+        self._labels = labels
+        self._config = config
+        self._kv_pool = runner.token_to_kv_pool
+        self._req_to_token = runner.req_to_token_pool.req_to_token
+        self._select_reference = labels.device.type != "cuda"
+        self._rows = RankMetrics(tp_rank).counters_by(
+            f"{METRIC_PREFIX}_decode_rows",
+            "Decode rows of the first attention layer, by how they attended.",
+            "path",
+            list(DecodePath),
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what this class does not define: the dense backend's metadata and graph API.
+        return getattr(self.__dict__["dense"], name)
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        """The dense backend's metadata (double sparsity needs none beyond the batch)."""
+        self.dense.init_forward_metadata(forward_batch)
+
+    def forward(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """SGLang's entry, as its base backend's: idle, decode, or extend (mixed chunks too)."""
+        if forward_batch.forward_mode.is_idle():
+            return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_extend(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Dense prefill as upstream, then the labels of the new keys."""
+        out: torch.Tensor = self.dense.forward_extend(
+            q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+        )
+        self._write_labels(layer, forward_batch, k)
+        return out
+
+    def forward_decode(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Label of the new key; dense decode when every row is dense, else double sparsity."""
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        from qsa_kernels.double_sparsity import ds_decode_split_reference
+
+        self._write_labels(layer, forward_batch, k)
+        lengths = [int(n) for n in _host_seq_lens(forward_batch)]
+        dense = [self._config.is_dense(n) for n in lengths]
+        if layer.layer_id == 0:
+            self._rows[DecodePath.DENSE].inc(sum(dense))
+            self._rows[DecodePath.SPARSE].inc(len(dense) - sum(dense))
+        if all(dense):
+            return self.dense.forward_decode(  # type: ignore[no-any-return]
+                q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+            )
+        if save_kv_cache and k is not None and v is not None:
+            self._kv_pool.set_kv_buffer(
+                layer, KVWriteLoc.for_batch(forward_batch), k, v, layer.k_scale, layer.v_scale
+            )
+        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+        rows = self._req_to_token[forward_batch.req_pool_indices, : max(lengths)]
+        result = ds_decode_split_reference(
+            q.reshape(-1, heads, dim).to(torch.bfloat16),
+            self._kv_pool.get_key_buffer(layer.layer_id),
+            self._kv_pool.get_value_buffer(layer.layer_id),
+            self._labels.layer(layer.layer_id),
+            self._labels.channels[layer.layer_id],
+            rows,
+            lengths,
+            config=self._config,
+            scale=float(layer.scaling),
+            select_reference=self._select_reference,
+        )
+        return result.out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
+
+    def _write_labels(self, layer: Any, forward_batch: Any, k: torch.Tensor | None) -> None:
+        """The labels of the keys SGLang writes at ``out_cache_loc`` in this forward."""
+        if k is None:
+            return
+        keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
+        self._labels.write_slots(layer.layer_id, forward_batch.out_cache_loc, keys)
+
+
+def _host_seq_lens(forward_batch: Any) -> Any:
+    """The batch's sequence lengths on the host (SGLang's copy when it made one)."""
+    lengths = getattr(forward_batch, "seq_lens_cpu", None)
+    return forward_batch.seq_lens.cpu() if lengths is None else lengths

@@ -1,0 +1,128 @@
+"""Double sparsity in a real SGLang 0.5.23 engine: ``--attention-backend qsa_ds`` on the tiny Llama.
+
+One engine with the plugin's ``qsa_ds`` backend (8 heavy channels of 16, 64 heavy tokens, dense
+below 1,024 tokens) against SGLang's dense backend of the platform on the same model and seed:
+
+- below the threshold every decode row is dense, and the answer equals the dense engine's bit
+  for bit (the label writes change nothing SGLang reads);
+- above it the decode attends 64 tokens per KV head: the first token (from the dense prefill) is
+  the dense engine's bit for bit, the decode steps after it are not, and the backend counts
+  sparse rows;
+- a malformed channel file stops the engine at start-up, naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from qsa_testing import (
+    EngineConfig,
+    EnginePool,
+    EngineStartError,
+    GenerateRequest,
+    Generation,
+    Platform,
+    assert_same_generation,
+    current_platform,
+    start_engine,
+    tiny_llama,
+)
+
+LLAMA = tiny_llama()
+CHANNELS = Path(__file__).with_name("data") / "tiny-llama-channels.json"
+THRESHOLD = 1024
+HEAVY_TOKENS = 64
+SWITCHES = {
+    "SGLANG_QSA_DS_CHANNEL_CONFIG": str(CHANNELS),
+    "SGLANG_QSA_DS_HEAVY_CHANNELS": "8",
+    "SGLANG_QSA_DS_HEAVY_TOKENS": str(HEAVY_TOKENS),
+    "SGLANG_QSA_DS_THRESHOLD": str(THRESHOLD),
+}
+#: The double-sparsity decode has no CUDA graph yet; the dense engine runs eagerly alike.
+EAGER = {} if current_platform() is Platform.CPU else {"disable_cuda_graph": True}
+DS = EngineConfig(
+    LLAMA,
+    switches=SWITCHES,
+    server_args={"attention_backend": "qsa_ds", "enable_metrics": True, **EAGER},
+)
+DENSE = EngineConfig(LLAMA, plugin=False, server_args=EAGER)
+
+SHORT = (
+    GenerateRequest(LLAMA.prompt(500, seed=4), max_new_tokens=8),
+    GenerateRequest(LLAMA.prompt(900, seed=6), max_new_tokens=8),
+)
+LONG = GenerateRequest(LLAMA.prompt(2000, seed=7), max_new_tokens=8)
+PATHS = ("dense", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """What each engine answered, and how the double-sparsity engine counted its decode rows."""
+
+    dense: tuple[Generation, ...]
+    ds: tuple[Generation, ...]
+    short_rows: dict[str, float]
+    long_rows: dict[str, float]
+
+
+def _rows(engines: EnginePool) -> dict[str, float]:
+    engine = engines.engine(DS)
+    return {p: engine.metric("qsa_hisparse_ds_decode_rows_total", path=p) for p in PATHS}
+
+
+@pytest.fixture(scope="module")
+def served(engines: EnginePool) -> _Served:
+    """Every request on the dense engine, then on the DS one: each engine starts once."""
+    dense = engines.generate_all(DENSE, (*SHORT, LONG))
+    before = _rows(engines)
+    short = engines.generate_all(DS, SHORT)
+    middle = _rows(engines)
+    long = engines.generate(DS, LONG)
+    after = _rows(engines)
+    return _Served(
+        dense=tuple(dense),
+        ds=(*short, long),
+        short_rows={p: middle[p] - before[p] for p in PATHS},
+        long_rows={p: after[p] - middle[p] for p in PATHS},
+    )
+
+
+def test_below_the_threshold_double_sparsity_answers_as_the_dense_backend(
+    served: _Served,
+) -> None:
+    for want, have in zip(served.dense[: len(SHORT)], served.ds[: len(SHORT)], strict=True):
+        assert_same_generation(want, have)
+    decode_steps = sum(r.max_new_tokens - 1 for r in SHORT)
+    assert served.short_rows == {"dense": decode_steps, "sparse": 0}
+
+
+def test_above_the_threshold_decode_attends_the_heavy_tokens(served: _Served) -> None:
+    dense, got = served.dense[-1], served.ds[-1]
+    assert served.long_rows == {"dense": 0, "sparse": LONG.max_new_tokens - 1}
+    # The first token comes from the prefill, which is the dense backend's.
+    assert got.output_ids[0] == dense.output_ids[0]
+    assert got.logprobs[0] == dense.logprobs[0]
+    # Each later step attends 64 of about 2,000 tokens per KV head, and it shows.
+    assert got.logprobs[1:] != dense.logprobs[1:], (got.logprobs, dense.logprobs)
+    assert len(got.output_ids) == LONG.max_new_tokens
+
+
+def test_a_malformed_channel_file_stops_the_engine_at_start_up(tmp_path: Path) -> None:
+    rows = json.loads(CHANNELS.read_text(encoding="utf-8"))
+    rows["model.layers.1.self_attn.qk_proj"][0][3] = 16  # past head_dim 16
+    bad = tmp_path / "channels.json"
+    bad.write_text(json.dumps(rows), encoding="utf-8")
+    config = EngineConfig(
+        LLAMA,
+        switches={**SWITCHES, "SGLANG_QSA_DS_CHANNEL_CONFIG": str(bad)},
+        server_args={"attention_backend": "qsa_ds", **EAGER},
+    )
+    with pytest.raises(EngineStartError) as caught:
+        start_engine(config, tmp_path / "engine", timeout=300.0).close()
+    text = str(caught.value)
+    for fragment in (str(bad), "model.layers.1.self_attn.qk_proj", "head 0", "channel 16"):
+        assert fragment in text, text
