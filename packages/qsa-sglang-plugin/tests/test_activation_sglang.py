@@ -195,7 +195,8 @@ def test_scheduler_process_writes_one_record(reports: Reports) -> None:
     assert record.hisparse_mode == "p2-offload"
     assert record.verified is True
     assert record.versions["sglang"] == "0.5.23"
-    assert len(record.hooks) == 5  # the frame's two; p2-offload's backend, pool and sizer
+    # The frame's three (checks, record, pool sizing) and p2-offload's backend and pool.
+    assert len(record.hooks) == 5
     assert record.registrations == (("radix_cache_backend", "qsa_hisparse", "hisparse"),)
 
 

@@ -214,6 +214,9 @@ def _ds(tmp_path: Any, rows: object) -> Any:
 def test_double_sparsity_passes_on_a_gqa_model_with_a_fitting_channel_file(tmp_path: Any) -> None:
     switches, _ = _ds(tmp_path, [list(range(16)), list(range(15, -1, -1))])
     assert check_configuration(LLAMA, switches) is None
+    # A Qwen2-style config names a window it does not use.
+    unused = {**LLAMA.text_config, "sliding_window": 4096, "use_sliding_window": False}
+    assert check_configuration(dataclasses.replace(LLAMA, text_config=unused), switches) is None
 
 
 @pytest.mark.parametrize(
@@ -225,6 +228,14 @@ def test_double_sparsity_passes_on_a_gqa_model_with_a_fitting_channel_file(tmp_p
             ["--model-path architectures", "a model without QSA layers"],
         ),
         ({"tp_size": 2}, ["--tp-size=2", "supported: 1"]),
+        (
+            {"text_config": {**LLAMA.text_config, "sliding_window": 4096}},
+            ["--model-path sliding_window=4096", "without sliding-window attention"],
+        ),
+        (
+            {"text_config": {**LLAMA.text_config, "attn_logit_softcapping": 50.0}},
+            ["--model-path attn_logit_softcapping=50.0", "supported: none"],
+        ),
         ({"decode_cuda_graph": True}, ["--disable-cuda-graph=False", "supported: True"]),
     ],
 )

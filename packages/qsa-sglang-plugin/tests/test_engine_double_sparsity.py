@@ -126,3 +126,18 @@ def test_a_malformed_channel_file_stops_the_engine_at_start_up(tmp_path: Path) -
     text = str(caught.value)
     for fragment in (str(bad), "model.layers.1.self_attn.qk_proj", "head 0", "channel 16"):
         assert fragment in text, text
+
+
+def test_the_pool_sizing_charges_each_tokens_labels(engines: EnginePool) -> None:
+    """A token slot holds its K/V and its label rows; SGLang's sizing prices both."""
+    text = LLAMA.text_config
+    layers, kv_heads, head_dim = (
+        text["num_hidden_layers"],
+        text["num_key_value_heads"],
+        text["head_dim"],
+    )
+    kv = layers * 2 * kv_heads * head_dim * 2  # K and V, bf16
+    labels = layers * kv_heads * int(SWITCHES["SGLANG_QSA_DS_HEAVY_CHANNELS"]) * 2
+    log = engines.engine(DS).log_path.read_text(encoding="utf-8", errors="replace")
+    line = f"qsa_ds: pool sizing charges {kv + labels} B per token ({kv} B of K/V and {labels} B"
+    assert line in log

@@ -234,3 +234,11 @@ def test_a_malformed_double_sparsity_switch_is_named(
         parse_switches(env)
     for fragment in fragments:
         assert fragment in str(caught.value)
+
+
+def test_double_sparsity_and_the_qsa_switches_are_refused_together() -> None:
+    with pytest.raises(SwitchError) as caught:
+        parse_switches({**ON, DS: "c.json"})
+    text = str(caught.value)
+    assert "SGLANG_QSA_DS_CHANNEL_CONFIG='c.json' serves models without QSA layers" in text
+    assert "SGLANG_QSA_HISPARSE_V3='p2-offload'" in text

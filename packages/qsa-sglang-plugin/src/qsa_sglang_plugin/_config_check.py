@@ -206,6 +206,22 @@ def _check_double_sparsity(facts: ConfigFacts, ds: DoubleSparsitySwitches) -> No
             "True",
             "the double-sparsity decode reads host sequence lengths; it has no CUDA graph yet",
         )
+    window = facts.text_config.get("sliding_window")
+    if window is not None and facts.text_config.get("use_sliding_window", True):
+        raise _reject(
+            "--model-path sliding_window",
+            window,
+            "a model without sliding-window attention (null, or use_sliding_window false)",
+            "the double-sparsity decode attends heavy tokens of the whole context",
+        )
+    for cap in ("attn_logit_softcapping", "attn_logit_softcap"):
+        if facts.text_config.get(cap):
+            raise _reject(
+                f"--model-path {cap}",
+                facts.text_config[cap],
+                "none",
+                "the double-sparsity decode does not cap attention logits",
+            )
     layers, q_heads, kv_heads, head_dim = ds_geometry(facts.text_config)
     from qsa_kernels.double_sparsity import ChannelConfig, DSConfigError
 

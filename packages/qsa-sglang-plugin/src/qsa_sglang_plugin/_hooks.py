@@ -128,12 +128,13 @@ HOOKS: tuple[HookSpec, ...] = (
         module="sglang.srt.model_executor.pool_configurator",
         qualname="DefaultPoolConfigurator.__init__",
         kind=HookKind.AFTER,
-        feature=Feature.HISPARSE,
-        hook="qsa_sglang_plugin._adapters._offload:after_pool_configurator_init",
+        feature=Feature.FRAMEWORK,
+        hook="qsa_sglang_plugin._adapters._pool_sizing:after_pool_configurator_init",
         reason=(
-            "With p2-offload, price a token at its compressed index only and charge staging, "
-            "hot caches, tails and tables as fixed overhead, so max_total_num_tokens grows by "
-            "the K/V bytes the GPU no longer holds. No registry sizes pools."
+            "The price of a token in pool sizing, per feature: with p2-offload its compressed "
+            "index only (staging, hot caches, tails and tables as fixed overhead, so "
+            "max_total_num_tokens grows by the K/V bytes the GPU no longer holds); with qsa_ds "
+            "also its label rows. No registry sizes pools."
         ),
     ),
 )

@@ -255,13 +255,22 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             f"got {ENV_HISPARSE_V3}={raw_mode!r}"
         )
         raise SwitchError(msg)
+    double_sparsity = _parse_double_sparsity(environ)
+    if double_sparsity is not None and (model_compat or hisparse is not None):
+        # Double sparsity serves models without QSA layers; the QSA switches serve QSA models.
+        msg = (
+            f"{ENV_DS_CHANNEL_CONFIG}={double_sparsity.channel_config!r} serves models without "
+            f"QSA layers and cannot be combined with {ENV_MODEL_COMPAT}={raw_compat!r} or "
+            f"{ENV_HISPARSE_V3}={raw_mode!r}; unset one side"
+        )
+        raise SwitchError(msg)
     return Switches(
         model_compat=model_compat,
         hisparse=hisparse,
         verify_offload=verify_offload,
         prefix_cache_mb=prefix_cache_mb,
         prefix_cache_max_entries=max_entries,
-        double_sparsity=_parse_double_sparsity(environ),
+        double_sparsity=double_sparsity,
     )
 
 

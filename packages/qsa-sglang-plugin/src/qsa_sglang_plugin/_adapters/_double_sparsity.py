@@ -16,10 +16,14 @@ every dense decode exactly as upstream, and adds what double sparsity needs:
   per KV head, attention over them read from SGLang's own K and V buffers; dense rows there attend
   every token).
 
+The label cache costs ``L * Hkv * C`` 16-bit values per token slot (``C / (2 D)`` of the K/V
+bytes, 12.5 % at 32 of 128 channels): :func:`price_label_cache` adds them to the price
+of a token in SGLang's pool sizing, so the pool and the labels together fit the budget SGLang
+computed for the pool alone.
+
 Limits of this backend today: no CUDA graphs (the decode reads host sequence lengths; start-up
-refuses graphs), one TP rank, the attention of sparse rows in torch (the split-buffer Triton
-kernel is not written), and the label cache is not charged to SGLang's pool sizer (it is
-``C / (2 D)`` of the K/V bytes, 12.5 % at 32 of 128 channels).
+refuses graphs), one TP rank, and the attention of sparse rows in torch (the split-buffer Triton
+kernel is not written).
 """
 
 from __future__ import annotations
@@ -33,9 +37,13 @@ import torch
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._config_check import ds_config, ds_geometry
 from qsa_sglang_plugin._errors import AdapterError
-from qsa_sglang_plugin._switches import ENV_DS_CHANNEL_CONFIG, current_switches
+from qsa_sglang_plugin._switches import (
+    ENV_DS_CHANNEL_CONFIG,
+    DoubleSparsitySwitches,
+    current_switches,
+)
 
-__all__ = ("DecodePath", "create_backend")
+__all__ = ("DecodePath", "create_backend", "label_dtype", "price_label_cache")
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +60,28 @@ class DecodePath(enum.StrEnum):
     """Every token of its context."""
     SPARSE = "sparse"
     """Its heavy tokens per KV head."""
+
+
+def label_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The label cache's dtype for a K/V pool of ``kv_dtype``: the same when 16-bit, else bf16."""
+    return kv_dtype if kv_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitches) -> None:
+    """Add a token slot's label rows to the price of a token (``DefaultPoolConfigurator``)."""
+    layers, _, _, _ = ds_geometry(kvc.model_config.hf_text_config.to_dict())
+    kv_heads = int(kvc.model_config.get_num_kv_heads(1))
+    per_token = (
+        layers * kv_heads * switches.heavy_channel_num * label_dtype(kvc.kv_cache_dtype).itemsize
+    )
+    before = int(configurator._cell_size)
+    configurator._cell_size = before + per_token
+    logger.info(
+        "qsa_ds: pool sizing charges %d B per token (%d B of K/V and %d B of labels)",
+        before + per_token,
+        before,
+        per_token,
+    )
 
 
 def create_backend(runner: Any) -> Any:
@@ -92,7 +122,7 @@ def create_backend(runner: Any) -> Any:
         channels.channels,
         rows=1,
         max_tokens=int(keys.shape[0]),
-        dtype=keys.dtype if keys.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16,
+        dtype=label_dtype(keys.dtype),
         device=keys.device,
     )
     logger.info(
@@ -142,7 +172,10 @@ class DoubleSparsityBackend:
 
     def __getattr__(self, name: str) -> Any:
         # Only for what this class does not define: the dense backend's metadata and graph API.
-        return getattr(self.__dict__["dense"], name)
+        dense = self.__dict__.get("dense")
+        if dense is None:
+            raise AttributeError(name)
+        return getattr(dense, name)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """The dense backend's metadata (double sparsity needs none beyond the batch)."""

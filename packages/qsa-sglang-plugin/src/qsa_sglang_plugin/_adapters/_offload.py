@@ -58,9 +58,9 @@ __all__ = (
     "LOG_EVERY_STEPS",
     "OffloadRuntime",
     "after_attn_backend_wrapper",
-    "after_pool_configurator_init",
     "before_qsa_pool_init",
     "fixed_device_bytes",
+    "price_offloaded_pool",
     "runtime_of",
 )
 
@@ -822,17 +822,12 @@ def before_qsa_pool_init(
     return args, {**kwargs, "full_kv_pool_class": _stub_pool_class()}
 
 
-def after_pool_configurator_init(
-    result: object, configurator: Any, kvc: Any, *args: object, **kwargs: object
-) -> None:
-    """AFTER hook on ``DefaultPoolConfigurator.__init__``: price the offloaded pools.
+def price_offloaded_pool(configurator: Any, kvc: Any) -> None:
+    """Price SGLang's pools with p2-offload (``DefaultPoolConfigurator`` just built them).
 
-    With p2-offload and a QSA model, a token costs only its compressed index
-    (``_compute_qsa_cell_size``); staging, hot caches, tails and tables are fixed overhead.
+    With a QSA model, a token costs only its compressed index (``_compute_qsa_cell_size``);
+    staging, hot caches, tails and tables are fixed overhead.
     """
-    del result, args, kwargs
-    if not _offload_requested():
-        return
     from sglang.srt.configs.hybrid_arch import mambaish_config
     from sglang.srt.runtime_context import get_parallel
 
