@@ -28,6 +28,7 @@ kernel is not written).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from typing import Any
@@ -140,6 +141,19 @@ def create_backend(runner: Any) -> Any:
     return DoubleSparsityBackend(dense, labels, config, runner, tp_rank=int(get_parallel().tp_rank))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SparseStep:
+    """A decode step with a sparse row: what every layer's decode reads.
+
+    Attributes:
+        lengths: ``B`` host context lengths.
+        req_to_token: ``[B, max(lengths)]`` token slots of the batch's rows.
+    """
+
+    lengths: list[int]
+    req_to_token: torch.Tensor
+
+
 class DoubleSparsityBackend:
     """SGLang's dense backend plus label writes and double-sparsity decode (module docstring).
 
@@ -163,9 +177,10 @@ class DoubleSparsityBackend:
         self._kv_pool = runner.token_to_kv_pool
         self._req_to_token = runner.req_to_token_pool.req_to_token
         self._select_reference = labels.device.type != "cuda"
+        self._step: _SparseStep | None = None
         self._rows = RankMetrics(tp_rank).counters_by(
             f"{METRIC_PREFIX}_decode_rows",
-            "Decode rows of the first attention layer, by how they attended.",
+            "Decode rows, once per step, by how they attended.",
             "path",
             list(DecodePath),
         )
@@ -178,8 +193,22 @@ class DoubleSparsityBackend:
         return getattr(dense, name)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
-        """The dense backend's metadata (double sparsity needs none beyond the batch)."""
+        """The dense backend's metadata, and once per decode step what every layer shares.
+
+        The host sequence lengths, which rows are dense and, for a batch with a sparse row, its
+        ``req_to_token`` rows are the same in every layer: decided here, counted once per step.
+        """
         self.dense.init_forward_metadata(forward_batch)
+        self._step = None
+        if not forward_batch.forward_mode.is_decode():
+            return
+        lengths = [int(n) for n in _host_seq_lens(forward_batch)]
+        dense = sum(self._config.is_dense(n) for n in lengths)
+        self._rows[DecodePath.DENSE].inc(dense)
+        self._rows[DecodePath.SPARSE].inc(len(lengths) - dense)
+        if dense < len(lengths):
+            rows = self._req_to_token[forward_batch.req_pool_indices, : max(lengths)]
+            self._step = _SparseStep(lengths, rows)
 
     def forward(  # noqa: PLR0917
         self,
@@ -231,12 +260,8 @@ class DoubleSparsityBackend:
         from qsa_kernels.double_sparsity import ds_decode_split_reference
 
         self._write_labels(layer, forward_batch, k)
-        lengths = [int(n) for n in _host_seq_lens(forward_batch)]
-        dense = [self._config.is_dense(n) for n in lengths]
-        if layer.layer_id == 0:
-            self._rows[DecodePath.DENSE].inc(sum(dense))
-            self._rows[DecodePath.SPARSE].inc(len(dense) - sum(dense))
-        if all(dense):
+        step = self._step
+        if step is None:  # every row dense
             return self.dense.forward_decode(  # type: ignore[no-any-return]
                 q, k, v, layer, forward_batch, save_kv_cache, **kwargs
             )
@@ -245,15 +270,14 @@ class DoubleSparsityBackend:
                 layer, KVWriteLoc.for_batch(forward_batch), k, v, layer.k_scale, layer.v_scale
             )
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
-        rows = self._req_to_token[forward_batch.req_pool_indices, : max(lengths)]
         result = ds_decode_split_reference(
             q.reshape(-1, heads, dim).to(torch.bfloat16),
             self._kv_pool.get_key_buffer(layer.layer_id),
             self._kv_pool.get_value_buffer(layer.layer_id),
             self._labels.layer(layer.layer_id),
             self._labels.channels[layer.layer_id],
-            rows,
-            lengths,
+            step.req_to_token,
+            step.lengths,
             config=self._config,
             scale=float(layer.scaling),
             select_reference=self._select_reference,
