@@ -279,12 +279,14 @@ def _engine_environment(session: nox.Session) -> dict[str, str]:
 ENGINE_BENCHMARKS: Final = {
     "offload": "engine_offload.py",  # offloaded against resident decode and prefill
     "prefix_cache": "engine_prefix_cache.py",  # warm against cold TTFT of the host prefix cache
+    "double_sparsity": "engine_double_sparsity.py",  # qsa_ds against triton decode
 }
 
 
 @nox.session(name="gpu-engine-bench", python=False)
 def gpu_engine_bench(session: nox.Session) -> None:
-    """A benchmark in real engines on the GPU machine: ``offload`` (default) or ``prefix_cache``.
+    """A benchmark in real engines on the GPU machine: ``offload`` (default), ``prefix_cache``,
+    ``double_sparsity``.
 
     Installs the engine payload as ``gpu-engine`` does and runs the named script of
     ``packages/qsa-sglang-plugin/benchmarks/`` (:data:`ENGINE_BENCHMARKS`); the other arguments

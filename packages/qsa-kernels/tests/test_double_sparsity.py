@@ -17,7 +17,10 @@ from qsa_kernels.double_sparsity import (
     LabelCache,
     ds_decode,
     ds_decode_reference,
+    ds_decode_split,
     ds_decode_split_reference,
+    ds_heavy_decode_split,
+    ds_heavy_decode_split_reference,
     ds_positions,
 )
 from qsa_kernels.ds_label import label_keys_reference
@@ -306,8 +309,9 @@ class _SplitPool:
         self.k, self.v = self.k.to(device), self.v.to(device)
         self.req_to_token = self.req_to_token.to(device)
 
-    def decode(self, q: torch.Tensor, config: DSConfig) -> Any:
-        return ds_decode_split_reference(
+    def decode(self, q: torch.Tensor, config: DSConfig, *, reference: bool) -> Any:
+        decode = ds_decode_split_reference if reference else ds_decode_split
+        return decode(
             q.to(self.k.device),
             self.k,
             self.v,
@@ -316,7 +320,6 @@ class _SplitPool:
             self.req_to_token,
             self.lengths,
             config=config,
-            select_reference=self.k.device.type == "cpu",
         )
 
 
@@ -330,20 +333,101 @@ class _SplitPool:
 def test_ds_decode_over_split_kv_buffers_equals_plain_double_sparsity(  # noqa: PLR0917
     hq: int, hkv: int, d: int, c: int, lengths: list[int], heavy: int, kernel_device: str
 ) -> None:
-    """Scattered slots of separate K and V buffers, labels by the same slots: the plain
-    definition's tokens and attention, and the record store's output bit for bit."""
+    """Scattered slots of separate K and V buffers, labels by the same slots: kernel and
+    reference select the plain definition's tokens and match its attention, each equal bit for
+    bit to its record-store counterpart (one kernel, two address maps)."""
     q, ks, vs, channels = _case(lengths, hq, hkv, d, c, seed=hq + d + 1)
     config = DSConfig(heavy_channel_num=c, heavy_token_num=heavy, sparse_decode_threshold=0)
     want, chosen = _expected(q, ks, vs, channels, config, 1 / math.sqrt(d))
-    got = _SplitPool(ks, vs, channels, device=kernel_device).decode(q, config)
-    assert _positions_as_lists(got.positions) == chosen
-    torch.testing.assert_close(got.out.float().cpu(), want, atol=2e-2, rtol=2e-2)
+    pool = _SplitPool(ks, vs, channels, device=kernel_device)
     store = _Resident(
         ks, vs, channels, max_tokens=4 * math.ceil(max(lengths) / 4) + 4, device=kernel_device
     )
-    same = store.decode(q, config, reference=True)
-    assert torch.equal(got.out, same.out)
-    assert torch.equal(got.lse, same.lse)
+    for reference in (False, True):
+        got = pool.decode(q, config, reference=reference)
+        assert _positions_as_lists(got.positions) == chosen
+        torch.testing.assert_close(got.out.float().cpu(), want, atol=2e-2, rtol=2e-2)
+        same = store.decode(q, config, reference=reference)
+        assert torch.equal(got.out, same.out)
+        assert torch.equal(got.lse, same.lse)
+
+
+def _heavy(pool: _SplitPool, q: torch.Tensor, heavy: int, *, reference: bool) -> Any:
+    """The device-length decode over the pool, with ``req_to_token`` padded past every row."""
+    decode = ds_heavy_decode_split_reference if reference else ds_heavy_decode_split
+    wide = torch.nn.functional.pad(pool.req_to_token, (0, 37), value=0)
+    lengths = torch.tensor(pool.lengths, dtype=torch.int32, device=pool.k.device)
+    return decode(
+        q.to(pool.k.device),
+        pool.k,
+        pool.v,
+        pool.labels.layer(0),
+        pool.labels.channels[0],
+        wide,
+        lengths,
+        heavy_token_num=heavy,
+    )
+
+
+def test_device_length_decode_equals_the_host_length_decode(kernel_device: str) -> None:
+    """With the lengths on the device and the slot table wider than every row, each row keeps
+    the same heavy tokens and gets the same bits as the host-length decode; a row of at most
+    ``heavy`` tokens attends all of them (dense)."""
+    lengths, heavy = [37, 90, 5, 61], 16
+    q, ks, vs, channels = _case(lengths, 8, 2, 32, 6, seed=11)
+    pool = _SplitPool(ks, vs, channels, device=kernel_device)
+    config = DSConfig(heavy_channel_num=6, heavy_token_num=heavy, sparse_decode_threshold=0)
+    for reference in (False, True):
+        want = pool.decode(q, config, reference=reference)
+        got = _heavy(pool, q, heavy, reference=reference)
+        assert _positions_as_lists(got.positions) == _positions_as_lists(want.positions)
+        assert _positions_as_lists(got.positions)[2] == [list(range(5))] * 2
+        assert torch.equal(got.out, want.out)
+        assert torch.equal(got.lse, want.lse)
+
+
+@pytest.mark.gpu
+def test_device_length_decode_replays_from_a_cuda_graph() -> None:
+    """Captured once, the step replays for new lengths, queries and keys exactly as it runs
+    eagerly: nothing in it reads the host."""
+    lengths, heavy = [300, 120, 64, 1000], 64
+    q, ks, vs, channels = _case(lengths, 32, 8, 128, 16, seed=12)
+    pool = _SplitPool(ks, vs, channels, device="cuda")
+    wide = torch.nn.functional.pad(pool.req_to_token, (0, 100), value=0)
+    static_q = q.cuda()
+    static_lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def step() -> Any:
+        return ds_heavy_decode_split(
+            static_q,
+            pool.k,
+            pool.v,
+            pool.labels.layer(0),
+            pool.labels.channels[0],
+            wide,
+            static_lengths,
+            heavy_token_num=heavy,
+        )
+
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    gen = torch.Generator().manual_seed(13)
+    for new_lengths in ([299, 121, 65, 999], [1, 64, 65, 1000]):
+        static_q.copy_(_quarters(gen, len(lengths), 32, 128).cuda())
+        static_lengths.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+        pool.k.mul_(-1)  # the keys change too; the labels stay (scores only order tokens)
+        graph.replay()
+        eager = step()
+        assert torch.equal(captured.positions, eager.positions)
+        assert torch.equal(captured.out, eager.out)
+        assert torch.equal(captured.lse, eager.lse)
+    assert int((captured.positions[0] >= 0).sum(-1).min()) == 1  # the row of one token
 
 
 def test_split_decode_refuses_value_buffers_unlike_the_keys() -> None:

@@ -103,6 +103,15 @@ def test_dense_decision_follows_threshold_and_heavy_token_num() -> None:
     assert [cfg0.is_dense(n) for n in (8, 9)] == [True, False]
 
 
+@pytest.mark.parametrize(("heavy", "threshold"), [(8, 20), (8, 0), (30, 20)])
+def test_device_sparse_rows_are_the_rows_that_are_not_dense(heavy: int, threshold: int) -> None:
+    cfg = DSConfig(heavy_token_num=heavy, sparse_decode_threshold=threshold)
+    lengths = list(range(1, 40))
+    got = cfg.sparse_rows(torch.tensor(lengths, dtype=torch.int32))
+    assert got.dtype == torch.bool
+    assert got.tolist() == [not cfg.is_dense(n) for n in lengths]
+
+
 def test_kv_head_rows_are_cut_to_heavy_channel_num() -> None:
     """Rows per KV head keep their first heavy_channel_num channels, in rank order, as int32."""
     data = _file_data(2, 2)

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from qsa_kernels import KernelInputError
-from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from qsa_kernels.sparse_decode import (
+    sparse_decode,
+    sparse_decode_reference,
+    sparse_decode_split,
+    sparse_decode_split_reference,
+)
 
 DTYPES = [torch.float8_e4m3fn, torch.bfloat16]
 
@@ -154,3 +159,86 @@ def test_sparse_decode_refuses_an_output_dtype_it_does_not_produce() -> None:
     q, slots, kv = _case((1, 12, 4, 16, 4), torch.bfloat16, "cpu", seed=6)
     with pytest.raises(KernelInputError, match=r"out_dtype=torch.float16 is not allowed"):
         sparse_decode_reference(q, slots, kv, out_dtype=torch.float16)
+
+
+# -- split K/V buffers (SGLang's MHA pool) ---------------------------------------------------------
+
+
+def _split_case(  # noqa: PLR0917
+    B: int, hkv: int, group: int, T: int, D: int, dtype: torch.dtype, device: str, *, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-KV-head lists into keys and values that are views of one wider buffer (so the token
+    and head strides are not the dense ones)."""
+    N = 3 * T + 11
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, hkv * group, D, generator=g).bfloat16()
+    both = (torch.randn(N, 2 * hkv + 1, D, generator=g) * 1.5).to(dtype)
+    k, v = both[:, :hkv], both[:, hkv + 1 :]
+    slots = torch.stack(
+        [torch.stack([torch.randperm(N, generator=g)[:T] for _ in range(hkv)]) for _ in range(B)]
+    ).int()
+    slots[torch.rand(B, hkv, T, generator=g) < 0.1] = -1
+    return q.to(device), slots.to(device), k.to(device), v.to(device)
+
+
+SPLIT_GPU_CASES = [
+    pytest.param(B, hkv, group, T, dtype, id=f"B{B}-Hkv{hkv}-G{group}-T{T}-{str(dtype)[6:]}")
+    for B, hkv, group in ((1, 8, 4), (8, 8, 4), (3, 2, 8))  # Llama-8B's 32 q / 8 KV heads first
+    for T in (1, 70, 1024, 4096)
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize(("B", "hkv", "group", "T", "dtype"), SPLIT_GPU_CASES)
+def test_split_buffer_decode_matches_reference_on_gpu(
+    B: int, hkv: int, group: int, T: int, dtype: torch.dtype
+) -> None:
+    """D=128 (Llama), strided key and value views, one token list per KV head."""
+    q, slots, k, v = _split_case(B, hkv, group, T, 128, dtype, "cuda", seed=B + hkv + T)
+    got, lse = sparse_decode_split(q, slots, k, v)
+    want, want_lse = sparse_decode_split_reference(q, slots, k, v)
+    _assert_close(got, want, lse, want_lse)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize(("T", "splits"), [(1, 1), (5, 2), (150, 3), (70, None)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_split_buffer_decode_matches_reference_interpreted(
+    interpreter_device: str, dtype: torch.dtype, T: int, splits: int | None
+) -> None:
+    """Small shapes under the interpreter, several split counts, strided views."""
+    q, slots, k, v = _split_case(2, 2, 4, T, 32, dtype, interpreter_device, seed=T)
+    got, lse = sparse_decode_split(q, slots, k, v, num_splits=splits)
+    want, want_lse = sparse_decode_split_reference(q, slots, k, v)
+    _assert_close(got, want, lse, want_lse)
+
+
+def test_split_buffer_decode_equals_the_record_store_decode(kernel_device: str) -> None:
+    """The same tokens laid out as records and as split buffers give the same bits."""
+    D = 128 if kernel_device == "cuda" else 32
+    q, tok, kv = _case((3, 4, 40, D, 30), torch.bfloat16, kernel_device, seed=5)
+    # record 4 * r + j of [NS, 2, 4, 1, D] is token slot 4 * r + j of [NS * 4, 1, D] buffers
+    k = kv[:, 0].reshape(-1, 1, D)
+    v = kv[:, 1].reshape(-1, 1, D)
+    want, want_lse = sparse_decode(q, tok, kv, num_splits=2)
+    got, lse = sparse_decode_split(q, tok, k, v, num_splits=2)
+    assert torch.equal(got, want)
+    assert torch.equal(lse, want_lse)
+
+
+def test_split_buffer_decode_refuses_a_head_dim_its_tiles_cannot_hold() -> None:
+    q = torch.zeros(1, 4, 24, dtype=torch.bfloat16)
+    k = torch.zeros(8, 2, 24, dtype=torch.bfloat16)
+    slots = torch.zeros(1, 3, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match=r"head dim D=24 must be a power of two"):
+        sparse_decode_split(q, slots, k, k.clone())
+
+
+def test_split_buffer_decode_refuses_keys_strided_along_the_head_dim() -> None:
+    q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
+    k = torch.zeros(8, 2, 32, dtype=torch.bfloat16)[:, :, ::2]
+    slots = torch.zeros(1, 3, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match=r"k_buffer must have unit stride"):
+        sparse_decode_split(q, slots, k, k.contiguous())

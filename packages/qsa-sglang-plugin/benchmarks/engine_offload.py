@@ -36,32 +36,16 @@ import json
 import pathlib
 import platform
 import re
-import statistics
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
+from _engine_decode import Cell, first_difference, measure, start_all, warm_up
+
 _SKIPPED = 77
-_DECODE_LINE = re.compile(
-    r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)"
-)
 _PRICE = re.compile(r"pool sizing charges (\d+) B per token \(was (\d+) B")
 _OFFLOAD = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
-
-
-@dataclasses.dataclass
-class Cell:
-    """One (context, batch) measurement of one engine."""
-
-    arm: str
-    context: int
-    batch: int
-    decode_tokens_per_s: float
-    wall_s: float
-    prefill_tokens_per_s: float | None
-    output_ids: list[int]
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -113,45 +97,6 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) -> Cell:
-    from qsa_testing import GenerateRequest
-
-    model = engine.config.model
-    requests = [
-        GenerateRequest(model.prompt(context, seed=100 + i), new_tokens, top_logprobs=0)
-        for i in range(batch)
-    ]
-    mark = engine.log_path.stat().st_size
-    replies: list[Any] = [None] * batch
-
-    def run(i: int) -> None:
-        replies[i] = engine.generate(requests[i], timeout=1800.0)
-
-    started = time.monotonic()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(batch)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.monotonic() - started
-    if any(r is None for r in replies):
-        msg = f"{arm}: a request of the {batch} x {context}-token batch got no reply"
-        raise RuntimeError(msg)
-    with engine.log_path.open("rb") as log:
-        log.seek(mark)
-        text = log.read().decode("utf-8", "replace")
-    rates = [float(r) for n, r in _DECODE_LINE.findall(text) if int(n) == batch]
-    if not rates:
-        msg = f"{arm}: no 'Decode batch' log line with {batch} running requests"
-        raise RuntimeError(msg)
-    decode = statistics.median(rates[1:] if len(rates) > 2 else rates)  # the first may span prefill
-    prefill = None
-    if batch == 1:
-        prefill_s = wall - (new_tokens - 1) / decode
-        prefill = context / prefill_s if prefill_s > 0 else None
-    return Cell(arm, context, batch, decode, wall, prefill, list(replies[0].output_ids))
-
-
 def _token_prices(engine: Any) -> dict[str, int]:
     """GPU bytes per token the offload engine's pool sizer charges, and would charge resident."""
     found = _PRICE.findall(engine.log_path.read_text(encoding="utf-8", errors="replace"))
@@ -198,7 +143,7 @@ def _write(
             r, o = by_key.get(("resident", context, batch)), by_key.get(("offload", context, batch))
             if r is None or o is None:
                 continue
-            same = "yes" if r.output_ids == o.output_ids else _first_difference(r, o)
+            same = first_difference(r, o)
 
             def rate(x: float | None) -> str:
                 return "" if x is None else f"{x:,.0f}"
@@ -220,13 +165,6 @@ def _write(
     (out / "engine_offload.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def _first_difference(r: Cell, o: Cell) -> str:
-    for i, (a, b) in enumerate(zip(r.output_ids, o.output_ids, strict=False)):
-        if a != b:
-            return f"first differs at token {i}"
-    return "lengths differ"
-
-
 def main(argv: list[str]) -> int:
     """Start both engines, measure every (context, batch) cell, write the report."""
     args = _parse_args(argv)
@@ -235,33 +173,11 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("engine_offload: needs a CUDA device; skipped", file=sys.stderr)
         return _SKIPPED
-    from qsa_testing import start_engine
-
     started = time.monotonic()
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-bench-"))
-    engines: dict[str, Any] = {}
-    boots: dict[str, Any] = {}
-    errors: list[BaseException] = []
-
-    def boot(arm: str, config: Any) -> None:
-        try:
-            boots[arm] = start_engine(config, workdir / arm, timeout=900.0)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=boot, args=item) for item in _configs(args).items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    engines = dict(sorted(boots.items()))
+    engines = start_all(_configs(args), workdir)
     try:
-        if errors:
-            raise errors[0]
-        # One request per engine before measuring: a kernel's first use compiles it (Triton, JIT),
-        # and the two engines share the compile cache, so whichever ran first would pay for both.
-        for arm, engine in engines.items():
-            _measure(engine, min(args.contexts), 1, 80, arm)
+        warm_up(engines, min(args.contexts))
         prices = _token_prices(engines["offload"])
         print(f"engine_offload: engines up after {time.monotonic() - started:.0f} s; {prices}")
         cells: list[Cell] = []
@@ -271,7 +187,7 @@ def main(argv: list[str]) -> int:
                 print(f"engine_offload: deadline reached before {context} x {batch}")
                 break
             for arm in ("resident", "offload"):
-                cell = _measure(engines[arm], context, batch, args.new_tokens, arm)
+                cell = measure(engines[arm], context, batch, args.new_tokens, arm)
                 cells.append(cell)
                 print(
                     f"engine_offload: {arm:8} context {context:>7} batch {batch}: "

@@ -236,7 +236,10 @@ def test_double_sparsity_passes_on_a_gqa_model_with_a_fitting_channel_file(tmp_p
             {"text_config": {**LLAMA.text_config, "attn_logit_softcapping": 50.0}},
             ["--model-path attn_logit_softcapping=50.0", "supported: none"],
         ),
-        ({"decode_cuda_graph": True}, ["--disable-cuda-graph=False", "supported: True"]),
+        (
+            {"speculative_algorithm": "EAGLE"},
+            ["--speculative-algorithm='EAGLE'", "supported: None"],
+        ),
     ],
 )
 def test_double_sparsity_refuses_what_it_cannot_serve(

@@ -71,7 +71,6 @@ class ConfigFacts:
             chunking).
         attention_backend: ``--attention-backend`` after resolution (None = SGLang chooses).
         tp_size: ``--tp-size``.
-        decode_cuda_graph: decode runs in CUDA graphs (on CUDA without ``--disable-cuda-graph``).
     """
 
     architectures: tuple[str, ...]
@@ -95,7 +94,6 @@ class ConfigFacts:
     chunked_prefill_size: int | None = None
     attention_backend: str | None = None
     tp_size: int = 1
-    decode_cuda_graph: bool = False
 
 
 #: The features that serve a QSA checkpoint (double sparsity serves models without QSA layers).
@@ -199,12 +197,12 @@ def _check_double_sparsity(facts: ConfigFacts, ds: DoubleSparsitySwitches) -> No
             "1",
             "the double-sparsity backend does not split its channel table over TP ranks yet",
         )
-    if facts.decode_cuda_graph:
+    if facts.speculative_algorithm is not None:
         raise _reject(
-            "--disable-cuda-graph",
-            False,
-            "True",
-            "the double-sparsity decode reads host sequence lengths; it has no CUDA graph yet",
+            "--speculative-algorithm",
+            facts.speculative_algorithm,
+            "None",
+            "the double-sparsity backend decodes one token per request and step",
         )
     window = facts.text_config.get("sliding_window")
     if window is not None and facts.text_config.get("use_sliding_window", True):
@@ -415,7 +413,6 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         else int(cfg.chunked_prefill_size),
         attention_backend=None if cfg.attention_backend is None else str(cfg.attention_backend),
         tp_size=int(cfg.tp_size),
-        decode_cuda_graph=str(cfg.device) == "cuda" and not bool(cfg.disable_cuda_graph),
     )
 
 

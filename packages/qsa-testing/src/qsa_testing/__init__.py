@@ -1,7 +1,7 @@
 """qsa-testing: test support for the QSA HiSparse workspace; never installed for serving.
 
 Tiny dummy models written at test time (:func:`tiny_qwen4_exp`, :func:`tiny_llama`; for
-benchmarks :func:`full_depth_qwen4_exp`), named
+benchmarks :func:`full_depth_qwen4_exp` and :func:`llama_8b_shaped`), named
 stand-ins for what a machine cannot run as is (:mod:`qsa_testing.standins`), and real SGLang
 0.5.23 servers for tests (:func:`start_engine`, :class:`EnginePool`, and the ``engines`` fixture
 of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens.
@@ -30,6 +30,7 @@ from qsa_testing._models import (
     TinyModel,
     TinyModelKind,
     full_depth_qwen4_exp,
+    llama_8b_shaped,
     tiny_llama,
     tiny_qwen4_exp,
 )
@@ -45,6 +46,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "tiny_llama",
     "tiny_qwen4_exp",
     "full_depth_qwen4_exp",
+    "llama_8b_shaped",
     "tiny_image",
     # engines
     "Engine",

@@ -360,3 +360,30 @@ def tiny_llama() -> TinyModel:
         "tie_word_embeddings": False,
     }
     return TinyModel("llama-2l", TinyModelKind.LLAMA, _frozen(config))
+
+
+#: Llama-3.1-8B's shape (Meta's published config): every width but the vocabulary.
+LLAMA_8B_WIDTHS: Final[Mapping[str, int]] = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+
+
+def llama_8b_shaped(*, max_position_embeddings: int = 131_072) -> TinyModel:
+    """Llama-3.1-8B's layers and widths with a small vocabulary, for benchmarks on a GPU.
+
+    32 layers, 32 query and 8 K/V heads of dim 128, MLP 14,336: the attention, K/V bytes and MLP
+    of the real model, dummy weights (about 7 B parameters, 14 GiB in bf16).
+
+    Args:
+        max_position_embeddings: the longest context the config allows.
+    """
+    config = dict(tiny_llama().config) | dict(LLAMA_8B_WIDTHS)
+    config |= {"max_position_embeddings": max_position_embeddings, "rope_theta": 500_000.0}
+    return TinyModel(
+        f"llama-8b-shaped-ctx{max_position_embeddings}", TinyModelKind.LLAMA, _frozen(config)
+    )

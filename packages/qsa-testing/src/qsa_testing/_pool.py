@@ -13,6 +13,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -56,6 +57,9 @@ class EnginePool:
         self._max_live = max_live
         self._live: OrderedDict[EngineConfig, Engine] = OrderedDict()
         self._results: dict[tuple[EngineConfig, GenerateRequest], Generation] = {}
+        self._together: dict[
+            tuple[EngineConfig, tuple[GenerateRequest, ...]], tuple[Generation, ...]
+        ] = {}
         self.starts: list[EngineStart] = []
         self.last_used: Engine | None = None
 
@@ -100,6 +104,24 @@ class EnginePool:
     ) -> tuple[Generation, ...]:
         """Each of ``requests`` served by ``config``'s engine, in order, each once per session."""
         return tuple(self.generate(config, request) for request in requests)
+
+    def generate_together(
+        self, config: EngineConfig, requests: Iterable[GenerateRequest]
+    ) -> tuple[Generation, ...]:
+        """``requests`` sent to ``config``'s engine at once, so they decode in one batch.
+
+        Once per session for the same requests together; each answer is also what ``generate``
+        returns for that request afterwards (the first answer served stays).
+        """
+        batch = tuple(requests)
+        key = (config, batch)
+        if key not in self._together:
+            engine = self.engine(config)
+            with ThreadPoolExecutor(max_workers=max(len(batch), 1)) as pool:
+                self._together[key] = tuple(pool.map(engine.generate, batch))
+            for request, result in zip(batch, self._together[key], strict=True):
+                self._results.setdefault((config, request), result)
+        return self._together[key]
 
     def close(self) -> None:
         """Stop every running engine and write ``report.json`` (see :meth:`write_report`)."""

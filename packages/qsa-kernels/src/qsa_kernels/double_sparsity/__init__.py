@@ -10,7 +10,9 @@ and attends exactly over those. This subpackage holds:
 * the label cache (:class:`LabelCache`), preallocated per request row;
 * one layer's decode over a resident K/V store (:func:`ds_decode`, reference beside it), built on
   :func:`qsa_kernels.sparse_decode.sparse_decode` with one token list per KV head, and over
-  SGLang's split K and V buffers (:func:`ds_decode_split_reference`, torch attention);
+  SGLang's split K and V buffers (:func:`ds_decode_split`, on
+  :func:`qsa_kernels.sparse_decode.sparse_decode_split`; reference beside it), and its
+  CUDA-graph form with the lengths on the device (:func:`ds_heavy_decode_split`);
 * DS-Offload (:class:`DSOffloadedKV`): the K/V history in the host arena, the label cache on the
   device, the selected tokens' blocks fetched into the hot cache.
 """
@@ -27,7 +29,10 @@ from qsa_kernels.double_sparsity._decode import (
     DSDecodeOutput,
     ds_decode,
     ds_decode_reference,
+    ds_decode_split,
     ds_decode_split_reference,
+    ds_heavy_decode_split,
+    ds_heavy_decode_split_reference,
     ds_positions,
 )
 from qsa_kernels.double_sparsity._errors import ChannelConfigError, DSConfigError
@@ -50,7 +55,10 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "LabelCache",
     "ds_decode",
     "ds_decode_reference",
+    "ds_decode_split",
     "ds_decode_split_reference",
+    "ds_heavy_decode_split",
+    "ds_heavy_decode_split_reference",
     "ds_positions",
     # -- Offload --
     "DSOffloadedKV",

@@ -117,6 +117,17 @@ class DSConfig:
         """
         return seq_len < self.sparse_decode_threshold or seq_len <= self.heavy_token_num
 
+    def sparse_rows(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """:meth:`is_dense`'s negation element-wise, on the device: no host read.
+
+        Args:
+            seq_lens: ``[B]`` integer context lengths.
+
+        Returns:
+            ``[B]`` bool on ``seq_lens``' device, True for the rows that attend heavy tokens.
+        """
+        return (seq_lens >= self.sparse_decode_threshold) & (seq_lens > self.heavy_token_num)
+
 
 def layer_key(layer: int, channel_type: HeavyChannelType) -> str:
     """The calibration key of one layer: ``model.layers.{layer}.self_attn.{type}_proj``."""

@@ -13,6 +13,7 @@ from qsa_kernels.ds_label import LabelTopK, label_topk, label_topk_reference
 from qsa_kernels.sparse_decode import (
     sparse_decode,
     sparse_decode_reference,
+    sparse_decode_split,
     sparse_decode_split_reference,
 )
 
@@ -20,7 +21,10 @@ __all__ = (
     "DSDecodeOutput",
     "ds_decode",
     "ds_decode_reference",
+    "ds_decode_split",
     "ds_decode_split_reference",
+    "ds_heavy_decode_split",
+    "ds_heavy_decode_split_reference",
     "ds_positions",
     "positions_to_slots",
 )
@@ -133,25 +137,26 @@ def positions_to_slots(positions: torch.Tensor, req_to_token: torch.Tensor) -> t
     return torch.where(positions >= 0, slots, -1).to(torch.int32).contiguous()
 
 
+#: ``(q [B, Hq, D], token_slots [B, Hkv, W]) -> (out, lse)``: attention over one K/V layout.
+_Attend = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def _decode(  # noqa: PLR0917
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
     label_cache: torch.Tensor,
     channels: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: Sequence[int],
+    attend: _Attend,
     *,
     config: DSConfig,
-    scale: float | None,
     reference: bool,
 ) -> DSDecodeOutput:
-    """Select, map to token slots, attend: kernels, or their torch references if ``reference``."""
+    """Select (kernel, or the torch reference if ``reference``), map to token slots, attend."""
     positions = ds_positions(
         q, label_cache, channels, req_to_token, seq_lens, config=config, reference=reference
     )
-    slots = positions_to_slots(positions, req_to_token)
-    attend = sparse_decode_reference if reference else sparse_decode
-    out, lse = attend(q, slots, kv_cache, scale=scale)
+    out, lse = attend(q, positions_to_slots(positions, req_to_token))
     return DSDecodeOutput(out, lse, positions)
 
 
@@ -192,13 +197,12 @@ def ds_decode(  # noqa: PLR0917
     """
     return _decode(
         q,
-        kv_cache,
         label_cache,
         channels,
         req_to_token,
         seq_lens,
+        lambda q, slots: sparse_decode(q, slots, kv_cache, scale=scale),
         config=config,
-        scale=scale,
         reference=False,
     )
 
@@ -217,14 +221,63 @@ def ds_decode_reference(  # noqa: PLR0917
     """Torch reference of :func:`ds_decode` (reference selection, gather, fp32 attention)."""
     return _decode(
         q,
-        kv_cache,
         label_cache,
         channels,
         req_to_token,
         seq_lens,
+        lambda q, slots: sparse_decode_reference(q, slots, kv_cache, scale=scale),
         config=config,
-        scale=scale,
         reference=True,
+    )
+
+
+def ds_decode_split(  # noqa: PLR0917
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: Sequence[int],
+    *,
+    config: DSConfig,
+    scale: float | None = None,
+) -> DSDecodeOutput:
+    """Double-sparsity decode of one layer over a pool that keeps K and V apart.
+
+    SGLang's MHA pool: one ``[N, Hkv, D]`` key buffer and one value buffer per layer, and a label
+    cache indexed by the same token slots (``LabelCache(channels, rows=1, max_tokens=N)``, written
+    with :meth:`LabelCache.write_slots`), so one ``req_to_token`` maps positions for all three.
+    Selection as :func:`ds_positions` (the label kernel); attention with
+    :func:`qsa_kernels.sparse_decode.sparse_decode_split`, reading the buffers in place.
+
+    Args:
+        q: ``[B, Hq, D]`` bf16 queries; ``D`` a power of two >= 16.
+        k_buffer: ``[N, Hkv, D]`` keys of every token slot (bf16/fp16/FP8 E4M3).
+        v_buffer: ``[N, Hkv, D]`` values, same shape and dtype.
+        label_cache: ``[N, Hkv, C]`` label rows by token slot.
+        channels: ``[Hkv, C]`` int32/int64 heavy channels of this layer.
+        req_to_token: ``[B, S]`` int32/int64 token slot of each logical position.
+        seq_lens: ``B`` host ints, ``1 <= seq_len <= S``.
+        config: the double-sparsity options.
+        scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+
+    Returns:
+        :class:`DSDecodeOutput`.
+
+    Raises:
+        KernelInputError: On a ``seq_lens`` entry outside ``[1, S]``, a wrong count of them, or a
+            bad shape, dtype or device of the tensors.
+    """
+    return _decode(
+        q,
+        label_cache,
+        channels,
+        req_to_token,
+        seq_lens,
+        lambda q, slots: sparse_decode_split(q, slots, k_buffer, v_buffer, scale=scale),
+        config=config,
+        reference=False,
     )
 
 
@@ -239,41 +292,114 @@ def ds_decode_split_reference(  # noqa: PLR0917
     *,
     config: DSConfig,
     scale: float | None = None,
-    select_reference: bool = True,
 ) -> DSDecodeOutput:
-    """Double-sparsity decode of one layer over a pool that keeps K and V apart (torch attention).
-
-    SGLang's MHA pool: one ``[N, Hkv, D]`` key buffer and one value buffer per layer, and a label
-    cache indexed by the same token slots (``LabelCache(channels, rows=1, max_tokens=N)``, written
-    with :meth:`LabelCache.write_slots`), so one ``req_to_token`` maps positions for both.
-    Selection as :func:`ds_positions`; attention with
-    :func:`qsa_kernels.sparse_decode.sparse_decode_split_reference` (a split-buffer Triton kernel
-    is not written yet).
-
-    Args:
-        q: ``[B, Hq, D]`` bf16 queries.
-        k_buffer: ``[N, Hkv, D]`` keys of every token slot.
-        v_buffer: ``[N, Hkv, D]`` values, same shape and dtype.
-        label_cache: ``[N, Hkv, C]`` label rows by token slot.
-        channels: ``[Hkv, C]`` int32/int64 heavy channels of this layer.
-        req_to_token: ``[B, S]`` int32/int64 token slot of each logical position.
-        seq_lens: ``B`` host ints, ``1 <= seq_len <= S``.
-        config: the double-sparsity options.
-        scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
-        select_reference: select with the torch reference (``False``: the Triton label kernel).
-
-    Returns:
-        :class:`DSDecodeOutput`.
-    """
-    positions = ds_positions(
+    """Torch reference of :func:`ds_decode_split` (reference selection, gather, fp32 attention)."""
+    return _decode(
         q,
         label_cache,
         channels,
         req_to_token,
         seq_lens,
+        lambda q, slots: sparse_decode_split_reference(q, slots, k_buffer, v_buffer, scale=scale),
         config=config,
-        reference=select_reference,
+        reference=True,
     )
+
+
+def _heavy_decode_split(  # noqa: PLR0917
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    heavy_token_num: int,
+    scale: float | None,
+    reference: bool,
+) -> DSDecodeOutput:
+    select: _Selector = label_topk_reference if reference else label_topk
+    attend = sparse_decode_split_reference if reference else sparse_decode_split
+    positions = select(
+        q, label_cache, channels, req_to_token, seq_lens, heavy_token_num=heavy_token_num
+    ).positions
     slots = positions_to_slots(positions, req_to_token)
-    out, lse = sparse_decode_split_reference(q, slots, k_buffer, v_buffer, scale=scale)
+    out, lse = attend(q, slots, k_buffer, v_buffer, scale=scale)
     return DSDecodeOutput(out, lse, positions)
+
+
+def ds_heavy_decode_split(  # noqa: PLR0917
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    heavy_token_num: int,
+    scale: float | None = None,
+) -> DSDecodeOutput:
+    """Every row attends its heavy tokens, with the lengths on the device: CUDA-graph capturable.
+
+    :func:`ds_decode_split` decides per row on the host which rows are dense and sizes its work by
+    the longest; this one has no host input and fixed shapes (``[B, Hkv, heavy_token_num]`` lists
+    over the whole ``req_to_token`` width, tiles past a row's length skipped), so one captured step
+    serves every replay. A row of at most ``heavy_token_num`` tokens attends all of them, so it
+    is dense; a caller that wants a longer row dense (below ``sparse_decode_threshold``) takes
+    that row's output from the dense backend.
+
+    Args:
+        q: ``[B, Hq, D]`` bf16 queries; ``D`` a power of two >= 16.
+        k_buffer: ``[N, Hkv, D]`` keys of every token slot.
+        v_buffer: ``[N, Hkv, D]`` values, same shape and dtype.
+        label_cache: ``[N, Hkv, C]`` label rows by token slot.
+        channels: ``[Hkv, C]`` int32/int64 heavy channels of this layer.
+        req_to_token: ``[B, S]`` int32/int64 token slot of each logical position.
+        seq_lens: ``[B]`` int32/int64 device context lengths (clamped to ``[0, S]``).
+        heavy_token_num: tokens kept per row and KV head, ``>= 1``.
+        scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+
+    Returns:
+        :class:`DSDecodeOutput` with ``[B, Hkv, heavy_token_num]`` positions.
+    """
+    return _heavy_decode_split(
+        q,
+        k_buffer,
+        v_buffer,
+        label_cache,
+        channels,
+        req_to_token,
+        seq_lens,
+        heavy_token_num=heavy_token_num,
+        scale=scale,
+        reference=False,
+    )
+
+
+def ds_heavy_decode_split_reference(  # noqa: PLR0917
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    heavy_token_num: int,
+    scale: float | None = None,
+) -> DSDecodeOutput:
+    """Torch reference of :func:`ds_heavy_decode_split`."""
+    return _heavy_decode_split(
+        q,
+        k_buffer,
+        v_buffer,
+        label_cache,
+        channels,
+        req_to_token,
+        seq_lens,
+        heavy_token_num=heavy_token_num,
+        scale=scale,
+        reference=True,
+    )

@@ -5,11 +5,12 @@ from qsa_kernels.sparse_decode.reference import (
     sparse_decode_reference,
     sparse_decode_split_reference,
 )
-from qsa_kernels.sparse_decode.triton import sparse_decode
+from qsa_kernels.sparse_decode.triton import sparse_decode, sparse_decode_split
 
 __all__ = (
     "gather_selected_kv",
     "sparse_decode",
     "sparse_decode_reference",
+    "sparse_decode_split",
     "sparse_decode_split_reference",
 )

@@ -17,7 +17,7 @@ from qsa_kernels._checks import (
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS
 
-__all__ = ("check_decode_args", "check_split_decode_args")
+__all__ = ("check_decode_args", "check_kernel_head_dim", "check_split_decode_args")
 
 
 #: What a sparse decode may return its output as.
@@ -39,10 +39,7 @@ def check_decode_args(
     check_dim("kv_cache", kv_cache, 2, BLOCK_TOKENS, "tokens per block")
     check_dim("kv_cache", kv_cache, 4, q.shape[2], "D of q")
     check_dim("token_slots", token_slots, 0, q.shape[0], "B of q")
-    D = q.shape[2]
-    if D < 16 or D & (D - 1):
-        msg = f"head dim D={D!r} must be a power of two >= 16"
-        raise KernelInputError(msg)
+    check_kernel_head_dim(q)
     check_same_device(q.device, token_slots=token_slots, kv_cache=kv_cache)
     _check_heads(q, token_slots, int(kv_cache.shape[3]), "kv_cache")
     if not kv_cache.is_contiguous():
@@ -79,6 +76,14 @@ def check_split_decode_args(  # noqa: PLR0917
     check_same_device(q.device, token_slots=token_slots, k_buffer=k_buffer, v_buffer=v_buffer)
     _check_heads(q, token_slots, int(k_buffer.shape[1]), "k_buffer")
     return _softmax_scale(q, scale)
+
+
+def check_kernel_head_dim(q: torch.Tensor) -> None:
+    """The Triton kernel's head dim: a power of two >= 16 (its ``[BLOCK_N, D]`` tiles)."""
+    D = q.shape[2]
+    if D < 16 or D & (D - 1):
+        msg = f"head dim D={D!r} must be a power of two >= 16"
+        raise KernelInputError(msg)
 
 
 def _check_query_and_slots(

@@ -1,4 +1,9 @@
-"""Triton sparse GQA decode: split-K over the selected tokens, then an LSE merge."""
+"""Triton sparse GQA decode: split-K over the selected tokens, then an LSE merge.
+
+One kernel reads either K/V layout: the hot cache's ``[NS, 2, 4, Hkv, D]`` records (the QSA
+offload's) or a pool that keeps keys and values in two ``[N, Hkv, D]`` buffers (SGLang's MHA pool,
+which double sparsity decodes over).
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,26 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_kernels._checks import next_pow2, sm_count
+from qsa_kernels._checks import check_unit_last_stride, next_pow2, sm_count
 from qsa_kernels.lse_merge.triton import lse_merge
-from qsa_kernels.sparse_decode._validate import check_decode_args
+from qsa_kernels.sparse_decode._validate import (
+    check_decode_args,
+    check_kernel_head_dim,
+    check_split_decode_args,
+)
 
-__all__ = ("sparse_decode",)
+__all__ = ("sparse_decode", "sparse_decode_split")
 
 _LOG2E = math.log2(math.e)
 _BLOCK_N = 64
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _sparse_decode_split_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
+def _sparse_decode_parts_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     q_ptr,  # [B, Hq, D] bf16
-    tok_ptr,  # [B, T] or [B, Hkv, T] int32 token slots (4 * global_slot + token), -1 padding
-    kv_ptr,  # [NS, 2, 4, Hkv, D] fp8 e4m3 / bf16 hot cache of one layer
+    tok_ptr,  # [B, T] or [B, Hkv, T] int32 token slots, -1 padding
+    k_ptr,  # records: [NS, 2, 4, Hkv, D] hot cache of one layer; split: [N, Hkv, D] keys
+    v_ptr,  # records: the same tensor as k_ptr; split: [N, Hkv, D] values
     o_ptr,  # [P, B, Hq, D] fp32 partial outputs
     lse_ptr,  # [P, B, Hq] fp32 partial natural-log LSE, -inf for an empty split
     B,
@@ -31,6 +41,10 @@ def _sparse_decode_split_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR091
     stride_qh,
     stride_tb,
     stride_th,  # 0 when every KV head shares the row's list
+    stride_kn,  # split buffers only: elements between token slots of k / v
+    stride_kh,
+    stride_vn,
+    stride_vh,
     split,  # tokens per program, a multiple of BLOCK_N
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2
     HQ: tl.constexpr,
@@ -39,6 +53,7 @@ def _sparse_decode_split_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR091
     BLOCK_M: tl.constexpr,  # max(16, next_pow2(GROUP)): the dot's minimum M tile
     D: tl.constexpr,  # head dim; constexpr for the [BLOCK_N, D] tiles
     BLOCK_N: tl.constexpr,  # tokens per inner step
+    SPLIT_KV: tl.constexpr,  # keys and values in two [N, Hkv, D] buffers, not records
     DOT_DTYPE: tl.constexpr,  # bf16 on GPUs; fp32 under the CPU interpreter, whose dot needs it
 ):
     b = tl.program_id(0)
@@ -66,13 +81,15 @@ def _sparse_decode_split_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR091
         )
         valid = tok >= 0
         tok64 = tl.where(valid, tok, 0).to(tl.int64)
-        row = ((tok64 // 4) * 8 + tok64 % 4) * HKV + h  # [NS, 2, 4, Hkv] row of K
-        k = tl.load(kv_ptr + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(
-            kv_ptr + (row + 4 * HKV)[:, None] * D + offs_d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        )
+        if SPLIT_KV:  # token slot t of SGLang's pool: keys[t, h], values[t, h]
+            k_off = tok64 * stride_kn + h * stride_kh
+            v_off = tok64 * stride_vn + h * stride_vh
+        else:  # 4 * record + j: [NS, 2, 4, Hkv] row of K, the V row 4 * Hkv after it
+            row = ((tok64 // 4) * 8 + tok64 % 4) * HKV + h
+            k_off = row * D
+            v_off = (row + 4 * HKV) * D
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -137,20 +154,94 @@ def sparse_decode(
         KernelInputError: On a bad shape, dtype, device or layout.
     """
     sm_scale = check_decode_args(q, token_slots, kv_cache, scale, out_dtype)
+    return _launch(
+        q,
+        token_slots,
+        (kv_cache, kv_cache),
+        None,
+        int(kv_cache.shape[3]),
+        sm_scale=sm_scale,
+        num_splits=num_splits,
+        out_dtype=out_dtype,
+    )
+
+
+def sparse_decode_split(
+    q: torch.Tensor,
+    token_slots: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse GQA decode over the selected token slots of a pool that keeps K and V apart.
+
+    SGLang's MHA pool holds one ``[N, Hkv, D]`` key buffer and one value buffer per layer, indexed
+    by the token slots of ``req_to_token``; this kernel reads them in place, with the same split-K
+    and LSE merge as :func:`sparse_decode` (the same kernel, another address map). Reference:
+    :func:`qsa_kernels.sparse_decode.sparse_decode_split_reference`.
+
+    Args:
+        q: ``[B, Hq, D]`` bf16 queries; ``D`` a power of two >= 16.
+        token_slots: ``[B, T]`` (one list per row) or ``[B, Hkv, T]`` (one per KV head) int32
+            token slots into the buffers, ``-1`` padding anywhere; unit stride along ``T``.
+        k_buffer: ``[N, Hkv, D]`` keys, bf16/fp16/FP8 E4M3 (FP8 upcast unscaled); any token and
+            head strides, unit stride along ``D``.
+        v_buffer: ``[N, Hkv, D]`` values, the shape and dtype of ``k_buffer``.
+        scale: softmax scale; ``1 / sqrt(D)`` if ``None``.
+        num_splits: programs per (row, KV head); chosen from the SM count if ``None``.
+        out_dtype: ``torch.bfloat16``, or ``torch.float32`` for a part merged afterwards.
+
+    Returns:
+        ``(out [B, Hq, D] out_dtype, lse [B, Hq] fp32)``; a row with no valid slot gives zeros
+        and ``-inf``.
+
+    Raises:
+        KernelInputError: On a bad shape, dtype, device or layout.
+    """
+    sm_scale = check_split_decode_args(q, token_slots, k_buffer, v_buffer, scale, out_dtype)
+    check_kernel_head_dim(q)
+    check_unit_last_stride(q=q, token_slots=token_slots, k_buffer=k_buffer, v_buffer=v_buffer)
+    return _launch(
+        q,
+        token_slots,
+        (k_buffer, v_buffer),
+        (k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1)),
+        int(k_buffer.shape[1]),
+        sm_scale=sm_scale,
+        num_splits=num_splits,
+        out_dtype=out_dtype,
+    )
+
+
+def _launch(
+    q: torch.Tensor,
+    token_slots: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    split_strides: tuple[int, int, int, int] | None,
+    hkv: int,
+    *,
+    sm_scale: float,
+    num_splits: int | None,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the parts kernel over ``kv`` (records, or split buffers with their strides), merge."""
     B, Hq, D = q.shape
     T = token_slots.shape[-1]
-    Hkv = kv_cache.shape[3]
-    group = Hq // Hkv
-    splits = num_splits if num_splits is not None else _default_splits(B, Hkv, T, q.device)
+    group = Hq // hkv
+    splits = num_splits if num_splits is not None else _default_splits(B, hkv, T, q.device)
     split = max(_BLOCK_N, triton.cdiv(triton.cdiv(max(T, 1), max(splits, 1)), _BLOCK_N) * _BLOCK_N)
     P = max(1, triton.cdiv(T, split))
     o_part = torch.empty((P, B, Hq, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((P, B, Hq), dtype=torch.float32, device=q.device)
     if B:
-        _sparse_decode_split_kernel[(B, Hkv, P)](
+        _sparse_decode_parts_kernel[(B, hkv, P)](
             q,
             token_slots,
-            kv_cache,
+            kv[0],
+            kv[1],
             o_part,
             lse_part,
             B,
@@ -159,14 +250,16 @@ def sparse_decode(
             q.stride(1),
             token_slots.stride(0),
             token_slots.stride(1) if token_slots.dim() == 3 else 0,
+            *(split_strides or (0, 0, 0, 0)),
             split,
             sm_scale * _LOG2E,
             HQ=Hq,
-            HKV=Hkv,
+            HKV=hkv,
             GROUP=group,
             BLOCK_M=max(16, next_pow2(group)),
             D=D,
             BLOCK_N=_BLOCK_N,
+            SPLIT_KV=split_strides is not None,
             DOT_DTYPE=tl.bfloat16 if q.device.type == "cuda" else tl.float32,
             num_warps=4,
             num_stages=2,

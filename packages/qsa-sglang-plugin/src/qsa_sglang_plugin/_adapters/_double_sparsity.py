@@ -9,25 +9,29 @@ every dense decode exactly as upstream, and adds what double sparsity needs:
   ``[L, N, Hkv, C]`` for the ``N`` slots of the K/V pool, written wherever SGLang writes a key
   (every extend and decode step, at ``out_cache_loc``), so SGLang's ``req_to_token`` addresses the
   labels, the keys and the values alike;
-- decode: when every row of the batch is dense by :meth:`DSConfig.is_dense` (its context is below
-  ``SGLANG_QSA_DS_THRESHOLD`` or fits in the heavy tokens), the dense backend decodes it;
-  otherwise every row goes through
-  :func:`qsa_kernels.double_sparsity.ds_decode_split_reference` (label scores, the heavy tokens
-  per KV head, attention over them read from SGLang's own K and V buffers; dense rows there attend
-  every token).
+- eager decode: when every row of the batch is dense by :meth:`DSConfig.is_dense` (its context
+  is below ``SGLANG_QSA_DS_THRESHOLD`` or fits in the heavy tokens), the dense backend decodes it;
+  otherwise every row goes through :func:`qsa_kernels.double_sparsity.ds_decode_split` (label
+  scores, the heavy tokens per KV head, attention over them read in place from SGLang's own K and
+  V buffers; dense rows there attend every token; the torch references on CPU);
+- decode under CUDA graphs: the captured step runs both paths over the whole batch, with no host
+  input. The dense backend decodes every row, but before each replay it is given a length of 1 for
+  the sparse rows, so they cost it one token; :func:`ds_heavy_decode_split` gives every row its
+  heavy tokens (lengths on the device, the slot table gathered once per step), and a device mask
+  of the sparse rows, refreshed before each replay, picks each row's output. A batch whose rows
+  are all dense answers as the dense backend's own graph, bit for bit.
 
 The label cache costs ``L * Hkv * C`` 16-bit values per token slot (``C / (2 D)`` of the K/V
 bytes, 12.5 % at 32 of 128 channels): :func:`price_label_cache` adds them to the price
 of a token in SGLang's pool sizing, so the pool and the labels together fit the budget SGLang
 computed for the pool alone.
 
-Limits of this backend today: no CUDA graphs (the decode reads host sequence lengths; start-up
-refuses graphs), one TP rank, and the attention of sparse rows in torch (the split-buffer Triton
-kernel is not written).
+Limits of this backend today: one TP rank, no speculative decoding (start-up refuses both).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import logging
@@ -154,6 +158,20 @@ class _SparseStep:
     req_to_token: torch.Tensor
 
 
+@dataclasses.dataclass(slots=True)
+class _GraphStep:
+    """The decode step being captured: what its layers read, all device tensors of fixed address.
+
+    Attributes:
+        sparse_rows: ``[bs]`` bool, the rows that attend their heavy tokens (refreshed before
+            each replay).
+        req_to_token: ``[bs, S]`` the batch's slot table, gathered inside the captured step.
+    """
+
+    sparse_rows: torch.Tensor
+    req_to_token: torch.Tensor | None = None
+
+
 class DoubleSparsityBackend:
     """SGLang's dense backend plus label writes and double-sparsity decode (module docstring).
 
@@ -176,8 +194,10 @@ class DoubleSparsityBackend:
         self._config = config
         self._kv_pool = runner.token_to_kv_pool
         self._req_to_token = runner.req_to_token_pool.req_to_token
-        self._select_reference = labels.device.type != "cuda"
+        self._reference = labels.device.type != "cuda"
         self._step: _SparseStep | None = None
+        self._graph: _GraphStep | None = None  # set while a captured step is built
+        self._sparse_rows: torch.Tensor | None = None  # [max_bs] bool, from init_cuda_graph_state
         self._rows = RankMetrics(tp_rank).counters_by(
             f"{METRIC_PREFIX}_decode_rows",
             "Decode rows, once per step, by how they attended.",
@@ -200,15 +220,76 @@ class DoubleSparsityBackend:
         """
         self.dense.init_forward_metadata(forward_batch)
         self._step = None
+        self._graph = None
         if not forward_batch.forward_mode.is_decode():
             return
         lengths = [int(n) for n in _host_seq_lens(forward_batch)]
-        dense = sum(self._config.is_dense(n) for n in lengths)
-        self._rows[DecodePath.DENSE].inc(dense)
-        self._rows[DecodePath.SPARSE].inc(len(lengths) - dense)
-        if dense < len(lengths):
+        if self._count(lengths) < len(lengths):
             rows = self._req_to_token[forward_batch.req_pool_indices, : max(lengths)]
             self._step = _SparseStep(lengths, rows)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any) -> None:
+        """The dense backend's graph buffers, and the captured steps' mask of sparse rows."""
+        self.dense.init_cuda_graph_state(max_bs, max_num_tokens, *args)
+        self._sparse_rows = torch.zeros(max_bs, dtype=torch.bool, device=self._labels.device)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Before a capture or a replay: the sparse rows, and the dense metadata without them.
+
+        The dense backend sees the sparse rows at length 1. At capture every row has SGLang's fill
+        length (dense), so the dense backend's metadata is its own; the captured step still holds
+        both paths (:meth:`forward_decode`).
+        """
+        self._step = None
+        if not forward_batch.forward_mode.is_decode_or_idle():
+            self._graph = None
+            self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
+            return
+        if self._sparse_rows is None:
+            msg = "qsa_ds: a CUDA graph step before init_cuda_graph_state"
+            raise AdapterError(msg)
+        seq_lens = forward_batch.seq_lens
+        sparse = self._config.sparse_rows(seq_lens)
+        mask = self._sparse_rows[: sparse.shape[0]]
+        mask.copy_(sparse)
+        if in_capture:
+            self._graph = _GraphStep(mask)
+            self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
+            return
+        lengths = [int(n) for n in _host_seq_lens(forward_batch)]
+        real = len(lengths) - int(getattr(forward_batch, "num_padding", 0) or 0)
+        if self._count(lengths[:real]) == real:  # every row dense: the dense metadata as it is
+            self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
+            return
+        host = [1 if not self._config.is_dense(n) else n for n in lengths]
+        shrunk = copy.copy(forward_batch)
+        shrunk.seq_lens = torch.where(sparse, torch.ones_like(seq_lens), seq_lens)
+        if getattr(forward_batch, "seq_lens_cpu", None) is not None:
+            shrunk.seq_lens_cpu = torch.tensor(host, dtype=forward_batch.seq_lens_cpu.dtype)
+        if getattr(forward_batch, "seq_lens_sum", None) is not None:
+            shrunk.seq_lens_sum = sum(host)
+        self.dense.init_forward_metadata_out_graph(shrunk, in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """Inside the captured step: the dense backend's, then the batch's slot table, once."""
+        self.dense.init_forward_metadata_in_graph(forward_batch)
+        if self._graph is not None:
+            self._graph.req_to_token = self._req_to_token[forward_batch.req_pool_indices]
+
+    def glue_draft_metadata(self) -> str:
+        """Why SGLang must not capture this backend's replay prep (it counts rows on the host)."""
+        return "qsa_ds counts each step's dense and sparse rows on the host"
+
+    def glue_target_verify_metadata(self) -> str:
+        """As :meth:`glue_draft_metadata`."""
+        return self.glue_draft_metadata()
+
+    def _count(self, lengths: list[int]) -> int:
+        """Count a step's rows by path in the metrics; return how many are dense."""
+        dense = sum(bool(self._config.is_dense(n)) for n in lengths)
+        self._rows[DecodePath.DENSE].inc(dense)
+        self._rows[DecodePath.SPARSE].inc(len(lengths) - dense)
+        return dense
 
     def forward(  # noqa: PLR0917
         self,
@@ -257,9 +338,13 @@ class DoubleSparsityBackend:
         """Label of the new key; dense decode when every row is dense, else double sparsity."""
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-        from qsa_kernels.double_sparsity import ds_decode_split_reference
+        from qsa_kernels.double_sparsity import ds_decode_split, ds_decode_split_reference
 
         self._write_labels(layer, forward_batch, k)
+        if self._graph is not None:
+            return self._captured_decode(
+                self._graph, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+            )
         step = self._step
         if step is None:  # every row dense
             return self.dense.forward_decode(  # type: ignore[no-any-return]
@@ -270,7 +355,8 @@ class DoubleSparsityBackend:
                 layer, KVWriteLoc.for_batch(forward_batch), k, v, layer.k_scale, layer.v_scale
             )
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
-        result = ds_decode_split_reference(
+        decode = ds_decode_split_reference if self._reference else ds_decode_split
+        result = decode(
             q.reshape(-1, heads, dim).to(torch.bfloat16),
             self._kv_pool.get_key_buffer(layer.layer_id),
             self._kv_pool.get_value_buffer(layer.layer_id),
@@ -280,9 +366,44 @@ class DoubleSparsityBackend:
             step.lengths,
             config=self._config,
             scale=float(layer.scaling),
-            select_reference=self._select_reference,
         )
         return result.out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
+
+    def _captured_decode(  # noqa: PLR0917
+        self,
+        graph: _GraphStep,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Both paths for every row, no host input; the step's mask picks each row's output."""
+        from qsa_kernels.double_sparsity import ds_heavy_decode_split
+
+        if graph.req_to_token is None:
+            msg = "qsa_ds: a captured decode before init_forward_metadata_in_graph"
+            raise AdapterError(msg)
+        dense: torch.Tensor = self.dense.forward_decode(
+            q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+        )  # writes this step's K/V
+        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+        rows = graph.sparse_rows.shape[0]
+        sparse = ds_heavy_decode_split(
+            q.reshape(-1, heads, dim)[:rows].to(torch.bfloat16),
+            self._kv_pool.get_key_buffer(layer.layer_id),
+            self._kv_pool.get_value_buffer(layer.layer_id),
+            self._labels.layer(layer.layer_id),
+            self._labels.channels[layer.layer_id],
+            graph.req_to_token,
+            forward_batch.seq_lens[:rows],
+            heavy_token_num=self._config.heavy_token_num,
+            scale=float(layer.scaling),
+        ).out.reshape(rows, heads * layer.v_head_dim)
+        pick = graph.sparse_rows[:, None]
+        return torch.where(pick, sparse.to(dense.dtype), dense.view(rows, -1)).view_as(dense)
 
     def _write_labels(self, layer: Any, forward_batch: Any, k: torch.Tensor | None) -> None:
         """The labels of the keys SGLang writes at ``out_cache_loc`` in this forward."""

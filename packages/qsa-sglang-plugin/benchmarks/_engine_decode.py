@@ -1,0 +1,130 @@
+"""What the engine benchmarks share: timing a batch's decode in a real engine from SGLang's log.
+
+``B`` requests of one prompt length generate greedy tokens concurrently; SGLang's own
+``Decode batch`` log lines (tokens over wall time, every ``--decode-log-interval`` steps) give the
+decode rate while all ``B`` decode. Engines start side by side (:func:`start_all`) and each serves
+one unmeasured request first (:func:`warm_up`), so no cell pays for compiling a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import statistics
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ("Cell", "first_difference", "measure", "start_all", "warm_up")
+
+_DECODE_LINE = re.compile(
+    r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)"
+)
+
+
+@dataclasses.dataclass
+class Cell:
+    """One (context, batch) measurement of one engine.
+
+    Attributes:
+        arm: the engine's name in the benchmark.
+        context: prompt tokens per request.
+        batch: concurrent requests.
+        decode_tokens_per_s: median of SGLang's ``gen throughput`` while all ``batch`` decode.
+        wall_s: the batch's wall time, prefill included.
+        prefill_tokens_per_s: batch 1 only: prompt tokens over the wall time less the decode.
+        output_ids: the first request's greedy tokens.
+    """
+
+    arm: str
+    context: int
+    batch: int
+    decode_tokens_per_s: float
+    wall_s: float
+    prefill_tokens_per_s: float | None
+    output_ids: list[int]
+
+
+def measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) -> Cell:
+    """Serve ``batch`` prompts of ``context`` tokens at once; time the decode from the log."""
+    from qsa_testing import GenerateRequest
+
+    model = engine.config.model
+    requests = [
+        GenerateRequest(model.prompt(context, seed=100 + i), new_tokens, top_logprobs=0)
+        for i in range(batch)
+    ]
+    mark = engine.log_path.stat().st_size
+    replies: list[Any] = [None] * batch
+
+    def run(i: int) -> None:
+        replies[i] = engine.generate(requests[i], timeout=1800.0)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started
+    if any(r is None for r in replies):
+        msg = f"{arm}: a request of the {batch} x {context}-token batch got no reply"
+        raise RuntimeError(msg)
+    with engine.log_path.open("rb") as log:
+        log.seek(mark)
+        text = log.read().decode("utf-8", "replace")
+    rates = [float(r) for n, r in _DECODE_LINE.findall(text) if int(n) == batch]
+    if not rates:
+        msg = f"{arm}: no 'Decode batch' log line with {batch} running requests"
+        raise RuntimeError(msg)
+    decode = statistics.median(rates[1:] if len(rates) > 2 else rates)  # the first may span prefill
+    prefill = None
+    if batch == 1:
+        prefill_s = wall - (new_tokens - 1) / decode
+        prefill = context / prefill_s if prefill_s > 0 else None
+    return Cell(arm, context, batch, decode, wall, prefill, list(replies[0].output_ids))
+
+
+def start_all(configs: Mapping[str, Any], workdir: pathlib.Path) -> dict[str, Any]:
+    """Start one engine per configuration side by side; the first failure is raised after all
+    have finished starting (the ones that started are closed)."""
+    from qsa_testing import start_engine
+
+    boots: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def boot(arm: str, config: Any) -> None:
+        try:
+            boots[arm] = start_engine(config, workdir / arm, timeout=900.0)
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=boot, args=item) for item in configs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for engine in boots.values():
+            engine.close()
+        raise errors[0]
+    return dict(sorted(boots.items()))
+
+
+def warm_up(engines: Mapping[str, Any], context: int) -> None:
+    """One request per engine before measuring: a kernel's first use compiles it (Triton, JIT),
+    and engines share the compile cache, so whichever ran first would pay for both."""
+    for arm, engine in engines.items():
+        measure(engine, context, 1, 80, arm)
+
+
+def first_difference(a: Cell, b: Cell) -> str:
+    """``yes`` when both cells chose the same greedy tokens, else where they part."""
+    if a.output_ids == b.output_ids:
+        return "yes"
+    for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids, strict=False)):
+        if x != y:
+            return f"first differs at token {i}"
+    return "lengths differ"

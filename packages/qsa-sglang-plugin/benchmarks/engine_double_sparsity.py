@@ -1,0 +1,212 @@
+"""Benchmark ``--attention-backend qsa_ds`` against SGLang's triton backend in real engines.
+
+Two SGLang 0.5.23 engines serve the Llama-3.1-8B-shaped dummy model
+(:func:`qsa_testing.llama_8b_shaped`: 32 layers, 32 query and 8 K/V heads of dim 128) side by
+side on one GPU, with the same scheduler flags and decode CUDA graphs on:
+
+- **triton**: upstream SGLang, no plugin, its dense triton attention backend;
+- **qsa_ds**: the plugin's double-sparsity backend with the library's default options (32 heavy
+  channels of 128, 256 heavy tokens per KV head, dense below 4,096 tokens) and a channel file of
+  seeded random channels (the weights are dummy, so calibrating them would rank noise; the speed
+  does not depend on which channels are heavy).
+
+For each context length and batch size, ``B`` requests of that many prompt tokens generate
+``--new-tokens`` greedy tokens concurrently on each engine in turn; reported per cell: decode
+tokens/s from SGLang's own ``Decode batch`` log lines, and their ratio. Also the GPU bytes per
+token each engine's pool sizing charges (the label cache is ``C / (2 D)`` of the K/V).
+
+Writes ``<out>/engine_double_sparsity.md`` and ``.json`` after every cell. Needs CUDA and SGLang:
+``nox -s gpu-engine-bench -- double_sparsity`` runs it on the GPU machine; exits with status 77
+without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import platform
+import random
+import re
+import sys
+import tempfile
+import time
+from typing import Any
+
+from _engine_decode import Cell, measure, start_all, warm_up
+
+_SKIPPED = 77
+_PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of K/V")
+_ARMS = ("triton", "qsa_ds")
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--contexts", default="32768,131072", help="prompt lengths, comma separated"
+    )
+    parser.add_argument("--batches", default="1,8", help="concurrent requests, comma separated")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=300_000,
+        help="each engine's K/V pool in tokens; a cell whose batch x context exceeds it is skipped",
+    )
+    parser.add_argument("--new-tokens", type=int, default=120, help="greedy tokens per request")
+    parser.add_argument(
+        "--deadline", type=float, default=float("inf"), help="seconds; no cell starts after it"
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
+    parser.add_argument("--workdir", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    for name, values in (("--contexts", args.contexts), ("--batches", args.batches)):
+        if not values or min(values) < 1:
+            parser.error(f"{name} {values!r} is not allowed; allowed: positive integers")
+    if args.new_tokens < 80:
+        parser.error(f"--new-tokens {args.new_tokens!r} is not allowed; allowed: >= 80")
+    return args
+
+
+def _channel_file(model: Any, path: pathlib.Path) -> pathlib.Path:
+    """Seeded random channel rankings, one per KV head of every layer, in the library's format."""
+    from qsa_kernels.double_sparsity import HeavyChannelType, layer_key
+
+    text = model.text_config
+    rng = random.Random(0)
+    head_dim = int(text["head_dim"])
+    rows = {
+        layer_key(layer, HeavyChannelType.QK): [
+            rng.sample(range(head_dim), head_dim) for _ in range(int(text["num_key_value_heads"]))
+        ]
+        for layer in range(int(text["num_hidden_layers"]))
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows), encoding="utf-8")
+    return path
+
+
+def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
+    from qsa_testing import EngineConfig, llama_8b_shaped
+
+    longest = max(args.contexts) + args.new_tokens + 64
+    model = llama_8b_shaped(max_position_embeddings=longest)
+    common = {
+        "context_length": longest,
+        "max_running_requests": max(args.batches),
+        "max_total_tokens": args.max_tokens,
+        "chunked_prefill_size": 16384,
+        "disable_cuda_graph": False,
+        "cuda_graph_max_bs_decode": max(args.batches),
+        "decode_log_interval": 20,
+        "mem_fraction_static": 0.42,
+    }
+    channels = _channel_file(model, workdir / "channels.json")
+    return {
+        "triton": EngineConfig(model, plugin=False, server_args=common),
+        "qsa_ds": EngineConfig(
+            model,
+            switches={"SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels)},
+            server_args={**common, "attention_backend": "qsa_ds", "enable_metrics": True},
+        ),
+    }
+
+
+def _token_price(engine: Any) -> dict[str, int]:
+    found = _PRICE.findall(engine.log_path.read_text(encoding="utf-8", errors="replace"))
+    if not found:
+        msg = f"no qsa_ds pool sizing line in {engine.log_path}"
+        raise RuntimeError(msg)
+    total, kv = (int(x) for x in found[-1])
+    return {"kv": kv, "kv_and_labels": total}
+
+
+def _write(
+    out: pathlib.Path, args: argparse.Namespace, cells: list[Cell], price: dict[str, int]
+) -> None:
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    data = {
+        "machine": {"gpu": device, "torch": torch.__version__, "python": platform.python_version()},
+        "command": " ".join(sys.argv),
+        "gpu_bytes_per_token": price,
+        "cells": [dataclasses.asdict(c) for c in cells],
+    }
+    (out / "engine_double_sparsity.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    by_key = {(c.arm, c.context, c.batch): c for c in cells}
+    lines = [
+        "# Double sparsity (`qsa_ds`) against SGLang's triton backend, real SGLang 0.5.23 engines",
+        "",
+        f"GPU {device}, torch {torch.__version__}; the Llama-3.1-8B-shaped dummy model, decode "
+        "CUDA graphs on in both engines, the same scheduler flags; qsa_ds with 32 heavy channels "
+        f"of 128 and 256 heavy tokens per KV head. `{data['command']}`; written by "
+        "`packages/qsa-sglang-plugin/benchmarks/engine_double_sparsity.py`.",
+        "",
+        "| context | batch | triton decode tok/s | qsa_ds decode tok/s | qsa_ds / triton |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for context in args.contexts:
+        for batch in args.batches:
+            t, d = by_key.get(("triton", context, batch)), by_key.get(("qsa_ds", context, batch))
+            if t is None or d is None:
+                continue
+            speed = d.decode_tokens_per_s / t.decode_tokens_per_s
+            lines.append(
+                f"| {context:,} | {batch} | {t.decode_tokens_per_s:,.1f} | "
+                f"{d.decode_tokens_per_s:,.1f} | {speed:.2f} |"
+            )
+    lines += [
+        "",
+        f"GPU bytes per token in SGLang's pool sizing: {price['kv']:,} of K/V for triton, "
+        f"{price['kv_and_labels']:,} with qsa_ds's labels "
+        f"({price['kv_and_labels'] / price['kv']:.3f}x).",
+    ]
+    (out / "engine_double_sparsity.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str]) -> int:
+    """Start both engines, measure every (context, batch) cell that fits, write the report."""
+    args = _parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("engine_double_sparsity: needs a CUDA device; skipped", file=sys.stderr)
+        return _SKIPPED
+    started = time.monotonic()
+    workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-bench-"))
+    engines = start_all(_configs(args, workdir), workdir)
+    try:
+        warm_up(engines, 8192)
+        price = _token_price(engines["qsa_ds"])
+        print(
+            f"engine_double_sparsity: engines up after {time.monotonic() - started:.0f} s; {price}"
+        )
+        cells: list[Cell] = []
+        for batch, context in ((b, c) for b in args.batches for c in args.contexts):
+            if batch * (context + args.new_tokens) > args.max_tokens:
+                print(f"engine_double_sparsity: {batch} x {context} exceeds --max-tokens; skipped")
+                continue
+            if time.monotonic() - started > args.deadline:
+                print(f"engine_double_sparsity: deadline reached before {context} x {batch}")
+                break
+            for arm in _ARMS:
+                cell = measure(engines[arm], context, batch, args.new_tokens, arm)
+                cells.append(cell)
+                print(
+                    f"engine_double_sparsity: {arm:6} context {context:>7} batch {batch}: "
+                    f"decode {cell.decode_tokens_per_s:,.1f} tok/s, wall {cell.wall_s:.1f} s",
+                    flush=True,
+                )
+            _write(args.out, args, cells, price)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
