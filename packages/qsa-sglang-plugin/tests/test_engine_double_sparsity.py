@@ -56,10 +56,10 @@ SHORT = (
     GenerateRequest(LLAMA.prompt(900, seed=6), max_new_tokens=8),
 )
 LONG = GenerateRequest(LLAMA.prompt(2000, seed=7), max_new_tokens=8)
-#: Served together: a dense row and a sparse row in one decode batch.
+#: Served together: a dense row and a sparse row in one decode batch, each all 8 tokens long.
 MIXED = (
-    GenerateRequest(LLAMA.prompt(600, seed=8), max_new_tokens=8),
-    GenerateRequest(LLAMA.prompt(2100, seed=9), max_new_tokens=8),
+    GenerateRequest(LLAMA.prompt(600, seed=8), max_new_tokens=8, ignore_eos=True),
+    GenerateRequest(LLAMA.prompt(2100, seed=9), max_new_tokens=8, ignore_eos=True),
 )
 PATHS = ("dense", "sparse")
 

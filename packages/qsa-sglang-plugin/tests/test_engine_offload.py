@@ -476,9 +476,7 @@ def test_an_ignore_eos_request_computes_its_prompt_and_answers_alike(
     engine = engines.engine(PREFIX_CACHE)
     request = GenerateRequest(QWEN.prompt(2100, seed=64), max_new_tokens=8)
     cold = engine.generate(request)
-    body = request.body()
-    body["sampling_params"] = {**body["sampling_params"], "ignore_eos": True}
-    ignoring = Generation.from_reply(engine.post_json("/generate", body))
+    ignoring = engine.generate(dataclasses.replace(request, ignore_eos=True))
     assert ignoring.cached_tokens == 0
     assert_same_generation(
         cold, ignoring, atol=RERUN_NOISE, what="ignore_eos against the first run"

@@ -271,6 +271,7 @@ class GenerateRequest:
         cache_salt: the request's ``cache_salt`` (prefix caches share only within one salt).
         image_data: one image per placeholder in ``input_ids``, in order (a URL, a path or a
             ``data:`` URL: what SGLang's ``image_data`` takes); empty for a text prompt.
+        ignore_eos: generate all ``max_new_tokens`` even past an end-of-sequence token.
     """
 
     input_ids: tuple[int, ...]
@@ -278,6 +279,7 @@ class GenerateRequest:
     top_logprobs: int = 5
     cache_salt: str | None = None
     image_data: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def body(self) -> dict[str, Any]:
         """The JSON body SGLang's ``/generate`` takes."""
@@ -291,6 +293,8 @@ class GenerateRequest:
             body["cache_salt"] = self.cache_salt
         if self.image_data:
             body["image_data"] = list(self.image_data)
+        if self.ignore_eos:
+            body["sampling_params"]["ignore_eos"] = True
         return body
 
 
