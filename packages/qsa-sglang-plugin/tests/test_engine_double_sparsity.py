@@ -25,7 +25,10 @@ from qsa_testing import (
     EngineStartError,
     GenerateRequest,
     Generation,
+    Platform,
     assert_same_generation,
+    cuda_graphs_requested,
+    current_platform,
     start_engine,
     tiny_llama,
 )
@@ -62,6 +65,10 @@ MIXED = (
     GenerateRequest(LLAMA.prompt(2100, seed=9), max_new_tokens=8, ignore_eos=True),
 )
 PATHS = ("dense", "sparse")
+MODES = ("eager", "graph")
+#: How the DS engine runs its decode steps here: replayed from CUDA graphs when the harness
+#: captures them (CUDA, ``QSA_TESTING_CUDA_GRAPHS=1``), else launched eagerly.
+MODE = "graph" if current_platform() is Platform.CUDA and cuda_graphs_requested() else "eager"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +81,17 @@ class _Served:
     short_rows: dict[str, float]
     long_rows: dict[str, float]
     mixed_rows: dict[str, float]
+    long_steps: dict[str, float]
 
 
 def _rows(engines: EnginePool) -> dict[str, float]:
     engine = engines.engine(DS)
     return {p: engine.metric("qsa_hisparse_ds_decode_rows_total", path=p) for p in PATHS}
+
+
+def _steps(engines: EnginePool) -> dict[str, float]:
+    engine = engines.engine(DS)
+    return {m: engine.metric("qsa_hisparse_ds_decode_steps_total", mode=m) for m in MODES}
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +100,9 @@ def served(engines: EnginePool) -> _Served:
     dense = engines.generate_all(DENSE, (*SHORT, LONG, *MIXED))
     before = _rows(engines)
     short = engines.generate_all(DS, SHORT)
-    middle = _rows(engines)
+    middle, steps_before = _rows(engines), _steps(engines)
     long = engines.generate(DS, LONG)
-    after = _rows(engines)
+    after, steps_after = _rows(engines), _steps(engines)
     mixed = engines.generate_together(DS, MIXED)
     last = _rows(engines)
     return _Served(
@@ -99,6 +112,7 @@ def served(engines: EnginePool) -> _Served:
         short_rows={p: middle[p] - before[p] for p in PATHS},
         long_rows={p: after[p] - middle[p] for p in PATHS},
         mixed_rows={p: last[p] - after[p] for p in PATHS},
+        long_steps={m: steps_after[m] - steps_before[m] for m in MODES},
     )
 
 
@@ -114,6 +128,9 @@ def test_below_the_threshold_double_sparsity_answers_as_the_dense_backend(
 def test_above_the_threshold_decode_attends_the_heavy_tokens(served: _Served) -> None:
     dense, got = served.dense[len(SHORT)], served.ds[-1]
     assert served.long_rows == {"dense": 0, "sparse": LONG.max_new_tokens - 1}
+    # ... each step launched eagerly, or replayed from the captured graph where there is one.
+    want_steps = dict.fromkeys(MODES, 0.0) | {MODE: LONG.max_new_tokens - 1}
+    assert served.long_steps == want_steps
     # The first token comes from the prefill, which is the dense backend's.
     assert got.output_ids[0] == dense.output_ids[0]
     assert got.logprobs[0] == dense.logprobs[0]

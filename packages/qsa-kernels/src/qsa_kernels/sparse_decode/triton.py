@@ -8,6 +8,7 @@ which double sparsity decodes over).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -54,7 +55,7 @@ def _sparse_decode_parts_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR091
     D: tl.constexpr,  # head dim; constexpr for the [BLOCK_N, D] tiles
     BLOCK_N: tl.constexpr,  # tokens per inner step
     SPLIT_KV: tl.constexpr,  # keys and values in two [N, Hkv, D] buffers, not records
-    DOT_DTYPE: tl.constexpr,  # bf16 on GPUs; fp32 under the CPU interpreter, whose dot needs it
+    DOT_DTYPE: tl.constexpr,  # fp16 over fp16 K/V, else bf16; fp32 under the CPU interpreter
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -108,6 +109,17 @@ def _sparse_decode_parts_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR091
     tl.store(lse_ptr + part, lse, mask=mmask)
 
 
+def _dot_dtype(device: torch.device, kv_dtype: torch.dtype) -> Any:
+    """The dots' operand type: fp16 over an fp16 cache, else bf16; fp32 under the interpreter.
+
+    bf16 would drop 3 bits of every fp16 key; the bf16 queries fit fp16 exactly within its range
+    (6e-8 to 65504 in magnitude).
+    """
+    if device.type != "cuda":
+        return tl.float32
+    return tl.float16 if kv_dtype == torch.float16 else tl.bfloat16
+
+
 def _default_splits(B: int, Hkv: int, T: int, device: torch.device) -> int:
     """Enough splits to give every SM two programs, but at least one ``BLOCK_N`` tile each."""
     sms = sm_count(device, cpu=8)
@@ -131,7 +143,8 @@ def sparse_decode(
     ``lse = log Σ exp(scale · q · Kᵀ)`` (natural log). A row with no valid token gets ``out = 0``
     and ``lse = -inf``. Tokens are split across programs (split-K) and the parts merged by
     :func:`qsa_kernels.lse_merge.lse_merge`; K/V are read in place from the hot cache (FP8 is upcast
-    to bf16 on load, unscaled), the dots run in bf16 with fp32 accumulation.
+    to bf16 on load, unscaled), the dots run in bf16 (fp16 over an fp16 cache) with fp32
+    accumulation.
 
     Args:
         q: ``[B, Hq, D]`` bf16 queries; Hq a multiple of Hkv (the model's groups are 12 and 24).
@@ -260,7 +273,7 @@ def _launch(
             D=D,
             BLOCK_N=_BLOCK_N,
             SPLIT_KV=split_strides is not None,
-            DOT_DTYPE=tl.bfloat16 if q.device.type == "cuda" else tl.float32,
+            DOT_DTYPE=_dot_dtype(q.device, kv[0].dtype),
             num_warps=4,
             num_stages=2,
         )

@@ -48,7 +48,7 @@ from qsa_sglang_plugin._switches import (
     current_switches,
 )
 
-__all__ = ("DecodePath", "create_backend", "label_dtype", "price_label_cache")
+__all__ = ("DecodePath", "StepMode", "create_backend", "label_dtype", "price_label_cache")
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,15 @@ class DecodePath(enum.StrEnum):
     """Every token of its context."""
     SPARSE = "sparse"
     """Its heavy tokens per KV head."""
+
+
+class StepMode(enum.StrEnum):
+    """How a decode step ran."""
+
+    EAGER = "eager"
+    """Launched from Python (``init_forward_metadata``)."""
+    GRAPH = "graph"
+    """Replayed from a captured CUDA graph."""
 
 
 def label_dtype(kv_dtype: torch.dtype) -> torch.dtype:
@@ -204,6 +213,12 @@ class DoubleSparsityBackend:
             "path",
             list(DecodePath),
         )
+        self._steps = RankMetrics(tp_rank).counters_by(
+            f"{METRIC_PREFIX}_decode_steps",
+            "Decode steps with at least one real row, by how they ran.",
+            "mode",
+            list(StepMode),
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only for what this class does not define: the dense backend's metadata and graph API.
@@ -224,7 +239,7 @@ class DoubleSparsityBackend:
         if not forward_batch.forward_mode.is_decode():
             return
         lengths = [int(n) for n in _host_seq_lens(forward_batch)]
-        if self._count(lengths) < len(lengths):
+        if self._count(lengths, StepMode.EAGER) < len(lengths):
             rows = self._req_to_token[forward_batch.req_pool_indices, : max(lengths)]
             self._step = _SparseStep(lengths, rows)
 
@@ -258,7 +273,7 @@ class DoubleSparsityBackend:
             return
         lengths = [int(n) for n in _host_seq_lens(forward_batch)]
         real = len(lengths) - int(getattr(forward_batch, "num_padding", 0) or 0)
-        if self._count(lengths[:real]) == real:  # every row dense: the dense metadata as it is
+        if self._count(lengths[:real], StepMode.GRAPH) == real:  # all dense: metadata as it is
             self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
             return
         host = [1 if not self._config.is_dense(n) else n for n in lengths]
@@ -284,8 +299,10 @@ class DoubleSparsityBackend:
         """As :meth:`glue_draft_metadata`."""
         return self.glue_draft_metadata()
 
-    def _count(self, lengths: list[int]) -> int:
-        """Count a step's rows by path in the metrics; return how many are dense."""
+    def _count(self, lengths: list[int], mode: StepMode) -> int:
+        """Count a step and its rows by path in the metrics; return how many rows are dense."""
+        if lengths:
+            self._steps[mode].inc()
         dense = sum(bool(self._config.is_dense(n)) for n in lengths)
         self._rows[DecodePath.DENSE].inc(dense)
         self._rows[DecodePath.SPARSE].inc(len(lengths) - dense)
