@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import platform
 import random
 import re
 import sys
@@ -34,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from _engine_decode import Cell, measure, start_all, warm_up
+from _engine_bench import Cell, log_numbers, measure, start_all, warm_up, write_json
 
 _SKIPPED = 77
 _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of K/V")
@@ -115,33 +114,24 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
 
 
 def _token_price(engine: Any) -> dict[str, int]:
-    found = _PRICE.findall(engine.log_path.read_text(encoding="utf-8", errors="replace"))
-    if not found:
-        msg = f"no qsa_ds pool sizing line in {engine.log_path}"
-        raise RuntimeError(msg)
-    total, kv = (int(x) for x in found[-1])
+    total, kv = log_numbers(engine, _PRICE)
     return {"kv": kv, "kv_and_labels": total}
 
 
 def _write(
     out: pathlib.Path, args: argparse.Namespace, cells: list[Cell], price: dict[str, int]
 ) -> None:
-    import torch
-
-    out.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    data = {
-        "machine": {"gpu": device, "torch": torch.__version__, "python": platform.python_version()},
-        "command": " ".join(sys.argv),
-        "gpu_bytes_per_token": price,
-        "cells": [dataclasses.asdict(c) for c in cells],
-    }
-    (out / "engine_double_sparsity.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    data = write_json(
+        out,
+        "engine_double_sparsity",
+        {"gpu_bytes_per_token": price, "cells": [dataclasses.asdict(c) for c in cells]},
+    )
+    device, torch_version = data["machine"]["gpu"], data["machine"]["torch"]
     by_key = {(c.arm, c.context, c.batch): c for c in cells}
     lines = [
         "# Double sparsity (`qsa_ds`) against SGLang's triton backend, real SGLang 0.5.23 engines",
         "",
-        f"GPU {device}, torch {torch.__version__}; the Llama-3.1-8B-shaped dummy model, decode "
+        f"GPU {device}, torch {torch_version}; the Llama-3.1-8B-shaped dummy model, decode "
         "CUDA graphs on in both engines, the same scheduler flags; qsa_ds with 32 heavy channels "
         f"of 128 and 256 heavy tokens per KV head. `{data['command']}`; written by "
         "`packages/qsa-sglang-plugin/benchmarks/engine_double_sparsity.py`.",

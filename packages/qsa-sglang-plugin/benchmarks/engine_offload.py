@@ -32,16 +32,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
-import platform
 import re
 import sys
 import tempfile
 import time
 from typing import Any
 
-from _engine_decode import Cell, first_difference, measure, start_all, warm_up
+from _engine_bench import (
+    Cell,
+    first_difference,
+    log_numbers,
+    measure,
+    start_all,
+    warm_up,
+    write_json,
+)
 
 _SKIPPED = 77
 _PRICE = re.compile(r"pool sizing charges (\d+) B per token \(was (\d+) B")
@@ -99,37 +105,24 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _token_prices(engine: Any) -> dict[str, int]:
     """GPU bytes per token the offload engine's pool sizer charges, and would charge resident."""
-    found = _PRICE.findall(engine.log_path.read_text(encoding="utf-8", errors="replace"))
-    if not found:
-        msg = f"no pool sizing line in {engine.log_path}"
-        raise RuntimeError(msg)
-    offload, resident = (int(x) for x in found[-1])
+    offload, resident = log_numbers(engine, _PRICE)
     return {"offload": offload, "resident": resident}
 
 
 def _write(
     out: pathlib.Path, args: argparse.Namespace, cells: list[Cell], prices: dict[str, int]
 ) -> None:
-    import torch
-
-    out.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    data = {
-        "machine": {
-            "gpu": device,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-        "command": " ".join(sys.argv),
-        "gpu_bytes_per_token": prices,
-        "cells": [dataclasses.asdict(c) for c in cells],
-    }
-    (out / "engine_offload.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    data = write_json(
+        out,
+        "engine_offload",
+        {"gpu_bytes_per_token": prices, "cells": [dataclasses.asdict(c) for c in cells]},
+    )
+    device, torch_version = data["machine"]["gpu"], data["machine"]["torch"]
     by_key = {(c.arm, c.context, c.batch): c for c in cells}
     lines = [
         "# p2-offload against resident serving, real SGLang 0.5.23 engines",
         "",
-        f"GPU {device}, torch {torch.__version__}; the model-shaped tiny Qwen4Exp (one QSA layer "
+        f"GPU {device}, torch {torch_version}; the model-shaped tiny Qwen4Exp (one QSA layer "
         "of the real geometry), decode CUDA graphs on in both engines, the same scheduler flags. "
         f"`{data['command']}`; written by `packages/qsa-sglang-plugin/benchmarks/"
         "engine_offload.py`.",

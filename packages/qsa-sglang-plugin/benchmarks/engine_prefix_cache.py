@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
-import platform
 import sys
 import tempfile
 import time
 from typing import Any
+
+from _engine_bench import write_json
 
 _SKIPPED = 77
 _PAGE = 64
@@ -198,22 +198,20 @@ def _divergence(cold: Any, warm: Any) -> tuple[int | None, float | None]:
 
 
 def _write(out: pathlib.Path, model: str, new_tokens: int, rows: list[Row]) -> None:
-    import torch
-
-    out.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    command = " ".join(sys.argv)
-    data = {
-        "machine": {"gpu": device, "torch": torch.__version__, "python": platform.python_version()},
-        "command": command,
-        "model": model,
-        "rows": [dataclasses.asdict(r) for r in rows],
-    }
-    (out / "engine_prefix_cache.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    data = write_json(
+        out,
+        "engine_prefix_cache",
+        {"model": model, "rows": [dataclasses.asdict(r) for r in rows]},
+    )
+    device, torch_version, command = (
+        data["machine"]["gpu"],
+        data["machine"]["torch"],
+        data["command"],
+    )
     lines = [
         "# Host prefix cache: warm against cold time to first token, a real SGLang 0.5.23 engine",
         "",
-        f"GPU {device}, torch {torch.__version__}; {model}, with p2-offload and the host prefix "
+        f"GPU {device}, torch {torch_version}; {model}, with p2-offload and the host prefix "
         "cache, decode CUDA graphs on. TTFT: SGLang's `first_token_latency` (from the server's "
         "receipt of the request to its prefill's end); wall: the client's time for the whole "
         f"request over HTTP ({new_tokens} greedy tokens, compared). `{command}`; written by "

@@ -1,4 +1,5 @@
-"""What the engine benchmarks share: timing a batch's decode in a real engine from SGLang's log.
+"""What the engine benchmarks share: the report's machine line, numbers from an engine's log, and
+timing a batch's decode in a real engine from SGLang's log.
 
 ``B`` requests of one prompt length generate greedy tokens concurrently; SGLang's own
 ``Decode batch`` log lines (tokens over wall time, every ``--decode-log-interval`` steps) give the
@@ -9,15 +10,26 @@ one unmeasured request first (:func:`warm_up`), so no cell pays for compiling a 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
+import platform
 import re
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ("Cell", "first_difference", "measure", "start_all", "warm_up")
+__all__ = (
+    "Cell",
+    "first_difference",
+    "log_numbers",
+    "measure",
+    "start_all",
+    "warm_up",
+    "write_json",
+)
 
 _DECODE_LINE = re.compile(
     r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)"
@@ -128,3 +140,32 @@ def first_difference(a: Cell, b: Cell) -> str:
         if x != y:
             return f"first differs at token {i}"
     return "lengths differ"
+
+
+def log_numbers(engine: Any, pattern: re.Pattern[str]) -> tuple[int, ...]:
+    """The integer groups of ``pattern``'s last match in the engine's log.
+
+    Raises:
+        RuntimeError: naming the pattern and the log, when nothing matches.
+    """
+    found = pattern.findall(engine.log_path.read_text(encoding="utf-8", errors="replace"))
+    if not found:
+        msg = f"no line matching {pattern.pattern!r} in {engine.log_path}"
+        raise RuntimeError(msg)
+    last = found[-1]
+    return tuple(int(x) for x in (last if isinstance(last, tuple) else (last,)))
+
+
+def write_json(out: pathlib.Path, name: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``<out>/<name>.json``: the machine, the command line, then ``fields``; return it."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    data = {
+        "machine": {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version()},
+        "command": " ".join(sys.argv),
+        **fields,
+    }
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return data
