@@ -99,9 +99,15 @@ def measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) ->
     return Cell(arm, context, batch, decode, wall, prefill, list(replies[0].output_ids))
 
 
-def start_all(configs: Mapping[str, Any], workdir: pathlib.Path) -> dict[str, Any]:
-    """Start one engine per configuration side by side; the first failure is raised after all
-    have finished starting (the ones that started are closed)."""
+def start_all(
+    configs: Mapping[str, Any], workdir: pathlib.Path, *, together: bool = True
+) -> dict[str, Any]:
+    """Start one engine per configuration, side by side or (``together=False``) one after the
+    other; the first failure is raised once every start has ended (the started ones closed).
+
+    Engines that size their pools at the same moment race for the free memory: start large ones
+    one after the other.
+    """
     from qsa_testing import start_engine
 
     boots: dict[str, Any] = {}
@@ -116,6 +122,8 @@ def start_all(configs: Mapping[str, Any], workdir: pathlib.Path) -> dict[str, An
     threads = [threading.Thread(target=boot, args=item) for item in configs.items()]
     for t in threads:
         t.start()
+        if not together:
+            t.join()
     for t in threads:
         t.join()
     if errors:

@@ -1,8 +1,9 @@
 """Benchmark ``--attention-backend qsa_ds`` against SGLang's triton backend in real engines.
 
 Two SGLang 0.5.23 engines serve the Llama-3.1-8B-shaped dummy model
-(:func:`qsa_testing.llama_8b_shaped`: 32 layers, 32 query and 8 K/V heads of dim 128) side by
-side on one GPU, with the same scheduler flags and decode CUDA graphs on:
+(:func:`qsa_testing.llama_8b_shaped`: 32 layers, 32 query and 8 K/V heads of dim 128) on one
+GPU, started one after the other (so that neither sizes its pool while the other allocates), with
+the same scheduler flags, decode CUDA graphs on and prefill graphs off:
 
 - **triton**: upstream SGLang, no plugin, its dense triton attention backend;
 - **qsa_ds**: the plugin's double-sparsity backend with the library's default options (32 heavy
@@ -37,6 +38,7 @@ from _engine_bench import Cell, log_numbers, measure, start_all, warm_up, write_
 
 _SKIPPED = 77
 _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of K/V")
+_POOL = re.compile(r"max_total_num_tokens=(\d+)")
 _ARMS = ("triton", "qsa_ds")
 
 
@@ -50,7 +52,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "--max-tokens",
         type=int,
         default=300_000,
-        help="each engine's K/V pool in tokens; a cell whose batch x context exceeds it is skipped",
+        help="each engine's K/V pool at most, in tokens; a cell that fits no pool is skipped",
     )
     parser.add_argument("--new-tokens", type=int, default=120, help="greedy tokens per request")
     parser.add_argument(
@@ -98,9 +100,11 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
         "max_total_tokens": args.max_tokens,
         "chunked_prefill_size": 16384,
         "disable_cuda_graph": False,
+        "cuda_graph_backend_prefill": "disabled",  # decode is what is measured
         "cuda_graph_max_bs_decode": max(args.batches),
         "decode_log_interval": 20,
-        "mem_fraction_static": 0.42,
+        # Started one after the other, each takes what it needs up to --max-tokens.
+        "mem_fraction_static": 0.9,
     }
     channels = _channel_file(model, workdir / "channels.json")
     return {
@@ -168,17 +172,19 @@ def main(argv: list[str]) -> int:
         return _SKIPPED
     started = time.monotonic()
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-bench-"))
-    engines = start_all(_configs(args, workdir), workdir)
+    engines = start_all(_configs(args, workdir), workdir, together=False)
     try:
         warm_up(engines, 8192)
         price = _token_price(engines["qsa_ds"])
+        pool = min(log_numbers(e, _POOL)[0] for e in engines.values())
         print(
-            f"engine_double_sparsity: engines up after {time.monotonic() - started:.0f} s; {price}"
+            f"engine_double_sparsity: engines up after {time.monotonic() - started:.0f} s; "
+            f"{price}; the smaller pool holds {pool:,} tokens"
         )
         cells: list[Cell] = []
         for batch, context in ((b, c) for b in args.batches for c in args.contexts):
-            if batch * (context + args.new_tokens) > args.max_tokens:
-                print(f"engine_double_sparsity: {batch} x {context} exceeds --max-tokens; skipped")
+            if batch * (context + args.new_tokens) > pool:
+                print(f"engine_double_sparsity: {batch} x {context} exceeds a pool; skipped")
                 continue
             if time.monotonic() - started > args.deadline:
                 print(f"engine_double_sparsity: deadline reached before {context} x {batch}")
