@@ -9,6 +9,7 @@ import pytest
 from qsa_testing import (
     EngineConfig,
     EngineConfigError,
+    GenerateRequest,
     Platform,
     platform_standins,
     tiny_llama,
@@ -64,6 +65,18 @@ def test_overrides_win_and_the_harness_sets_model_host_and_port(tmp_path: Path) 
     assert args["enable_multimodal"] is False
     assert "page_size" not in _server_args(EngineConfig(tiny_llama()), Platform.CPU, tmp_path, 1)
     assert _server_args(config, Platform.CUDA, tmp_path, 1)["device"] == "cuda"
+
+
+def test_a_request_body_asks_for_ignore_eos_only_when_the_request_does() -> None:
+    plain = GenerateRequest((5, 6, 7), max_new_tokens=3)
+    assert plain.body()["sampling_params"] == {"max_new_tokens": 3, "temperature": 0.0}
+    ignoring = GenerateRequest((5, 6, 7), max_new_tokens=3, ignore_eos=True)
+    assert ignoring.body()["sampling_params"] == {
+        "max_new_tokens": 3,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    assert ignoring != plain  # the pool serves them apart
 
 
 def test_environment_names_plugins_switches_and_standins(

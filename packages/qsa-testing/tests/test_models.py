@@ -12,10 +12,11 @@ from qsa_testing import (
     ModelSpecError,
     TinyModelKind,
     full_depth_qwen4_exp,
+    llama_8b_shaped,
     tiny_llama,
     tiny_qwen4_exp,
 )
-from qsa_testing._models import FIRST_PROMPT_TOKEN
+from qsa_testing._models import FIRST_PROMPT_TOKEN, LLAMA_8B_WIDTHS
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
@@ -111,6 +112,16 @@ def test_write_creates_one_config_and_is_idempotent(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.iterdir()) == ["config.json"]
 
 
+def test_the_llama_8b_shaped_model_has_its_layers_and_widths_and_a_small_vocabulary() -> None:
+    model = llama_8b_shaped(max_position_embeddings=40_000)
+    for name, value in LLAMA_8B_WIDTHS.items():
+        assert model.text_config[name] == value, name
+    assert model.text_config["max_position_embeddings"] == 40_000
+    assert model.vocab_size == tiny_llama().vocab_size
+    assert model.kind is TinyModelKind.LLAMA
+    assert model.name != llama_8b_shaped().name  # the context is in the name
+
+
 def test_sglang_reads_the_tiny_configs(tmp_path: Path) -> None:
     from sglang.srt.configs.model_config import ModelConfig
 
@@ -119,6 +130,7 @@ def test_sglang_reads_the_tiny_configs(tmp_path: Path) -> None:
         tiny_qwen4_exp(kv_heads=1, model_shaped=True),
         full_depth_qwen4_exp(),
         tiny_llama(),
+        llama_8b_shaped(),
     )
     for model in models:
         config = ModelConfig(str(model.write(tmp_path)))
