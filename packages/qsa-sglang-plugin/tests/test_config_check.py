@@ -238,7 +238,7 @@ def test_double_sparsity_passes_on_a_gqa_model_with_a_fitting_channel_file(tmp_p
         ),
         (
             {"speculative_algorithm": "EAGLE"},
-            ["--speculative-algorithm='EAGLE'", "supported: None"],
+            ["--speculative-algorithm='EAGLE'", "supported: unset"],
         ),
     ],
 )

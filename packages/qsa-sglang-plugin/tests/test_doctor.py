@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import resource
 import shutil
+from pathlib import Path
 
 import pytest
 
 from qsa_sglang_plugin import doctor
 from qsa_sglang_plugin._switches import MAX_PREFIX_CACHE_MB
 from qsa_sglang_plugin.doctor import Status, run_checks
+from qsa_testing import tiny_llama
 
 ON = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+CHANNELS = Path(__file__).with_name("data") / "tiny-llama-channels.json"
 
 
 def _by_name(env: dict[str, str], tp_size: int = 1) -> dict[str, doctor.Check]:
@@ -64,3 +68,36 @@ def test_main_exits_nonzero_on_malformed_switch(
     out = capsys.readouterr().out
     assert "[FAIL] switches: SGLANG_QSA_MODEL_COMPAT='2'" in out
     assert "serving would fail" in out
+
+
+def _ds_env(channels: Path) -> dict[str, str]:
+    return {"SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels), "SGLANG_QSA_DS_HEAVY_CHANNELS": "8"}
+
+
+def test_double_sparsity_channel_file_is_loaded_against_the_model(tmp_path: Path) -> None:
+    """The file fits the tiny Llama: its label bytes per token are priced as start-up prices
+    them (2 layers x 2 KV heads x 8 channels x 2 B = 64 B beside 256 B of K/V)."""
+    model = tiny_llama().write(tmp_path)
+    checks = {c.name: c for c in run_checks(_ds_env(CHANNELS), model_path=str(model))}
+    ds = checks["double sparsity"]
+    assert ds.status is Status.OK, ds
+    assert "8 of 16 channels per KV head for 2 layers x 2 KV heads" in ds.detail
+    assert "labels add 64 B per token to 256 B of bf16 K/V (25.0%)" in ds.detail
+
+
+def test_a_malformed_channel_file_fails_the_doctor_naming_the_field(tmp_path: Path) -> None:
+    rows = json.loads(CHANNELS.read_text(encoding="utf-8"))
+    rows["model.layers.1.self_attn.qk_proj"][0][3] = 16  # past head_dim 16
+    bad = tmp_path / "channels.json"
+    bad.write_text(json.dumps(rows), encoding="utf-8")
+    model = tiny_llama().write(tmp_path / "model")
+    ds = {c.name: c for c in run_checks(_ds_env(bad), model_path=str(model))}["double sparsity"]
+    assert ds.status is Status.FAIL
+    for fragment in (str(bad), "model.layers.1.self_attn.qk_proj", "channel 16"):
+        assert fragment in ds.detail, ds.detail
+
+
+def test_double_sparsity_without_a_model_path_is_a_warning() -> None:
+    ds = {c.name: c for c in run_checks(_ds_env(CHANNELS))}["double sparsity"]
+    assert ds.status is Status.WARN
+    assert "give --model-path" in ds.detail

@@ -201,7 +201,7 @@ def _check_double_sparsity(facts: ConfigFacts, ds: DoubleSparsitySwitches) -> No
         raise _reject(
             "--speculative-algorithm",
             facts.speculative_algorithm,
-            "None",
+            "unset",
             "the double-sparsity backend decodes one token per request and step",
         )
     window = facts.text_config.get("sliding_window")

@@ -11,7 +11,9 @@ Checks installed versions against the supported set, the plugin entry point and
 compute capability (through ``nvidia-smi``), the locked-memory limit (``ulimit -l``) and free host
 memory against the prefix-cache budget of the TP ranks on this host, and the NUMA layout. With
 ``--model-path`` whose ``config.json`` is readable, it also prices the per-rank memory of those
-flags (``qsa_core.plan_capacity`` through the plugin's adapter) and prints the plan. Prints one
+flags (``qsa_core.plan_capacity`` through the plugin's adapter) and prints the plan; with
+``SGLANG_QSA_DS_CHANNEL_CONFIG`` set it loads the channel file against that model's layers, heads
+and head dim, as start-up will, and prices the label bytes of a token. Prints one
 line per check and exits 1 when any check fails (serving would fail), else 0.
 """
 
@@ -37,7 +39,13 @@ from qsa_sglang_plugin._errors import ActivationError, AdapterError, SwitchError
 from qsa_sglang_plugin._fingerprints import pinned_modules, verify_fingerprints
 from qsa_sglang_plugin._hooks import HOOKS, REGISTRATIONS
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
-from qsa_sglang_plugin._switches import ENV_SGLANG_PLUGINS, PLUGIN_NAME, Switches, parse_switches
+from qsa_sglang_plugin._switches import (
+    ENV_DS_CHANNEL_CONFIG,
+    ENV_SGLANG_PLUGINS,
+    PLUGIN_NAME,
+    Switches,
+    parse_switches,
+)
 from qsa_sglang_plugin._versions import SUPPORTED_VERSIONS, installed_versions, version_mismatches
 
 __all__ = ("MIN_COMPUTE_CAPABILITY", "Check", "Status", "main", "plan_check", "run_checks")
@@ -228,8 +236,60 @@ def plan_check(flags: argparse.Namespace) -> tuple[Check, str | None]:
     return Check("capacity plan", status, detail), render_plan(plan)
 
 
+def _check_double_sparsity(switches: Switches, model_path: str | None) -> Check | None:
+    """The channel file against the model, as start-up loads it; None with double sparsity off."""
+    ds = switches.double_sparsity
+    if ds is None:
+        return None
+    name = "double sparsity"
+    named = f"{ENV_DS_CHANNEL_CONFIG}={ds.channel_config!r}"
+    if model_path is None:
+        return Check(name, Status.WARN, f"{named} not checked: give --model-path")
+    config_path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return Check(name, Status.WARN, f"{config_path} not readable: {exc}")
+    import torch
+
+    from qsa_kernels.double_sparsity import ChannelConfig, DSConfigError
+    from qsa_sglang_plugin._adapters._double_sparsity import label_bytes_per_token
+    from qsa_sglang_plugin._config_check import ds_config, ds_geometry
+
+    text = config.get("text_config") or config
+    try:
+        layers, q_heads, kv_heads, head_dim = ds_geometry(text)
+    except (KeyError, TypeError, ValueError) as exc:
+        return Check(name, Status.FAIL, f"{config_path} has no GQA geometry: {exc!r}")
+    try:
+        ChannelConfig.load(
+            ds.channel_config,
+            config=ds_config(ds),
+            layers=range(layers),
+            num_q_heads=q_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+        )
+    except DSConfigError as exc:
+        return Check(name, Status.FAIL, f"{named} is refused: {exc}")
+    labels = label_bytes_per_token(layers, kv_heads, ds, torch.bfloat16)
+    kv = layers * 2 * kv_heads * head_dim * torch.bfloat16.itemsize
+    return Check(
+        name,
+        Status.OK,
+        f"{ds.heavy_channel_num} of {head_dim} channels per KV head for {layers} layers x "
+        f"{kv_heads} KV heads, {ds.heavy_token_num} heavy tokens, dense below "
+        f"{ds.sparse_decode_threshold} tokens; labels add {labels} B per token to {kv} B of "
+        f"bf16 K/V ({labels / kv:.1%})",
+    )
+
+
 def run_checks(
-    environ: Mapping[str, str], *, tp_size: int = 1, plan: Check | None = None
+    environ: Mapping[str, str],
+    *,
+    tp_size: int = 1,
+    plan: Check | None = None,
+    model_path: str | None = None,
 ) -> tuple[Check, ...]:
     """Every check, in report order.
 
@@ -237,6 +297,8 @@ def run_checks(
         environ: the environment the server would get (switches, ``SGLANG_PLUGINS``).
         tp_size: TP ranks on this host; each pins its own prefix-cache budget.
         plan: the capacity-plan line (:func:`plan_check`), appended last when given.
+        model_path: the checkpoint directory, whose ``config.json`` the double-sparsity check
+            reads.
     """
     checks = [_check_versions(), _check_entry_point(environ)]
     switches: Switches | None
@@ -258,6 +320,9 @@ def run_checks(
             )
         else:
             checks.append(Check("switches", Status.WARN, "every switch is off: the plugin is idle"))
+        ds = _check_double_sparsity(switches, model_path)
+        if ds is not None:
+            checks.append(ds)
     checks.append(_check_fingerprints())
     checks.append(_check_gpu())
     budget = 0 if switches is None else switches.prefix_cache_bytes * tp_size
@@ -289,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.tp_size < 1:
         parser.error(f"--tp-size={opts.tp_size!r} is not allowed; allowed: a positive integer")
     plan, table = (None, None) if opts.model_path is None else plan_check(opts)
-    checks = run_checks(os.environ, tp_size=opts.tp_size, plan=plan)
+    checks = run_checks(os.environ, tp_size=opts.tp_size, plan=plan, model_path=opts.model_path)
     for check in checks:
         sys.stdout.write(f"{check}\n")
     if table is not None:

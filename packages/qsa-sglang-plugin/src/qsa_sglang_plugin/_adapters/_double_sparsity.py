@@ -48,7 +48,14 @@ from qsa_sglang_plugin._switches import (
     current_switches,
 )
 
-__all__ = ("DecodePath", "StepMode", "create_backend", "label_dtype", "price_label_cache")
+__all__ = (
+    "DecodePath",
+    "StepMode",
+    "create_backend",
+    "label_bytes_per_token",
+    "label_dtype",
+    "price_label_cache",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +88,18 @@ def label_dtype(kv_dtype: torch.dtype) -> torch.dtype:
     return kv_dtype if kv_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def label_bytes_per_token(
+    layers: int, kv_heads: int, switches: DoubleSparsitySwitches, kv_dtype: torch.dtype
+) -> int:
+    """GPU bytes of one token slot's label rows: ``layers x kv_heads x C`` label values."""
+    return layers * kv_heads * switches.heavy_channel_num * label_dtype(kv_dtype).itemsize
+
+
 def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitches) -> None:
     """Add a token slot's label rows to the price of a token (``DefaultPoolConfigurator``)."""
     layers, _, _, _ = ds_geometry(kvc.model_config.hf_text_config.to_dict())
     kv_heads = int(kvc.model_config.get_num_kv_heads(1))
-    per_token = (
-        layers * kv_heads * switches.heavy_channel_num * label_dtype(kvc.kv_cache_dtype).itemsize
-    )
+    per_token = label_bytes_per_token(layers, kv_heads, switches, kvc.kv_cache_dtype)
     before = int(configurator._cell_size)
     configurator._cell_size = before + per_token
     logger.info(
