@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,27 @@ def test_a_server_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path:
     assert (tmp_path / "server.log").is_file()
     launch = str(tmp_path / "launch.json")
     assert _pids_with_argument(launch) == [], "a server process outlived the start"
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process binds the chosen port first: that server stops, the next one serves."""
+    from qsa_testing import _engine
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = iter([busy])
+        real = _engine._free_port
+        monkeypatch.setattr(_engine, "_free_port", lambda: next(ports, None) or real())
+        engine = start_engine(EngineConfig(tiny_llama(), plugin=False), tmp_path)
+    try:
+        assert not engine.address.endswith(f":{busy}")
+        reply = engine.generate(GenerateRequest(tiny_llama().prompt(20, seed=1), max_new_tokens=2))
+        assert len(reply.output_ids) == 2
+    finally:
+        engine.close()
+    first = (tmp_path / "server-port-taken-1.log").read_text(encoding="utf-8", errors="replace")
+    assert f"('127.0.0.1', {busy}): address already in use" in first

@@ -552,15 +552,24 @@ def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dic
     return env
 
 
+#: Starts of one engine whose HTTP port another process took between its choice and the bind.
+PORT_ATTEMPTS: Final = 3
+
+
 def start_engine(
     config: EngineConfig, workdir: Path, *, timeout: float = 900.0, poll: float = 1.0
 ) -> Engine:
     """Write the model, start the server in a new process group and wait until it is healthy.
 
+    The port is chosen free, but another process (SGLang's own, picking its internal ports) may
+    bind it before the server does: a server that stops on that port being taken is started
+    again on another, up to :data:`PORT_ATTEMPTS` times, its log kept as
+    ``server-port-taken-<n>.log``.
+
     Args:
         config: the engine.
         workdir: a directory for the model, the log (``server.log``) and the launch record.
-        timeout: seconds to wait for ``/health`` to answer 200.
+        timeout: seconds to wait for ``/health`` to answer 200, per start.
         poll: seconds between health checks.
 
     Raises:
@@ -570,31 +579,47 @@ def start_engine(
     platform = current_platform()
     workdir.mkdir(parents=True, exist_ok=True)
     model_path = config.model.write(workdir / "models")
-    port = _free_port()
-    args = _server_args(config, platform, model_path, port)
-    launch = workdir / "launch.json"
-    launch.write_text(json.dumps({"label": config.label, "server_args": args}, indent=1))
-    log_path = workdir / "server.log"
     env = _environment(config, platform, workdir)
-    started = time.monotonic()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "qsa_testing._host", str(launch)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=workdir,
-            start_new_session=True,
-        )
-    engine = Engine(config, process, port, log_path)
-    try:
-        _wait_healthy(engine, process, timeout, poll)
-    except BaseException:
-        engine.close(grace=5.0)
-        raise
-    engine.start_seconds = time.monotonic() - started
-    return engine
+    log_path = workdir / "server.log"
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = _free_port()
+        args = _server_args(config, platform, model_path, port)
+        launch = workdir / "launch.json"
+        launch.write_text(json.dumps({"label": config.label, "server_args": args}, indent=1))
+        started = time.monotonic()
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "qsa_testing._host", str(launch)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=workdir,
+                start_new_session=True,
+            )
+        engine = Engine(config, process, port, log_path)
+        try:
+            _wait_healthy(engine, process, timeout, poll)
+        except EngineStartError:
+            engine.close(grace=5.0)
+            if attempt == PORT_ATTEMPTS or not _port_was_taken(log_path, port):
+                raise
+            log_path.rename(workdir / f"server-port-taken-{attempt}.log")
+            continue
+        except BaseException:
+            engine.close(grace=5.0)
+            raise
+        engine.start_seconds = time.monotonic() - started
+        return engine
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _port_was_taken(log_path: Path, port: int) -> bool:
+    """Whether the server's log says its HTTP port was in use when it tried to bind it."""
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    return f"while attempting to bind on address ('127.0.0.1', {port}): address already in use" in (
+        text
+    )
 
 
 def _wait_healthy(
