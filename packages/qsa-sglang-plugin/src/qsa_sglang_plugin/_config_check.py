@@ -220,18 +220,10 @@ def _check_double_sparsity(facts: ConfigFacts, ds: DoubleSparsitySwitches) -> No
                 "none",
                 "the double-sparsity decode does not cap attention logits",
             )
-    layers, q_heads, kv_heads, head_dim = ds_geometry(facts.text_config)
-    from qsa_kernels.double_sparsity import ChannelConfig, DSConfigError
+    from qsa_kernels.double_sparsity import DSConfigError
 
     try:
-        ChannelConfig.load(
-            ds.channel_config,
-            config=ds_config(ds),
-            layers=range(layers),
-            num_q_heads=q_heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-        )
+        ds_channels(ds, facts.text_config)
     except DSConfigError as exc:
         msg = f"{ENV_DS_CHANNEL_CONFIG}={ds.channel_config!r} is refused: {exc}"
         raise ConfigurationError(msg) from exc
@@ -246,6 +238,28 @@ def ds_config(ds: DoubleSparsitySwitches) -> Any:
         heavy_token_num=ds.heavy_token_num,
         heavy_channel_type=HeavyChannelType.parse(ds.heavy_channel_type),
         sparse_decode_threshold=ds.sparse_decode_threshold,
+    )
+
+
+def ds_channels(ds: DoubleSparsitySwitches, text_config: Mapping[str, Any]) -> Any:
+    """The channel file loaded against the model's layers, heads and head dim (``ChannelConfig``).
+
+    One load for the start-up check, the doctor and the backend.
+
+    Raises:
+        DSConfigError: the file does not fit the model or the options (naming the field).
+        KeyError: the model config has no GQA geometry.
+    """
+    from qsa_kernels.double_sparsity import ChannelConfig
+
+    layers, q_heads, kv_heads, head_dim = ds_geometry(text_config)
+    return ChannelConfig.load(
+        ds.channel_config,
+        config=ds_config(ds),
+        layers=range(layers),
+        num_q_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
     )
 
 

@@ -252,24 +252,17 @@ def _check_double_sparsity(switches: Switches, model_path: str | None) -> Check 
         return Check(name, Status.WARN, f"{config_path} not readable: {exc}")
     import torch
 
-    from qsa_kernels.double_sparsity import ChannelConfig, DSConfigError
+    from qsa_kernels.double_sparsity import DSConfigError
     from qsa_sglang_plugin._adapters._double_sparsity import label_bytes_per_token
-    from qsa_sglang_plugin._config_check import ds_config, ds_geometry
+    from qsa_sglang_plugin._config_check import ds_channels, ds_geometry
 
     text = config.get("text_config") or config
     try:
-        layers, q_heads, kv_heads, head_dim = ds_geometry(text)
+        layers, _, kv_heads, head_dim = ds_geometry(text)
     except (KeyError, TypeError, ValueError) as exc:
         return Check(name, Status.FAIL, f"{config_path} has no GQA geometry: {exc!r}")
     try:
-        ChannelConfig.load(
-            ds.channel_config,
-            config=ds_config(ds),
-            layers=range(layers),
-            num_q_heads=q_heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-        )
+        ds_channels(ds, text)
     except DSConfigError as exc:
         return Check(name, Status.FAIL, f"{named} is refused: {exc}")
     labels = label_bytes_per_token(layers, kv_heads, ds, torch.bfloat16)

@@ -581,7 +581,9 @@ def start_engine(
     model_path = config.model.write(workdir / "models")
     env = _environment(config, platform, workdir)
     log_path = workdir / "server.log"
-    for attempt in range(1, PORT_ATTEMPTS + 1):
+    attempt = 0
+    while True:
+        attempt += 1
         port = _free_port()
         args = _server_args(config, platform, model_path, port)
         launch = workdir / "launch.json"
@@ -611,15 +613,12 @@ def start_engine(
             raise
         engine.start_seconds = time.monotonic() - started
         return engine
-    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _port_was_taken(log_path: Path, port: int) -> bool:
     """Whether the server's log says its HTTP port was in use when it tried to bind it."""
-    text = log_path.read_text(encoding="utf-8", errors="replace")
-    return f"while attempting to bind on address ('127.0.0.1', {port}): address already in use" in (
-        text
-    )
+    taken = f"while attempting to bind on address ('127.0.0.1', {port}): address already in use"
+    return taken in log_path.read_text(encoding="utf-8", errors="replace")
 
 
 def _wait_healthy(

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
-from qsa_sglang_plugin._config_check import ds_config, ds_geometry
+from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
 from qsa_sglang_plugin._errors import AdapterError
 from qsa_sglang_plugin._switches import (
     ENV_DS_CHANNEL_CONFIG,
@@ -120,7 +120,7 @@ def create_backend(runner: Any) -> Any:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_kernels.double_sparsity import ChannelConfig, LabelCache
+    from qsa_kernels.double_sparsity import LabelCache
 
     switches = current_switches().double_sparsity
     if switches is None:
@@ -133,15 +133,9 @@ def create_backend(runner: Any) -> Any:
         raise AdapterError(msg)
     dense = ATTENTION_BACKENDS[dense_name](runner)
     config = ds_config(switches)
-    layers, q_heads, kv_heads, head_dim = ds_geometry(runner.model_config.hf_text_config.to_dict())
-    channels = ChannelConfig.load(
-        switches.channel_config,
-        config=config,
-        layers=range(layers),
-        num_q_heads=q_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-    )
+    text_config = runner.model_config.hf_text_config.to_dict()
+    layers, _, _, head_dim = ds_geometry(text_config)
+    channels = ds_channels(switches, text_config)
     pool = runner.token_to_kv_pool
     keys = pool.get_key_buffer(0)
     labels = LabelCache(
