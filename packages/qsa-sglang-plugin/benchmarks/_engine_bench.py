@@ -26,6 +26,7 @@ __all__ = (
     "first_difference",
     "log_numbers",
     "measure",
+    "profile_decode",
     "start_all",
     "warm_up",
     "write_json",
@@ -97,6 +98,68 @@ def measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) ->
         prefill_s = wall - (new_tokens - 1) / decode
         prefill = context / prefill_s if prefill_s > 0 else None
     return Cell(arm, context, batch, decode, wall, prefill, list(replies[0].output_ids))
+
+
+def profile_decode(  # noqa: PLR0917 (measure's order, then where the trace goes)
+    engine: Any, context: int, batch: int, steps: int, out: pathlib.Path, arm: str
+) -> pathlib.Path:
+    """A torch profiler trace of ``steps`` decode steps while ``batch`` requests decode together.
+
+    The batch is sent as in :func:`measure`; once SGLang logs a ``Decode batch`` line with all
+    ``batch`` running, ``/start_profile`` records the next ``steps`` steps (Python stacks, torch
+    operators, CUDA runtime calls and kernels) into ``out``. Profiled steps run slower: the
+    decode rate comes from :func:`measure`, never from here.
+
+    Returns:
+        The trace, ``out/<arm>-<context>-<batch>-*.trace.json.gz``.
+    """
+    from qsa_testing import GenerateRequest
+
+    model = engine.config.model
+    prefix = f"{arm}-{context}-{batch}"
+    new_tokens = engine.config.server_args.get("decode_log_interval", 40) + 3 * steps + 40
+    requests = [
+        GenerateRequest(model.prompt(context, seed=100 + i), new_tokens, top_logprobs=0)
+        for i in range(batch)
+    ]
+    mark = engine.log_path.stat().st_size
+    threads = [
+        threading.Thread(target=engine.generate, args=(r,), kwargs={"timeout": 1800.0})
+        for r in requests
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 1800.0
+    while time.monotonic() < deadline:
+        with engine.log_path.open("rb") as log:
+            log.seek(mark)
+            text = log.read().decode("utf-8", "replace")
+        if any(int(n) == batch for n, _ in _DECODE_LINE.findall(text)):
+            break
+        time.sleep(0.05)
+    out.mkdir(parents=True, exist_ok=True)
+    engine.post(
+        "/start_profile",
+        {
+            "output_dir": str(out),
+            "num_steps": steps,
+            "activities": ["CPU", "GPU"],
+            "with_stack": True,
+            "record_shapes": False,
+            "profile_prefix": prefix,
+        },
+    )
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 120.0  # the scheduler writes the trace when the steps end
+    while not (traces := sorted(out.glob(f"{prefix}-*.trace.json.gz"))):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if not traces:
+        msg = f"{arm}: no trace {prefix}-*.trace.json.gz in {out}"
+        raise RuntimeError(msg)
+    return traces[-1]
 
 
 def start_all(

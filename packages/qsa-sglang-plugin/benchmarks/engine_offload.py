@@ -44,10 +44,12 @@ from _engine_bench import (
     first_difference,
     log_numbers,
     measure,
+    profile_decode,
     start_all,
     warm_up,
     write_json,
 )
+from _trace import summarize
 
 _SKIPPED = 77
 _PRICE = re.compile(r"pool sizing charges (\d+) B per token \(was (\d+) B")
@@ -64,6 +66,15 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--deadline", type=float, default=float("inf"), help="seconds; no cell starts after it"
     )
+    parser.add_argument(
+        "--qsa-layers", type=int, default=12, help="QSA layers of the model-shaped Qwen4Exp"
+    )
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="cells to profile after measuring, CONTEXTxBATCH comma separated (e.g. 32768x8)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=8, help="decode steps per trace")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -74,6 +85,16 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"{name} {values!r} is not allowed; allowed: positive integers")
     if args.new_tokens < 80:
         parser.error(f"--new-tokens {args.new_tokens!r} is not allowed; allowed: >= 80")
+    try:
+        args.profile = [
+            tuple(int(x) for x in cell.split("x", 1)) for cell in args.profile.split(",") if cell
+        ]
+    except ValueError:
+        parser.error(f"--profile {args.profile!r} is not allowed; allowed: e.g. 32768x1,32768x8")
+    if any(len(cell) != 2 or min(cell) < 1 for cell in args.profile):
+        parser.error(f"--profile {args.profile!r} is not allowed; allowed: e.g. 32768x1,32768x8")
+    if args.profile_steps < 1:
+        parser.error(f"--profile-steps {args.profile_steps!r} is not allowed; allowed: >= 1")
     return args
 
 
@@ -81,7 +102,9 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
     from qsa_testing import EngineConfig, tiny_qwen4_exp
 
     longest = max(args.contexts) + args.new_tokens + 64
-    model = tiny_qwen4_exp(model_shaped=True, max_position_embeddings=longest)
+    model = tiny_qwen4_exp(
+        model_shaped=True, qsa_layers=args.qsa_layers, max_position_embeddings=longest
+    )
     common = {
         "context_length": longest,
         "max_running_requests": max(args.batches),
@@ -103,6 +126,56 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class HotCacheUse:
+    """The offload engine's hot caches over one cell, from its Prometheus counters.
+
+    Attributes:
+        steps: decode steps served from the host arena.
+        selected: complete blocks the indexer selected, every QSA layer and row.
+        fetched: those that missed the hot cache and were read from the host arena.
+        record_bytes: K and V bytes of one block of one layer.
+    """
+
+    steps: int
+    selected: int
+    fetched: int
+    record_bytes: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Selected blocks found in the hot cache."""
+        return 1.0 - self.fetched / self.selected if self.selected else 1.0
+
+    @property
+    def fetched_bytes_per_step(self) -> float:
+        """Bytes read from the host arena per decode step (every QSA layer and row)."""
+        return self.fetched * self.record_bytes / self.steps if self.steps else 0.0
+
+
+_COUNTERS = (
+    "qsa_hisparse_offload_decode_steps_total",
+    "qsa_hisparse_selected_blocks_total",
+    "qsa_hisparse_fetched_blocks_total",
+)
+
+
+def _counters(engine: Any) -> tuple[int, ...]:
+    return tuple(int(engine.metric(name)) for name in _COUNTERS)
+
+
+def _hot_cache_use(engine: Any, before: tuple[int, ...]) -> HotCacheUse:
+    """What the offload engine's counters gained since ``before`` (:func:`_counters`)."""
+    steps, selected, fetched = (a - b for a, b in zip(_counters(engine), before, strict=True))
+    return HotCacheUse(steps, selected, fetched, _record_bytes(engine.config.model))
+
+
+def _record_bytes(model: Any) -> int:
+    """One block of one QSA layer, K and V, in bf16 (the engines' KV dtype)."""
+    text = model.text_config
+    return 2 * 4 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * 2
+
+
 def _token_prices(engine: Any) -> dict[str, int]:
     """GPU bytes per token the offload engine's pool sizer charges, and would charge resident."""
     offload, resident = log_numbers(engine, _PRICE)
@@ -110,26 +183,38 @@ def _token_prices(engine: Any) -> dict[str, int]:
 
 
 def _write(
-    out: pathlib.Path, args: argparse.Namespace, cells: list[Cell], prices: dict[str, int]
+    out: pathlib.Path,
+    args: argparse.Namespace,
+    cells: list[Cell],
+    prices: dict[str, int],
+    hot: dict[tuple[int, int], HotCacheUse],
 ) -> None:
     data = write_json(
         out,
         "engine_offload",
-        {"gpu_bytes_per_token": prices, "cells": [dataclasses.asdict(c) for c in cells]},
+        {
+            "gpu_bytes_per_token": prices,
+            "cells": [dataclasses.asdict(c) for c in cells],
+            "hot_cache": [
+                {"context": c, "batch": b, **dataclasses.asdict(use)} for (c, b), use in hot.items()
+            ],
+        },
     )
     device, torch_version = data["machine"]["gpu"], data["machine"]["torch"]
     by_key = {(c.arm, c.context, c.batch): c for c in cells}
     lines = [
         "# p2-offload against resident serving, real SGLang 0.5.23 engines",
         "",
-        f"GPU {device}, torch {torch_version}; the model-shaped tiny Qwen4Exp (one QSA layer "
-        "of the real geometry), decode CUDA graphs on in both engines, the same scheduler flags. "
+        f"GPU {device}, torch {torch_version}; the model-shaped tiny Qwen4Exp ({args.qsa_layers} "
+        "QSA layers of the real geometry, each after 3 tiny GDN layers), decode CUDA graphs on "
+        "in both engines, the same scheduler flags. "
         f"`{data['command']}`; written by `packages/qsa-sglang-plugin/benchmarks/"
         "engine_offload.py`.",
         "",
         "| context | batch | resident decode tok/s | offload decode tok/s | offload / resident "
-        "| resident prefill tok/s | offload prefill tok/s | same greedy tokens |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| resident prefill tok/s | offload prefill tok/s | same greedy tokens "
+        "| hot-cache hit rate | fetched per step |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for context in args.contexts:
         for batch in args.batches:
@@ -142,10 +227,14 @@ def _write(
                 return "" if x is None else f"{x:,.0f}"
 
             speed = o.decode_tokens_per_s / r.decode_tokens_per_s
+            use = hot.get((context, batch))
+            hits = "" if use is None else f"{use.hit_rate:.3f}"
+            fetched = "" if use is None else f"{use.fetched_bytes_per_step / 2**20:.2f} MiB"
             lines.append(
                 f"| {context:,} | {batch} | {r.decode_tokens_per_s:,.1f} | "
                 f"{o.decode_tokens_per_s:,.1f} | {speed:.2f} "
-                f"| {rate(r.prefill_tokens_per_s)} | {rate(o.prefill_tokens_per_s)} | {same} |"
+                f"| {rate(r.prefill_tokens_per_s)} | {rate(o.prefill_tokens_per_s)} | {same} "
+                f"| {hits} | {fetched} |"
             )
     ratio = prices["resident"] / prices["offload"]
     lines += [
@@ -174,21 +263,33 @@ def main(argv: list[str]) -> int:
         prices = _token_prices(engines["offload"])
         print(f"engine_offload: engines up after {time.monotonic() - started:.0f} s; {prices}")
         cells: list[Cell] = []
-        # Batch 1 at every context first: a run cut short by --deadline keeps the longest one.
+        hot: dict[tuple[int, int], HotCacheUse] = {}
+        # In the order given (batches outer): a run cut short by --deadline keeps the first cells.
         for batch, context in ((b, c) for b in args.batches for c in args.contexts):
             if time.monotonic() - started > args.deadline:
                 print(f"engine_offload: deadline reached before {context} x {batch}")
                 break
             for arm in ("resident", "offload"):
+                counted = _counters(engines[arm]) if arm == "offload" else None
                 cell = measure(engines[arm], context, batch, args.new_tokens, arm)
                 cells.append(cell)
+                if counted is not None:
+                    hot[context, batch] = _hot_cache_use(engines[arm], counted)
                 print(
                     f"engine_offload: {arm:8} context {context:>7} batch {batch}: "
                     f"decode {cell.decode_tokens_per_s:,.1f} tok/s, wall {cell.wall_s:.1f} s, "
                     f"prefill {cell.prefill_tokens_per_s or 0:,.0f} tok/s",
                     flush=True,
                 )
-            _write(args.out, args, cells, prices)
+            _write(args.out, args, cells, prices, hot)
+        for context, batch in args.profile:
+            for arm in ("resident", "offload"):
+                trace = profile_decode(
+                    engines[arm], context, batch, args.profile_steps, args.out / "traces", arm
+                )
+                summary = args.out / f"profile-{arm}-{context}-{batch}.txt"
+                summary.write_text(summarize(trace), encoding="utf-8")
+                print(f"engine_offload: {arm} {context} x {batch} profiled: {summary}", flush=True)
     finally:
         for engine in engines.values():
             engine.close()

@@ -37,6 +37,22 @@ def test_tiny_qwen4_exp_keeps_the_real_qsa_rules(kv_heads: int, model_shaped: bo
         assert (profile.num_attention_heads, profile.head_dim) == (24, 256)
 
 
+def test_the_model_shaped_stack_has_the_real_qsa_layer_ids() -> None:
+    model = tiny_qwen4_exp(model_shaped=True, qsa_layers=QWEN38_FLASH_NEXT.num_qsa_layers)
+    profile = model.qsa_profile()
+    assert profile.qsa_layer_ids == QWEN38_FLASH_NEXT.qsa_layer_ids
+    assert profile.num_hidden_layers == QWEN38_FLASH_NEXT.num_hidden_layers
+    assert (profile.num_attention_heads, profile.head_dim) == (24, 256)
+    assert model.text_config["hidden_size"] == tiny_qwen4_exp().text_config["hidden_size"]
+    assert model.name != tiny_qwen4_exp(model_shaped=True).name
+
+
+@pytest.mark.parametrize("qsa_layers", [0, 13, True, 2.0])
+def test_qsa_layers_outside_one_to_twelve_are_refused(qsa_layers: object) -> None:
+    with pytest.raises(ModelSpecError, match=rf"qsa_layers={qsa_layers!r} .* allowed: 1 to 12"):
+        tiny_qwen4_exp(qsa_layers=qsa_layers)  # type: ignore[arg-type]
+
+
 def test_the_full_depth_model_has_the_real_layers_and_widths() -> None:
     model = full_depth_qwen4_exp(max_position_embeddings=131_072)
     profile = model.qsa_profile()

@@ -169,30 +169,39 @@ def tiny_qwen4_exp(
     *,
     kv_heads: int = 2,
     model_shaped: bool = False,
+    qsa_layers: int = 1,
     max_position_embeddings: int = 8192,
     vision: bool = False,
 ) -> TinyModel:
-    """A Qwen4Exp with 3 Gated DeltaNet layers and 1 QSA layer (layer 3).
+    """A Qwen4Exp whose every fourth layer is a QSA layer (by default 3 GDN layers, 1 QSA layer).
 
     Args:
         kv_heads: K/V heads of the QSA layer, 2 (Qwen3.8-Flash-Next) or 1 (one TP2 rank's share).
         model_shaped: the real attention geometry of a QSA layer (24 query heads, head dim 256)
             instead of 4 query heads of dim 64; the width of the rest stays small.
+        qsa_layers: QSA layers, each after 3 GDN layers (12, with 36 GDN layers, is
+            Qwen3.8-Flash-Next's depth with the GDN and expert layers kept tiny: a decode step
+            pays what the real model's attention layers pay and little else).
         max_position_embeddings: the longest context the config allows (262,144 for checks of
             the real model's capacity plan; engines here use 4,096).
         vision: engines take images for it (its tokenizer and processor are written too; the
             weights are the same either way: the config always has its vision tower).
 
     Raises:
-        ModelSpecError: ``kv_heads`` is not 1 or 2.
+        ModelSpecError: ``kv_heads`` is not 1 or 2, or ``qsa_layers`` is not 1 to 12.
     """
     if kv_heads not in (1, 2):
         msg = f"kv_heads={kv_heads!r} is not supported; allowed: 1, 2"
         raise ModelSpecError(msg)
     real = QWEN38_FLASH_NEXT
+    if type(qsa_layers) is not int or not 1 <= qsa_layers <= real.num_qsa_layers:
+        msg = f"qsa_layers={qsa_layers!r} is not supported; allowed: 1 to {real.num_qsa_layers}"
+        raise ModelSpecError(msg)
     q_heads, head_dim = (real.num_attention_heads, real.head_dim) if model_shaped else (4, 64)
     shape = "shaped" if model_shaped else "small"
     name = f"qwen4exp-{shape}-kv{kv_heads}"
+    if qsa_layers != 1:
+        name += f"-qsa{qsa_layers}"
     if max_position_embeddings != 8192:
         name += f"-ctx{max_position_embeddings}"
     if vision:
@@ -202,7 +211,7 @@ def tiny_qwen4_exp(
         kv_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        widths={},
+        widths={"num_hidden_layers": 4 * qsa_layers},
     )
     return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config), vision=vision)
 
