@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import pathlib
 import re
 import sys
@@ -52,6 +53,10 @@ from _engine_bench import (
 from _trace import summarize
 
 _SKIPPED = 77
+#: Prefill chunk of both engines. SGLang runs the running requests' decode steps between the
+#: chunks of the next prompt, so the first of ``B`` requests decodes about ``(B - 1)`` prompts'
+#: chunks' worth of steps before the last one joins: each request generates that many more.
+_CHUNK = 16384
 _PRICE = re.compile(r"pool sizing charges (\d+) B per token \(was (\d+) B")
 _OFFLOAD = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
 
@@ -98,10 +103,15 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _new_tokens(args: argparse.Namespace, context: int, batch: int) -> int:
+    """Tokens each request of a cell generates: ``--new-tokens`` while all ``batch`` decode."""
+    return args.new_tokens + (batch - 1) * math.ceil(context / _CHUNK)
+
+
 def _configs(args: argparse.Namespace) -> dict[str, Any]:
     from qsa_testing import EngineConfig, tiny_qwen4_exp
 
-    longest = max(args.contexts) + args.new_tokens + 64
+    longest = max(args.contexts) + _new_tokens(args, max(args.contexts), max(args.batches)) + 64
     model = tiny_qwen4_exp(
         model_shaped=True, qsa_layers=args.qsa_layers, max_position_embeddings=longest
     )
@@ -110,6 +120,7 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "max_running_requests": max(args.batches),
         "prefill_max_requests": 1,
         "disable_overlap_schedule": True,
+        "chunked_prefill_size": _CHUNK,
         "max_total_tokens": max(args.batches) * longest,
         "disable_cuda_graph": False,
         "cuda_graph_backend_prefill": "disabled",  # p2-offload captures decode only
@@ -271,7 +282,12 @@ def main(argv: list[str]) -> int:
                 break
             for arm in ("resident", "offload"):
                 counted = _counters(engines[arm]) if arm == "offload" else None
-                cell = measure(engines[arm], context, batch, args.new_tokens, arm)
+                tokens = _new_tokens(args, context, batch)
+                try:
+                    cell = measure(engines[arm], context, batch, tokens, arm)
+                except RuntimeError as exc:  # the cell is lost, not the run
+                    print(f"engine_offload: {arm} {context} x {batch}: {exc}", flush=True)
+                    continue
                 cells.append(cell)
                 if counted is not None:
                     hot[context, batch] = _hot_cache_use(engines[arm], counted)
