@@ -641,6 +641,7 @@ def test_ds_offload_rejects_a_hot_cache_smaller_than_the_step_needs() -> None:
     gen = torch.Generator().manual_seed(0)
     store.admit(0, _quarters(gen, 1, 40, 1, 16), _quarters(gen, 1, 40, 1, 16))
     store.begin_step()
+    store.append([0], _quarters(gen, 1, 1, 1, 16), _quarters(gen, 1, 1, 1, 16))
     with pytest.raises(KernelInputError, match=r"needs \d+ distinct blocks .*hot_slots=2"):
         store.decode(0, [0], _quarters(gen, 1, 4, 16))
 

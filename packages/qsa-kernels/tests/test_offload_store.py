@@ -319,3 +319,69 @@ def test_geometry_bytes_equal_what_the_store_allocates() -> None:
     )
     assert g.device_bytes == allocated
     assert g.host_bytes == store.host_arena.numel() * store.host_arena.element_size()
+
+
+@pytest.mark.parametrize("path", [KernelPath.TRITON, KernelPath.REFERENCE])
+def test_attend_tokens_reads_each_heads_own_tokens_from_hot_cache_and_tail(
+    kernel_device: str, path: KernelPath
+) -> None:
+    """Per-layer steps, rows out of order: each KV head attends exactly its chosen tokens."""
+    hkv, d, hq = 2, 16, 4
+    geometry = OffloadGeometry(_L, 4, 6, 8, hkv, d, torch.bfloat16)
+    store = OffloadedKV(geometry, torch.device(kernel_device), path=path)
+    g = torch.Generator().manual_seed(5)
+    history = {2: 13, 0: 6}  # row -> prompt tokens; 13 + 1 closes no block, 6 + 1 neither
+    keys, values = {}, {}
+    for row, n in history.items():
+        keys[row] = torch.randn(_L, n, hkv, d, generator=g).bfloat16()
+        values[row] = torch.randn(_L, n, hkv, d, generator=g).bfloat16()
+        store.admit(row, keys[row].to(kernel_device), values[row].to(kernel_device))
+    rows = [2, 0]
+    for step in range(3):  # the first step fetches, later ones hit, the last one closes block 3
+        store.begin_step()
+        store.advance(rows)
+        new_k = torch.randn(_L, 2, hkv, d, generator=g).bfloat16()
+        new_v = torch.randn(_L, 2, hkv, d, generator=g).bfloat16()
+        for b, row in enumerate(rows):
+            keys[row] = torch.cat([keys[row], new_k[:, b : b + 1]], dim=1)
+            values[row] = torch.cat([values[row], new_v[:, b : b + 1]], dim=1)
+        for layer in range(_L):
+            store.write_token(
+                layer, rows, new_k[layer].to(kernel_device), new_v[layer].to(kernel_device)
+            )
+            q = torch.randn(2, hq, d, generator=g).bfloat16()
+            # Head 0: a spread of closed tokens and the newest; head 1: a few, padded.
+            positions = torch.full((2, hkv, 5), -1, dtype=torch.int32)
+            for b, row in enumerate(rows):
+                n = keys[row].shape[1]
+                positions[b, 0] = torch.tensor([0, n // 2, n - 3, n - 2, n - 1])
+                positions[b, 1, : 2 + step % 2] = torch.tensor([1, n - 1, 3])[: 2 + step % 2]
+            blocks = store.token_blocks(rows, positions.to(kernel_device))
+            out, lse = store.attend_tokens(
+                layer, rows, q.to(kernel_device), positions.to(kernel_device), blocks
+            )
+            for b, row in enumerate(rows):
+                for h in range(hkv):
+                    chosen = positions[b, h][positions[b, h] >= 0].long()
+                    k = keys[row][layer, chosen, h].float()  # [n, D]
+                    v = values[row][layer, chosen, h].float()
+                    heads = slice(h * hq // hkv, (h + 1) * hq // hkv)
+                    scores = q[b, heads].float() @ k.T / d**0.5
+                    want = torch.softmax(scores, dim=-1) @ v
+                    torch.testing.assert_close(
+                        out[b, heads].float().cpu(), want, atol=1e-2, rtol=1e-2
+                    )
+                    torch.testing.assert_close(
+                        lse[b, heads].cpu(), torch.logsumexp(scores, dim=-1), atol=1e-3, rtol=1e-3
+                    )
+
+
+def test_token_blocks_refuses_more_blocks_than_a_hot_cache_holds() -> None:
+    """A row whose tokens span more closed blocks than hot_slots is refused, naming both."""
+    geometry = OffloadGeometry(1, 1, 2, 8, 1, 16, torch.bfloat16)
+    store = OffloadedKV(geometry, torch.device("cpu"))
+    store.admit(0, torch.zeros(1, 20, 1, 16).bfloat16(), torch.zeros(1, 20, 1, 16).bfloat16())
+    store.advance([0])
+    positions = torch.tensor([[[0, 4, 8, 12]]], dtype=torch.int32)  # 4 blocks
+    with pytest.raises(KernelInputError, match=r"needs 4 distinct blocks .*hot_slots=2"):
+        store.token_blocks([0], positions)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels.double_sparsity._errors import ChannelConfigError, DSConfigError
 
 __all__ = (
@@ -116,6 +117,21 @@ class DSConfig:
         (then the selection is every token anyway).
         """
         return seq_len < self.sparse_decode_threshold or seq_len <= self.heavy_token_num
+
+    def hot_blocks(self, kv_heads: int) -> int:
+        """Complete 4-token blocks one row's decode step of one layer may read (DS-Offload).
+
+        A dense row reads every complete block of its context (at most ``max(threshold - 1,
+        heavy_token_num)`` tokens), a sparse row the blocks that hold any KV head's heavy tokens
+        (at most ``kv_heads * heavy_token_num``); a hot cache of this many slots (or of a row's
+        whole context, if smaller) never runs short.
+
+        Raises:
+            DSConfigError: ``kv_heads`` is not a positive int.
+        """
+        _positive_int("kv_heads", kv_heads, minimum=1)
+        longest_dense = max(self.sparse_decode_threshold - 1, self.heavy_token_num)
+        return max(kv_heads * self.heavy_token_num, longest_dense // BLOCK_TOKENS)
 
     def sparse_rows(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """:meth:`is_dense`'s negation element-wise, on the device: no host read.

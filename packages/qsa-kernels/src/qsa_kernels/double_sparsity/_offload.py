@@ -7,6 +7,8 @@ from the label cache, keeps the heavy tokens per KV head, fetches the 4-token bl
 them (the union over KV heads, through the fetch kernel and the hot cache's LRU), and attends only
 to the selected tokens: from the hot cache for closed blocks, from the open-block tail for the
 newest ``seq_len % 4`` tokens. The result equals resident double sparsity (:func:`ds_decode`).
+The data path is :meth:`OffloadedKV.token_blocks` and :meth:`OffloadedKV.attend_tokens`; this
+class adds the row-indexed label cache and the selection.
 """
 
 from __future__ import annotations
@@ -16,14 +18,10 @@ from collections.abc import Sequence
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels.double_sparsity._config import DSConfig
 from qsa_kernels.double_sparsity._decode import DSDecodeOutput, ds_positions
 from qsa_kernels.double_sparsity._label_cache import LabelCache
-from qsa_kernels.fetch import fetch_selected_blocks
-from qsa_kernels.lse_merge import lse_merge
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
-from qsa_kernels.sparse_decode import sparse_decode
 
 __all__ = ("DSOffloadedKV",)
 
@@ -36,9 +34,8 @@ class DSOffloadedKV:
     device :class:`LabelCache` (``labels``: ``[L, R * NB * 4, Hkv, C]``).
 
     Hot-cache size: one layer's step needs a slot for every distinct closed block that holds a
-    selected token of any KV head, at most ``min(Hkv * heavy_token_num, NB)`` for a sparse row and
-    ``ceil(seq_len / 4)`` for a dense row; :meth:`decode` raises if ``S`` is smaller than the
-    step's need.
+    selected token of any KV head, at most ``min(config.hot_blocks(Hkv), NB)``
+    (:meth:`DSConfig.hot_blocks`); :meth:`decode` raises if ``S`` is smaller than the step's need.
 
     Args:
         geometry: sizes of the offloaded K/V (``layers`` = attention layers).
@@ -152,93 +149,21 @@ class DSOffloadedKV:
             msg = f"rows {list(rows)!r} must be non-empty and distinct"
             raise KernelInputError(msg)
         lengths = [self.kv.length(r) for r in rows]
-        device = self.kv.device
-        req_to_token = self.labels.slots(rows, max(lengths))
         positions = ds_positions(
             q,
             self.labels.layer(layer),
             self.labels.channels[layer],
-            req_to_token,
+            self.labels.slots(rows, max(lengths)),
             lengths,
             config=self.config,
         )
-        batch = len(rows)
-        row_t = torch.tensor(list(rows), dtype=torch.int64, device=device)
-        closed = torch.tensor(
-            [n // BLOCK_TOKENS * BLOCK_TOKENS for n in lengths], dtype=torch.int32, device=device
-        )
-        in_hot = (positions >= 0) & (positions < closed.view(batch, 1, 1))
-        block = torch.div(positions, BLOCK_TOKENS, rounding_mode="floor")
-        hot_tokens = self._fetch(layer, row_t, in_hot, block, positions)
-        out_hot, lse_hot = sparse_decode(
-            q,
-            hot_tokens,
-            self.kv.hot[layer].view(g.rows * g.hot_slots, *g.record_shape),
-            scale=scale,
-            out_dtype=torch.float32,  # rounded to bf16 once, after the merge
-        )
-        # the open block: positions closed .. closed + 2, read from the row's tail record
-        offsets = torch.arange(BLOCK_TOKENS - 1, dtype=torch.int32, device=device)
-        open_pos = closed.view(batch, 1) + offsets  # [B, 3]
-        chosen = (positions.unsqueeze(-1) == open_pos.view(batch, 1, 1, -1)).any(dim=2)
-        tail_tokens = torch.where(
-            chosen, (row_t.view(batch, 1, 1) * BLOCK_TOKENS + offsets).to(torch.int32), -1
-        ).to(torch.int32)
-        out_tail, lse_tail = sparse_decode(
-            q,
-            tail_tokens.contiguous(),
-            self.kv.tail[layer].view(g.rows, *g.record_shape),
-            scale=scale,
-            out_dtype=torch.float32,
-        )
-        out, lse = lse_merge(
-            torch.stack((out_hot, out_tail)),
-            torch.stack((lse_hot, lse_tail)),
-            out_dtype=torch.bfloat16,
-        )
-        return DSDecodeOutput(out, lse, positions)
-
-    def _fetch(
-        self,
-        layer: int,
-        row_t: torch.Tensor,
-        in_hot: torch.Tensor,
-        block: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> torch.Tensor:
-        """Fetch the union of selected closed blocks; return ``[B, Hkv, W]`` hot token slots."""
-        g = self.geometry
-        batch = in_hot.shape[0]
-        sentinel = g.max_blocks
-        ids = torch.where(in_hot, block, sentinel).view(batch, -1)
-        ids, _ = torch.sort(ids, dim=1)
-        repeat = torch.zeros_like(ids, dtype=torch.bool)
-        repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
-        ids = torch.where(repeat, sentinel, ids)
-        ids, _ = torch.sort(ids, dim=1)
-        need = int((ids < sentinel).sum(dim=1).max())  # host sync: the fetch width
-        if need > g.hot_slots:
+        try:
+            blocks = self.kv.token_blocks(rows, positions)
+        except KernelInputError as exc:
             msg = (
-                f"layer {layer!r} needs {need!r} distinct blocks in one row's hot cache but "
-                f"hot_slots={g.hot_slots!r}; allowed: hot_slots >= Hkv * heavy_token_num "
-                f"(= {g.kv_heads * self.config.heavy_token_num!r}) or the longest dense row / 4"
+                f"layer {layer!r}: {exc} (hot_slots >= Hkv * heavy_token_num = "
+                f"{g.kv_heads * self.config.heavy_token_num!r}, or the longest dense row / 4)"
             )
-            raise KernelInputError(msg)
-        if need:
-            selected = torch.where(ids[:, :need] < sentinel, ids[:, :need], -1).to(torch.int32)
-            # write-backs of closed blocks must land before the fetch reads the arena
-            self.kv.wait_for_host_writes()
-            fetch_selected_blocks(
-                selected.unsqueeze(1).contiguous(),
-                row_t.to(torch.int32),
-                torch.tensor([layer], dtype=torch.int32, device=row_t.device),
-                step=self._step,
-                tables=self.kv.tables,
-                hot=self.kv.hot,
-                host_arena=self.kv.host_arena,
-            )
-        local = self.kv.tables.block_slot[layer].index_select(0, row_t)  # [B, NB]
-        flat = torch.where(in_hot, block, 0).view(batch, -1).to(torch.int64)
-        slot = torch.gather(local, 1, flat).view_as(positions).to(torch.int64)
-        token = (row_t.view(batch, 1, 1) * g.hot_slots + slot) * BLOCK_TOKENS + positions % 4
-        return torch.where(in_hot, token, -1).to(torch.int32).contiguous()
+            raise KernelInputError(msg) from exc
+        out, lse = self.kv.attend_tokens(layer, rows, q, positions, blocks, scale=scale)
+        return DSDecodeOutput(out, lse, positions)

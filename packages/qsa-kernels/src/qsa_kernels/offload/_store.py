@@ -688,6 +688,143 @@ class OffloadedKV:
             out_dtype=torch.bfloat16,
         )
 
+    def token_blocks(self, rows: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
+        """The complete blocks that hold the planned rows' chosen tokens, one list per row.
+
+        What :meth:`attend_tokens` fetches: a token chosen by any KV head needs its whole 4-token
+        block (every head) in the hot cache; tokens of the open block are read from the tail.
+        Reads the width on the host (one synchronisation), so it is for eager steps.
+
+        Args:
+            rows: the step's rows (what the last :meth:`advance` returned).
+            positions: ``[B, Hkv, W]`` int32 logical token positions each (row, KV head)
+                attends, ``-1`` padded, each below the row's length after the step's token.
+
+        Returns:
+            ``[B, K]`` int32 distinct block ids per row, ascending, ``-1`` padded, ``K`` the most
+            any row needs (0 when only open-block tokens are chosen).
+
+        Raises:
+            KernelInputError: ``positions`` is not ``[B, Hkv, W]``, or a row needs more blocks
+                than a hot cache holds (``hot_slots``).
+        """
+        g = self.geometry
+        self._check_planned("token_blocks", rows)
+        if positions.dim() != 3 or tuple(positions.shape[:2]) != (len(rows), g.kv_heads):
+            msg = (
+                f"positions must be [B={len(rows)}, Hkv={g.kv_heads}, W]; got "
+                f"{tuple(positions.shape)!r}"
+            )
+            raise KernelInputError(msg)
+        batch = len(rows)
+        closed = self._plan.closed_blocks.view(batch, 1, 1) * BLOCK_TOKENS
+        in_hot = (positions >= 0) & (positions < closed)
+        sentinel = g.max_blocks  # sorts after every block id
+        ids = torch.where(in_hot, positions // BLOCK_TOKENS, sentinel).view(batch, -1)
+        ids = ids.sort(dim=1).values
+        repeat = torch.zeros_like(ids, dtype=torch.bool)
+        repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
+        ids = torch.where(repeat, sentinel, ids).sort(dim=1).values
+        need = int((ids < sentinel).sum(dim=1).max()) if batch else 0  # the host read
+        if need > g.hot_slots:
+            msg = (
+                f"a row needs {need!r} distinct blocks in one hot cache but hot_slots="
+                f"{g.hot_slots!r}; allowed: at most hot_slots blocks per row and layer"
+            )
+            raise KernelInputError(msg)
+        head = ids[:, :need]
+        return torch.where(head < sentinel, head, -1).to(torch.int32)
+
+    def attend_tokens(
+        self,
+        layer: int,
+        rows: Sequence[int],
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        blocks: torch.Tensor,
+        *,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of one layer for ``B`` rows over chosen tokens, a list per KV head.
+
+        :meth:`attend` takes whole blocks for every head (QSA's indexer); this takes tokens per
+        KV head (double sparsity's heavy tokens): the blocks that hold them are fetched into the
+        hot cache, each head attends only its own tokens there and in the open-block tail, and
+        the two parts are merged by their LSE.
+
+        Args:
+            layer: QSA layer index in ``[0, L)``.
+            rows: the step's rows (what the last :meth:`advance` returned).
+            q: ``[B, Hq, D]`` bf16 queries.
+            positions: ``[B, Hkv, W]`` int32 chosen token positions, ``-1`` padded (see
+                :meth:`token_blocks`).
+            blocks: ``token_blocks(rows, positions)``.
+            scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+
+        Returns:
+            ``(out [B, Hq, D] bf16, lse [B, Hq] fp32)``, natural-log LSE.
+        """
+        g = self.geometry
+        if not 0 <= layer < g.layers:
+            msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers})"
+            raise KernelInputError(msg)
+        if self._step < 0:
+            msg = "attend_tokens before begin_step(); every decode step needs a stamp"
+            raise KernelInputError(msg)
+        self._check_planned("attend_tokens", rows)
+        batch = len(rows)
+        if blocks.dim() != 2 or blocks.shape[0] != batch or blocks.shape[1] > g.hot_slots:
+            msg = (
+                f"blocks must be [B={batch}, K <= hot_slots={g.hot_slots}] "
+                f"(token_blocks); got {tuple(blocks.shape)!r}"
+            )
+            raise KernelInputError(msg)
+        plan = self._plan
+        row_t = plan.row_ids.long()
+        if blocks.shape[1]:
+            self.wait_for_host_writes()
+            self._kernels.fetch(
+                blocks.contiguous().unsqueeze(1),
+                plan.row_ids,
+                self._layer_ids[layer : layer + 1],
+                step=self._stamp,
+                tables=self.tables,
+                hot=self.hot,
+                host_arena=self.host_arena,
+            )
+        closed = plan.closed_blocks.view(batch, 1, 1) * BLOCK_TOKENS
+        in_hot = (positions >= 0) & (positions < closed)
+        block = torch.where(in_hot, positions // BLOCK_TOKENS, 0).view(batch, -1).long()
+        slot = torch.gather(self.tables.block_slot[layer].index_select(0, row_t), 1, block)
+        token = (row_t.view(batch, 1) * g.hot_slots + slot) * BLOCK_TOKENS
+        token = token.view_as(positions) + positions % BLOCK_TOKENS
+        hot_tokens = torch.where(in_hot, token, -1).to(torch.int32).contiguous()
+        out_hot, lse_hot = self._kernels.decode(
+            q,
+            hot_tokens,
+            self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape),
+            scale=scale,
+            out_dtype=torch.float32,  # rounded to bf16 once, after the merge
+        )
+        # The open block's tokens each head chose, as tail-record token ids.
+        offsets = self._block_offsets[: BLOCK_TOKENS - 1]
+        open_positions = closed.view(batch, 1, 1, 1) + offsets  # [B, 1, 1, 3]
+        chosen = (positions.unsqueeze(-1) == open_positions).any(dim=2)  # [B, Hkv, 3]
+        tail_ids = (plan.row_ids.view(batch, 1, 1) * BLOCK_TOKENS + offsets).expand_as(chosen)
+        tail_tokens = torch.where(chosen, tail_ids, -1).to(torch.int32).contiguous()
+        out_tail, lse_tail = self._kernels.decode(
+            q,
+            tail_tokens,
+            self.tail[layer].view(g.rows, *g.record_shape),
+            scale=scale,
+            out_dtype=torch.float32,
+        )
+        return self._kernels.merge(
+            torch.stack((out_hot, out_tail)),
+            torch.stack((lse_hot, lse_tail)),
+            out_dtype=torch.bfloat16,
+        )
+
     def wait_for_host_writes(self) -> None:
         """Order the current stream after every write to the host arena or tail still in flight.
 
