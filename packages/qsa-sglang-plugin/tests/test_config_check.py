@@ -259,3 +259,47 @@ def test_a_malformed_channel_file_is_refused_with_its_path_and_field(tmp_path: A
     text = str(caught.value)
     for fragment in (str(path), "model.layers.0.self_attn.qk_proj", "head 1", "channel 99"):
         assert fragment in text
+
+
+def _ds_offload(tmp_path: Any) -> Any:
+    switches, _ = _ds(tmp_path, [list(range(16)), list(range(16))])
+    assert switches.double_sparsity is not None
+    ds = dataclasses.replace(switches.double_sparsity, offload=True)
+    return dataclasses.replace(switches, double_sparsity=ds)
+
+
+def test_ds_offload_passes_with_the_offload_flags(tmp_path: Any) -> None:
+    """ConfigFacts' defaults are the offload flags; DS-Offload adds decode graphs off."""
+    assert check_configuration(LLAMA, _ds_offload(tmp_path)) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        ({"decode_cuda_graph": True}, ["--disable-cuda-graph=False", "fetch width on the host"]),
+        (
+            {"radix_cache_backend": None},
+            ["--radix-cache-backend=None", "'qsa_hisparse'", "one lease per request"],
+        ),
+        ({"max_running_requests": None}, ["--max-running-requests=None", "host arena"]),
+        ({"prefill_max_requests": 4}, ["--prefill-max-requests=4", "supported: 1"]),
+        ({"disable_overlap_schedule": False}, ["--disable-overlap-schedule=False"]),
+        ({"prefill_graph_backend": "full"}, ["--cuda-graph-backend-prefill='full'"]),
+    ],
+)
+def test_ds_offload_refuses_flags_its_runtime_cannot_serve(
+    tmp_path: Any, change: dict[str, Any], fragments: list[str]
+) -> None:
+    switches = _ds_offload(tmp_path)
+    with pytest.raises(ConfigurationError) as caught:
+        check_configuration(dataclasses.replace(LLAMA, **change), switches)
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+    # The same flags serve resident double sparsity.
+    assert (
+        check_configuration(
+            dataclasses.replace(LLAMA, **change),
+            _ds(tmp_path, [list(range(16)), list(range(16))])[0],
+        )
+        is None
+    )

@@ -9,6 +9,12 @@ below 1,024 tokens) against SGLang's dense backend of the platform on the same m
   the dense engine's bit for bit, the decode steps after it are not, and the backend counts
   sparse rows;
 - a malformed channel file stops the engine at start-up, naming the file and the field.
+
+And DS-Offload (``SGLANG_QSA_DS_OFFLOAD=1``): the same backend with the K/V history in the host
+arena, prefilled through a one-prompt staging area in 1,024-token chunks, every decode row
+attending its chosen tokens from the hot cache and the open-block tail. It answers as the
+resident double-sparsity engine (dense rows as the dense engine), holds every token's K/V on the
+host byte for byte, prices a token at its labels alone, and gives every lease back.
 """
 
 from __future__ import annotations
@@ -51,6 +57,23 @@ DS = EngineConfig(
     server_args={"attention_backend": "qsa_ds", "enable_metrics": True},
 )
 DENSE = EngineConfig(LLAMA, plugin=False)
+#: DS-Offload with every released row's host bytes checked against a resident copy. Eager only
+#: (its decode reads each step's fetch width on the host); prefill in chunks, so later chunks
+#: attend over a staged prefix.
+DS_OFFLOAD = EngineConfig(
+    LLAMA,
+    switches={**SWITCHES, "SGLANG_QSA_DS_OFFLOAD": "1", "SGLANG_QSA_HISPARSE_VERIFY": "1"},
+    server_args={
+        "attention_backend": "qsa_ds",
+        "enable_metrics": True,
+        "radix_cache_backend": "qsa_hisparse",
+        "disable_overlap_schedule": True,
+        "prefill_max_requests": 1,
+        "chunked_prefill_size": 1024,
+        "disable_cuda_graph": True,
+        "cuda_graph_backend_prefill": "disabled",
+    },
+)
 #: Within one bf16 logit step: a dense row of a mixed batch attends through another kernel.
 BF16_STEP = 2e-2
 
@@ -180,4 +203,87 @@ def test_the_pool_sizing_charges_each_tokens_labels(engines: EnginePool) -> None
     labels = layers * kv_heads * int(SWITCHES["SGLANG_QSA_DS_HEAVY_CHANNELS"]) * 2
     log = engines.engine(DS).log_path.read_text(encoding="utf-8", errors="replace")
     line = f"qsa_ds: pool sizing charges {kv + labels} B per token ({kv} B of K/V and {labels} B"
+    assert line in log
+
+
+# -- DS-Offload ------------------------------------------------------------------------------------
+
+
+def _offloaded(engines: EnginePool, metric: str, **labels: str) -> float:
+    return engines.engine(DS_OFFLOAD).metric(metric, **labels)
+
+
+def _kv_bytes_per_token() -> int:
+    """K and V bytes of one token in every layer of the tiny Llama (bf16)."""
+    text = LLAMA.text_config
+    return (
+        int(text["num_hidden_layers"])
+        * 2
+        * int(text["num_key_value_heads"])
+        * int(text["head_dim"])
+        * 2
+    )
+
+
+def test_ds_offload_answers_as_resident_double_sparsity(
+    served: _Served, engines: EnginePool
+) -> None:
+    """The same tokens per KV head, read from the host arena: dense rows answer as the dense
+    engine, sparse rows as the resident qsa_ds engine, each within one bf16 step, and the first
+    token (the staged prefill's, one chunk) bit for bit."""
+    rows_before = {
+        p: _offloaded(engines, "qsa_hisparse_ds_decode_rows_total", path=p) for p in PATHS
+    }
+    short = engines.generate_all(DS_OFFLOAD, SHORT)
+    long = engines.generate(DS_OFFLOAD, LONG)
+    for i, (want, got) in enumerate(zip(served.dense[: len(SHORT)], short, strict=True)):
+        assert got.output_ids[0] == want.output_ids[0]
+        assert got.logprobs[0] == want.logprobs[0]
+        assert_same_generation(want, got, atol=BF16_STEP, what=f"short prompt {i}")
+    # The long prompt prefilled in two chunks, the second over the staged first.
+    assert_same_generation(served.ds[-1], long, atol=BF16_STEP, what="long prompt")
+    rows = {
+        p: _offloaded(engines, "qsa_hisparse_ds_decode_rows_total", path=p) - rows_before[p]
+        for p in PATHS
+    }
+    short_steps = sum(r.max_new_tokens - 1 for r in SHORT)
+    assert rows == {"dense": short_steps, "sparse": LONG.max_new_tokens - 1}
+    # Every decode step read the host arena: the dense rows fetched their whole prompts' blocks.
+    steps = _offloaded(engines, "qsa_hisparse_offload_decode_steps_total")
+    assert steps >= short_steps + LONG.max_new_tokens - 1
+    assert _offloaded(engines, "qsa_hisparse_fetched_blocks_total") >= (500 + 900) // 4
+    log = engines.engine(DS_OFFLOAD).log_path.read_text(encoding="utf-8", errors="replace")
+    assert "Tree cache initialized: source=registered('qsa_hisparse')" in log
+    assert "DS-Offload: K/V in the host arena" in log
+
+
+def test_ds_offload_holds_every_token_on_the_host_and_gives_every_lease_back(
+    engines: EnginePool,
+) -> None:
+    """Each released row's arena blocks and tail equal a resident copy of its K/V, byte for
+    byte; afterwards no lease, row or staged prompt is held."""
+    verified = "qsa_hisparse_offload_verified_bytes_total"
+    before = _offloaded(engines, verified)
+    prompt, new = 1203, 9  # two chunks; 300 complete blocks and 3 tokens, then 8 decode tokens
+    engines.generate(DS_OFFLOAD, GenerateRequest(LLAMA.prompt(prompt, seed=50), new))
+    # The last generated token is never fed back, so the row holds prompt + new - 1 tokens.
+    expected = (prompt + new - 1) * _kv_bytes_per_token()
+    assert _offloaded(engines, verified) - before == expected
+    assert _offloaded(engines, "qsa_hisparse_offload_differing_bytes_total") == 0
+    assert _offloaded(engines, "qsa_hisparse_live_leases") == 0
+    assert _offloaded(engines, "qsa_hisparse_offload_rows_in_use") == 0
+    assert _offloaded(engines, "qsa_hisparse_host_arena_bytes") > 0
+
+
+def test_ds_offload_prices_a_token_at_its_labels_alone(engines: EnginePool) -> None:
+    """SGLang's pool holds no K/V: a token slot costs its label rows, the offload's device
+    buffers are fixed overhead."""
+    text = LLAMA.text_config
+    layers, kv_heads = text["num_hidden_layers"], text["num_key_value_heads"]
+    labels = layers * kv_heads * int(SWITCHES["SGLANG_QSA_DS_HEAVY_CHANNELS"]) * 2
+    log = engines.engine(DS_OFFLOAD).log_path.read_text(encoding="utf-8", errors="replace")
+    line = (
+        f"qsa_ds: DS-Offload: pool sizing charges {labels} B per token of labels (was "
+        f"{_kv_bytes_per_token()} B of K/V and {labels} B of labels)"
+    )
     assert line in log

@@ -33,10 +33,18 @@ def test_model_compat_zero_is_off() -> None:
 
 @pytest.mark.parametrize("mode", list(HiSparseMode))
 def test_every_mode_with_model_compat_parses(mode: HiSparseMode) -> None:
-    """Both V3 modes parse when MODEL_COMPAT=1, and turn on the hisparse feature."""
+    """Both V3 modes parse when MODEL_COMPAT=1 and turn on the hisparse feature; p2-offload also
+    the offload feature (the lifecycle and the one-page K/V pool)."""
     switches = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": mode})
     assert switches.hisparse is mode
-    assert switches.features == (Feature.FRAMEWORK, Feature.MODEL_COMPAT, Feature.HISPARSE)
+    offload = (Feature.OFFLOAD,) if mode is HiSparseMode.P2_OFFLOAD else ()
+    assert switches.offload is bool(offload)
+    assert switches.features == (
+        Feature.FRAMEWORK,
+        Feature.MODEL_COMPAT,
+        Feature.HISPARSE,
+        *offload,
+    )
 
 
 def test_prefix_cache_budget_and_entries_parse() -> None:
@@ -230,6 +238,45 @@ def test_double_sparsity_switches_take_the_library_defaults() -> None:
 def test_a_malformed_double_sparsity_switch_is_named(
     env: dict[str, str], fragments: list[str]
 ) -> None:
+    with pytest.raises(SwitchError) as caught:
+        parse_switches(env)
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+
+
+def test_ds_offload_turns_on_the_offload_feature_and_allows_verification() -> None:
+    switches = parse_switches(
+        {DS: "c.json", "SGLANG_QSA_DS_OFFLOAD": "1", "SGLANG_QSA_HISPARSE_VERIFY": "1"}
+    )
+    assert switches.double_sparsity is not None
+    assert switches.double_sparsity.offload
+    assert switches.offload
+    assert switches.verify_offload
+    assert switches.features == (Feature.FRAMEWORK, Feature.OFFLOAD, Feature.DOUBLE_SPARSITY)
+    resident = parse_switches({DS: "c.json", "SGLANG_QSA_DS_OFFLOAD": "0"})
+    assert resident.double_sparsity is not None
+    assert not resident.double_sparsity.offload
+    assert not resident.offload
+
+
+@pytest.mark.parametrize(
+    ("env", "fragments"),
+    [
+        (
+            {DS: "c.json", "SGLANG_QSA_DS_OFFLOAD": "yes"},
+            ["SGLANG_QSA_DS_OFFLOAD='yes' is not allowed", "unset, '0', '1'"],
+        ),
+        (
+            {"SGLANG_QSA_DS_OFFLOAD": "1"},
+            ["SGLANG_QSA_DS_OFFLOAD set without SGLANG_QSA_DS_CHANNEL_CONFIG"],
+        ),
+        (
+            {DS: "c.json", "SGLANG_QSA_HISPARSE_VERIFY": "1"},
+            ["SGLANG_QSA_HISPARSE_VERIFY='1' checks the offload", "SGLANG_QSA_DS_OFFLOAD='1'"],
+        ),
+    ],
+)
+def test_a_malformed_ds_offload_switch_is_named(env: dict[str, str], fragments: list[str]) -> None:
     with pytest.raises(SwitchError) as caught:
         parse_switches(env)
     for fragment in fragments:

@@ -17,6 +17,7 @@ from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import (
     DS_ATTENTION_BACKEND,
     ENV_DS_CHANNEL_CONFIG,
+    ENV_DS_OFFLOAD,
     RADIX_CACHE_BACKEND,
     DoubleSparsitySwitches,
     Feature,
@@ -71,6 +72,7 @@ class ConfigFacts:
             chunking).
         attention_backend: ``--attention-backend`` after resolution (None = SGLang chooses).
         tp_size: ``--tp-size``.
+        decode_cuda_graph: decode runs in CUDA graphs (on CUDA without ``--disable-cuda-graph``).
     """
 
     architectures: tuple[str, ...]
@@ -94,6 +96,7 @@ class ConfigFacts:
     chunked_prefill_size: int | None = None
     attention_backend: str | None = None
     tp_size: int = 1
+    decode_cuda_graph: bool = False
 
 
 #: The features that serve a QSA checkpoint (double sparsity serves models without QSA layers).
@@ -115,7 +118,10 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
     ``--prefill-max-requests 1`` (one staged prompt) and, on CUDA, prefill CUDA graphs off
     (``--cuda-graph-backend-prefill disabled``; decode graphs are supported); with the host
-    prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size.
+    prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size. With
+    double sparsity: ``--attention-backend qsa_ds`` on a GQA model without QSA layers that the
+    channel file fits; with DS-Offload also the serving and offload rules above and decode CUDA
+    graphs off.
 
     Returns:
         The model's QSA profile, or None when every switch is off (nothing is checked).
@@ -126,6 +132,10 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     features = switches.features
     if switches.double_sparsity is not None:
         _check_double_sparsity(facts, switches.double_sparsity)
+        if switches.double_sparsity.offload:
+            _check_serving(facts)
+            _check_offload(facts)
+            _check_ds_offload(facts)
     if not _QSA_FEATURES.intersection(features):
         return None
     if facts.architectures != (SUPPORTED_ARCHITECTURE,):
@@ -164,7 +174,7 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
             "'auto' takes the model dtype, and the QSA kernels store K/V as bf16 or fp8 e4m3",
         )
     if Feature.HISPARSE in features:
-        _check_hisparse(facts)
+        _check_serving(facts)
     if switches.hisparse is HiSparseMode.P2_OFFLOAD:
         _check_offload(facts)
     if switches.prefix_cache_mb > 0:
@@ -271,7 +281,11 @@ def ds_geometry(text_config: Mapping[str, Any]) -> tuple[int, int, int, int]:
     return int(text_config["num_hidden_layers"]), heads, kv_heads, head_dim
 
 
-def _check_hisparse(facts: ConfigFacts) -> None:
+def _check_serving(facts: ConfigFacts) -> None:
+    """The scheduling an offload runtime needs.
+
+    One scheduler group, one token per request and step, the plugin's tree cache, no overlap.
+    """
     why_ranks = "the offload runtime keeps one set of leases per TP rank of one scheduler group"
     if facts.pp_size != 1:
         raise _reject("--pp-size", facts.pp_size, "1", why_ranks)
@@ -357,6 +371,16 @@ def _check_offload(facts: ConfigFacts) -> None:
         )
 
 
+def _check_ds_offload(facts: ConfigFacts) -> None:
+    if facts.decode_cuda_graph:
+        raise _reject(
+            "--disable-cuda-graph",
+            False,
+            "set (decode CUDA graphs off)",
+            f"DS-Offload ({ENV_DS_OFFLOAD}=1) reads each decode step's fetch width on the host",
+        )
+
+
 def _check_prefix_cache(facts: ConfigFacts) -> None:
     chunk = facts.chunked_prefill_size
     if chunk is not None and chunk > 0 and chunk % facts.page_size:
@@ -427,6 +451,7 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         else int(cfg.chunked_prefill_size),
         attention_backend=None if cfg.attention_backend is None else str(cfg.attention_backend),
         tp_size=int(cfg.tp_size),
+        decode_cuda_graph=str(cfg.device) == "cuda" and not bool(cfg.disable_cuda_graph),
     )
 
 

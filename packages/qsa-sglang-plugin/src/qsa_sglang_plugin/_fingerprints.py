@@ -91,7 +91,7 @@ def pinned_modules(
     specs: Iterable[HookSpec], registrations: Iterable[RegistrySpec] = ()
 ) -> frozenset[str]:
     """The SGLang modules whose bytes the plugin depends on: hook targets' and registrations'."""
-    return frozenset(s.module for s in specs) | frozenset(
+    return frozenset(m for s in specs for m in (s.module, *s.relies_on)) | frozenset(
         m for r in registrations for m in r.relies_on
     )
 

@@ -52,6 +52,8 @@ class HookSpec:
         feature: the feature that registers this hook.
         hook: ``"package.module:function"`` of the hook callable in this package.
         reason: why the hook exists and why nothing narrower fits.
+        relies_on: other SGLang modules whose definitions the hook's code subclasses or reads;
+            the fingerprint manifest pins them like the target's module.
     """
 
     module: str
@@ -60,6 +62,7 @@ class HookSpec:
     feature: Feature
     hook: str
     reason: str
+    relies_on: tuple[str, ...] = ()
 
     @property
     def target(self) -> str:
@@ -110,19 +113,24 @@ HOOKS: tuple[HookSpec, ...] = (
             "reach it: for hybrid GDN+QSA models the wrapper builds QwenSparseAttnBackend itself, "
             "whatever --attention-backend says."
         ),
+        relies_on=(
+            "sglang.srt.layers.attention.qwen_sparse_attn_backend",
+            "sglang.srt.mem_cache.qsa_kv_pool",
+        ),
     ),
     HookSpec(
-        module="sglang.srt.mem_cache.qsa_kv_pool",
-        qualname="QSATokenToKVPool.__init__",
-        kind=HookKind.BEFORE,
-        feature=Feature.HISPARSE,
-        hook="qsa_sglang_plugin._adapters._offload:before_qsa_pool_init",
+        module="sglang.srt.mem_cache.kv_cache_configurator",
+        qualname="KVCacheConfigurator._resolve_kv_pool_class",
+        kind=HookKind.AFTER,
+        feature=Feature.OFFLOAD,
+        hook="qsa_sglang_plugin._adapters._kv_pool:after_resolve_kv_pool_class",
         reason=(
-            "With p2-offload, give the QSA pool a one-page full-KV pool (its full_kv_pool_class "
-            "keyword): the K/V lives in staging, hot caches, tails and the host arena. The "
-            "platform seam for pool classes (get_kv_pool_cls) is open to out-of-tree platforms "
-            "only."
+            "With an offload (p2-offload, DS-Offload), the attention layers' MHA pool class (also "
+            "the full-KV leaf of the QSA pool) becomes a one-page pool: the K/V lives in staging, "
+            "hot caches, tails and the host arena. The platform seam for pool classes "
+            "(get_kv_pool_cls) is open to out-of-tree platforms only."
         ),
+        relies_on=("sglang.srt.mem_cache.memory_pool",),
     ),
     HookSpec(
         module="sglang.srt.model_executor.pool_configurator",
@@ -185,7 +193,7 @@ REGISTRATIONS: tuple[RegistrySpec, ...] = (
     RegistrySpec(
         registry=Registry.RADIX_CACHE_BACKEND,
         name=RADIX_CACHE_BACKEND,
-        feature=Feature.HISPARSE,
+        feature=Feature.OFFLOAD,
         factory="qsa_sglang_plugin._adapters._lifecycle:radix_cache_factory",
         reason=(
             "Sees every request's row allocation, chunk and prompt ends, and release (finish, "

@@ -21,6 +21,7 @@ __all__ = (
     "ENV_DS_CHANNEL_TYPE",
     "ENV_DS_HEAVY_CHANNELS",
     "ENV_DS_HEAVY_TOKENS",
+    "ENV_DS_OFFLOAD",
     "ENV_DS_THRESHOLD",
     "ENV_HISPARSE_V3",
     "ENV_HISPARSE_VERIFY",
@@ -55,6 +56,9 @@ ENV_DS_HEAVY_CHANNELS: Final = "SGLANG_QSA_DS_HEAVY_CHANNELS"
 ENV_DS_HEAVY_TOKENS: Final = "SGLANG_QSA_DS_HEAVY_TOKENS"
 ENV_DS_CHANNEL_TYPE: Final = "SGLANG_QSA_DS_CHANNEL_TYPE"
 ENV_DS_THRESHOLD: Final = "SGLANG_QSA_DS_THRESHOLD"
+#: ``1``: DS-Offload, the attention layers' K/V history in pinned host memory (labels and hot
+#: caches on the GPU), as ``p2-offload`` does for QSA layers.
+ENV_DS_OFFLOAD: Final = "SGLANG_QSA_DS_OFFLOAD"
 #: The attention backend double sparsity registers, the value ``--attention-backend`` takes.
 DS_ATTENTION_BACKEND: Final = "qsa_ds"
 #: Directory for per-process activation records; the launcher sets it.
@@ -90,6 +94,9 @@ class Feature(enum.StrEnum):
     FRAMEWORK = "framework"
     MODEL_COMPAT = "model_compat"
     HISPARSE = "hisparse"
+    OFFLOAD = "offload"
+    """K/V history in pinned host memory (``p2-offload`` or DS-Offload): the request lifecycle's
+    radix-cache backend and the attention layers' one-page K/V pool."""
     PREFIX_CACHE = "prefix_cache"
     DOUBLE_SPARSITY = "double_sparsity"
 
@@ -104,6 +111,7 @@ class DoubleSparsitySwitches:
         heavy_token_num: tokens attended per (request, KV head).
         heavy_channel_type: ``q``, ``k`` or ``qk``.
         sparse_decode_threshold: contexts shorter than this decode densely.
+        offload: DS-Offload (``SGLANG_QSA_DS_OFFLOAD=1``): the K/V history in pinned host memory.
     """
 
     channel_config: str
@@ -111,6 +119,7 @@ class DoubleSparsitySwitches:
     heavy_token_num: int
     heavy_channel_type: str
     sparse_decode_threshold: int
+    offload: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +131,8 @@ class Switches:
         hisparse: the ``SGLANG_QSA_HISPARSE_V3`` mode, or None when unset.
         prefix_cache_mb: host prefix-cache budget per TP rank in MiB (2**20 bytes); 0 = off.
         prefix_cache_max_entries: retained plus pending checkpoints per TP rank.
-        verify_offload: ``SGLANG_QSA_HISPARSE_VERIFY=1`` (p2-offload only): a resident copy of
-            every offloaded token's K/V on the GPU, compared byte for byte with the host arena
+        verify_offload: ``SGLANG_QSA_HISPARSE_VERIFY=1`` (with an offload only): a resident copy
+            of every offloaded token's K/V on the GPU, compared byte for byte with the host arena
             and tail when the request gives its row back. A diagnostic that costs the GPU
             memory offload saves.
     """
@@ -146,6 +155,13 @@ class Switches:
         )
 
     @property
+    def offload(self) -> bool:
+        """The K/V history lives in host memory: ``p2-offload`` (QSA) or DS-Offload."""
+        return self.hisparse is HiSparseMode.P2_OFFLOAD or (
+            self.double_sparsity is not None and self.double_sparsity.offload
+        )
+
+    @property
     def prefix_cache_bytes(self) -> int:
         """Prefix-cache budget per TP rank in bytes (0 when off)."""
         return self.prefix_cache_mb * (1 << 20)
@@ -160,6 +176,8 @@ class Switches:
             out.append(Feature.MODEL_COMPAT)
         if self.hisparse is not None:
             out.append(Feature.HISPARSE)
+        if self.offload:
+            out.append(Feature.OFFLOAD)
         if self.prefix_cache_mb > 0:
             out.append(Feature.PREFIX_CACHE)
         if self.double_sparsity is not None:
@@ -239,13 +257,6 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         msg = f"{ENV_HISPARSE_VERIFY}={raw_verify!r} is not allowed; allowed: unset, '0', '1'"
         raise SwitchError(msg)
     verify_offload = raw_verify == "1"
-    if verify_offload and hisparse is not HiSparseMode.P2_OFFLOAD:
-        msg = (
-            f"{ENV_HISPARSE_VERIFY}='1' checks the offload and requires "
-            f"{ENV_HISPARSE_V3}={HiSparseMode.P2_OFFLOAD.value!r}, "
-            f"got {ENV_HISPARSE_V3}={raw_mode!r}"
-        )
-        raise SwitchError(msg)
     if prefix_cache_mb > 0 and hisparse is not HiSparseMode.P2_OFFLOAD:
         # Resident QSA has upstream's HiCache for host prefix caching; this one checkpoints
         # the offload staging area.
@@ -262,6 +273,14 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             f"{ENV_DS_CHANNEL_CONFIG}={double_sparsity.channel_config!r} serves models without "
             f"QSA layers and cannot be combined with {ENV_MODEL_COMPAT}={raw_compat!r} or "
             f"{ENV_HISPARSE_V3}={raw_mode!r}; unset one side"
+        )
+        raise SwitchError(msg)
+    ds_offload = double_sparsity is not None and double_sparsity.offload
+    if verify_offload and not (hisparse is HiSparseMode.P2_OFFLOAD or ds_offload):
+        msg = (
+            f"{ENV_HISPARSE_VERIFY}='1' checks the offload and requires "
+            f"{ENV_HISPARSE_V3}={HiSparseMode.P2_OFFLOAD.value!r} or {ENV_DS_OFFLOAD}='1', "
+            f"got {ENV_HISPARSE_V3}={raw_mode!r}"
         )
         raise SwitchError(msg)
     return Switches(
@@ -284,7 +303,13 @@ def _parse_double_sparsity(environ: Mapping[str, str]) -> DoubleSparsitySwitches
     The defaults and the allowed channel types are the library's (imported only when a
     ``SGLANG_QSA_DS_*`` variable is set).
     """
-    names = (ENV_DS_HEAVY_CHANNELS, ENV_DS_HEAVY_TOKENS, ENV_DS_CHANNEL_TYPE, ENV_DS_THRESHOLD)
+    names = (
+        ENV_DS_HEAVY_CHANNELS,
+        ENV_DS_HEAVY_TOKENS,
+        ENV_DS_CHANNEL_TYPE,
+        ENV_DS_THRESHOLD,
+        ENV_DS_OFFLOAD,
+    )
     path = environ.get(ENV_DS_CHANNEL_CONFIG, "")
     if not path:
         stray = [n for n in names if environ.get(n, "")]
@@ -312,6 +337,10 @@ def _parse_double_sparsity(environ: Mapping[str, str]) -> DoubleSparsitySwitches
             f"{', '.join(repr(t) for t in allowed_types)}"
         )
         raise SwitchError(msg)
+    raw_offload = environ.get(ENV_DS_OFFLOAD, "")
+    if raw_offload not in ("", "0", "1"):
+        msg = f"{ENV_DS_OFFLOAD}={raw_offload!r} is not allowed; allowed: unset, '0', '1'"
+        raise SwitchError(msg)
     return DoubleSparsitySwitches(
         channel_config=path,
         heavy_channel_num=number(
@@ -322,6 +351,7 @@ def _parse_double_sparsity(environ: Mapping[str, str]) -> DoubleSparsitySwitches
         sparse_decode_threshold=number(
             ENV_DS_THRESHOLD, defaults.sparse_decode_threshold, zero_allowed=True
         ),
+        offload=raw_offload == "1",
     )
 
 

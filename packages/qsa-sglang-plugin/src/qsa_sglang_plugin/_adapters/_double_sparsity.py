@@ -26,6 +26,17 @@ bytes, 12.5 % at 32 of 128 channels): :func:`price_label_cache` adds them to the
 of a token in SGLang's pool sizing, so the pool and the labels together fit the budget SGLang
 computed for the pool alone.
 
+**DS-Offload** (``SGLANG_QSA_DS_OFFLOAD=1``): the K/V history lives in pinned host memory, as
+``p2-offload`` keeps it for QSA layers, through the same runtime (:class:`._offload.OffloadRuntime`:
+one prompt's staging area, per-request hot caches and open-block tails, the host arena) and the
+same lifecycle (the ``qsa_hisparse`` tree cache); SGLang's K/V pool holds one page
+(:mod:`._kv_pool`) and a token costs only its labels in pool sizing. Prefill writes the chunk to
+the staging area and the dense backend attends over it (its K/V pool seen as the staging area,
+token ``t`` at row ``t``: :class:`_StagedPrefill`); every decode row, dense or sparse, chooses its
+tokens per KV head (:func:`qsa_kernels.double_sparsity.ds_positions`: all of them for a dense
+row) and attends them through :meth:`OffloadRuntime.decode_tokens`, which fetches the blocks
+that hold them. Eager only: each step reads its fetch width on the host.
+
 Limits of this backend today: one TP rank, no speculative decoding (start-up refuses both).
 """
 
@@ -35,13 +46,22 @@ import copy
 import dataclasses
 import enum
 import logging
+import math
 from typing import Any
 
 import torch
 
+from qsa_kernels import BLOCK_TOKENS
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
+from qsa_sglang_plugin._adapters._offload import (
+    OffloadLayout,
+    OffloadRuntime,
+    fixed_device_bytes,
+    offload_geometry,
+    runtime_of,
+)
 from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
-from qsa_sglang_plugin._errors import AdapterError
+from qsa_sglang_plugin._errors import AdapterError, ConfigurationError
 from qsa_sglang_plugin._switches import (
     ENV_DS_CHANNEL_CONFIG,
     DoubleSparsitySwitches,
@@ -52,6 +72,7 @@ __all__ = (
     "DecodePath",
     "StepMode",
     "create_backend",
+    "ds_offload_layout",
     "label_bytes_per_token",
     "label_dtype",
     "price_label_cache",
@@ -96,18 +117,94 @@ def label_bytes_per_token(
 
 
 def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitches) -> None:
-    """Add a token slot's label rows to the price of a token (``DefaultPoolConfigurator``)."""
-    layers, _, _, _ = ds_geometry(kvc.model_config.hf_text_config.to_dict())
-    kv_heads = int(kvc.model_config.get_num_kv_heads(1))
-    per_token = label_bytes_per_token(layers, kv_heads, switches, kvc.kv_cache_dtype)
-    before = int(configurator._cell_size)
-    configurator._cell_size = before + per_token
-    logger.info(
-        "qsa_ds: pool sizing charges %d B per token (%d B of K/V and %d B of labels)",
-        before + per_token,
-        before,
-        per_token,
+    """Price a token slot in SGLang's pool sizing (``DefaultPoolConfigurator``).
+
+    Its label rows beside its K/V; with DS-Offload its label rows alone, and the offload's device
+    buffers (staging, hot caches, tails, tables) as fixed overhead.
+    """
+    model_config = kvc.model_config
+    text_config = model_config.hf_text_config.to_dict()
+    layers, _, _, _ = ds_geometry(text_config)
+    kv_heads = int(model_config.get_num_kv_heads(1))
+    labels = label_bytes_per_token(layers, kv_heads, switches, kvc.kv_cache_dtype)
+    kv = int(configurator._cell_size)
+    if not switches.offload:
+        configurator._cell_size = kv + labels
+        logger.info(
+            "qsa_ds: pool sizing charges %d B per token (%d B of K/V and %d B of labels)",
+            kv + labels,
+            kv,
+            labels,
+        )
+        return
+    rows = kvc.server_args.max_running_requests
+    if rows is None:
+        msg = "DS-Offload sizes its host arena by --max-running-requests; give one"
+        raise ConfigurationError(msg)
+    geometry = _ds_offload_geometry(
+        text_config,
+        switches,
+        rows=int(rows),
+        context_len=int(model_config.context_len),
+        kv_heads=kv_heads,
+        dtype=kvc.kv_cache_dtype,
     )
+    fixed = fixed_device_bytes(geometry, verify=current_switches().verify_offload)
+    configurator._cell_size = labels
+    configurator._fixed_overhead_bytes += fixed
+    logger.info(
+        "qsa_ds: DS-Offload: pool sizing charges %d B per token of labels (was %d B of K/V and "
+        "%d B of labels) plus %.1f MiB fixed (staging, hot caches, tails, tables)",
+        labels,
+        kv,
+        labels,
+        fixed / (1 << 20),
+    )
+
+
+def _ds_offload_geometry(
+    text_config: Any,
+    switches: DoubleSparsitySwitches,
+    *,
+    rows: int,
+    context_len: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+) -> Any:
+    """DS-Offload's ``OffloadGeometry``.
+
+    Every attention layer, and hot caches that hold the blocks one step may read
+    (:meth:`DSConfig.hot_blocks`, at most a whole context).
+    """
+    layers, _, _, head_dim = ds_geometry(text_config)
+    hot = min(ds_config(switches).hot_blocks(kv_heads), math.ceil(context_len / BLOCK_TOKENS))
+    return offload_geometry(
+        layers=layers,
+        rows=rows,
+        context_len=context_len,
+        hot_slots=hot,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+
+
+def ds_offload_layout(runner: Any) -> OffloadLayout:
+    """The offload of a double-sparsity model's runner: every attention layer, by layer id."""
+    switches = current_switches().double_sparsity
+    if switches is None:
+        msg = f"DS-Offload needs {ENV_DS_CHANNEL_CONFIG}; it is not set"
+        raise AdapterError(msg)
+    pool = runner.token_to_kv_pool
+    geometry = _ds_offload_geometry(
+        runner.model_config.hf_text_config.to_dict(),
+        switches,
+        rows=int(runner.req_to_token_pool.size),
+        context_len=int(runner.model_config.context_len),
+        kv_heads=int(pool.head_num),
+        dtype=pool.dtype,  # the logical dtype
+    )
+    return OffloadLayout(geometry, {i: i for i in range(geometry.layers)}, None)
 
 
 def create_backend(runner: Any) -> Any:
@@ -137,17 +234,18 @@ def create_backend(runner: Any) -> Any:
     layers, _, _, head_dim = ds_geometry(text_config)
     channels = ds_channels(switches, text_config)
     pool = runner.token_to_kv_pool
-    keys = pool.get_key_buffer(0)
+    slots = int(pool.size) + int(pool.page_size)  # the pool's token slots, its padding page too
     labels = LabelCache(
         channels.channels,
         rows=1,
-        max_tokens=int(keys.shape[0]),
-        dtype=label_dtype(keys.dtype),
-        device=keys.device,
+        max_tokens=slots,
+        dtype=label_dtype(pool.dtype),
+        device=device,
     )
+    offload = runtime_of(runner) if switches.offload else None
     logger.info(
         "qsa_ds: %d heavy channels of %d, %d heavy tokens, dense below %d tokens; label cache "
-        "%d layers x %d slots (%.1f MiB) over %s",
+        "%d layers x %d slots (%.1f MiB) over %s%s",
         config.heavy_channel_num,
         head_dim,
         config.heavy_token_num,
@@ -156,8 +254,96 @@ def create_backend(runner: Any) -> Any:
         labels.max_tokens,
         labels.buffer.numel() * labels.buffer.element_size() / (1 << 20),
         dense_name,
+        "; DS-Offload: K/V in the host arena" if offload is not None else "",
     )
-    return DoubleSparsityBackend(dense, labels, config, runner, tp_rank=int(get_parallel().tp_rank))
+    return DoubleSparsityBackend(
+        dense,
+        labels,
+        config,
+        runner,
+        tp_rank=int(get_parallel().tp_rank),
+        offload=offload,
+        dense_name=dense_name,
+    )
+
+
+class _StagingKV:
+    """SGLang's K/V-pool reads over the offload's staging area.
+
+    Token ``t`` of the staged prompt is row ``t`` of every layer's buffers: what the dense
+    backend's prefill reads.
+    """
+
+    def __init__(self, runtime: OffloadRuntime) -> None:
+        self._runtime = runtime
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._runtime.staging_layer(layer_id)[0]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._runtime.staging_layer(layer_id)[1]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._runtime.staging_layer(layer_id)
+
+    def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+        msg = "DS-Offload stages a prefill chunk through the offload runtime, not the K/V pool"
+        raise AdapterError(msg)
+
+
+class _StagedPrefill:
+    """The dense backend's prefill over the staging area (one prompt at a time).
+
+    Its K/V pool becomes :class:`_StagingKV`, and where it reads prefix tokens by SGLang's slots,
+    it reads them by position instead.
+
+    ``torch_native`` reads ``req_to_token[req_pool_idx, :seq_len]``: it gets a one-row table of
+    positions and the batch's one request at row 0. ``triton`` reads its metadata's
+    ``kv_indices``: after SGLang's metadata is built, the prefix's slots become ``0 .. prefix -
+    1``. The kernels and their arguments are otherwise upstream's, so a chunk attends exactly as
+    in a resident engine.
+    """
+
+    def __init__(self, dense: Any, dense_name: str, runtime: OffloadRuntime) -> None:
+        if dense_name not in DENSE_BACKENDS.values():
+            allowed = sorted(DENSE_BACKENDS.values())
+            msg = f"DS-Offload stages prefill for {allowed!r}; got {dense_name!r}"
+            raise AdapterError(msg)
+        self._dense = dense
+        self._name = dense_name
+        g = runtime.kv.geometry
+        dense.token_to_kv_pool = _StagingKV(runtime)
+        if dense_name == DENSE_BACKENDS["cpu"]:
+            positions = torch.arange(g.max_tokens, dtype=torch.int32, device=runtime.kv.device)
+            dense.req_to_token_pool = _PositionTable(positions.unsqueeze(0))
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        self._dense.init_forward_metadata(forward_batch)
+        if self._name == DENSE_BACKENDS["cuda"]:
+            meta = self._dense.forward_metadata
+            prefix = int(forward_batch.extend_prefix_lens_cpu[0])
+            slots = meta.kv_indices
+            positions = torch.arange(prefix, dtype=slots.dtype, device=slots.device)
+            self._dense.forward_metadata = dataclasses.replace(meta, kv_indices=positions)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any
+    ) -> torch.Tensor:
+        if self._name == DENSE_BACKENDS["cpu"]:
+            forward_batch = copy.copy(forward_batch)
+            forward_batch.req_pool_indices = torch.zeros_like(forward_batch.req_pool_indices)
+        out: torch.Tensor = self._dense.forward_extend(
+            q, k, v, layer, forward_batch, save_kv_cache=False
+        )
+        return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PositionTable:
+    """A ``ReqToTokenPool`` stand-in whose one row maps each position to itself."""
+
+    req_to_token: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -199,12 +385,24 @@ class DoubleSparsityBackend:
         config: the double-sparsity options.
         runner: SGLang's ``ModelRunner`` (its pools).
         tp_rank: this rank, for the metrics' labels.
+        offload: DS-Offload's runtime (the K/V in the host arena), or None for resident K/V.
+        dense_name: the dense backend's registry name (how DS-Offload stages its prefill).
     """
 
     def __init__(
-        self, dense: Any, labels: Any, config: Any, runner: Any, *, tp_rank: int = 0
+        self,
+        dense: Any,
+        labels: Any,
+        config: Any,
+        runner: Any,
+        *,
+        tp_rank: int = 0,
+        offload: OffloadRuntime | None = None,
+        dense_name: str = DENSE_BACKENDS["cpu"],
     ) -> None:
         self.dense = dense
+        self._offload = offload
+        self._prefill = None if offload is None else _StagedPrefill(dense, dense_name, offload)
         self._labels = labels
         self._config = config
         self._kv_pool = runner.token_to_kv_pool
@@ -238,14 +436,24 @@ class DoubleSparsityBackend:
 
         The host sequence lengths, which rows are dense and, for a batch with a sparse row, its
         ``req_to_token`` rows are the same in every layer: decided here, counted once per step.
+        With DS-Offload the step is planned in the offload runtime (a prompt that starts
+        decoding moves to the host arena) and every batch takes the double-sparsity path; a
+        prefill's metadata is the dense backend's over the staging area.
         """
-        self.dense.init_forward_metadata(forward_batch)
         self._step = None
         self._graph = None
-        if not forward_batch.forward_mode.is_decode():
+        decode = forward_batch.forward_mode.is_decode()
+        if self._prefill is not None and not decode:
+            self._prefill.init_forward_metadata(forward_batch)
+            return
+        if self._offload is None:
+            self.dense.init_forward_metadata(forward_batch)
+        if not decode:
             return
         lengths = [int(n) for n in _host_seq_lens(forward_batch)]
-        if self._count(lengths, StepMode.EAGER) < len(lengths):
+        if self._offload is not None:
+            self._offload.begin_decode(forward_batch)  # every row decodes from the host arena
+        if self._count(lengths, StepMode.EAGER) < len(lengths) or self._offload is not None:
             rows = self._req_to_token[forward_batch.req_pool_indices, : max(lengths)]
             self._step = _SparseStep(lengths, rows)
 
@@ -341,7 +549,18 @@ class DoubleSparsityBackend:
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Dense prefill as upstream, then the labels of the new keys."""
+        """Dense prefill as upstream, then the labels of the new keys.
+
+        With DS-Offload the chunk goes to the staging area first and the dense backend attends
+        over the staged prompt (:class:`_StagedPrefill`).
+        """
+        if self._offload is not None and self._prefill is not None:
+            if k is None or v is None:
+                msg = "DS-Offload stages every prefill chunk's K/V; the layer gave none"
+                raise AdapterError(msg)
+            self._write_labels(layer, forward_batch, k)
+            self._offload.stage(layer.layer_id, k, v, forward_batch)
+            return self._prefill.forward_extend(q, k, v, layer, forward_batch)
         out: torch.Tensor = self.dense.forward_extend(
             q, k, v, layer, forward_batch, save_kv_cache, **kwargs
         )
@@ -364,6 +583,8 @@ class DoubleSparsityBackend:
         from qsa_kernels.double_sparsity import ds_decode_split, ds_decode_split_reference
 
         self._write_labels(layer, forward_batch, k)
+        if self._offload is not None:
+            return self._offloaded_decode(q, k, v, layer)
         if self._graph is not None:
             return self._captured_decode(
                 self._graph, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
@@ -391,6 +612,30 @@ class DoubleSparsityBackend:
             scale=float(layer.scaling),
         )
         return result.out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
+
+    def _offloaded_decode(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any
+    ) -> torch.Tensor:
+        """DS-Offload: every row's chosen tokens per KV head, attended from the host arena."""
+        from qsa_kernels.double_sparsity import ds_positions
+
+        step, runtime = self._step, self._offload
+        if step is None or runtime is None or k is None or v is None:
+            msg = "qsa_ds: an offloaded decode needs its step planned and the new token's K/V"
+            raise AdapterError(msg)
+        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+        queries = q.reshape(-1, heads, dim).to(torch.bfloat16)
+        positions = ds_positions(
+            queries,
+            self._labels.layer(layer.layer_id),
+            self._labels.channels[layer.layer_id],
+            step.req_to_token,
+            step.lengths,
+            config=self._config,
+            reference=self._reference,
+        )
+        out = runtime.decode_tokens(layer.layer_id, queries, k, v, positions, float(layer.scaling))
+        return out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
 
     def _captured_decode(  # noqa: PLR0917
         self,

@@ -23,7 +23,7 @@ from qsa_core import LeaseHandle, LeaseState, LeaseTable
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._offload import OffloadRuntime, runtime_of
 from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime, build_prefix_cache
-from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND, HiSparseMode, current_switches
+from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND, current_switches
 
 __all__ = ("LeaseOutcome", "radix_cache_factory")
 
@@ -79,7 +79,7 @@ def _cache_class() -> type[Any]:
 
             slots = int(self.req_to_token_pool.size)
             self.qsa_leases = LeaseTable(slots)
-            self.qsa_offload: OffloadRuntime | None = None  # set by the factory under p2-offload
+            self.qsa_offload: OffloadRuntime | None = None  # set by the factory with an offload
             self.qsa_prefix: PrefixCacheRuntime | None = None  # set with the prefix cache on
             self._qsa_by_rid: dict[str, LeaseHandle] = {}
             self._qsa_metrics = _Metrics(int(get_parallel().tp_rank))
@@ -208,9 +208,9 @@ def radix_cache_factory(ctx: Any) -> Any:
 
     cache = create_unified_radix_cache(ctx, cache_class=_cache_class())
     switches = current_switches()
-    if switches.hisparse is HiSparseMode.P2_OFFLOAD:
+    if switches.offload:  # p2-offload or DS-Offload: one runtime per model runner
         cache.qsa_offload = runtime_of(ctx.tp_worker.model_runner)
-        if switches.prefix_cache_mb > 0:
+        if switches.prefix_cache_mb > 0:  # p2-offload only (the switches refuse it otherwise)
             cache.qsa_prefix = build_prefix_cache(
                 ctx,
                 cache,

@@ -8,8 +8,8 @@ Two SGLang objects meet one :class:`OffloadRuntime` per model runner:
   over the staged prompt); decode appends each layer's new token to the row's open-block tail,
   writes a block that closes to the host arena, fetches the indexer's selected blocks that miss the
   hot cache, and attends over hot cache and tail (:class:`qsa_kernels.offload.OffloadedKV`).
-  Nothing reads or writes SGLang's full-KV pool, which the BEFORE hook on
-  ``QSATokenToKVPool.__init__`` makes a one-page stub, and the AFTER hook on
+  Nothing reads or writes SGLang's full-KV pool, which the AFTER hook on SGLang's pool-class
+  resolution makes a one-page stub (:mod:`._kv_pool`), and the AFTER hook on
   ``DefaultPoolConfigurator.__init__`` sizes the pools for the compressed index alone, with
   staging, hot caches, tails and tables as fixed overhead: SGLang admits as many more tokens as
   the K/V bytes it no longer holds.
@@ -40,6 +40,7 @@ Prometheus endpoint, and a log line with the hot-cache hit rate every :data:`LOG
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -56,10 +57,11 @@ from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
 
 __all__ = (
     "LOG_EVERY_STEPS",
+    "OffloadLayout",
     "OffloadRuntime",
     "after_attn_backend_wrapper",
-    "before_qsa_pool_init",
     "fixed_device_bytes",
+    "offload_geometry",
     "price_offloaded_pool",
     "runtime_of",
 )
@@ -114,7 +116,8 @@ class OffloadRuntime:
     Args:
         kv: the rows, hot caches, tails and host arena.
         layer_ordinal: SGLang layer id of each QSA layer -> its index in ``kv`` (``[0, L)``).
-        block_topk: width of the indexer's block selection (512 for Qwen3.8-Flash-Next).
+        block_topk: width of the QSA indexer's block selection (512 for Qwen3.8-Flash-Next);
+            None where tokens are chosen per KV head instead (double sparsity).
         tp_rank: the TP rank, for the metrics' labels.
         verify: keep a resident copy of every row's K/V and compare the row with it on release.
     """
@@ -123,7 +126,7 @@ class OffloadRuntime:
         self,
         kv: OffloadedKV,
         layer_ordinal: Mapping[int, int],
-        block_topk: int,
+        block_topk: int | None,
         tp_rank: int,
         *,
         verify: bool = False,
@@ -202,6 +205,15 @@ class OffloadRuntime:
             )
             raise OffloadRuntimeError(msg)
         return self._layer_views(tokens)
+
+    def staging_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole staging area of one layer: ``[T_max, Hkv, D]`` K and V.
+
+        Row ``t`` holds the staged prompt's token ``t``: what a dense prefill kernel reads as its
+        K/V pool.
+        """
+        ordinal = self._ordinal_of(layer_id)
+        return self.staging_k[ordinal], self.staging_v[ordinal]
 
     def stage_prefix(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Give the staging area to ``row``, whose first ``tokens`` tokens come from elsewhere.
@@ -355,6 +367,64 @@ class OffloadRuntime:
         Returns:
             ``[B, Hq * D]`` attention output, in ``q``'s dtype.
         """
+        ordinal = self._append(layer_id, k, v)
+        blocks = self._complete_blocks(indices)
+        self._count_blocks(ordinal, blocks)
+        out, _lse = self.kv.attend(
+            ordinal,
+            self._rows,
+            q.reshape(len(self._rows), -1, self.kv.geometry.head_dim),
+            blocks,
+            scale=scale,
+        )
+        return out.reshape(len(self._rows), -1).to(q.dtype)
+
+    def decode_tokens(  # noqa: PLR0917 (decode_layer's order)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One attention layer of the planned (eager) decode step over chosen tokens per KV head.
+
+        Double sparsity's form of :meth:`decode_layer`: the new token goes to the tail (a block it
+        closes to the host arena), then each KV head attends the tokens it chose, whose blocks
+        are fetched into the hot cache (:meth:`OffloadedKV.token_blocks`, one host read).
+
+        Args:
+            layer_id: SGLang's layer id.
+            q: ``[B, Hq * D]`` (or ``[B, Hq, D]``) bf16 queries.
+            k: ``[B, Hkv * D]`` the new token's keys.
+            v: ``[B, Hkv * D]`` its values.
+            positions: ``[B, Hkv, W]`` int32 token positions each (row, KV head) attends, ``-1``
+                padded, the new token's among them where chosen.
+            scale: softmax scale.
+
+        Returns:
+            ``[B, Hq * D]`` attention output, in ``q``'s dtype.
+        """
+        ordinal = self._append(layer_id, k, v)
+        rows = self._rows
+        try:
+            blocks = self.kv.token_blocks(rows, positions)
+        except KernelInputError as exc:
+            raise OffloadRuntimeError(f"layer {layer_id!r}: {exc}") from exc
+        self._count_blocks(ordinal, blocks)
+        out, _lse = self.kv.attend_tokens(
+            ordinal,
+            rows,
+            q.reshape(len(rows), -1, self.kv.geometry.head_dim),
+            positions,
+            blocks,
+            scale=scale,
+        )
+        return out.reshape(len(rows), -1).to(q.dtype)
+
+    def _append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write the step's new token of one layer (and a block it closes); its ordinal."""
         ordinal = self._ordinal_of(layer_id)
         g = self.kv.geometry
         batch = len(self._rows)  # padding included under a CUDA graph
@@ -365,17 +435,15 @@ class OffloadRuntime:
             rows, positions = self.kv.step_row_ids.long(), self.kv.step_positions.long()
             self._resident[0][rows, ordinal, positions] = k.to(g.dtype)
             self._resident[1][rows, ordinal, positions] = v.to(g.dtype)
-        blocks = self._complete_blocks(indices)
-        self._count_blocks(ordinal, blocks)
-        out, _lse = self.kv.attend(
-            ordinal, self._rows, q.reshape(batch, -1, g.head_dim), blocks, scale=scale
-        )
-        return out.reshape(batch, -1).to(q.dtype)
+        return ordinal
 
     # ---- internals -------------------------------------------------------------------------------
 
     def _complete_blocks(self, indices: torch.Tensor) -> torch.Tensor:
         """``[B, block_topk]`` int32 selected complete blocks (``-1`` padded) from ``indices``."""
+        if self._block_topk is None:
+            msg = "decode_layer takes a QSA indexer's blocks; this runtime chooses tokens"
+            raise OffloadRuntimeError(msg)
         closed = self.kv.step_closed_blocks.unsqueeze(1)  # 0 for padding rows: nothing selected
         width = indices.shape[1] if indices.dim() == 2 else -1
         if width == self._block_topk:
@@ -512,29 +580,49 @@ def _verification_requested() -> bool:
     return current_switches().verify_offload
 
 
-def _geometry(
+def offload_geometry(
     *,
     layers: int,
     rows: int,
     context_len: int,
-    block_topk: int,
+    hot_slots: int,
     kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
 ) -> OffloadGeometry:
-    """The arena, hot caches and tails of ``rows`` requests of up to ``context_len`` tokens."""
+    """The arena, hot caches and tails of ``rows`` requests of up to ``context_len`` tokens.
+
+    Raises:
+        ConfigurationError: the library refuses a size (naming it).
+    """
     try:
         return OffloadGeometry(
             layers=layers,
             rows=rows,
-            hot_slots=block_topk,
+            hot_slots=hot_slots,
             max_blocks=math.ceil(context_len / BLOCK_TOKENS),
             kv_heads=kv_heads,
             head_dim=head_dim,
             dtype=dtype,
         )
     except KernelInputError as exc:
-        raise ConfigurationError(f"p2-offload cannot hold this KV cache: {exc}") from exc
+        raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OffloadLayout:
+    """What one model runner's offload holds, from its model and pools.
+
+    Attributes:
+        geometry: the arena, hot caches and tails.
+        layer_ordinal: SGLang layer id of each offloaded attention layer -> its index in the
+            geometry (``[0, L)``).
+        block_topk: the QSA indexer's block selection width; None for double sparsity.
+    """
+
+    geometry: OffloadGeometry
+    layer_ordinal: Mapping[int, int]
+    block_topk: int | None
 
 
 def fixed_device_bytes(geometry: OffloadGeometry, *, verify: bool = False) -> int:
@@ -564,40 +652,52 @@ def _qsa_profile(model_config: Any) -> Any:
     return profile
 
 
-def _build_runtime(runner: Any) -> OffloadRuntime:
-    """The runtime of one model runner, sized from its pools and the model's QSA profile."""
-    from sglang.srt.runtime_context import get_parallel
-
+def _qsa_layout(runner: Any) -> OffloadLayout:
+    """The offload of a QSA model's runner: its QSA layers, the indexer's top-k blocks hot."""
     pool = runner.token_to_kv_pool
     full = pool.full_kv_pool
     layer_ordinal = dict(pool.full_attention_layer_id_mapping)
-    model_config = runner.model_config
-    profile = _qsa_profile(model_config)
-    context_len = int(model_config.context_len)
-    rows = int(runner.req_to_token_pool.size)
-    geometry = _geometry(
+    profile = _qsa_profile(runner.model_config)
+    geometry = offload_geometry(
         layers=len(layer_ordinal),
-        rows=rows,
-        context_len=context_len,
-        block_topk=int(profile.block_topk),
+        rows=int(runner.req_to_token_pool.size),
+        context_len=int(runner.model_config.context_len),
+        hot_slots=int(profile.block_topk),
         kv_heads=int(full.head_num),
         head_dim=int(full.head_dim),
         dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
     )
+    return OffloadLayout(geometry, layer_ordinal, int(profile.block_topk))
+
+
+def _build_runtime(runner: Any) -> OffloadRuntime:
+    """The runtime of one model runner, sized from its pools and its model (QSA or DS)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from qsa_sglang_plugin._switches import current_switches
+
+    if current_switches().double_sparsity is not None:
+        from qsa_sglang_plugin._adapters._double_sparsity import ds_offload_layout
+
+        layout = ds_offload_layout(runner)
+    else:
+        layout = _qsa_layout(runner)
+    geometry = layout.geometry
+    rows, context_len = geometry.rows, int(runner.model_config.context_len)
     arena = geometry.host_bytes
     available = meminfo_bytes("MemAvailable")
     if available is not None and arena > available:
         msg = (
-            f"the host arena needs {format_bytes(arena)} ({rows} rows x {geometry.layers} QSA "
-            f"layers x {geometry.max_blocks} blocks x {geometry.record_bytes} B) but the host "
-            f"has {format_bytes(available)} available; lower --max-running-requests={rows} or "
-            f"--context-length={context_len}"
+            f"the host arena needs {format_bytes(arena)} ({rows} rows x {geometry.layers} "
+            f"attention layers x {geometry.max_blocks} blocks x {geometry.record_bytes} B) but "
+            f"the host has {format_bytes(available)} available; lower "
+            f"--max-running-requests={rows} or --context-length={context_len}"
         )
         raise ConfigurationError(msg)
     kv = OffloadedKV(geometry, torch.device(runner.device))
     verify = _verification_requested()
     runtime = OffloadRuntime(
-        kv, layer_ordinal, int(profile.block_topk), int(get_parallel().tp_rank), verify=verify
+        kv, layout.layer_ordinal, layout.block_topk, int(get_parallel().tp_rank), verify=verify
     )
     if verify:
         logger.warning(
@@ -606,9 +706,11 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
             format_bytes(geometry.host_bytes),
             kv.device,
         )
+    pool = runner.token_to_kv_pool
+    full = getattr(pool, "full_kv_pool", pool)  # the QSA pool's MHA leaf, or the MHA pool
     logger.info(
-        "offload: host arena %s (%d rows x %d QSA layers x %d blocks, %s, %s); on %s: staging, "
-        "hot caches, tails and tables %s; full-KV pool %s; kernels: %s",
+        "offload: host arena %s (%d rows x %d attention layers x %d blocks, %s, %s); on %s: "
+        "staging, hot caches (%d blocks each), tails and tables %s; K/V pool %s; kernels: %s",
         format_bytes(arena),
         rows,
         geometry.layers,
@@ -616,6 +718,7 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
         str(geometry.dtype).removeprefix("torch."),
         "pinned" if kv.host_arena.is_pinned() else "pageable",
         kv.device,
+        geometry.hot_slots,
         format_bytes(fixed_device_bytes(geometry)),
         format_bytes(sum(int(n) for n in full.get_kv_size_bytes())),  # (K bytes, V bytes)
         kv.path.value,
@@ -772,56 +875,6 @@ def after_attn_backend_wrapper(
     logger.info("offload: the QSA layers attend through %s", type(backend).__name__)
 
 
-@functools.cache
-def _stub_pool_class() -> type[Any]:
-    """An ``MHATokenToKVPool`` that allocates one page per layer, whatever its size."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    class NoRawKVPool(MHATokenToKVPool):  # type: ignore[misc]
-        """The QSA layers' full-KV pool under p2-offload: slots without storage.
-
-        SGLang's allocator still hands out a slot per token (the compressed index is addressed
-        by ``slot // 4``); the K/V itself lives in the staging area, the hot caches, the tails
-        and the host arena, so the buffers hold only the padding page.
-        """
-
-        def _create_buffers(self) -> None:
-            size: int = self.size  # type: ignore[has-type]
-            self.size = 0  # the buffers get the padding page only
-            try:
-                super()._create_buffers()
-            finally:
-                self.size = size
-
-        def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
-            del args, kwargs
-            msg = "the QSA layers' K/V is offloaded; nothing may write SGLang's full-KV pool"
-            raise OffloadRuntimeError(msg)
-
-    return NoRawKVPool
-
-
-def before_qsa_pool_init(
-    *args: Any, **kwargs: Any
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """BEFORE hook on ``QSATokenToKVPool.__init__``: with p2-offload, the one-page full-KV pool.
-
-    The pool's compressed index, indexer ring and RoPE positions are allocated as upstream.
-    """
-    if not _offload_requested():
-        return None
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    given = kwargs.get("full_kv_pool_class")
-    if given not in (None, MHATokenToKVPool):  # a platform's own pool: not ours to replace
-        msg = (
-            f"QSATokenToKVPool got full_kv_pool_class={given!r}; p2-offload replaces only "
-            f"{MHATokenToKVPool.__name__} (the default)"
-        )
-        raise ConfigurationError(msg)
-    return args, {**kwargs, "full_kv_pool_class": _stub_pool_class()}
-
-
 def price_offloaded_pool(configurator: Any, kvc: Any) -> None:
     """Price SGLang's pools with p2-offload (``DefaultPoolConfigurator`` just built them).
 
@@ -841,11 +894,11 @@ def price_offloaded_pool(configurator: Any, kvc: Any) -> None:
     if rows is None:
         msg = "p2-offload sizes its host arena by --max-running-requests; give one"
         raise ConfigurationError(msg)
-    geometry = _geometry(
+    geometry = offload_geometry(
         layers=layers,
         rows=int(rows),
         context_len=int(model_config.context_len),
-        block_topk=int(profile.block_topk),
+        hot_slots=int(profile.block_topk),
         kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),
         head_dim=int(model_config.head_dim),
         dtype=kvc.kv_cache_dtype,
