@@ -162,8 +162,8 @@ def test_hooks_land_on_sglang_classes(reports: Reports) -> None:
     ]
     wrapper = "sglang.srt.layers.attention.attention_registry.attn_backend_wrapper"
     assert registry[wrapper] == [["after", "qsa_hisparse"]]  # p2-offload's backend
-    pool = "sglang.srt.mem_cache.qsa_kv_pool.QSATokenToKVPool.__init__"
-    assert registry[pool] == [["before", "qsa_hisparse"]]
+    pool = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class"
+    assert registry[pool] == [["after", "qsa_hisparse"]]  # the offload's one-page K/V pool
     sizer = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__"
     assert registry[sizer] == [["after", "qsa_hisparse"]]
 
@@ -191,13 +191,13 @@ def test_scheduler_process_writes_one_record(reports: Reports) -> None:
     assert len(names) == 1
     record = ActivationRecord.from_json((reports.activation_dir / names[0]).read_text())
     assert (record.role, record.tp_rank, record.pp_rank) == ("scheduler", 0, 0)
-    assert record.features == ("framework", "model_compat", "hisparse")
+    assert record.features == ("framework", "model_compat", "hisparse", "offload")
     assert record.hisparse_mode == "p2-offload"
     assert record.verified is True
     assert record.versions["sglang"] == "0.5.23"
     # The frame's three (checks, record, pool sizing) and p2-offload's backend and pool.
     assert len(record.hooks) == 5
-    assert record.registrations == (("radix_cache_backend", "qsa_hisparse", "hisparse"),)
+    assert record.registrations == (("radix_cache_backend", "qsa_hisparse", "offload"),)
 
 
 def test_foreign_hook_after_activation_is_refused(reports: Reports) -> None:
