@@ -1,6 +1,6 @@
 """Benchmark ``--attention-backend qsa_ds`` against SGLang's triton backend in real engines.
 
-Two SGLang 0.5.23 engines serve the Llama-3.1-8B-shaped dummy model
+SGLang 0.5.23 engines serve the Llama-3.1-8B-shaped dummy model
 (:func:`qsa_testing.llama_8b_shaped`: 32 layers, 32 query and 8 K/V heads of dim 128) on one
 GPU, started one after the other (so that neither sizes its pool while the other allocates), with
 the same scheduler flags, decode CUDA graphs on and prefill graphs off:
@@ -9,12 +9,17 @@ the same scheduler flags, decode CUDA graphs on and prefill graphs off:
 - **qsa_ds**: the plugin's double-sparsity backend with the library's default options (32 heavy
   channels of 128, 256 heavy tokens per KV head, dense below 4,096 tokens) and a channel file of
   seeded random channels (the weights are dummy, so calibrating them would rank noise; the speed
-  does not depend on which channels are heavy).
+  does not depend on which channels are heavy);
+- **ds_offload** (``--arms`` includes it): the same with ``SGLANG_QSA_DS_OFFLOAD=1``, the K/V
+  history in pinned host memory (decode CUDA graphs off: its steps read their fetch width on the
+  host). Its host arena holds every running request at the longest context: size ``--contexts``
+  and ``--batches`` to the host's memory.
 
 For each context length and batch size, ``B`` requests of that many prompt tokens generate
 ``--new-tokens`` greedy tokens concurrently on each engine in turn; reported per cell: decode
 tokens/s from SGLang's own ``Decode batch`` log lines, and their ratio. Also the GPU bytes per
-token each engine's pool sizing charges (the label cache is ``C / (2 D)`` of the K/V).
+token each engine's pool sizing charges (the label cache is ``C / (2 D)`` of the K/V; with
+DS-Offload the labels alone, plus the offload's fixed device buffers).
 
 Writes ``<out>/engine_double_sparsity.md`` and ``.json`` after every cell. Needs CUDA and SGLang:
 ``nox -s gpu-engine-bench -- double_sparsity`` runs it on the GPU machine; exits with status 77
@@ -38,8 +43,11 @@ from _engine_bench import Cell, log_numbers, measure, start_all, warm_up, write_
 
 _SKIPPED = 77
 _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of K/V")
+_OFFLOAD_PRICE = re.compile(
+    r"DS-Offload: pool sizing charges (\d+) B per token of labels .* plus ([0-9.]+) MiB fixed"
+)
 _POOL = re.compile(r"max_total_num_tokens=(\d+)")
-_ARMS = ("triton", "qsa_ds")
+_ARMS = ("triton", "qsa_ds", "ds_offload")
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,6 +66,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--deadline", type=float, default=float("inf"), help="seconds; no cell starts after it"
     )
+    parser.add_argument(
+        "--arms", default="triton,qsa_ds", help=f"engines, comma separated, of {','.join(_ARMS)}"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -68,6 +79,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"{name} {values!r} is not allowed; allowed: positive integers")
     if args.new_tokens < 80:
         parser.error(f"--new-tokens {args.new_tokens!r} is not allowed; allowed: >= 80")
+    args.arms = tuple(a for a in _ARMS if a in args.arms.split(","))
+    if "qsa_ds" not in args.arms or len(args.arms) < 2:
+        parser.error(f"--arms {args.arms!r} is not allowed; allowed: qsa_ds and one of the others")
     return args
 
 
@@ -107,23 +121,52 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
         "mem_fraction_static": 0.9,
     }
     channels = _channel_file(model, workdir / "channels.json")
-    return {
+    ds = {"attention_backend": "qsa_ds", "enable_metrics": True}
+    configs = {
         "triton": EngineConfig(model, plugin=False, server_args=common),
         "qsa_ds": EngineConfig(
             model,
             switches={"SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels)},
-            server_args={**common, "attention_backend": "qsa_ds", "enable_metrics": True},
+            server_args={**common, **ds},
+        ),
+        "ds_offload": EngineConfig(
+            model,
+            switches={"SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels), "SGLANG_QSA_DS_OFFLOAD": "1"},
+            server_args={
+                **common,
+                **ds,
+                "radix_cache_backend": "qsa_hisparse",
+                "disable_overlap_schedule": True,
+                "prefill_max_requests": 1,
+                "disable_cuda_graph": True,
+            },
         ),
     }
+    return {arm: configs[arm] for arm in args.arms}
 
 
-def _token_price(engine: Any) -> dict[str, int]:
-    total, kv = log_numbers(engine, _PRICE)
-    return {"kv": kv, "kv_and_labels": total}
+def _token_price(engines: dict[str, Any]) -> dict[str, float]:
+    """GPU bytes per token of each arm's pool sizing, and DS-Offload's fixed MiB."""
+    total, kv = log_numbers(engines["qsa_ds"], _PRICE)
+    price: dict[str, float] = {"kv": kv, "kv_and_labels": total}
+    if "ds_offload" in engines:
+        text = engines["ds_offload"].log_path.read_text(encoding="utf-8", errors="replace")
+        labels, fixed = _OFFLOAD_PRICE.findall(text)[-1]
+        price |= {"labels": int(labels), "ds_offload_fixed_mib": float(fixed)}
+    return price
+
+
+def _ratios(arms: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The reported speed ratios: qsa_ds over triton, DS-Offload over resident qsa_ds."""
+    return [
+        (num, den)
+        for num, den in (("qsa_ds", "triton"), ("ds_offload", "qsa_ds"))
+        if num in arms and den in arms
+    ]
 
 
 def _write(
-    out: pathlib.Path, args: argparse.Namespace, cells: list[Cell], price: dict[str, int]
+    out: pathlib.Path, args: argparse.Namespace, cells: list[Cell], price: dict[str, float]
 ) -> None:
     data = write_json(
         out,
@@ -136,29 +179,44 @@ def _write(
         "# Double sparsity (`qsa_ds`) against SGLang's triton backend, real SGLang 0.5.23 engines",
         "",
         f"GPU {device}, torch {torch_version}; the Llama-3.1-8B-shaped dummy model, decode "
-        "CUDA graphs on in both engines, the same scheduler flags; qsa_ds with 32 heavy channels "
-        f"of 128 and 256 heavy tokens per KV head. `{data['command']}`; written by "
+        "CUDA graphs on (DS-Offload: off), otherwise the same scheduler flags; qsa_ds with 32 "
+        f"heavy channels of 128 and 256 heavy tokens per KV head. `{data['command']}`; written by "
         "`packages/qsa-sglang-plugin/benchmarks/engine_double_sparsity.py`.",
         "",
-        "| context | batch | triton decode tok/s | qsa_ds decode tok/s | qsa_ds / triton |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| context | batch | "
+        + " | ".join(f"{arm} decode tok/s" for arm in args.arms)
+        + " | "
+        + " | ".join(f"{num} / {den}" for num, den in _ratios(args.arms))
+        + " |",
+        "| ---: | ---: | "
+        + " | ".join("---:" for _ in range(len(args.arms) + len(_ratios(args.arms))))
+        + " |",
     ]
     for context in args.contexts:
         for batch in args.batches:
-            t, d = by_key.get(("triton", context, batch)), by_key.get(("qsa_ds", context, batch))
-            if t is None or d is None:
+            got = {arm: by_key.get((arm, context, batch)) for arm in args.arms}
+            rates = {arm: c.decode_tokens_per_s for arm, c in got.items() if c is not None}
+            if len(rates) < len(args.arms):
                 continue
-            speed = d.decode_tokens_per_s / t.decode_tokens_per_s
             lines.append(
-                f"| {context:,} | {batch} | {t.decode_tokens_per_s:,.1f} | "
-                f"{d.decode_tokens_per_s:,.1f} | {speed:.2f} |"
+                f"| {context:,} | {batch} | "
+                + " | ".join(f"{rates[arm]:,.1f}" for arm in args.arms)
+                + " | "
+                + " | ".join(f"{rates[num] / rates[den]:.2f}" for num, den in _ratios(args.arms))
+                + " |"
             )
     lines += [
         "",
-        f"GPU bytes per token in SGLang's pool sizing: {price['kv']:,} of K/V for triton, "
-        f"{price['kv_and_labels']:,} with qsa_ds's labels "
+        f"GPU bytes per token in SGLang's pool sizing: {price['kv']:,.0f} of K/V (triton), "
+        f"{price['kv_and_labels']:,.0f} with qsa_ds's labels "
         f"({price['kv_and_labels'] / price['kv']:.3f}x).",
     ]
+    if "labels" in price:
+        lines.append(
+            f"DS-Offload: {price['labels']:,.0f} (the labels alone, "
+            f"{price['kv'] / price['labels']:.1f}x fewer than the K/V), plus "
+            f"{price['ds_offload_fixed_mib']:,.0f} MiB of staging, hot caches and tables."
+        )
     (out / "engine_double_sparsity.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -175,7 +233,7 @@ def main(argv: list[str]) -> int:
     engines = start_all(_configs(args, workdir), workdir, together=False)
     try:
         warm_up(engines, 8192)
-        price = _token_price(engines["qsa_ds"])
+        price = _token_price(engines)
         pool = min(log_numbers(e, _POOL)[0] for e in engines.values())
         print(
             f"engine_double_sparsity: engines up after {time.monotonic() - started:.0f} s; "
@@ -189,7 +247,7 @@ def main(argv: list[str]) -> int:
             if time.monotonic() - started > args.deadline:
                 print(f"engine_double_sparsity: deadline reached before {context} x {batch}")
                 break
-            for arm in _ARMS:
+            for arm in args.arms:
                 cell = measure(engines[arm], context, batch, args.new_tokens, arm)
                 cells.append(cell)
                 print(
