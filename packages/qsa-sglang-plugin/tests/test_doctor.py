@@ -85,6 +85,15 @@ def test_double_sparsity_channel_file_is_loaded_against_the_model(tmp_path: Path
     assert "labels add 64 B per token to 256 B of bf16 K/V (25.0%)" in ds.detail
 
 
+def test_ds_offload_shows_what_the_gpu_and_the_host_hold_per_token(tmp_path: Path) -> None:
+    model = tiny_llama().write(tmp_path)
+    env = {**_ds_env(CHANNELS), "SGLANG_QSA_DS_OFFLOAD": "1"}
+    ds = {c.name: c for c in run_checks(env, model_path=str(model))}["double sparsity"]
+    assert ds.status is Status.OK, ds
+    assert "DS-Offload: the GPU keeps the 64 B of labels per token (4.0x fewer" in ds.detail
+    assert "the pinned host arena the 256 B of K/V per token" in ds.detail
+
+
 def test_a_malformed_channel_file_fails_the_doctor_naming_the_field(tmp_path: Path) -> None:
     rows = json.loads(CHANNELS.read_text(encoding="utf-8"))
     rows["model.layers.1.self_attn.qk_proj"][0][3] = 16  # past head_dim 16

@@ -267,14 +267,19 @@ def _check_double_sparsity(switches: Switches, model_path: str | None) -> Check 
         return Check(name, Status.FAIL, f"{named} is refused: {exc}")
     labels = label_bytes_per_token(layers, kv_heads, ds, torch.bfloat16)
     kv = layers * 2 * kv_heads * head_dim * torch.bfloat16.itemsize
-    return Check(
-        name,
-        Status.OK,
+    detail = (
         f"{ds.heavy_channel_num} of {head_dim} channels per KV head for {layers} layers x "
         f"{kv_heads} KV heads, {ds.heavy_token_num} heavy tokens, dense below "
         f"{ds.sparse_decode_threshold} tokens; labels add {labels} B per token to {kv} B of "
-        f"bf16 K/V ({labels / kv:.1%})",
+        f"bf16 K/V ({labels / kv:.1%})"
     )
+    if ds.offload:
+        detail += (
+            f"; DS-Offload: the GPU keeps the {labels} B of labels per token ({kv / labels:.1f}x "
+            f"fewer bytes than the K/V), the pinned host arena the {kv} B of K/V per token of "
+            "every running request's longest context"
+        )
+    return Check(name, Status.OK, detail)
 
 
 def run_checks(
