@@ -322,7 +322,8 @@ class _StagedPrefill:
         self._dense.init_forward_metadata(forward_batch)
         if self._name == DENSE_BACKENDS["cuda"]:
             meta = self._dense.forward_metadata
-            prefix = int(forward_batch.extend_prefix_lens_cpu[0])
+            prefixes = forward_batch.extend_prefix_lens_cpu  # None when SGLang kept them on GPU
+            prefix = int((prefixes or forward_batch.extend_prefix_lens)[0])
             slots = meta.kv_indices
             positions = torch.arange(prefix, dtype=slots.dtype, device=slots.device)
             self._dense.forward_metadata = dataclasses.replace(meta, kv_indices=positions)
