@@ -126,6 +126,9 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graph_backend_prefill": "disabled",  # p2-offload captures decode only
         "cuda_graph_max_bs_decode": max(args.batches),
         "decode_log_interval": 20,
+        # 12 resident QSA layers at 8 x 256K tokens take 53 GB: more than the harness's 0.3 of
+        # an H200. Each engine still allocates only its --max-total-tokens.
+        "mem_fraction_static": 0.6,
     }
     return {
         "resident": EngineConfig(model, plugin=False, server_args=common),
