@@ -32,7 +32,7 @@ one prompt's staging area, per-request hot caches and open-block tails, the host
 same lifecycle (the ``qsa_hisparse`` tree cache); SGLang's K/V pool holds one page
 (:mod:`._kv_pool`) and a token costs only its labels in pool sizing. Prefill writes the chunk to
 the staging area and the dense backend attends over it (its K/V pool seen as the staging area,
-token ``t`` at row ``t``: :class:`_StagedPrefill`); every decode row, dense or sparse, chooses its
+token ``t`` at row ``t``: :class:`_DSOffload`); every decode row, dense or sparse, chooses its
 tokens per KV head (:func:`qsa_kernels.double_sparsity.ds_positions`: all of them for a dense
 row) and attends them through :meth:`OffloadRuntime.decode_tokens`, which fetches the blocks
 that hold them. Eager only: each step reads its fetch width on the host.
@@ -242,7 +242,7 @@ def create_backend(runner: Any) -> Any:
         dtype=label_dtype(pool.dtype),
         device=device,
     )
-    offload = runtime_of(runner) if switches.offload else None
+    offload = _DSOffload(dense, dense_name, runtime_of(runner)) if switches.offload else None
     logger.info(
         "qsa_ds: %d heavy channels of %d, %d heavy tokens, dense below %d tokens; label cache "
         "%d layers x %d slots (%.1f MiB) over %s%s",
@@ -257,13 +257,7 @@ def create_backend(runner: Any) -> Any:
         "; DS-Offload: K/V in the host arena" if offload is not None else "",
     )
     return DoubleSparsityBackend(
-        dense,
-        labels,
-        config,
-        runner,
-        tp_rank=int(get_parallel().tp_rank),
-        offload=offload,
-        dense_name=dense_name,
+        dense, labels, config, runner, tp_rank=int(get_parallel().tp_rank), offload=offload
     )
 
 
@@ -292,11 +286,11 @@ class _StagingKV:
         raise AdapterError(msg)
 
 
-class _StagedPrefill:
-    """The dense backend's prefill over the staging area (one prompt at a time).
+class _DSOffload:
+    """DS-Offload's side of the backend: the offload runtime, and prefill over its staging area.
 
-    Its K/V pool becomes :class:`_StagingKV`, and where it reads prefix tokens by SGLang's slots,
-    it reads them by position instead.
+    One prompt at a time is staged. The dense backend's K/V pool becomes :class:`_StagingKV`,
+    and where it reads prefix tokens by SGLang's slots, it reads them by position instead.
 
     ``torch_native`` reads ``req_to_token[req_pool_idx, :seq_len]``: it gets a one-row table of
     positions and the batch's one request at row 0. ``triton`` reads its metadata's
@@ -310,6 +304,7 @@ class _StagedPrefill:
             allowed = sorted(DENSE_BACKENDS.values())
             msg = f"DS-Offload stages prefill for {allowed!r}; got {dense_name!r}"
             raise AdapterError(msg)
+        self.runtime = runtime
         self._dense = dense
         self._name = dense_name
         g = runtime.kv.geometry
@@ -318,7 +313,8 @@ class _StagedPrefill:
             positions = torch.arange(g.max_tokens, dtype=torch.int32, device=runtime.kv.device)
             dense.req_to_token_pool = _PositionTable(positions.unsqueeze(0))
 
-    def init_forward_metadata(self, forward_batch: Any) -> None:
+    def init_prefill(self, forward_batch: Any) -> None:
+        """The dense backend's metadata of an extend batch, reading the staging area."""
         self._dense.init_forward_metadata(forward_batch)
         if self._name == DENSE_BACKENDS["cuda"]:
             meta = self._dense.forward_metadata
@@ -328,9 +324,11 @@ class _StagedPrefill:
             positions = torch.arange(prefix, dtype=slots.dtype, device=slots.device)
             self._dense.forward_metadata = dataclasses.replace(meta, kv_indices=positions)
 
-    def forward_extend(
+    def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any
     ) -> torch.Tensor:
+        """Stage one layer's chunk, then attend over the staged prompt with the dense backend."""
+        self.runtime.stage(layer.layer_id, k, v, forward_batch)
         if self._name == DENSE_BACKENDS["cpu"]:
             forward_batch = copy.copy(forward_batch)
             forward_batch.req_pool_indices = torch.zeros_like(forward_batch.req_pool_indices)
@@ -386,8 +384,7 @@ class DoubleSparsityBackend:
         config: the double-sparsity options.
         runner: SGLang's ``ModelRunner`` (its pools).
         tp_rank: this rank, for the metrics' labels.
-        offload: DS-Offload's runtime (the K/V in the host arena), or None for resident K/V.
-        dense_name: the dense backend's registry name (how DS-Offload stages its prefill).
+        offload: DS-Offload (the K/V in the host arena), or None for resident K/V.
     """
 
     def __init__(
@@ -398,12 +395,10 @@ class DoubleSparsityBackend:
         runner: Any,
         *,
         tp_rank: int = 0,
-        offload: OffloadRuntime | None = None,
-        dense_name: str = DENSE_BACKENDS["cpu"],
+        offload: _DSOffload | None = None,
     ) -> None:
         self.dense = dense
         self._offload = offload
-        self._prefill = None if offload is None else _StagedPrefill(dense, dense_name, offload)
         self._labels = labels
         self._config = config
         self._kv_pool = runner.token_to_kv_pool
@@ -444,17 +439,17 @@ class DoubleSparsityBackend:
         self._step = None
         self._graph = None
         decode = forward_batch.forward_mode.is_decode()
-        if self._prefill is not None and not decode:
-            self._prefill.init_forward_metadata(forward_batch)
-            return
         if self._offload is None:
             self.dense.init_forward_metadata(forward_batch)
+        elif decode:
+            self._offload.runtime.begin_decode(forward_batch)  # every row reads the host arena
+        else:
+            self._offload.init_prefill(forward_batch)
         if not decode:
             return
         lengths = [int(n) for n in _host_seq_lens(forward_batch)]
-        if self._offload is not None:
-            self._offload.begin_decode(forward_batch)  # every row decodes from the host arena
-        if self._count(lengths, StepMode.EAGER) < len(lengths) or self._offload is not None:
+        all_dense = self._count(lengths, StepMode.EAGER) == len(lengths)
+        if not all_dense or self._offload is not None:
             rows = self._req_to_token[forward_batch.req_pool_indices, : max(lengths)]
             self._step = _SparseStep(lengths, rows)
 
@@ -553,15 +548,14 @@ class DoubleSparsityBackend:
         """Dense prefill as upstream, then the labels of the new keys.
 
         With DS-Offload the chunk goes to the staging area first and the dense backend attends
-        over the staged prompt (:class:`_StagedPrefill`).
+        over the staged prompt (:class:`_DSOffload`).
         """
-        if self._offload is not None and self._prefill is not None:
+        if self._offload is not None:
             if k is None or v is None:
                 msg = "DS-Offload stages every prefill chunk's K/V; the layer gave none"
                 raise AdapterError(msg)
             self._write_labels(layer, forward_batch, k)
-            self._offload.stage(layer.layer_id, k, v, forward_batch)
-            return self._prefill.forward_extend(q, k, v, layer, forward_batch)
+            return self._offload.prefill(q, k, v, layer, forward_batch)
         out: torch.Tensor = self.dense.forward_extend(
             q, k, v, layer, forward_batch, save_kv_cache, **kwargs
         )
@@ -620,8 +614,8 @@ class DoubleSparsityBackend:
         """DS-Offload: every row's chosen tokens per KV head, attended from the host arena."""
         from qsa_kernels.double_sparsity import ds_positions
 
-        step, runtime = self._step, self._offload
-        if step is None or runtime is None or k is None or v is None:
+        step, offload = self._step, self._offload
+        if step is None or offload is None or k is None or v is None:
             msg = "qsa_ds: an offloaded decode needs its step planned and the new token's K/V"
             raise AdapterError(msg)
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
@@ -635,7 +629,9 @@ class DoubleSparsityBackend:
             config=self._config,
             reference=self._reference,
         )
-        out = runtime.decode_tokens(layer.layer_id, queries, k, v, positions, float(layer.scaling))
+        out = offload.runtime.decode_tokens(
+            layer.layer_id, queries, k, v, positions, float(layer.scaling)
+        )
         return out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
 
     def _captured_decode(  # noqa: PLR0917
