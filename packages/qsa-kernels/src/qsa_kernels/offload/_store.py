@@ -647,46 +647,15 @@ class OffloadedKV:
             ``(out [B, Hq, D] bf16, lse [B, Hq] fp32)``, the attention over the selected blocks'
             tokens and the row's open-block tokens, natural-log LSE.
         """
-        g = self.geometry
-        if not 0 <= layer < g.layers:
-            msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers})"
-            raise KernelInputError(msg)
-        if self._step < 0:
-            msg = "attend before begin_step(); every decode step needs a stamp"
-            raise KernelInputError(msg)
-        self._check_planned("attend", rows)
+        self._check_step("attend", layer, rows)
         if blocks.dim() != 2 or blocks.shape[0] != len(rows):
             msg = f"blocks must be [B={len(rows)}, K]; got {tuple(blocks.shape)!r}"
             raise KernelInputError(msg)
-        self.wait_for_host_writes()
-        plan = self._plan
-        slots = self._kernels.fetch(
-            blocks.to(torch.int32).contiguous().unsqueeze(1),
-            plan.row_ids,
-            self._layer_ids[layer : layer + 1],
-            step=self._stamp,
-            tables=self.tables,
-            hot=self.hot,
-            host_arena=self.host_arena,
-        )[:, 0]
+        slots = self._fetch(layer, blocks.to(torch.int32))
         hot_tokens = torch.where(
             slots.unsqueeze(-1) >= 0, slots.unsqueeze(-1) * BLOCK_TOKENS + self._block_offsets, -1
         ).reshape(len(rows), -1)
-        hot_records = self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape)
-        # Both parts stay fp32 until the merge, so the output is rounded to bf16 once.
-        out_hot, lse_hot = self._kernels.decode(
-            q, hot_tokens, hot_records, scale=scale, out_dtype=torch.float32
-        )
-
-        tail_records = self.tail[layer].view(g.rows, *g.record_shape)
-        out_tail, lse_tail = self._kernels.decode(
-            q, plan.tail_tokens, tail_records, scale=scale, out_dtype=torch.float32
-        )
-        return self._kernels.merge(
-            torch.stack((out_hot, out_tail)),
-            torch.stack((lse_hot, lse_tail)),
-            out_dtype=torch.bfloat16,
-        )
+        return self._attend_parts(layer, q, hot_tokens, self._plan.tail_tokens, scale)
 
     def token_blocks(self, rows: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
         """The complete blocks that hold the planned rows' chosen tokens, one list per row.
@@ -765,13 +734,7 @@ class OffloadedKV:
             ``(out [B, Hq, D] bf16, lse [B, Hq] fp32)``, natural-log LSE.
         """
         g = self.geometry
-        if not 0 <= layer < g.layers:
-            msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers})"
-            raise KernelInputError(msg)
-        if self._step < 0:
-            msg = "attend_tokens before begin_step(); every decode step needs a stamp"
-            raise KernelInputError(msg)
-        self._check_planned("attend_tokens", rows)
+        self._check_step("attend_tokens", layer, rows)
         batch = len(rows)
         if blocks.dim() != 2 or blocks.shape[0] != batch or blocks.shape[1] > g.hot_slots:
             msg = (
@@ -782,16 +745,7 @@ class OffloadedKV:
         plan = self._plan
         row_t = plan.row_ids.long()
         if blocks.shape[1]:
-            self.wait_for_host_writes()
-            self._kernels.fetch(
-                blocks.contiguous().unsqueeze(1),
-                plan.row_ids,
-                self._layer_ids[layer : layer + 1],
-                step=self._stamp,
-                tables=self.tables,
-                hot=self.hot,
-                host_arena=self.host_arena,
-            )
+            self._fetch(layer, blocks)
         closed = plan.closed_blocks.view(batch, 1, 1) * BLOCK_TOKENS
         in_hot = (positions >= 0) & (positions < closed)
         block = torch.where(in_hot, positions // BLOCK_TOKENS, 0).view(batch, -1).long()
@@ -799,31 +753,13 @@ class OffloadedKV:
         token = (row_t.view(batch, 1) * g.hot_slots + slot) * BLOCK_TOKENS
         token = token.view_as(positions) + positions % BLOCK_TOKENS
         hot_tokens = torch.where(in_hot, token, -1).to(torch.int32).contiguous()
-        out_hot, lse_hot = self._kernels.decode(
-            q,
-            hot_tokens,
-            self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape),
-            scale=scale,
-            out_dtype=torch.float32,  # rounded to bf16 once, after the merge
-        )
         # The open block's tokens each head chose, as tail-record token ids.
         offsets = self._block_offsets[: BLOCK_TOKENS - 1]
         open_positions = closed.view(batch, 1, 1, 1) + offsets  # [B, 1, 1, 3]
         chosen = (positions.unsqueeze(-1) == open_positions).any(dim=2)  # [B, Hkv, 3]
         tail_ids = (plan.row_ids.view(batch, 1, 1) * BLOCK_TOKENS + offsets).expand_as(chosen)
         tail_tokens = torch.where(chosen, tail_ids, -1).to(torch.int32).contiguous()
-        out_tail, lse_tail = self._kernels.decode(
-            q,
-            tail_tokens,
-            self.tail[layer].view(g.rows, *g.record_shape),
-            scale=scale,
-            out_dtype=torch.float32,
-        )
-        return self._kernels.merge(
-            torch.stack((out_hot, out_tail)),
-            torch.stack((lse_hot, lse_tail)),
-            out_dtype=torch.bfloat16,
-        )
+        return self._attend_parts(layer, q, hot_tokens, tail_tokens, scale)
 
     def wait_for_host_writes(self) -> None:
         """Order the current stream after every write to the host arena or tail still in flight.
@@ -877,6 +813,65 @@ class OffloadedKV:
             )
             raise KernelInputError(msg)
         return free[: pad_to - real]
+
+    def _check_step(self, call: str, layer: int, rows: Sequence[int]) -> None:
+        """An attention call of one layer needs a stamped step planned for ``rows``."""
+        if not 0 <= layer < self.geometry.layers:
+            msg = f"layer={layer!r} is not allowed; allowed: [0, {self.geometry.layers})"
+            raise KernelInputError(msg)
+        if self._step < 0:
+            msg = f"{call} before begin_step(); every decode step needs a stamp"
+            raise KernelInputError(msg)
+        self._check_planned(call, rows)
+
+    def _fetch(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """Make the planned rows' ``[B, K]`` int32 blocks of ``layer`` resident.
+
+        Returns their ``[B, K]`` global hot slots. Write-backs still in flight land first.
+        """
+        self.wait_for_host_writes()
+        return self._kernels.fetch(
+            blocks.contiguous().unsqueeze(1),
+            self._plan.row_ids,
+            self._layer_ids[layer : layer + 1],
+            step=self._stamp,
+            tables=self.tables,
+            hot=self.hot,
+            host_arena=self.host_arena,
+        )[:, 0]
+
+    def _attend_parts(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        hot_tokens: torch.Tensor,
+        tail_tokens: torch.Tensor,
+        scale: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over hot-cache tokens and tail-record tokens of one layer, LSE-merged.
+
+        Both parts stay fp32 until the merge, so the output is rounded to bf16 once.
+        """
+        g = self.geometry
+        out_hot, lse_hot = self._kernels.decode(
+            q,
+            hot_tokens,
+            self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape),
+            scale=scale,
+            out_dtype=torch.float32,
+        )
+        out_tail, lse_tail = self._kernels.decode(
+            q,
+            tail_tokens,
+            self.tail[layer].view(g.rows, *g.record_shape),
+            scale=scale,
+            out_dtype=torch.float32,
+        )
+        return self._kernels.merge(
+            torch.stack((out_hot, out_tail)),
+            torch.stack((lse_hot, lse_tail)),
+            out_dtype=torch.bfloat16,
+        )
 
     def _check_planned(self, call: str, rows: Sequence[int]) -> None:
         if not self._planned or self._plan.rows != tuple(rows):
