@@ -191,13 +191,13 @@ def test_scheduler_process_writes_one_record(reports: Reports) -> None:
     assert len(names) == 1
     record = ActivationRecord.from_json((reports.activation_dir / names[0]).read_text())
     assert (record.role, record.tp_rank, record.pp_rank) == ("scheduler", 0, 0)
-    assert record.features == ("framework", "model_compat", "hisparse", "offload")
+    assert record.features == ("framework", "model_compat", "hisparse", "lifecycle")
     assert record.hisparse_mode == "p2-offload"
     assert record.verified is True
     assert record.versions["sglang"] == "0.5.23"
     # The frame's three (checks, record, pool sizing) and p2-offload's backend and pool.
     assert len(record.hooks) == 5
-    assert record.registrations == (("radix_cache_backend", "qsa_hisparse", "offload"),)
+    assert record.registrations == (("radix_cache_backend", "qsa_hisparse", "lifecycle"),)
 
 
 def test_foreign_hook_after_activation_is_refused(reports: Reports) -> None:

@@ -33,17 +33,16 @@ def test_model_compat_zero_is_off() -> None:
 
 @pytest.mark.parametrize("mode", list(HiSparseMode))
 def test_every_mode_with_model_compat_parses(mode: HiSparseMode) -> None:
-    """Both V3 modes parse when MODEL_COMPAT=1 and turn on the hisparse feature; p2-offload also
-    the offload feature (the lifecycle and the one-page K/V pool)."""
+    """Both V3 modes parse when MODEL_COMPAT=1 and turn on the hisparse feature and the request
+    lifecycle (the qsa_hisparse tree cache); only p2-offload offloads."""
     switches = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": mode})
     assert switches.hisparse is mode
-    offload = (Feature.OFFLOAD,) if mode is HiSparseMode.P2_OFFLOAD else ()
-    assert switches.offload is bool(offload)
+    assert switches.offload is (mode is HiSparseMode.P2_OFFLOAD)
     assert switches.features == (
         Feature.FRAMEWORK,
         Feature.MODEL_COMPAT,
         Feature.HISPARSE,
-        *offload,
+        Feature.LIFECYCLE,
     )
 
 
@@ -252,7 +251,7 @@ def test_ds_offload_turns_on_the_offload_feature_and_allows_verification() -> No
     assert switches.double_sparsity.offload
     assert switches.offload
     assert switches.verify_offload
-    assert switches.features == (Feature.FRAMEWORK, Feature.OFFLOAD, Feature.DOUBLE_SPARSITY)
+    assert switches.features == (Feature.FRAMEWORK, Feature.LIFECYCLE, Feature.DOUBLE_SPARSITY)
     resident = parse_switches({DS: "c.json", "SGLANG_QSA_DS_OFFLOAD": "0"})
     assert resident.double_sparsity is not None
     assert not resident.double_sparsity.offload

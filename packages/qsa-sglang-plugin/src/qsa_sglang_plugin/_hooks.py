@@ -122,7 +122,7 @@ HOOKS: tuple[HookSpec, ...] = (
         module="sglang.srt.mem_cache.kv_cache_configurator",
         qualname="KVCacheConfigurator._resolve_kv_pool_class",
         kind=HookKind.AFTER,
-        feature=Feature.OFFLOAD,
+        feature=Feature.LIFECYCLE,
         hook="qsa_sglang_plugin._adapters._kv_pool:after_resolve_kv_pool_class",
         reason=(
             "With an offload (p2-offload, DS-Offload), the attention layers' MHA pool class (also "
@@ -193,7 +193,7 @@ REGISTRATIONS: tuple[RegistrySpec, ...] = (
     RegistrySpec(
         registry=Registry.RADIX_CACHE_BACKEND,
         name=RADIX_CACHE_BACKEND,
-        feature=Feature.OFFLOAD,
+        feature=Feature.LIFECYCLE,
         factory="qsa_sglang_plugin._adapters._lifecycle:radix_cache_factory",
         reason=(
             "Sees every request's row allocation, chunk and prompt ends, and release (finish, "

@@ -94,9 +94,10 @@ class Feature(enum.StrEnum):
     FRAMEWORK = "framework"
     MODEL_COMPAT = "model_compat"
     HISPARSE = "hisparse"
-    OFFLOAD = "offload"
-    """K/V history in pinned host memory (``p2-offload`` or DS-Offload): the request lifecycle's
-    radix-cache backend and the attention layers' one-page K/V pool."""
+    LIFECYCLE = "lifecycle"
+    """The plugin's request lifecycle, on with any ``SGLANG_QSA_HISPARSE_V3`` mode or DS-Offload:
+    the ``qsa_hisparse`` radix-cache backend (one lease per request), and with an offload the
+    attention layers' one-page K/V pool."""
     PREFIX_CACHE = "prefix_cache"
     DOUBLE_SPARSITY = "double_sparsity"
 
@@ -176,8 +177,8 @@ class Switches:
             out.append(Feature.MODEL_COMPAT)
         if self.hisparse is not None:
             out.append(Feature.HISPARSE)
-        if self.offload:
-            out.append(Feature.OFFLOAD)
+        if self.hisparse is not None or self.offload:
+            out.append(Feature.LIFECYCLE)
         if self.prefix_cache_mb > 0:
             out.append(Feature.PREFIX_CACHE)
         if self.double_sparsity is not None:
