@@ -288,3 +288,21 @@ def test_double_sparsity_and_the_qsa_switches_are_refused_together() -> None:
     text = str(caught.value)
     assert "SGLANG_QSA_DS_CHANNEL_CONFIG='c.json' serves models without QSA layers" in text
     assert "SGLANG_QSA_HISPARSE_V3='p2-offload'" in text
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"},
+        {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-resident"},
+        {DS: "c.json", "SGLANG_QSA_DS_OFFLOAD": "1"},
+    ],
+)
+def test_every_mode_that_needs_the_tree_cache_registers_it(env: dict[str, str]) -> None:
+    """Start-up requires --radix-cache-backend qsa_hisparse with each of these: it is there."""
+    from qsa_sglang_plugin._hooks import registrations_for
+
+    entries = registrations_for(parse_switches(env).features)
+    assert ("radix_cache_backend", "qsa_hisparse") in {
+        (r.registry.name.lower(), r.name) for r in entries
+    }
