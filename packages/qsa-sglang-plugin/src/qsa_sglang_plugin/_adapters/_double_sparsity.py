@@ -46,18 +46,15 @@ import copy
 import dataclasses
 import enum
 import logging
-import math
 from typing import Any
 
 import torch
 
-from qsa_kernels import BLOCK_TOKENS
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._offload import (
-    OffloadLayout,
     OffloadRuntime,
+    ds_offload_geometry,
     fixed_device_bytes,
-    offload_geometry,
     runtime_of,
 )
 from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
@@ -72,7 +69,6 @@ __all__ = (
     "DecodePath",
     "StepMode",
     "create_backend",
-    "ds_offload_layout",
     "label_bytes_per_token",
     "label_dtype",
     "price_label_cache",
@@ -141,7 +137,7 @@ def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitc
     if rows is None:
         msg = "DS-Offload sizes its host arena by --max-running-requests; give one"
         raise ConfigurationError(msg)
-    geometry = _ds_offload_geometry(
+    geometry = ds_offload_geometry(
         text_config,
         switches,
         rows=int(rows),
@@ -160,51 +156,6 @@ def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitc
         labels,
         fixed / (1 << 20),
     )
-
-
-def _ds_offload_geometry(
-    text_config: Any,
-    switches: DoubleSparsitySwitches,
-    *,
-    rows: int,
-    context_len: int,
-    kv_heads: int,
-    dtype: torch.dtype,
-) -> Any:
-    """DS-Offload's ``OffloadGeometry``.
-
-    Every attention layer, and hot caches that hold the blocks one step may read
-    (:meth:`DSConfig.hot_blocks`, at most a whole context).
-    """
-    layers, _, _, head_dim = ds_geometry(text_config)
-    hot = min(ds_config(switches).hot_blocks(kv_heads), math.ceil(context_len / BLOCK_TOKENS))
-    return offload_geometry(
-        layers=layers,
-        rows=rows,
-        context_len=context_len,
-        hot_slots=hot,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-    )
-
-
-def ds_offload_layout(runner: Any) -> OffloadLayout:
-    """The offload of a double-sparsity model's runner: every attention layer, by layer id."""
-    switches = current_switches().double_sparsity
-    if switches is None:
-        msg = f"DS-Offload needs {ENV_DS_CHANNEL_CONFIG}; it is not set"
-        raise AdapterError(msg)
-    pool = runner.token_to_kv_pool
-    geometry = _ds_offload_geometry(
-        runner.model_config.hf_text_config.to_dict(),
-        switches,
-        rows=int(runner.req_to_token_pool.size),
-        context_len=int(runner.model_config.context_len),
-        kv_heads=int(pool.head_num),
-        dtype=pool.dtype,  # the logical dtype
-    )
-    return OffloadLayout(geometry, {i: i for i in range(geometry.layers)}, None)
 
 
 def create_backend(runner: Any) -> Any:

@@ -52,14 +52,17 @@ import torch
 from qsa_kernels import BLOCK_TOKENS, KernelInputError
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
+from qsa_sglang_plugin._config_check import ds_config, ds_geometry
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
+from qsa_sglang_plugin._switches import DoubleSparsitySwitches
 
 __all__ = (
     "LOG_EVERY_STEPS",
     "OffloadLayout",
     "OffloadRuntime",
     "after_attn_backend_wrapper",
+    "ds_offload_geometry",
     "fixed_device_bytes",
     "offload_geometry",
     "price_offloaded_pool",
@@ -670,18 +673,55 @@ def _qsa_layout(runner: Any) -> OffloadLayout:
     return OffloadLayout(geometry, layer_ordinal, int(profile.block_topk))
 
 
+def ds_offload_geometry(
+    text_config: Any,
+    switches: DoubleSparsitySwitches,
+    *,
+    rows: int,
+    context_len: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+) -> OffloadGeometry:
+    """DS-Offload's ``OffloadGeometry``.
+
+    Every attention layer, and hot caches that hold the blocks one step may read
+    (:meth:`DSConfig.hot_blocks`, at most a whole context).
+    """
+    layers, _, _, head_dim = ds_geometry(text_config)
+    hot = min(ds_config(switches).hot_blocks(kv_heads), math.ceil(context_len / BLOCK_TOKENS))
+    return offload_geometry(
+        layers=layers,
+        rows=rows,
+        context_len=context_len,
+        hot_slots=hot,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+
+
+def _ds_layout(runner: Any, switches: DoubleSparsitySwitches) -> OffloadLayout:
+    """The offload of a double-sparsity model's runner: every attention layer, by layer id."""
+    pool = runner.token_to_kv_pool
+    geometry = ds_offload_geometry(
+        runner.model_config.hf_text_config.to_dict(),
+        switches,
+        rows=int(runner.req_to_token_pool.size),
+        context_len=int(runner.model_config.context_len),
+        kv_heads=int(pool.head_num),
+        dtype=pool.dtype,  # the logical dtype
+    )
+    return OffloadLayout(geometry, {i: i for i in range(geometry.layers)}, None)
+
+
 def _build_runtime(runner: Any) -> OffloadRuntime:
     """The runtime of one model runner, sized from its pools and its model (QSA or DS)."""
     from sglang.srt.runtime_context import get_parallel
 
     from qsa_sglang_plugin._switches import current_switches
 
-    if current_switches().double_sparsity is not None:
-        from qsa_sglang_plugin._adapters._double_sparsity import ds_offload_layout
-
-        layout = ds_offload_layout(runner)
-    else:
-        layout = _qsa_layout(runner)
+    ds = current_switches().double_sparsity
+    layout = _qsa_layout(runner) if ds is None else _ds_layout(runner, ds)
     geometry = layout.geometry
     rows, context_len = geometry.rows, int(runner.model_config.context_len)
     arena = geometry.host_bytes
