@@ -161,8 +161,8 @@ class DSOffloadedKV:
             blocks = self.kv.token_blocks(rows, positions)
         except KernelInputError as exc:
             msg = (
-                f"layer {layer!r}: {exc} (hot_slots >= Hkv * heavy_token_num = "
-                f"{g.kv_heads * self.config.heavy_token_num!r}, or the longest dense row / 4)"
+                f"layer {layer!r}: {exc}; DSConfig.hot_blocks(Hkv={g.kv_heads}) = "
+                f"{self.config.hot_blocks(g.kv_heads)!r} slots never run short"
             )
             raise KernelInputError(msg) from exc
         out, lse = self.kv.attend_tokens(layer, rows, q, positions, blocks, scale=scale)

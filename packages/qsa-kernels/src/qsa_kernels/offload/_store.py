@@ -686,8 +686,7 @@ class OffloadedKV:
             )
             raise KernelInputError(msg)
         batch = len(rows)
-        closed = self._plan.closed_blocks.view(batch, 1, 1) * BLOCK_TOKENS
-        in_hot = (positions >= 0) & (positions < closed)
+        in_hot = self._in_closed_blocks(positions)
         sentinel = g.max_blocks  # sorts after every block id
         ids = torch.where(in_hot, positions // BLOCK_TOKENS, sentinel).view(batch, -1)
         ids = ids.sort(dim=1).values
@@ -722,7 +721,7 @@ class OffloadedKV:
         the two parts are merged by their LSE.
 
         Args:
-            layer: QSA layer index in ``[0, L)``.
+            layer: offloaded attention layer index in ``[0, L)``.
             rows: the step's rows (what the last :meth:`advance` returned).
             q: ``[B, Hq, D]`` bf16 queries.
             positions: ``[B, Hkv, W]`` int32 chosen token positions, ``-1`` padded (see
@@ -746,8 +745,7 @@ class OffloadedKV:
         row_t = plan.row_ids.long()
         if blocks.shape[1]:
             self._fetch(layer, blocks)
-        closed = plan.closed_blocks.view(batch, 1, 1) * BLOCK_TOKENS
-        in_hot = (positions >= 0) & (positions < closed)
+        in_hot = self._in_closed_blocks(positions)
         block = torch.where(in_hot, positions // BLOCK_TOKENS, 0).view(batch, -1).long()
         slot = torch.gather(self.tables.block_slot[layer].index_select(0, row_t), 1, block)
         token = (row_t.view(batch, 1) * g.hot_slots + slot) * BLOCK_TOKENS
@@ -755,7 +753,8 @@ class OffloadedKV:
         hot_tokens = torch.where(in_hot, token, -1).to(torch.int32).contiguous()
         # The open block's tokens each head chose, as tail-record token ids.
         offsets = self._block_offsets[: BLOCK_TOKENS - 1]
-        open_positions = closed.view(batch, 1, 1, 1) + offsets  # [B, 1, 1, 3]
+        closed = plan.closed_blocks.view(batch, 1, 1, 1) * BLOCK_TOKENS
+        open_positions = closed + offsets  # [B, 1, 1, 3]
         chosen = (positions.unsqueeze(-1) == open_positions).any(dim=2)  # [B, Hkv, 3]
         tail_ids = (plan.row_ids.view(batch, 1, 1) * BLOCK_TOKENS + offsets).expand_as(chosen)
         tail_tokens = torch.where(chosen, tail_ids, -1).to(torch.int32).contiguous()
@@ -813,6 +812,11 @@ class OffloadedKV:
             )
             raise KernelInputError(msg)
         return free[: pad_to - real]
+
+    def _in_closed_blocks(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, W]`` bool: which chosen positions lie in a planned row's complete blocks."""
+        closed = self._plan.closed_blocks.view(-1, 1, 1) * BLOCK_TOKENS
+        return (positions >= 0) & (positions < closed)
 
     def _check_step(self, call: str, layer: int, rows: Sequence[int]) -> None:
         """An attention call of one layer needs a stamped step planned for ``rows``."""
