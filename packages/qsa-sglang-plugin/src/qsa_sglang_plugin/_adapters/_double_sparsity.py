@@ -53,12 +53,13 @@ import torch
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._offload import (
     OffloadRuntime,
+    arena_rows,
     ds_offload_geometry,
     fixed_device_bytes,
     runtime_of,
 )
 from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
-from qsa_sglang_plugin._errors import AdapterError, ConfigurationError
+from qsa_sglang_plugin._errors import AdapterError
 from qsa_sglang_plugin._switches import (
     ENV_DS_CHANNEL_CONFIG,
     DoubleSparsitySwitches,
@@ -133,14 +134,10 @@ def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitc
             labels,
         )
         return
-    rows = kvc.server_args.max_running_requests
-    if rows is None:
-        msg = "DS-Offload sizes its host arena by --max-running-requests; give one"
-        raise ConfigurationError(msg)
     geometry = ds_offload_geometry(
         text_config,
         switches,
-        rows=int(rows),
+        rows=arena_rows(kvc),
         context_len=int(model_config.context_len),
         kv_heads=kv_heads,
         dtype=kvc.kv_cache_dtype,

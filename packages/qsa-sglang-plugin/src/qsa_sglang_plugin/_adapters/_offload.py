@@ -55,13 +55,14 @@ from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._config_check import ds_config, ds_geometry
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
-from qsa_sglang_plugin._switches import DoubleSparsitySwitches
+from qsa_sglang_plugin._switches import DoubleSparsitySwitches, HiSparseMode, current_switches
 
 __all__ = (
     "LOG_EVERY_STEPS",
     "OffloadLayout",
     "OffloadRuntime",
     "after_attn_backend_wrapper",
+    "arena_rows",
     "ds_offload_geometry",
     "fixed_device_bytes",
     "offload_geometry",
@@ -572,15 +573,33 @@ class OffloadRuntime:
 
 
 def _offload_requested() -> bool:
-    from qsa_sglang_plugin._switches import HiSparseMode, current_switches
-
     return current_switches().hisparse is HiSparseMode.P2_OFFLOAD
 
 
 def _verification_requested() -> bool:
-    from qsa_sglang_plugin._switches import current_switches
-
     return current_switches().verify_offload
+
+
+def _blocks(tokens: int) -> int:
+    """4-token blocks that hold ``tokens`` tokens (the last one may be open)."""
+    return math.ceil(tokens / BLOCK_TOKENS)
+
+
+def arena_rows(kvc: Any) -> int:
+    """Host-arena rows an engine's offload allocates: one per running request.
+
+    Args:
+        kvc: SGLang's ``KVCacheConfigurator`` input (its ``server_args``).
+
+    Raises:
+        ConfigurationError: ``--max-running-requests`` was not given (start-up refuses it
+            earlier; pool sizing must not guess).
+    """
+    rows = kvc.server_args.max_running_requests
+    if rows is None:
+        msg = "the offload sizes its host arena by --max-running-requests; give one"
+        raise ConfigurationError(msg)
+    return int(rows)
 
 
 def offload_geometry(
@@ -603,7 +622,7 @@ def offload_geometry(
             layers=layers,
             rows=rows,
             hot_slots=hot_slots,
-            max_blocks=math.ceil(context_len / BLOCK_TOKENS),
+            max_blocks=_blocks(context_len),
             kv_heads=kv_heads,
             head_dim=head_dim,
             dtype=dtype,
@@ -688,7 +707,7 @@ def ds_offload_geometry(
     (:meth:`DSConfig.hot_blocks`, at most a whole context).
     """
     layers, _, _, head_dim = ds_geometry(text_config)
-    hot = min(ds_config(switches).hot_blocks(kv_heads), math.ceil(context_len / BLOCK_TOKENS))
+    hot = min(ds_config(switches).hot_blocks(kv_heads), _blocks(context_len))
     return offload_geometry(
         layers=layers,
         rows=rows,
@@ -717,8 +736,6 @@ def _ds_layout(runner: Any, switches: DoubleSparsitySwitches) -> OffloadLayout:
 def _build_runtime(runner: Any) -> OffloadRuntime:
     """The runtime of one model runner, sized from its pools and its model (QSA or DS)."""
     from sglang.srt.runtime_context import get_parallel
-
-    from qsa_sglang_plugin._switches import current_switches
 
     ds = current_switches().double_sparsity
     layout = _qsa_layout(runner) if ds is None else _ds_layout(runner, ds)
@@ -930,13 +947,9 @@ def price_offloaded_pool(configurator: Any, kvc: Any) -> None:
         return
     layers = len(hybrid.full_attention_layer_ids)
     profile = _qsa_profile(model_config)
-    rows = kvc.server_args.max_running_requests
-    if rows is None:
-        msg = "p2-offload sizes its host arena by --max-running-requests; give one"
-        raise ConfigurationError(msg)
     geometry = offload_geometry(
         layers=layers,
-        rows=int(rows),
+        rows=arena_rows(kvc),
         context_len=int(model_config.context_len),
         hot_slots=int(profile.block_topk),
         kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),
