@@ -100,15 +100,22 @@ def measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) ->
     return Cell(arm, context, batch, decode, wall, prefill, list(replies[0].output_ids))
 
 
-def profile_decode(  # noqa: PLR0917 (measure's order, then where the trace goes)
-    engine: Any, context: int, batch: int, steps: int, out: pathlib.Path, arm: str
+def profile_decode(  # noqa: PLR0917 (measure's order, then the trace's)
+    engine: Any,
+    context: int,
+    batch: int,
+    new_tokens: int,
+    arm: str,
+    steps: int,
+    out: pathlib.Path,
 ) -> pathlib.Path:
     """A torch profiler trace of ``steps`` decode steps while ``batch`` requests decode together.
 
     The batch is sent as in :func:`measure`; once SGLang logs a ``Decode batch`` line with all
     ``batch`` running, ``/start_profile`` records the next ``steps`` steps (Python stacks, torch
-    operators, CUDA runtime calls and kernels) into ``out``. Profiled steps run slower: the
-    decode rate comes from :func:`measure`, never from here.
+    operators, CUDA runtime calls and kernels) into ``out``, so ``new_tokens`` must leave
+    ``steps`` steps after that line. Profiled steps run slower: the decode rate comes from
+    :func:`measure`, never from here.
 
     Returns:
         The trace, ``out/<arm>-<context>-<batch>-*.trace.json.gz``.
@@ -117,7 +124,6 @@ def profile_decode(  # noqa: PLR0917 (measure's order, then where the trace goes
 
     model = engine.config.model
     prefix = f"{arm}-{context}-{batch}"
-    new_tokens = engine.config.server_args.get("decode_log_interval", 40) + 3 * steps + 40
     requests = [
         GenerateRequest(model.prompt(context, seed=100 + i), new_tokens, top_logprobs=0)
         for i in range(batch)

@@ -98,8 +98,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--profile {args.profile!r} is not allowed; allowed: e.g. 32768x1,32768x8")
     if any(len(cell) != 2 or min(cell) < 1 for cell in args.profile):
         parser.error(f"--profile {args.profile!r} is not allowed; allowed: e.g. 32768x1,32768x8")
-    if args.profile_steps < 1:
-        parser.error(f"--profile-steps {args.profile_steps!r} is not allowed; allowed: >= 1")
+    if not 1 <= args.profile_steps <= args.new_tokens // 2:
+        parser.error(
+            f"--profile-steps {args.profile_steps!r} is not allowed; allowed: 1 to "
+            f"{args.new_tokens // 2} (half of --new-tokens, so the traced steps all decode)"
+        )
     return args
 
 
@@ -303,8 +306,15 @@ def main(argv: list[str]) -> int:
             _write(args.out, args, cells, prices, hot)
         for context, batch in args.profile:
             for arm in ("resident", "offload"):
+                tokens = _new_tokens(args, context, batch)
                 trace = profile_decode(
-                    engines[arm], context, batch, args.profile_steps, args.out / "traces", arm
+                    engines[arm],
+                    context,
+                    batch,
+                    tokens,
+                    arm,
+                    args.profile_steps,
+                    args.out / "traces",
                 )
                 summary = args.out / f"profile-{arm}-{context}-{batch}.txt"
                 summary.write_text(summarize(trace), encoding="utf-8")
