@@ -15,6 +15,14 @@ blocks, fetch, sparse decode, merge) reads only those buffers and a device stamp
 host value, so one layer's step can be captured in a CUDA graph once per batch size and replayed:
 the plan pads the batch with free rows, whose work is masked out.
 
+Under a shard group (``shard``: ``N`` ranks holding the same K/V heads, e.g. the copies of one KV
+head at TP > KV heads), each rank's arena stores only the blocks its placement gives it: whole
+16-block pages, page ``p`` of a request on rank ``p % N`` (the compressed index's page
+interleaving, :func:`qsa_kernels.sharded.localize_blocks`), so host bytes and fetches divide by
+``N``. Every rank keeps the open-block tail; rank 0 alone attends it. :meth:`OffloadedKV.attend`
+then returns this rank's partial, which :func:`qsa_kernels.sharded.merge_owner_partials` combines
+across the group.
+
 Ordering across streams is explicit: a prompt is offloaded on a side stream, and the current
 stream waits on that copy's event before the next step. Closed blocks are written back on the
 current stream, in order. Nothing here allocates pinned memory after construction.
@@ -35,6 +43,8 @@ from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels._path import KernelPath
 from qsa_kernels.fetch import HotCacheTables, fetch_selected_blocks, fetch_selected_blocks_reference
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
+from qsa_kernels.sharded._group import ShardGroup
+from qsa_kernels.sharded._layout import localize_blocks
 from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 from qsa_kernels.writeback import (
     offload_prompt,
@@ -110,14 +120,28 @@ class OffloadGeometry:
     @property
     def host_bytes(self) -> int:
         """Bytes of the host arena: ``R × L × NB`` records."""
-        return self.rows * self.layers * self.max_blocks * self.record_bytes
+        return self.arena_bytes()
+
+    def arena_blocks(self, shard: ShardGroup | None = None) -> int:
+        """Arena blocks per (row, layer) one rank stores.
+
+        ``NB``, or under ``shard`` the blocks of ``[0, NB)`` its placement gives the rank
+        (``ceil(NB / 16 / N)`` pages at most).
+        """
+        if shard is None:
+            return self.max_blocks
+        return shard.placement.blocks_on_rank(self.max_blocks, shard.rank)
+
+    def arena_bytes(self, shard: ShardGroup | None = None) -> int:
+        """Bytes of one rank's host arena: ``R × L ×`` :meth:`arena_blocks` records."""
+        return self.rows * self.layers * self.arena_blocks(shard) * self.record_bytes
 
     @property
     def device_bytes(self) -> int:
         """Device bytes :class:`OffloadedKV` allocates: hot caches, tails and residency tables.
 
         ``L × R × (S + 1)`` records, plus ``L × R × S`` int32 block ids and int64 stamps and
-        ``L × R × NB`` int32 slots.
+        ``L × R × NB`` int32 slots (a bound: a shard's slot maps cover its own blocks).
         """
         caches = self.layers * self.rows * (self.hot_slots + 1) * self.record_bytes
         per_slot = 4 + 8  # an int32 block id and an int64 stamp
@@ -171,7 +195,8 @@ class KVComparison:
     """What :meth:`OffloadedKV.compare` found.
 
     Attributes:
-        bytes_compared: K and V bytes of the row's tokens, every layer.
+        bytes_compared: K and V bytes of the row's tokens, every layer (under a shard group:
+            of its own blocks and its tail).
         bytes_differing: those that differ from the expected K/V (0 when the offload is exact).
     """
 
@@ -202,8 +227,11 @@ class _StepPlan:
 
     _FIELDS = 5  # rows, tail offsets, complete blocks, closing block, position; 3 tail tokens/row
 
-    def __init__(self, max_rows: int, device: torch.device) -> None:
+    def __init__(
+        self, max_rows: int, device: torch.device, shard: ShardGroup | None = None
+    ) -> None:
         self.rows: tuple[int, ...] = ()
+        self._shard = shard
         self.batch = 0
         self._r = max_rows
         words = (self._FIELDS + BLOCK_TOKENS - 1) * max_rows
@@ -233,7 +261,10 @@ class _StepPlan:
 
     @property
     def closing(self) -> torch.Tensor:
-        """``[B]`` int32 device: the block each new token closes, ``-1`` where none closes."""
+        """``[B]`` int32 device: the arena block each new token closes, ``-1`` if none.
+
+        Under a shard group: the local block, ``-1`` also where another rank stores it.
+        """
         return self._field(3)
 
     @property
@@ -275,7 +306,10 @@ class _StepPlan:
             fields[1, :n] = torch.where(is_real, offset, 0)
             fields[2, :n] = torch.where(is_real, length_t // BLOCK_TOKENS, 0)
             closes = is_real & (offset == BLOCK_TOKENS - 1)
-            fields[3, :n] = torch.where(closes, position // BLOCK_TOKENS, -1)
+            closing = torch.where(closes, position // BLOCK_TOKENS, -1)
+            if self._shard is not None:
+                closing = localize_blocks(closing, self._shard.placement, self._shard.rank)
+            fields[3, :n] = closing
             fields[4, :n] = torch.where(is_real, position, 0)
             count = torch.where(is_real, open_count, 1)  # padding: its one (ignored) token
             slots = torch.arange(BLOCK_TOKENS - 1, dtype=torch.int32)
@@ -308,6 +342,10 @@ class OffloadedKV:
 
     ``path`` picks the implementation: the Triton kernels, or their torch references (same
     contract; what a CPU-only engine runs). :attr:`KernelPath.AUTO` takes Triton on CUDA.
+
+    ``shard``: this rank's shard group (see the module docstring); the arena is then
+    ``[R, L, NB_local, ...]`` with ``NB_local = geometry.arena_blocks(shard)``, and block ids
+    given to and returned by every method stay request-relative. A group of one rank is no shard.
     """
 
     def __init__(
@@ -316,12 +354,15 @@ class OffloadedKV:
         device: torch.device,
         *,
         path: KernelPath = KernelPath.AUTO,
+        shard: ShardGroup | None = None,
     ) -> None:
         self.geometry = geometry
         g = geometry
+        self.shard = shard if shard is not None and shard.world_size > 1 else None
+        blocks = g.arena_blocks(self.shard)
         pin = device.type == "cuda"
         self.host_arena = torch.empty(
-            (g.rows, g.layers, g.max_blocks, *g.record_shape), dtype=g.dtype, pin_memory=pin
+            (g.rows, g.layers, blocks, *g.record_shape), dtype=g.dtype, pin_memory=pin
         )
         self.hot = torch.zeros(
             (g.layers, g.rows, g.hot_slots, *g.record_shape), dtype=g.dtype, device=device
@@ -333,7 +374,7 @@ class OffloadedKV:
         self.device = self.hot.device
         self.path = path.resolve(self.device)
         self._kernels = _KERNELS[self.path]
-        self.tables = HotCacheTables.empty(g.layers, g.rows, g.hot_slots, g.max_blocks, device)
+        self.tables = HotCacheTables.empty(g.layers, g.rows, g.hot_slots, blocks, device)
         self._lengths = [0] * g.rows
         self._states = [RowState.FREE] * g.rows
         self._step = -1
@@ -346,8 +387,13 @@ class OffloadedKV:
         self._layer_of = self._layer_ids.repeat_interleave(g.rows).view(g.layers, g.rows)
         # Hot-cache stamps: every fetch reads this counter and advances it by one, on the device.
         self._stamp = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._plan = _StepPlan(g.rows, self.device)
+        self._plan = _StepPlan(g.rows, self.device, self.shard)
         self._planned = False
+        # One rank of a shard group attends the open block; the others read no tail token.
+        self._attends_tail = self.shard is None or self.shard.rank == 0
+        self._no_tail = torch.full(
+            (g.rows, BLOCK_TOKENS - 1), -1, dtype=torch.int32, device=self.device
+        )
 
     # -- request lifecycle --
 
@@ -410,10 +456,24 @@ class OffloadedKV:
             self.wait_for_host_writes()
             if self.device.type == "cuda":  # the arena may still be read by queued fetches
                 torch.cuda.current_stream(self.device).synchronize()
-            self.host_arena[row, :, :prefix_blocks].copy_(prefix)
+            owned = self._owned_blocks(0, prefix_blocks)
+            self.host_arena[row, :, : len(owned)].copy_(
+                prefix if self.shard is None else prefix[:, owned]
+            )
+        send_k, send_v, first_block = k, v, prefix_blocks
+        if self.shard is not None:  # this rank's complete blocks; their local ids are consecutive
+            owned = self._owned_blocks(prefix_blocks, tokens // BLOCK_TOKENS)
+            first_block = len(self._owned_blocks(0, prefix_blocks))
+            token_ids = (owned.to(k.device).unsqueeze(1) - prefix_blocks) * BLOCK_TOKENS
+            token_ids = token_ids + torch.arange(BLOCK_TOKENS, device=k.device)
+            send_k, send_v = (x.index_select(1, token_ids.view(-1)) for x in (k, v))
         self._remember(
             self._kernels.offload(
-                k.contiguous(), v.contiguous(), self.host_arena, row, first_block=prefix_blocks
+                send_k.contiguous(),
+                send_v.contiguous(),
+                self.host_arena,
+                row,
+                first_block=first_block,
             )
         )
         closed = tokens // BLOCK_TOKENS * BLOCK_TOKENS
@@ -433,6 +493,7 @@ class OffloadedKV:
             so ``4 × blocks`` must not exceed the row's closed tokens).
         """
         self._check_row(row)
+        self._refuse_shard("export_prefix")
         closed_blocks = self._lengths[row] // BLOCK_TOKENS
         if not 0 < blocks <= closed_blocks:
             msg = (
@@ -450,7 +511,8 @@ class OffloadedKV:
 
         A diagnostic (it synchronises with the device and reads the arena on the host): ``k`` and
         ``v`` are the K/V a resident cache would hold for the row's tokens, e.g. a shadow copy
-        kept by a caller that checks the offload.
+        kept by a caller that checks the offload. Under a shard group the row's own blocks and the
+        tail are compared (and counted).
 
         Args:
             row: an active row.
@@ -475,11 +537,15 @@ class OffloadedKV:
         closed = blocks * BLOCK_TOKENS
         shape = (g.layers, blocks, BLOCK_TOKENS, g.kv_heads, g.head_dim)
         want = torch.stack((k[:, :closed].reshape(shape), v[:, :closed].reshape(shape)), dim=2)
-        have = self.host_arena[row, :, :blocks]
+        owned = self._owned_blocks(0, blocks)
+        if self.shard is not None:
+            want = want[:, owned.to(want.device)]
+        have = self.host_arena[row, :, : len(owned)]
         tail = self.tail[:, row, 0, :, :open_tokens]  # [L, 2, open, Hkv, D]
         want_tail = torch.stack((k[:, closed:], v[:, closed:]), dim=1)
         differing = _differing_bytes(have, want) + _differing_bytes(tail, want_tail)
-        return KVComparison(tokens * g.layers * g.record_bytes // BLOCK_TOKENS, differing)
+        compared = (len(owned) * BLOCK_TOKENS + open_tokens) * g.layers
+        return KVComparison(compared * g.record_bytes // BLOCK_TOKENS, differing)
 
     def state(self, row: int) -> RowState:
         """Whether row ``row`` holds a request (its occupancy, not a lease state)."""
@@ -632,8 +698,13 @@ class OffloadedKV:
         blocks: torch.Tensor,
         *,
         scale: float | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer for ``B`` rows over their selected blocks and their open block.
+
+        Under a shard group, over the selected blocks this rank stores (and the open block on
+        rank 0): this rank's partial, ``(0, -inf)`` where it holds none of a row's tokens; ask
+        for ``out_dtype=torch.float32`` to merge the partials without a bf16 rounding.
 
         Args:
             layer: QSA layer index in ``[0, L)``.
@@ -642,20 +713,25 @@ class OffloadedKV:
             blocks: ``[B, K]`` int32 selected complete blocks (``-1`` padding), ``K <= S``; a
                 padding row's entries must be ``-1`` (see :attr:`step_closed_blocks`).
             scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+            out_dtype: dtype of ``out``: bf16, or fp32 for a later merge.
 
         Returns:
-            ``(out [B, Hq, D] bf16, lse [B, Hq] fp32)``, the attention over the selected blocks'
-            tokens and the row's open-block tokens, natural-log LSE.
+            ``(out [B, Hq, D] out_dtype, lse [B, Hq] fp32)``, the attention over the selected
+            blocks' tokens and the row's open-block tokens, natural-log LSE.
         """
         self._check_step("attend", layer, rows)
         if blocks.dim() != 2 or blocks.shape[0] != len(rows):
             msg = f"blocks must be [B={len(rows)}, K]; got {tuple(blocks.shape)!r}"
             raise KernelInputError(msg)
-        slots = self._fetch(layer, blocks.to(torch.int32))
+        blocks = blocks.to(torch.int32)
+        if self.shard is not None:
+            blocks = localize_blocks(blocks, self.shard.placement, self.shard.rank)
+        slots = self._fetch(layer, blocks)
         hot_tokens = torch.where(
             slots.unsqueeze(-1) >= 0, slots.unsqueeze(-1) * BLOCK_TOKENS + self._block_offsets, -1
         ).reshape(len(rows), -1)
-        return self._attend_parts(layer, q, hot_tokens, self._plan.tail_tokens, scale)
+        tail = self._plan.tail_tokens if self._attends_tail else self._no_tail[: len(rows)]
+        return self._attend_parts(layer, q, hot_tokens, tail, scale, out_dtype=out_dtype)
 
     def token_blocks(self, rows: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
         """The complete blocks that hold the planned rows' chosen tokens, one list per row.
@@ -678,6 +754,7 @@ class OffloadedKV:
                 than a hot cache holds (``hot_slots``).
         """
         g = self.geometry
+        self._refuse_shard("token_blocks")
         self._check_planned("token_blocks", rows)
         if positions.dim() != 3 or tuple(positions.shape[:2]) != (len(rows), g.kv_heads):
             msg = (
@@ -733,6 +810,7 @@ class OffloadedKV:
             ``(out [B, Hq, D] bf16, lse [B, Hq] fp32)``, natural-log LSE.
         """
         g = self.geometry
+        self._refuse_shard("attend_tokens")
         self._check_step("attend_tokens", layer, rows)
         batch = len(rows)
         if blocks.dim() != 2 or blocks.shape[0] != batch or blocks.shape[1] > g.hot_slots:
@@ -774,6 +852,21 @@ class OffloadedKV:
             self._pending.clear()
 
     # -- internals --
+
+    def _owned_blocks(self, start: int, stop: int) -> torch.Tensor:
+        """``[n]`` int64 (CPU): the blocks of ``[start, stop)`` this rank's arena stores."""
+        ids = torch.arange(start, stop, dtype=torch.int64)
+        if self.shard is None:
+            return ids
+        return ids[localize_blocks(ids, self.shard.placement, self.shard.rank) >= 0]
+
+    def _refuse_shard(self, call: str) -> None:
+        if self.shard is not None:
+            msg = (
+                f"{call} reads every block of a row; under a shard group of "
+                f"{self.shard.world_size!r} ranks this rank stores only its own"
+            )
+            raise KernelInputError(msg)
 
     def _check_row(self, row: int) -> int:
         given: object = row
@@ -851,10 +944,12 @@ class OffloadedKV:
         hot_tokens: torch.Tensor,
         tail_tokens: torch.Tensor,
         scale: float | None,
+        *,
+        out_dtype: torch.dtype = torch.bfloat16,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over hot-cache tokens and tail-record tokens of one layer, LSE-merged.
 
-        Both parts stay fp32 until the merge, so the output is rounded to bf16 once.
+        Both parts stay fp32 until the merge, so the output is rounded (to ``out_dtype``) once.
         """
         g = self.geometry
         out_hot, lse_hot = self._kernels.decode(
@@ -874,7 +969,7 @@ class OffloadedKV:
         return self._kernels.merge(
             torch.stack((out_hot, out_tail)),
             torch.stack((lse_hot, lse_tail)),
-            out_dtype=torch.bfloat16,
+            out_dtype=out_dtype,
         )
 
     def _check_planned(self, call: str, rows: Sequence[int]) -> None:

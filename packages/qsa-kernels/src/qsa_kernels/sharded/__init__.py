@@ -10,13 +10,19 @@ exchange of fp32 partials; an LSE merge). All transport goes through
 and closed index blocks are routed to their owners (``*_write_targets``, ``write_owned_*``).
 """
 
-from qsa_kernels.sharded._attention import owner_sparse_decode, partial_attention_reference
+from qsa_kernels.sharded._attention import (
+    gather_group_queries,
+    merge_owner_partials,
+    owner_sparse_decode,
+    partial_attention_reference,
+)
 from qsa_kernels.sharded._buffers import CollectiveBytes, HeadLayout, ShardedDecodeBuffers
 from qsa_kernels.sharded._group import ShardGroup, all_gather_flat, all_to_all_flat
 from qsa_kernels.sharded._layout import (
     LocalIndexTable,
     compact_owned_slots,
     local_index_table,
+    localize_blocks,
     localize_token_slots,
     owned_token_bound,
     shard_index_pages,
@@ -46,6 +52,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "LocalIndexTable",
     "compact_owned_slots",
     "local_index_table",
+    "localize_blocks",
     "localize_token_slots",
     "owned_token_bound",
     "shard_index_pages",
@@ -60,7 +67,9 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "write_owned_index_blocks",
     "write_owned_raw_kv",
     # -- Decode step --
+    "gather_group_queries",
     "local_topk_candidates",
+    "merge_owner_partials",
     "owner_sparse_decode",
     "partial_attention_reference",
     "sharded_indexer_topk",

@@ -24,7 +24,12 @@ from qsa_kernels.sharded._group import KernelPath, ShardGroup, all_gather_flat, 
 from qsa_kernels.sharded._layout import compact_owned_slots
 from qsa_kernels.sparse_decode import gather_selected_kv, sparse_decode
 
-__all__ = ("owner_sparse_decode", "partial_attention_reference")
+__all__ = (
+    "gather_group_queries",
+    "merge_owner_partials",
+    "owner_sparse_decode",
+    "partial_attention_reference",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,18 +118,8 @@ def owner_sparse_decode(
         KernelInputError: bad shapes, an ``owned_width`` outside ``1 .. 4 * topk + 3``, or (with
             ``check_width``) a row owning more than ``owned_width`` selected tokens.
     """
-    batch = q.shape[0]
-    buffers.check_rows(batch)
-    n, d = shard.world_size, buffers.head_dim
-    hq, k = buffers.q_heads, buffers.topk
-    sharded = buffers.layout is HeadLayout.SHARDED
-    heads_in = hq // n if sharded else hq
-    if tuple(q.shape[1:]) != (heads_in, d) or buffers.world_size != n:
-        msg = (
-            f"q must be [B, {heads_in!r}, {d!r}] for {buffers.layout!r} with world_size={n!r}; "
-            f"got {tuple(q.shape)!r} (buffers for world_size={buffers.world_size!r})"
-        )
-        raise KernelInputError(msg)
+    batch, k, d = q.shape[0], buffers.topk, buffers.head_dim
+    q_full = gather_group_queries(q, shard=shard, buffers=buffers)  # checks q and the rows
     if block_ids.shape != (batch, k):
         msg = f"block_ids must be [B={batch!r}, topk={k!r}]; got {tuple(block_ids.shape)!r}"
         raise KernelInputError(msg)
@@ -161,23 +156,89 @@ def owner_sparse_decode(
             raise KernelInputError(msg)
     logger.debug("rank %d attends over %d of %d token columns", shard.rank, columns, width)
     local = local[:, : max(columns, 1)]
-
-    if sharded:
-        q_words = batch * heads_in * d
-        q_send = buffers.query_send[:q_words]
-        q_send.view(batch, heads_in, d).copy_(q)
-        q_recv = buffers.query_recv[: n * q_words]
-        all_gather_flat(shard, q_send, q_recv)
-        q_full = q_recv.view(n, batch, heads_in, d).transpose(0, 1).reshape(batch, hq, d)
-    else:
-        q_full = q.contiguous()
-
     if concrete is KernelPath.TRITON:
         out_b, lse = sparse_decode(q_full, local, local_kv, scale=sm_scale)
         out = out_b.float()
     else:
         out, lse = partial_attention_reference(q_full, local, local_kv, scale=sm_scale)
+    return merge_owner_partials(out, lse, shard=shard, buffers=buffers, path=concrete)
 
+
+def gather_group_queries(
+    q: torch.Tensor, *, shard: ShardGroup, buffers: ShardedDecodeBuffers
+) -> torch.Tensor:
+    """The queries of every head of the KV group, on every rank: what each owner attends with.
+
+    SHARDED: one all-gather of the ranks' heads through ``buffers.query_send``/``query_recv``;
+    REPLICATED: ``q`` itself (every rank holds every head).
+
+    Args:
+        q: REPLICATED ``[B, Hq, D]``; SHARDED ``[B, Hq / N, D]``, this rank's heads; bf16.
+        shard: this rank's shard group.
+        buffers: the static transport buffers (``max_rows >= B``).
+
+    Returns:
+        ``[B, Hq, D]`` bf16, heads in rank order (a view of ``buffers.query_recv`` when SHARDED).
+    """
+    batch = q.shape[0]
+    buffers.check_rows(batch)
+    n, d, hq = shard.world_size, buffers.head_dim, buffers.q_heads
+    sharded = buffers.layout is HeadLayout.SHARDED
+    heads_in = hq // n if sharded else hq
+    if tuple(q.shape[1:]) != (heads_in, d) or buffers.world_size != n:
+        msg = (
+            f"q must be [B, {heads_in!r}, {d!r}] for {buffers.layout!r} with world_size={n!r}; "
+            f"got {tuple(q.shape)!r} (buffers for world_size={buffers.world_size!r})"
+        )
+        raise KernelInputError(msg)
+    if not sharded:
+        return q.contiguous()
+    q_words = batch * heads_in * d
+    q_send = buffers.query_send[:q_words]
+    q_send.view(batch, heads_in, d).copy_(q)
+    q_recv = buffers.query_recv[: n * q_words]
+    all_gather_flat(shard, q_send, q_recv)
+    return q_recv.view(n, batch, heads_in, d).transpose(0, 1).reshape(batch, hq, d)
+
+
+def merge_owner_partials(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    shard: ShardGroup,
+    buffers: ShardedDecodeBuffers,
+    path: KernelPath = KernelPath.AUTO,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine every owner's partial attention into the attention over the whole selection.
+
+    Each rank attended every head of the KV group over the tokens it owns (disjoint sets that
+    cover the selection; a rank owning none contributes ``(0, -inf)``). REPLICATED: one
+    all-gather of the packed fp32 partials, every rank merges every head. SHARDED: one all-to-all
+    hands each rank the partials of its own heads, which it merges. The merge is fp32
+    (:func:`qsa_kernels.lse_merge.lse_merge`), rounded to bf16 once.
+
+    Args:
+        out: ``[B, Hq, D]`` this rank's partial output, fp32 (or bf16).
+        lse: ``[B, Hq]`` fp32 natural-log LSE of it.
+        shard: this rank's shard group.
+        buffers: the static transport buffers (``max_rows >= B``).
+        path: the merge's kernel or reference.
+
+    Returns:
+        REPLICATED ``([B, Hq, D] bf16, [B, Hq] fp32)``; SHARDED this rank's heads, ``[B, Hq / N,
+        D]`` and ``[B, Hq / N]``.
+    """
+    batch = out.shape[0]
+    buffers.check_rows(batch)
+    n, d, hq = shard.world_size, buffers.head_dim, buffers.q_heads
+    if tuple(out.shape) != (batch, hq, d) or tuple(lse.shape) != (batch, hq):
+        msg = (
+            f"out and lse must be [B, Hq={hq!r}, D={d!r}] and [B, Hq]; got {tuple(out.shape)!r} "
+            f"and {tuple(lse.shape)!r}"
+        )
+        raise KernelInputError(msg)
+    sharded = buffers.layout is HeadLayout.SHARDED
+    heads_in = hq // n if sharded else hq
     p_words = batch * hq * (d + 1)
     p_send = buffers.partial_send[:p_words]
     if sharded:
@@ -194,5 +255,5 @@ def owner_sparse_decode(
         p_recv = buffers.partial_recv[: n * p_words]
         all_gather_flat(shard, p_send, p_recv)
     parts = p_recv.view(n, batch, heads_in, d + 1)
-    merge = lse_merge if concrete is KernelPath.TRITON else lse_merge_reference
+    merge = lse_merge if path.resolve(out.device) is KernelPath.TRITON else lse_merge_reference
     return merge(parts[..., :d], parts[..., d].contiguous(), out_dtype=torch.bfloat16)

@@ -27,6 +27,7 @@ __all__ = (
     "LocalIndexTable",
     "compact_owned_slots",
     "local_index_table",
+    "localize_blocks",
     "localize_token_slots",
     "owned_token_bound",
     "shard_index_pages",
@@ -177,6 +178,30 @@ def localize_token_slots(
         return local.to(torch.int32)
     out.copy_(local)
     return out
+
+
+def localize_blocks(blocks: torch.Tensor, placement: ShardPlacement, rank: int) -> torch.Tensor:
+    """Keep the request-relative blocks rank ``rank`` owns, as its local block ids.
+
+    The tensor form of :meth:`qsa_core.ShardPlacement.block_owner` and
+    :meth:`~qsa_core.ShardPlacement.block_local`: block ``j`` lies on page ``j // 16``, owned by
+    rank ``(j // 16) % N``, at local block ``(j // 16 // N) * 16 + j % 16``. The owned blocks of
+    any range ``[a, b)`` have consecutive local ids. Elementwise, no host synchronisation.
+
+    Args:
+        blocks: int32/int64 block ids of any shape, ``-1`` (any negative) padding.
+        placement: the shard group's placement.
+        rank: this rank.
+
+    Returns:
+        int32, shaped like ``blocks``: the local id where ``rank`` owns the block, else ``-1``.
+    """
+    _check_rank(placement, rank)
+    n, bpp = placement.world_size, placement.blocks_per_page
+    page = torch.div(blocks, bpp, rounding_mode="floor")
+    owned = (blocks >= 0) & (torch.remainder(page, n) == rank)
+    local = torch.div(page, n, rounding_mode="floor") * bpp + torch.remainder(blocks, bpp)
+    return torch.where(owned, local, -1).to(torch.int32)
 
 
 def owned_token_bound(
