@@ -87,6 +87,19 @@ def test_qwen_tp8_shard_groups_lie_inside_a_replica_group() -> None:
         ShardPlacement.for_tp(QWEN38_FLASH_NEXT, 3, 1)
 
 
+def test_tp_shard_groups_partition_each_kv_heads_replica_group() -> None:
+    """At TP8 with 2 KV heads (ranks 0-3 hold head 0, 4-7 head 1), groups never mix heads."""
+    assert ShardPlacement.tp_groups(QWEN38_FLASH_NEXT, 8, 4) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert ShardPlacement.tp_groups(QWEN38_FLASH_NEXT, 8, 2) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert ShardPlacement.tp_groups(QWEN38_FLASH_NEXT, 4, 1) == ((0,), (1,), (2,), (3,))
+    for tp, n in ((8, 4), (8, 2), (4, 2)):
+        replicas = QWEN38_FLASH_NEXT.kv_replicas(tp)
+        for group in ShardPlacement.tp_groups(QWEN38_FLASH_NEXT, tp, n):
+            assert len({rank // replicas for rank in group}) == 1  # one K/V head per group
+    with pytest.raises(PlacementError, match=r"sharding_size=2 .*allowed: \[1\]"):
+        ShardPlacement.tp_groups(QWEN38_FLASH_NEXT, 2, 2)
+
+
 def test_bad_arguments_are_rejected() -> None:
     """Negative slots, out-of-range ranks and empty groups raise with the allowed range."""
     placement = ShardPlacement(4, 16, 4)

@@ -12,7 +12,8 @@ from qsa_sglang_plugin import ConfigurationError, parse_switches
 from qsa_sglang_plugin._config_check import ConfigFacts, _prefill_graph_backend, check_configuration
 
 COMPAT = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1"})
-OFFLOAD = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"})
+OFFLOAD_ENV = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+OFFLOAD = parse_switches(OFFLOAD_ENV)
 
 GOOD = ConfigFacts(
     architectures=("Qwen4ExpForConditionalGeneration",),
@@ -110,6 +111,7 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
         ),
         ({"prefill_max_requests": None}, ["--prefill-max-requests=None", "supported: 1"]),
         ({"prefill_max_requests": 2}, ["--prefill-max-requests=2", "one prompt at a time"]),
+        ({"enable_prefill_cp": True}, ["--enable-prefill-cp=True", "supported: off", "zigzag"]),
     ],
 )
 def test_hisparse_rejects_scheduler_flags_it_cannot_run(
@@ -303,3 +305,26 @@ def test_ds_offload_refuses_flags_its_runtime_cannot_serve(
         )
         is None
     )
+
+
+@pytest.mark.parametrize(("tp_size", "sharding"), [(4, 2), (8, 2), (8, 4)])
+def test_cache_sharding_passes_inside_one_kv_heads_replica_group(
+    tp_size: int, sharding: int
+) -> None:
+    """Two K/V heads: at TP4 two ranks hold each head, at TP8 four."""
+    switches = parse_switches({**OFFLOAD_ENV, "SGLANG_QSA_CACHE_SHARDING": str(sharding)})
+    assert check_configuration(dataclasses.replace(GOOD, tp_size=tp_size), switches) is not None
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "sharding", "allowed"), [(1, 2, "[1]"), (2, 2, "[1]"), (4, 4, "[1, 2]")]
+)
+def test_cache_sharding_beyond_the_replica_group_is_refused_by_name(
+    tp_size: int, sharding: int, allowed: str
+) -> None:
+    switches = parse_switches({**OFFLOAD_ENV, "SGLANG_QSA_CACHE_SHARDING": str(sharding)})
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(dataclasses.replace(GOOD, tp_size=tp_size), switches)
+    message = str(info.value)
+    assert f"SGLANG_QSA_CACHE_SHARDING={sharding} does not fit --tp-size={tp_size}" in message
+    assert f"allowed: {allowed}" in message

@@ -115,6 +115,22 @@ def test_verification_is_off_unless_asked_for_with_offload() -> None:
                 "got SGLANG_QSA_HISPARSE_V3='p2-resident'",
             ],
         ),
+        (
+            {**ON, "SGLANG_QSA_HISPARSE_V3": "p2-offload", "SGLANG_QSA_CACHE_SHARDING": "0"},
+            ["SGLANG_QSA_CACHE_SHARDING='0'", "a positive integer up to 64"],
+        ),
+        (
+            {**ON, "SGLANG_QSA_HISPARSE_V3": "p2-offload", "SGLANG_QSA_CACHE_SHARDING": "65"},
+            ["SGLANG_QSA_CACHE_SHARDING='65'", "up to 64"],
+        ),
+        (
+            {**ON, "SGLANG_QSA_HISPARSE_V3": "p2-resident", "SGLANG_QSA_CACHE_SHARDING": "2"},
+            [
+                "SGLANG_QSA_CACHE_SHARDING='2' shards the offloaded K/V",
+                "requires SGLANG_QSA_HISPARSE_V3='p2-offload'",
+                "got SGLANG_QSA_HISPARSE_V3='p2-resident'",
+            ],
+        ),
     ],
 )
 def test_malformed_switch_names_variable_value_and_allowed(
@@ -306,3 +322,17 @@ def test_every_mode_that_needs_the_tree_cache_registers_it(env: dict[str, str]) 
     assert ("radix_cache_backend", "qsa_hisparse") in {
         (r.registry.name.lower(), r.name) for r in entries
     }
+
+
+def test_cache_sharding_with_offload_is_its_own_feature() -> None:
+    """N > 1 with p2-offload turns on cache_sharding; 1 (or unset) is off."""
+    env = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+    assert parse_switches(env).cache_sharding == 1
+    assert Feature.CACHE_SHARDING not in parse_switches(env).features
+    assert (
+        Feature.CACHE_SHARDING
+        not in parse_switches({**env, "SGLANG_QSA_CACHE_SHARDING": "1"}).features
+    )
+    sharded = parse_switches({**env, "SGLANG_QSA_CACHE_SHARDING": "4"})
+    assert sharded.cache_sharding == 4
+    assert sharded.features[-1] is Feature.CACHE_SHARDING

@@ -72,6 +72,24 @@ class ShardPlacement:
             raise PlacementError(msg)
         return cls(sharding_size, profile.blocks_per_page, profile.compress_ratio)
 
+    @staticmethod
+    def tp_groups(
+        profile: QSAProfile, tp_size: int, sharding_size: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """The TP ranks of every shard group, each in rank order, the groups in rank order.
+
+        TP rank ``r`` holds K/V head ``r // replicas`` (``replicas = kv_replicas(tp_size)``,
+        the order in which SGLang's QKV projection replicates heads), so each head's replica
+        group is ``replicas`` consecutive ranks; it is cut into runs of ``sharding_size``. Every
+        rank builds the same list, so every rank can create every group in the same order.
+
+        Raises:
+            PlacementError: as :meth:`for_tp`.
+        """
+        n = ShardPlacement.for_tp(profile, tp_size, sharding_size).world_size
+        # ``n`` divides ``replicas``: runs of ``n`` never straddle two replica groups.
+        return tuple(tuple(range(start, start + n)) for start in range(0, tp_size, n))
+
     # ----------------------------------------------------------------- raw K/V (token-interleaved)
 
     def raw_owner(self, slot: int) -> int:

@@ -12,10 +12,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from qsa_core import QWEN38_FLASH_NEXT, KVDType, QSAConfigError, QSAProfile
+from qsa_core import (
+    QWEN38_FLASH_NEXT,
+    KVDType,
+    PlacementError,
+    QSAConfigError,
+    QSAProfile,
+    ShardPlacement,
+)
 from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import (
     DS_ATTENTION_BACKEND,
+    ENV_CACHE_SHARDING,
     ENV_DS_CHANNEL_CONFIG,
     ENV_DS_OFFLOAD,
     RADIX_CACHE_BACKEND,
@@ -72,6 +80,7 @@ class ConfigFacts:
             chunking).
         attention_backend: ``--attention-backend`` after resolution (None = SGLang chooses).
         tp_size: ``--tp-size``.
+        enable_prefill_cp: ``--enable-prefill-cp`` (context-parallel prefill).
         decode_cuda_graph: decode runs in CUDA graphs (on CUDA without ``--disable-cuda-graph``).
     """
 
@@ -96,11 +105,14 @@ class ConfigFacts:
     chunked_prefill_size: int | None = None
     attention_backend: str | None = None
     tp_size: int = 1
+    enable_prefill_cp: bool = False
     decode_cuda_graph: bool = False
 
 
 #: The features that serve a QSA checkpoint (double sparsity serves models without QSA layers).
-_QSA_FEATURES: Final = frozenset({Feature.MODEL_COMPAT, Feature.HISPARSE, Feature.PREFIX_CACHE})
+_QSA_FEATURES: Final = frozenset(
+    {Feature.MODEL_COMPAT, Feature.HISPARSE, Feature.PREFIX_CACHE, Feature.CACHE_SHARDING}
+)
 
 
 def _reject(flag: str, value: object, supported: str, why: str) -> ConfigurationError:
@@ -118,7 +130,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
     ``--prefill-max-requests 1`` (one staged prompt) and, on CUDA, prefill CUDA graphs off
     (``--cuda-graph-backend-prefill disabled``; decode graphs are supported); with the host
-    prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size. With
+    prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size; with cache
+    sharding, a shard group that divides the TP ranks holding one K/V head. With
     double sparsity: ``--attention-backend qsa_ds`` on a GQA model without QSA layers that the
     channel file fits; with DS-Offload also the serving and offload rules above and decode CUDA
     graphs off.
@@ -179,6 +192,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_offload(facts)
     if switches.prefix_cache_mb > 0:
         _check_prefix_cache(facts)
+    if switches.cache_sharding > 1:
+        _check_cache_sharding(facts, profile, switches.cache_sharding)
     return profile
 
 
@@ -361,6 +376,14 @@ def _check_offload(facts: ConfigFacts) -> None:
             "1",
             "one prompt at a time is staged on the GPU before its K/V moves to the host",
         )
+    if facts.enable_prefill_cp:
+        raise _reject(
+            "--enable-prefill-cp",
+            True,
+            "off",
+            "context-parallel prefill is not wired into the offload: each rank would stage only "
+            "its zigzag share of the prompt",
+        )
     if facts.prefill_graph_backend != "disabled":
         raise _reject(
             "--cuda-graph-backend-prefill",
@@ -379,6 +402,17 @@ def _check_ds_offload(facts: ConfigFacts) -> None:
             "set (decode CUDA graphs off)",
             f"DS-Offload ({ENV_DS_OFFLOAD}=1) reads each decode step's fetch width on the host",
         )
+
+
+def _check_cache_sharding(facts: ConfigFacts, profile: QSAProfile, sharding: int) -> None:
+    try:
+        ShardPlacement.for_tp(profile, facts.tp_size, sharding)
+    except (PlacementError, QSAConfigError) as exc:
+        msg = (
+            f"{ENV_CACHE_SHARDING}={sharding!r} does not fit --tp-size={facts.tp_size!r} with "
+            f"{profile.num_kv_heads!r} K/V heads: {exc}"
+        )
+        raise ConfigurationError(msg) from exc
 
 
 def _check_prefix_cache(facts: ConfigFacts) -> None:
@@ -451,6 +485,7 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         else int(cfg.chunked_prefill_size),
         attention_backend=None if cfg.attention_backend is None else str(cfg.attention_backend),
         tp_size=int(cfg.tp_size),
+        enable_prefill_cp=bool(cfg.enable_prefill_cp),
         decode_cuda_graph=str(cfg.device) == "cuda" and not bool(cfg.disable_cuda_graph),
     )
 

@@ -17,6 +17,7 @@ from qsa_sglang_plugin._errors import SwitchError
 __all__ = (
     "DS_ATTENTION_BACKEND",
     "ENV_ACTIVATION_DIR",
+    "ENV_CACHE_SHARDING",
     "ENV_DS_CHANNEL_CONFIG",
     "ENV_DS_CHANNEL_TYPE",
     "ENV_DS_HEAVY_CHANNELS",
@@ -48,6 +49,9 @@ ENV_HISPARSE_V3: Final = "SGLANG_QSA_HISPARSE_V3"
 ENV_HISPARSE_VERIFY: Final = "SGLANG_QSA_HISPARSE_VERIFY"
 ENV_PREFIX_CACHE_MB: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB"
 ENV_PREFIX_CACHE_MAX_ENTRIES: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES"
+#: ``N`` > 1: the TP ranks holding copies of one K/V head store its offloaded K/V once, in shard
+#: groups of ``N`` ranks (each rank's host arena holds every ``N``-th 16-block page).
+ENV_CACHE_SHARDING: Final = "SGLANG_QSA_CACHE_SHARDING"
 #: Double sparsity: the channel file (``qsa-hisparse calibrate`` writes it); setting it turns the
 #: ``qsa_ds`` attention backend on. The others override the defaults of the library's
 #: :class:`qsa_kernels.double_sparsity.DSConfig`.
@@ -77,6 +81,9 @@ DEFAULT_PREFIX_CACHE_MAX_ENTRIES: Final = 256
 MAX_PREFIX_CACHE_MB: Final = 1 << 24
 #: Largest prefix-cache entry count per TP rank the parser accepts.
 MAX_PREFIX_CACHE_ENTRIES: Final = 1 << 20
+#: Largest shard group the parser accepts (the start-up check then requires one that divides
+#: the TP ranks holding one K/V head).
+MAX_CACHE_SHARDING: Final = 64
 
 
 class HiSparseMode(enum.StrEnum):
@@ -100,6 +107,9 @@ class Feature(enum.StrEnum):
     attention layers' one-page K/V pool."""
     PREFIX_CACHE = "prefix_cache"
     DOUBLE_SPARSITY = "double_sparsity"
+    CACHE_SHARDING = "cache_sharding"
+    """``SGLANG_QSA_CACHE_SHARDING`` > 1: the offload's host arena sharded over the TP ranks of
+    one K/V head (no hooks of its own: the offload backend shards)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +146,8 @@ class Switches:
             of every offloaded token's K/V on the GPU, compared byte for byte with the host arena
             and tail when the request gives its row back. A diagnostic that costs the GPU
             memory offload saves.
+        cache_sharding: ``SGLANG_QSA_CACHE_SHARDING``: ranks per shard group (1 = off; with
+            ``p2-offload`` only).
     """
 
     model_compat: bool = False
@@ -144,6 +156,7 @@ class Switches:
     prefix_cache_mb: int = 0
     prefix_cache_max_entries: int = DEFAULT_PREFIX_CACHE_MAX_ENTRIES
     double_sparsity: DoubleSparsitySwitches | None = None
+    cache_sharding: int = 1
 
     @property
     def any_on(self) -> bool:
@@ -183,6 +196,8 @@ class Switches:
             out.append(Feature.PREFIX_CACHE)
         if self.double_sparsity is not None:
             out.append(Feature.DOUBLE_SPARSITY)
+        if self.cache_sharding > 1:
+            out.append(Feature.CACHE_SHARDING)
         return tuple(out)
 
 
@@ -210,7 +225,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
 
     Raises:
         SwitchError: a value is malformed, or ``SGLANG_QSA_HISPARSE_V3`` is set without
-            ``SGLANG_QSA_MODEL_COMPAT=1``, or the prefix cache is on without
+            ``SGLANG_QSA_MODEL_COMPAT=1``, or the prefix cache or cache sharding is on without
             ``SGLANG_QSA_HISPARSE_V3=p2-offload``. The message names the variable, its value and
             what is allowed.
     """
@@ -284,6 +299,22 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             f"got {ENV_HISPARSE_V3}={raw_mode!r}"
         )
         raise SwitchError(msg)
+    raw_sharding = environ.get(ENV_CACHE_SHARDING, "")
+    cache_sharding = (
+        _positive_int(
+            ENV_CACHE_SHARDING, raw_sharding, zero_allowed=False, maximum=MAX_CACHE_SHARDING
+        )
+        if raw_sharding
+        else 1
+    )
+    if cache_sharding > 1 and hisparse is not HiSparseMode.P2_OFFLOAD:
+        # The resident QSA pool is upstream's; the shards are the offload's host arenas.
+        msg = (
+            f"{ENV_CACHE_SHARDING}={raw_sharding!r} shards the offloaded K/V and requires "
+            f"{ENV_HISPARSE_V3}={HiSparseMode.P2_OFFLOAD.value!r}, "
+            f"got {ENV_HISPARSE_V3}={raw_mode!r}"
+        )
+        raise SwitchError(msg)
     return Switches(
         model_compat=model_compat,
         hisparse=hisparse,
@@ -291,6 +322,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         prefix_cache_mb=prefix_cache_mb,
         prefix_cache_max_entries=max_entries,
         double_sparsity=double_sparsity,
+        cache_sharding=cache_sharding,
     )
 
 

@@ -733,6 +733,32 @@ class OffloadedKV:
         tail = self._plan.tail_tokens if self._attends_tail else self._no_tail[: len(rows)]
         return self._attend_parts(layer, q, hot_tokens, tail, scale, out_dtype=out_dtype)
 
+    def selection_counts(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """How many selected blocks this rank stores, and how many of them miss the hot cache.
+
+        Call it before :meth:`attend`, which fetches the misses. Under a shard group, the blocks
+        of other ranks are not counted (a group's counts add up to the selection). No host
+        synchronisation.
+
+        Args:
+            layer: QSA layer index in ``[0, L)``.
+            blocks: ``[B, K]`` int32 selected complete blocks of the planned rows, ``-1`` padded
+                (what :meth:`attend` takes).
+
+        Returns:
+            ``[2]`` int64 device: (selected, missing).
+        """
+        self._check_step("selection_counts", layer, self._plan.rows)
+        if blocks.dim() != 2 or blocks.shape[0] != self._plan.batch:
+            msg = f"blocks must be [B={self._plan.batch}, K]; got {tuple(blocks.shape)!r}"
+            raise KernelInputError(msg)
+        if self.shard is not None:
+            blocks = localize_blocks(blocks, self.shard.placement, self.shard.rank)
+        valid = blocks >= 0
+        rows = self._plan.row_ids.long().unsqueeze(1)
+        resident = self.tables.block_slot[layer][rows, blocks.clamp(min=0).long()] >= 0
+        return torch.stack((valid.sum(), (valid & ~resident).sum()))
+
     def token_blocks(self, rows: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
         """The complete blocks that hold the planned rows' chosen tokens, one list per row.
 

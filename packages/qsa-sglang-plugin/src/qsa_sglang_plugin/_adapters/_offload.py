@@ -27,6 +27,18 @@ the store's fixed step buffers; the captured layers read only those, and the pad
 to reach a captured batch size becomes free rows whose work is masked. Planning reads the batch's
 request slots from the device once per step.
 
+With ``SGLANG_QSA_CACHE_SHARDING=N`` (D1: the raw K/V sharded, the compressed index
+replicated) the TP ranks that hold copies of one K/V head form shard groups of ``N``
+(:meth:`qsa_core.ShardPlacement.tp_groups`, one ``torch.distributed`` group each, created by every
+rank in the same order when the runtime is built). Every rank still prefills the whole prompt
+into its staging area and selects the same blocks with upstream's indexer; the hand-off and the
+decode write-backs keep only the rank's own 16-block pages in its host arena, so host bytes and
+fetches divide by ``N``. A decode layer all-gathers the group's queries, attends every head of the
+group over its own selected blocks (rank 0 also over the open block), and an all-to-all of the
+fp32 partials with an LSE merge gives each rank its own heads (``gather_group_queries`` and
+``merge_owner_partials`` of :mod:`qsa_kernels.sharded`, through one set of transport buffers
+allocated once and shared by every layer).
+
 With ``SGLANG_QSA_HISPARSE_VERIFY=1`` the runtime also keeps a resident copy of every token's K/V
 on the GPU (what SGLang's pool would have held) and, when a request gives its row back, compares
 the host arena and tail with it byte for byte (``qsa_hisparse_offload_verified_bytes_total``,
@@ -49,8 +61,16 @@ from typing import Any, Final, Protocol
 
 import torch
 
+from qsa_core import QSAProfile, ShardPlacement
 from qsa_kernels import BLOCK_TOKENS, KernelInputError
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
+from qsa_kernels.sharded import (
+    HeadLayout,
+    ShardedDecodeBuffers,
+    ShardGroup,
+    gather_group_queries,
+    merge_owner_partials,
+)
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._config_check import ds_config, ds_geometry
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
@@ -124,6 +144,8 @@ class OffloadRuntime:
             None where tokens are chosen per KV head instead (double sparsity).
         tp_rank: the TP rank, for the metrics' labels.
         verify: keep a resident copy of every row's K/V and compare the row with it on release.
+        q_heads: query heads of this rank's attention layers; with a shard group in ``kv``
+            (``kv.shard``), the transport buffers are sized for the group's ``N x q_heads``.
     """
 
     def __init__(
@@ -134,9 +156,24 @@ class OffloadRuntime:
         tp_rank: int,
         *,
         verify: bool = False,
+        q_heads: int | None = None,
     ) -> None:
         self.kv = kv
         g = kv.geometry
+        self._exchange: ShardedDecodeBuffers | None = None
+        if kv.shard is not None:
+            if q_heads is None or block_topk is None:
+                msg = "a sharded offload needs the rank's query heads and the QSA block top-k"
+                raise OffloadRuntimeError(msg)
+            self._exchange = ShardedDecodeBuffers.allocate(
+                world_size=kv.shard.world_size,
+                max_rows=g.rows,
+                topk=block_topk,
+                q_heads=kv.shard.world_size * q_heads,
+                head_dim=g.head_dim,
+                layout=HeadLayout.SHARDED,
+                device=kv.device,
+            )
         # One prompt's K/V of every QSA layer, by token position: [L, T_max, Hkv, D].
         shape = (g.layers, g.max_tokens, g.kv_heads, g.head_dim)
         self.staging_k = torch.zeros(shape, dtype=g.dtype, device=kv.device)
@@ -164,8 +201,8 @@ class OffloadRuntime:
 
     @property
     def host_arena_bytes(self) -> int:
-        """Bytes of the host arena."""
-        return self.kv.geometry.host_bytes
+        """Bytes of this rank's host arena."""
+        return int(self.kv.host_arena.nbytes)
 
     @property
     def rows_in_use(self) -> int:
@@ -374,14 +411,20 @@ class OffloadRuntime:
         ordinal = self._append(layer_id, k, v)
         blocks = self._complete_blocks(indices)
         self._count_blocks(ordinal, blocks)
-        out, _lse = self.kv.attend(
-            ordinal,
-            self._rows,
-            q.reshape(len(self._rows), -1, self.kv.geometry.head_dim),
-            blocks,
-            scale=scale,
-        )
-        return out.reshape(len(self._rows), -1).to(q.dtype)
+        rows = self._rows
+        q = q.reshape(len(rows), -1, self.kv.geometry.head_dim)
+        shard, exchange = self.kv.shard, self._exchange
+        if shard is None or exchange is None:
+            out, _lse = self.kv.attend(ordinal, rows, q, blocks, scale=scale)
+        else:  # every head of the group over this rank's blocks, then each rank its own heads
+            group_q = gather_group_queries(q.to(torch.bfloat16), shard=shard, buffers=exchange)
+            part, lse = self.kv.attend(
+                ordinal, rows, group_q, blocks, scale=scale, out_dtype=torch.float32
+            )
+            out, _lse = merge_owner_partials(
+                part, lse, shard=shard, buffers=exchange, path=self.kv.path
+            )
+        return out.reshape(len(rows), -1).to(q.dtype)
 
     def decode_tokens(  # noqa: PLR0917 (decode_layer's order)
         self,
@@ -531,11 +574,7 @@ class OffloadRuntime:
 
     def _count_blocks(self, ordinal: int, blocks: torch.Tensor) -> None:
         """Add this layer's selected and missing blocks to the device-side counters (no sync)."""
-        valid = blocks >= 0
-        block_slot = self.kv.tables.block_slot[ordinal]
-        rows = self.kv.step_row_ids.long().unsqueeze(1)
-        resident = block_slot[rows, blocks.clamp(min=0).long()] >= 0
-        self._pending_counts += torch.stack((valid.sum(), (valid & ~resident).sum()))
+        self._pending_counts += self.kv.selection_counts(ordinal, blocks)
 
     def _count_step(self) -> None:
         self._steps += 1
@@ -733,29 +772,76 @@ def _ds_layout(runner: Any, switches: DoubleSparsitySwitches) -> OffloadLayout:
     return OffloadLayout(geometry, {i: i for i in range(geometry.layers)}, None)
 
 
+def _shard_group(runner: Any, sharding: int) -> ShardGroup | None:
+    """This rank's shard group (``SGLANG_QSA_CACHE_SHARDING``), or None when it is off.
+
+    Every TP rank creates every group, in the order :meth:`ShardPlacement.tp_groups` lists them
+    (``torch.distributed.new_group`` is collective over the default group), with the default
+    group's backend.
+    """
+    if sharding == 1:
+        return None
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    profile = QSAProfile.from_text_config(
+        runner.model_config.hf_text_config.to_dict(), page_size=int(runner.server_args.page_size)
+    )
+    placement = ShardPlacement.for_tp(profile, tp.world_size, sharding)
+    mine: ShardGroup | None = None
+    for members in ShardPlacement.tp_groups(profile, tp.world_size, sharding):
+        group = dist.new_group([tp.ranks[i] for i in members])
+        if tp.rank_in_group in members and isinstance(group, dist.ProcessGroup):
+            mine = ShardGroup(placement, members.index(tp.rank_in_group), group)
+    if mine is None:  # tp_groups covers every rank
+        msg = f"TP rank {tp.rank_in_group!r} is in no shard group of {sharding!r} ranks"
+        raise OffloadRuntimeError(msg)
+    return mine
+
+
 def _build_runtime(runner: Any) -> OffloadRuntime:
     """The runtime of one model runner, sized from its pools and its model (QSA or DS)."""
     from sglang.srt.runtime_context import get_parallel
 
-    ds = current_switches().double_sparsity
+    switches = current_switches()
+    ds = switches.double_sparsity
     layout = _qsa_layout(runner) if ds is None else _ds_layout(runner, ds)
     geometry = layout.geometry
     rows, context_len = geometry.rows, int(runner.model_config.context_len)
-    arena = geometry.host_bytes
+    shard = _shard_group(runner, switches.cache_sharding)
+    arena = geometry.arena_bytes(shard)
     available = meminfo_bytes("MemAvailable")
     if available is not None and arena > available:
         msg = (
             f"the host arena needs {format_bytes(arena)} ({rows} rows x {geometry.layers} "
-            f"attention layers x {geometry.max_blocks} blocks x {geometry.record_bytes} B) but "
-            f"the host has {format_bytes(available)} available; lower "
-            f"--max-running-requests={rows} or --context-length={context_len}"
+            f"attention layers x {geometry.arena_blocks(shard)} blocks x "
+            f"{geometry.record_bytes} B) but the host has {format_bytes(available)} available; "
+            f"lower --max-running-requests={rows} or --context-length={context_len}"
         )
         raise ConfigurationError(msg)
-    kv = OffloadedKV(geometry, torch.device(runner.device))
+    kv = OffloadedKV(geometry, torch.device(runner.device), shard=shard)
     verify = _verification_requested()
+    parallel = get_parallel()
     runtime = OffloadRuntime(
-        kv, layout.layer_ordinal, layout.block_topk, int(get_parallel().tp_rank), verify=verify
+        kv,
+        layout.layer_ordinal,
+        layout.block_topk,
+        int(parallel.tp_rank),
+        verify=verify,
+        q_heads=int(runner.model_config.get_num_attention_heads(parallel.attn_tp_size)),
     )
+    if shard is not None:
+        logger.info(
+            "offload: cache sharding over %d ranks (this rank is %d of its group): the host "
+            "arena holds every %d-th page of %d blocks, %s of %s per rank",
+            shard.world_size,
+            shard.rank,
+            shard.world_size,
+            shard.placement.blocks_per_page,
+            format_bytes(arena),
+            format_bytes(geometry.host_bytes),
+        )
     if verify:
         logger.warning(
             "offload: SGLANG_QSA_HISPARSE_VERIFY=1: a resident copy of every row's K/V (%s) is "
@@ -771,7 +857,7 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
         format_bytes(arena),
         rows,
         geometry.layers,
-        geometry.max_blocks,
+        geometry.arena_blocks(shard),
         str(geometry.dtype).removeprefix("torch."),
         "pinned" if kv.host_arena.is_pinned() else "pageable",
         kv.device,
