@@ -18,6 +18,7 @@ from qsa_core import (
     KVDType,
     MemoryPartKind,
     MemoryTier,
+    PlacementError,
     plan_capacity,
     render_plan,
 )
@@ -137,6 +138,21 @@ def test_default_setup_fits_eight_offloaded_and_five_resident() -> None:
     plan = _plan()
     assert plan.max_requests_offloaded == 8
     assert plan.max_requests_resident == 5
+
+
+def test_cache_sharding_divides_the_host_arena_and_multiplies_what_it_fits() -> None:
+    """TP8 (four ranks per K/V head), groups of 4: a 262,144-token request's 65,536 blocks are
+    4,096 pages, 1,024 per rank; the 12 GiB of host a rank had for 8 requests holds 32."""
+    plain = _plan(tp_size=8, gpu_budget_bytes=64 * GIB)
+    sharded = _plan(tp_size=8, gpu_budget_bytes=64 * GIB, sharding_size=4)
+    assert sharded.host_bytes_per_request * 4 == plain.host_bytes_per_request
+    assert sharded.offloaded.part(MemoryPartKind.HOST_ARENA).nbytes == 8 * 12 * 16384 * 2048
+    assert plain.max_requests_offloaded == 8
+    assert sharded.max_requests_offloaded == 32
+    assert sharded.max_requests_resident == plain.max_requests_resident  # not sharded
+    assert "offloaded K/V sharded over 4 ranks" in render_plan(sharded)
+    with pytest.raises(PlacementError, match=r"sharding_size=4 .*allowed: \[1\]"):
+        _plan(sharding_size=4)  # TP2: one rank per K/V head
 
 
 @pytest.mark.parametrize(

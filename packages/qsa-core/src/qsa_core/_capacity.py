@@ -17,7 +17,9 @@ All figures are per TP rank, in bytes, and exact integer arithmetic from the pro
   one padding page: ``(L + 5 × R + page) × raw_bytes_per_token``;
 * hot caches (offload only, GPU): ``R × qsa_layers × (hot_slots + reserved_hot_slots) ×
   bytes_per_block``;
-* host arena (offload only, pinned host): ``R × qsa_layers × ceil(L / ratio) × bytes_per_block``.
+* host arena (offload only, pinned host): ``R × qsa_layers × ceil(L / ratio) × bytes_per_block``;
+  with cache sharding over ``N`` ranks, the blocks of the busiest rank
+  (:meth:`ShardPlacement.blocks_on_rank`: whole 16-block pages, every ``N``-th).
 
 ``R`` is the request count, ``L`` the context length in tokens, ``slots`` the recurrent-state
 slots (``R`` unless given). With the Qwen3.8-Flash-Next TP2 FP8 setup of 8 × 262,144 tokens this
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 from qsa_core._checks import is_int
 from qsa_core._errors import CapacityError
+from qsa_core._placement import ShardPlacement
 from qsa_core._profile import KVDType, QSAProfile
 
 __all__ = (
@@ -143,6 +146,7 @@ class CapacityPlan:
         resident: the layout with all raw K/V on the GPU.
         max_requests_offloaded: most requests of ``context_len`` that fit with offload.
         max_requests_resident: most requests of ``context_len`` that fit without offload.
+        sharding_size: ranks of a shard group that store the offloaded K/V once (1 = off).
     """
 
     profile: QSAProfile
@@ -160,6 +164,7 @@ class CapacityPlan:
     resident: MemoryLayout
     max_requests_offloaded: int
     max_requests_resident: int
+    sharding_size: int = 1
 
     @property
     def raw_bytes_per_token(self) -> int:
@@ -178,16 +183,20 @@ class CapacityPlan:
 
     @property
     def host_bytes_per_request(self) -> int:
-        """Host arena bytes of one request of ``context_len`` tokens."""
-        return _host_blocks(self.profile, self.context_len) * self._layer_block_bytes
+        """Host arena bytes of one request of ``context_len`` tokens (on the busiest rank)."""
+        blocks = _host_blocks(self.profile, self.context_len, self.sharding_size)
+        return blocks * self._layer_block_bytes
 
     @property
     def _layer_block_bytes(self) -> int:
         return self.profile.num_qsa_layers * self.bytes_per_block
 
 
-def _host_blocks(profile: QSAProfile, context_len: int) -> int:
-    return -(-context_len // profile.compress_ratio)
+def _host_blocks(profile: QSAProfile, context_len: int, sharding_size: int = 1) -> int:
+    """Host arena blocks of one request per layer, on the shard group's busiest rank (rank 0)."""
+    blocks = -(-context_len // profile.compress_ratio)
+    placement = ShardPlacement(sharding_size, profile.blocks_per_page, profile.compress_ratio)
+    return placement.blocks_on_rank(blocks, 0)
 
 
 def _split(total: int, tp_size: int, name: str) -> int:
@@ -209,6 +218,7 @@ def _layout(
     reserved_hot_slots: int,
     state_slots: int,
     offloaded: bool,
+    sharding_size: int,
 ) -> MemoryLayout:
     p = profile
     n, ctx, page = num_requests, context_len, p.page_size
@@ -248,7 +258,7 @@ def _layout(
     )
     staging_tokens = ctx + _TAIL_ROWS_PER_LEASE * n + page
     hot_total = hot_slots + reserved_hot_slots
-    host_blocks = _host_blocks(p, ctx)
+    host_blocks = _host_blocks(p, ctx, sharding_size)
 
     parts = (
         MemoryPart(
@@ -329,6 +339,7 @@ def plan_capacity(
     hot_slots: int | None = None,
     reserved_hot_slots: int = 64,
     state_slots: int | None = None,
+    sharding_size: int = 1,
 ) -> CapacityPlan:
     """Price every per-rank memory part with and without offload, and the largest request count.
 
@@ -345,6 +356,8 @@ def plan_capacity(
         reserved_hot_slots: extra hot slots per request per layer (default 64).
         state_slots: recurrent-state slots (default: one per request; when given, the fit search
             uses ``max(state_slots, R)``).
+        sharding_size: TP ranks of one K/V head that share its offloaded K/V (the host arena
+            divides by it; :meth:`ShardPlacement.for_tp` rules).
 
     Returns:
         The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.
@@ -353,6 +366,7 @@ def plan_capacity(
         CapacityError: a non-positive size, a negative budget, ``hot_slots < block_topk``, or
             recurrent heads that do not split over ``tp_size``.
         QSAConfigError: ``tp_size`` does not split the KV heads.
+        PlacementError: ``sharding_size`` is not a shard group inside one K/V head's replicas.
     """
     _check_int_at_least("tp_size", tp_size)
     _check_int_at_least("context_len", context_len)
@@ -379,6 +393,7 @@ def plan_capacity(
     if state_slots is not None:
         _check_int_at_least("state_slots", state_slots, minimum=0)
     profile.kv_heads_per_rank(tp_size)
+    ShardPlacement.for_tp(profile, tp_size, sharding_size)
 
     def layout(n: int, offloaded: bool, slots: int) -> MemoryLayout:
         return _layout(
@@ -392,6 +407,7 @@ def plan_capacity(
             reserved_hot_slots=reserved_hot_slots,
             state_slots=slots,
             offloaded=offloaded,
+            sharding_size=sharding_size,
         )
 
     def largest(offloaded: bool) -> int:
@@ -426,4 +442,5 @@ def plan_capacity(
         resident=layout(num_requests, False, slots),
         max_requests_offloaded=largest(True),
         max_requests_resident=largest(False),
+        sharding_size=sharding_size,
     )

@@ -29,7 +29,12 @@ def render_plan(plan: CapacityPlan) -> str:
         f"indexer {p.index_n_heads} × {p.index_head_dim}, ratio {p.compress_ratio}, "
         f"top-{p.block_topk} blocks, page {p.page_size}",
         f"  setup: TP{plan.tp_size}, K/V {plan.kv_dtype.value}, index {plan.index_dtype.value}, "
-        f"{plan.num_requests} requests × {plan.context_len:,} tokens",
+        f"{plan.num_requests} requests × {plan.context_len:,} tokens"
+        + (
+            f", offloaded K/V sharded over {plan.sharding_size} ranks"
+            if plan.sharding_size > 1
+            else ""
+        ),
         f"  per token: raw K/V {plan.raw_bytes_per_token:,} B, index "
         f"{plan.index_bytes_per_token:,} B; one block of one layer {plan.bytes_per_block:,} B; "
         f"host K/V per request {format_bytes(plan.host_bytes_per_request)}",

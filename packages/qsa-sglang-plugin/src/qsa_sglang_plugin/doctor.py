@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from qsa_core import CapacityError, render_plan
+from qsa_core import CapacityError, PlacementError, render_plan
 from qsa_sglang_plugin._adapters import capacity_plan_from_sglang
 from qsa_sglang_plugin._errors import ActivationError, AdapterError, SwitchError
 from qsa_sglang_plugin._fingerprints import pinned_modules, verify_fingerprints
@@ -192,11 +192,15 @@ def _check_numa(root: Path = Path("/sys/devices/system/node")) -> Check:
     return Check("numa", Status.OK, f"{len(nodes)} node(s); " + "; ".join(parts))
 
 
-def plan_check(flags: argparse.Namespace) -> tuple[Check, str | None]:
+def plan_check(
+    flags: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> tuple[Check, str | None]:
     """The capacity plan of the operator's flags: a report line and the rendered table.
 
     ``flags`` holds ``model_path``, ``tp_size``, ``kv_cache_dtype``, ``context_length``,
-    ``max_running_requests``, ``gpu_budget_gib`` and ``host_budget_gib`` (the doctor's options).
+    ``max_running_requests``, ``gpu_budget_gib`` and ``host_budget_gib`` (the doctor's options);
+    ``SGLANG_QSA_CACHE_SHARDING`` in ``environ`` divides the host arena (a malformed switch is
+    the switches check's to report; the plan then assumes none).
     """
     config_path = Path(flags.model_path) / "config.json"
     try:
@@ -218,18 +222,24 @@ def plan_check(flags: argparse.Namespace) -> tuple[Check, str | None]:
         max_running_requests=flags.max_running_requests,
     )
     try:
+        sharding = parse_switches(environ).cache_sharding
+    except SwitchError:
+        sharding = 1
+    try:
         plan = capacity_plan_from_sglang(
             server_args,
             config,
             int(flags.gpu_budget_gib * (1 << 30)),
             int(flags.host_budget_gib * (1 << 30)),
+            sharding_size=sharding,
         )
-    except (AdapterError, CapacityError, ValueError) as exc:
+    except (AdapterError, CapacityError, PlacementError, ValueError) as exc:
         return Check("capacity plan", Status.FAIL, str(exc)), None
+    sharded = f", host K/V sharded over {sharding} ranks" if sharding > 1 else ""
     detail = (
         f"{plan.num_requests} x {plan.context_len} tokens at TP{plan.tp_size} "
-        f"{plan.kv_dtype.value}: offload fits {plan.max_requests_offloaded}, resident fits "
-        f"{plan.max_requests_resident} (per rank, GPU {format_bytes(plan.gpu_budget_bytes)}, "
+        f"{plan.kv_dtype.value}{sharded}: offload fits {plan.max_requests_offloaded}, resident "
+        f"fits {plan.max_requests_resident} (per rank, GPU {format_bytes(plan.gpu_budget_bytes)}, "
         f"host {format_bytes(plan.host_budget_bytes)})"
     )
     status = Status.OK if plan.max_requests_offloaded >= plan.num_requests else Status.WARN

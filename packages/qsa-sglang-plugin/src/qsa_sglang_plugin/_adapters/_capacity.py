@@ -26,6 +26,8 @@ def capacity_plan_from_sglang(
     hf_text_config: Any,
     gpu_budget_bytes: int,
     host_budget_bytes: int,
+    *,
+    sharding_size: int = 1,
 ) -> CapacityPlan:
     """Price the per-rank memory of the operator's flags with and without host offload.
 
@@ -40,6 +42,7 @@ def capacity_plan_from_sglang(
             with ``text_config`` is accepted too.
         gpu_budget_bytes: GPU bytes for KV and per-request state, per rank.
         host_budget_bytes: Pinned host bytes, per rank.
+        sharding_size: ``SGLANG_QSA_CACHE_SHARDING`` (the host arena divides by it).
 
     Returns:
         ``qsa_core.plan_capacity`` of the profile at those flags.
@@ -48,6 +51,7 @@ def capacity_plan_from_sglang(
         AdapterError: no usable QSA profile, an unsupported KV dtype, no context length, or no
             ``--max-running-requests``; the message names the flag.
         qsa_core.CapacityError: a budget or size ``plan_capacity`` refuses.
+        qsa_core.PlacementError: a ``sharding_size`` that does not fit ``--tp-size``.
     """
     view = resolved_args(server_args)
     config = _text_config(hf_text_config)
@@ -83,4 +87,5 @@ def capacity_plan_from_sglang(
         host_budget_bytes=host_budget_bytes,
         context_len=int(context_len),
         num_requests=int(requests),
+        sharding_size=sharding_size,
     )
