@@ -236,22 +236,28 @@ def _write(
     for context in args.contexts:
         for batch in args.batches:
             r, o = by_key.get(("resident", context, batch)), by_key.get(("offload", context, batch))
-            if r is None or o is None:
+            if r is None and o is None:
                 continue
-            same = first_difference(r, o)
 
             def rate(x: float | None) -> str:
                 return "" if x is None else f"{x:,.0f}"
 
-            speed = o.decode_tokens_per_s / r.decode_tokens_per_s
-            use = hot.get((context, batch))
+            def decode(cell: Cell | None) -> str:  # a lost cell (see the run's output) shows "-"
+                return "-" if cell is None else f"{cell.decode_tokens_per_s:,.1f}"
+
+            same = first_difference(r, o) if r is not None and o is not None else "-"
+            speed = (
+                f"{o.decode_tokens_per_s / r.decode_tokens_per_s:.2f}"
+                if r is not None and o is not None
+                else "-"
+            )
+            use = hot.get((context, batch)) if o is not None else None
             hits = "" if use is None else f"{use.hit_rate:.3f}"
             fetched = "" if use is None else f"{use.fetched_bytes_per_step / 2**20:.2f} MiB"
             lines.append(
-                f"| {context:,} | {batch} | {r.decode_tokens_per_s:,.1f} | "
-                f"{o.decode_tokens_per_s:,.1f} | {speed:.2f} "
-                f"| {rate(r.prefill_tokens_per_s)} | {rate(o.prefill_tokens_per_s)} | {same} "
-                f"| {hits} | {fetched} |"
+                f"| {context:,} | {batch} | {decode(r)} | {decode(o)} | {speed} "
+                f"| {rate(r.prefill_tokens_per_s if r else None)} "
+                f"| {rate(o.prefill_tokens_per_s if o else None)} | {same} | {hits} | {fetched} |"
             )
     ratio = prices["resident"] / prices["offload"]
     lines += [

@@ -20,6 +20,9 @@ from qsa_core._profile import QSAProfile
 
 __all__ = ("ShardPlacement",)
 
+#: Replica groups up to this size have their allowed shard sizes listed in a refusal.
+_LISTED_REPLICAS = 1024
+
 
 def _check_nonneg(name: str, value: int) -> None:
     if not is_int(value) or value < 0:
@@ -62,8 +65,15 @@ class ShardPlacement:
                 sharding sizes).
         """
         replicas = profile.kv_replicas(tp_size)
-        allowed = [n for n in range(1, replicas + 1) if replicas % n == 0]
-        if not is_int(sharding_size) or sharding_size not in allowed:
+        if not (is_int(sharding_size) and 1 <= sharding_size <= replicas) or (
+            replicas % sharding_size
+        ):
+            # The divisors, listed where a reader can use the list (any TP size is accepted).
+            allowed: object = (
+                [n for n in range(1, replicas + 1) if replicas % n == 0]
+                if replicas <= _LISTED_REPLICAS
+                else f"the divisors of {replicas}"
+            )
             msg = (
                 f"sharding_size={sharding_size!r} is not allowed at tp_size={tp_size!r} with "
                 f"num_kv_heads={profile.num_kv_heads!r}; allowed: {allowed!r} (the shard group "
