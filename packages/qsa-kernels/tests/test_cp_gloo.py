@@ -144,21 +144,15 @@ def _mismatch_refused(cp_size: int, pg: dist.ProcessGroup) -> torch.Tensor:
 
 def _worker(rank: int, port: int, out_dir: Path) -> None:
     """One of the ``WORLD`` processes: join, build every CP group, run every case, save results."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+    from _gloo import member_groups
+
     results: dict[str, torch.Tensor] = {}
-    for cp_size in CP_SIZES:
-        group = dist.new_group(ranks=list(range(cp_size)))  # every process joins the call
-        if rank >= cp_size or not isinstance(group, dist.ProcessGroup):
-            continue  # non-members get a placeholder, not a group
+    for cp_size, group in member_groups(rank, port, WORLD, CP_SIZES):
         for case_name in CASES:
             for name, value in _run_rank(cp_size, case_name, rank, group).items():
                 results[f"{cp_size}/{case_name}/{rank}/{name}"] = value
         results[f"{cp_size}/mismatch/{rank}"] = _mismatch_refused(cp_size, group)
     torch.save(results, out_dir / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

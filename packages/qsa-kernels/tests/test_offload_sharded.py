@@ -166,25 +166,14 @@ def _run(shard: Any, path_name: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, out_dir: Path) -> None:
-    import torch.distributed as dist
-
+    from _gloo import member_groups
     from qsa_kernels.sharded import ShardGroup
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
     results: dict[str, Any] = {}
-    for n in GROUPS:
-        group = dist.new_group(list(range(n)))
-        if rank >= n:
-            continue
-        assert isinstance(group, dist.ProcessGroup)
+    for n, group in member_groups(rank, port, WORLD, GROUPS):
         shard = ShardGroup.from_process_group(group)
         for path_name in PATHS:
             results[f"{n}/{path_name}"] = _run(shard, path_name)
-    dist.barrier()
-    dist.destroy_process_group()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
 

@@ -355,28 +355,17 @@ def _close(a: torch.Tensor, b: torch.Tensor, *, rtol: float, atol: float) -> str
 
 
 def _worker(rank: int, port: int, out_dir: Path) -> None:
-    import torch.distributed as dist
-
+    from _gloo import member_groups
     from qsa_kernels.sharded import ShardGroup
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
     results: dict[str, Any] = {}
-    for n in range(1, WORLD + 1):
-        group = dist.new_group(list(range(n)))
-        if rank >= n:
-            continue
-        assert isinstance(group, dist.ProcessGroup)
+    for n, group in member_groups(rank, port, WORLD, range(1, WORLD + 1)):
         shard = ShardGroup.from_process_group(group)
         for name, lengths, topk, key_kind, path_name in CASES:
             results[f"{n}/{name}"] = _run_case(
                 shard, name=name, lengths=lengths, topk=topk, key_kind=key_kind, path_name=path_name
             )
         results[f"{n}/writes"] = _run_writes(shard)
-    dist.barrier()
-    dist.destroy_process_group()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
 

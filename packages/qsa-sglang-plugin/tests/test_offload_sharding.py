@@ -96,7 +96,9 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     from qsa_sglang_plugin._adapters._offload import OffloadRuntime
 
     placement = ShardPlacement(world, QWEN38_FLASH_NEXT.blocks_per_page, 4)
-    shard = ShardGroup(placement, rank, dist.new_group(list(range(world))))
+    group = dist.new_group(list(range(world)))
+    assert isinstance(group, dist.ProcessGroup)
+    shard = ShardGroup(placement, rank, group)
     heads = slice(rank * HQ // world, (rank + 1) * HQ // world)
     geometry = OffloadGeometry(len(LAYER_IDS), ROWS, TOPK, MAX_BLOCKS, 1, D, torch.bfloat16)
     cpu = torch.device("cpu")

@@ -218,6 +218,16 @@ def _positive_int(name: str, raw: str, *, zero_allowed: bool, maximum: int) -> i
     return int(text)
 
 
+def _require_offload(what: str, hisparse: HiSparseMode | None, raw_mode: str) -> None:
+    """Refuse ``what`` (a switch and its value) unless ``SGLANG_QSA_HISPARSE_V3=p2-offload``."""
+    if hisparse is not HiSparseMode.P2_OFFLOAD:
+        msg = (
+            f"{what} requires {ENV_HISPARSE_V3}={HiSparseMode.P2_OFFLOAD.value!r}, "
+            f"got {ENV_HISPARSE_V3}={raw_mode!r}"
+        )
+        raise SwitchError(msg)
+
+
 def parse_switches(environ: Mapping[str, str]) -> Switches:
     """Parse and cross-check every switch from ``environ``.
 
@@ -273,15 +283,10 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         msg = f"{ENV_HISPARSE_VERIFY}={raw_verify!r} is not allowed; allowed: unset, '0', '1'"
         raise SwitchError(msg)
     verify_offload = raw_verify == "1"
-    if prefix_cache_mb > 0 and hisparse is not HiSparseMode.P2_OFFLOAD:
+    if prefix_cache_mb > 0:
         # Resident QSA has upstream's HiCache for host prefix caching; this one checkpoints
         # the offload staging area.
-        msg = (
-            f"{ENV_PREFIX_CACHE_MB}={raw_mb!r} requires "
-            f"{ENV_HISPARSE_V3}={HiSparseMode.P2_OFFLOAD.value!r}, "
-            f"got {ENV_HISPARSE_V3}={raw_mode!r}"
-        )
-        raise SwitchError(msg)
+        _require_offload(f"{ENV_PREFIX_CACHE_MB}={raw_mb!r}", hisparse, raw_mode)
     double_sparsity = _parse_double_sparsity(environ)
     if double_sparsity is not None and (model_compat or hisparse is not None):
         # Double sparsity serves models without QSA layers; the QSA switches serve QSA models.
@@ -307,14 +312,10 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         if raw_sharding
         else 1
     )
-    if cache_sharding > 1 and hisparse is not HiSparseMode.P2_OFFLOAD:
+    if cache_sharding > 1:
         # The resident QSA pool is upstream's; the shards are the offload's host arenas.
-        msg = (
-            f"{ENV_CACHE_SHARDING}={raw_sharding!r} shards the offloaded K/V and requires "
-            f"{ENV_HISPARSE_V3}={HiSparseMode.P2_OFFLOAD.value!r}, "
-            f"got {ENV_HISPARSE_V3}={raw_mode!r}"
-        )
-        raise SwitchError(msg)
+        what = f"{ENV_CACHE_SHARDING}={raw_sharding!r} shards the offloaded K/V and"
+        _require_offload(what, hisparse, raw_mode)
     return Switches(
         model_compat=model_compat,
         hisparse=hisparse,

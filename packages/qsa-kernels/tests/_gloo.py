@@ -1,0 +1,35 @@
+"""The worker side of the gloo multi-process tests (``spawn_workers`` starts the processes).
+
+A worker runs as a script, ``python test_x.py RANK PORT OUT_DIR``, so it imports this module from
+its own directory rather than through pytest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def member_groups(
+    rank: int, port: int, world: int, sizes: Iterable[int]
+) -> Iterator[tuple[int, dist.ProcessGroup]]:
+    """Join the ``world`` ranks on ``127.0.0.1:port`` and yield ``(n, group of ranks 0..n-1)``
+    for each ``n`` in ``sizes`` this rank belongs to; at the end, wait for every rank and leave.
+
+    Every rank creates every group in the same order (``new_group`` is collective), one OpenMP
+    thread each.
+    """
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        for n in sizes:
+            group = dist.new_group(list(range(n)))
+            if rank < n and isinstance(group, dist.ProcessGroup):  # others get a placeholder
+                yield n, group
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
