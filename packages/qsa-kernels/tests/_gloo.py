@@ -33,3 +33,13 @@ def member_groups(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def mismatch(a: torch.Tensor, b: torch.Tensor, *, rtol: float, atol: float) -> str:
+    """How ``a`` differs from ``b`` beyond the tolerances (``torch.testing``'s words, 400 chars
+    at most), or ``""``: what a worker reports for the test side to assert empty."""
+    try:
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    except AssertionError as exc:
+        return str(exc)[:400]
+    return ""

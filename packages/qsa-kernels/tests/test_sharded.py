@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 import torch
 
+from _gloo import mismatch
+
 WORLD = 4
 SEED = 20261129
 HQ, HKV, D = 12, 1, 256
@@ -172,8 +174,10 @@ def _run_case(
             "ids": merged.ids.tolist(),
             "ref_ids": ref["ids"].tolist(),
             "scores_match": bool(torch.equal(merged.scores[valid], ref_scores[valid])),
-            "out_close": _close(out.float(), ref_out.float(), rtol=2**-7, atol=OUT_ATOL[path_name]),
-            "lse_close": _close(lse, ref_lse, rtol=1e-5, atol=1e-5),
+            "out_close": mismatch(
+                out.float(), ref_out.float(), rtol=2**-7, atol=OUT_ATOL[path_name]
+            ),
+            "lse_close": mismatch(lse, ref_lse, rtol=1e-5, atol=1e-5),
             "out_shape": list(out.shape),
             "dtypes": [str(out.dtype), str(lse.dtype)],
         }
@@ -341,17 +345,9 @@ def _run_writes(shard: Any) -> dict[str, Any]:
         "index_blocks_written": int((index.view(-1, 128) != 0).any(dim=1).sum()),
         "ids_equal": sorted(map(sorted, merged.ids.tolist()))
         == sorted(map(sorted, ref["ids"].tolist())),
-        "out_close": _close(out.float(), ref["out"].float(), rtol=2**-7, atol=1e-3),
-        "lse_close": _close(lse, ref["lse"], rtol=1e-5, atol=1e-5),
+        "out_close": mismatch(out.float(), ref["out"].float(), rtol=2**-7, atol=1e-3),
+        "lse_close": mismatch(lse, ref["lse"], rtol=1e-5, atol=1e-5),
     }
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, *, rtol: float, atol: float) -> str:
-    try:
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
-    except AssertionError as exc:
-        return str(exc)[:400]
-    return ""
 
 
 def _worker(rank: int, port: int, out_dir: Path) -> None:
