@@ -26,8 +26,6 @@ from typing import Any
 import pytest
 import torch
 
-from _gloo import mismatch
-
 WORLD = 4
 SEED = 20261129
 HQ, HKV, D = 12, 1, 256
@@ -114,6 +112,7 @@ def _single_rank(case: dict[str, torch.Tensor], topk: int) -> dict[str, torch.Te
 def _run_case(
     shard: Any, *, name: str, lengths: tuple[int, ...], topk: int, key_kind: str, path_name: str
 ) -> dict[str, Any]:
+    from _gloo import mismatch  # the workers run as scripts beside it
     from qsa_kernels import KernelPath
     from qsa_kernels.sharded import (
         HeadLayout,
@@ -280,6 +279,7 @@ def _write_scenario(seed: int) -> dict[str, Any]:
 
 def _run_writes(shard: Any) -> dict[str, Any]:
     """Route every write of the scenario to its owner; compare shards and a decode step."""
+    from _gloo import mismatch  # the workers run as scripts beside it
     from qsa_kernels import KernelPath
     from qsa_kernels.sharded import (
         HeadLayout,
