@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -24,11 +25,13 @@ from qsa_testing import (
     EngineConfig,
     EnginePool,
     EngineRequestError,
+    EngineStartError,
     GenerateRequest,
     Generation,
     Platform,
     assert_same_generation,
     current_platform,
+    start_engine,
     tiny_image,
     tiny_qwen4_exp,
 )
@@ -256,6 +259,23 @@ def _abort_while_running(engine: Engine, request: GenerateRequest, wait: float) 
     _wait_for(lambda: _live_leases(engine) == 0)
     assert _released(engine, "aborted") == aborted_before + 1
     return call
+
+
+def test_cache_sharding_beyond_one_kv_heads_ranks_stops_the_engine_at_start_up(
+    tmp_path: Path,
+) -> None:
+    """At TP1 a K/V head has one rank: a shard group of 2 is refused by name before the model
+    loads (the sharded decode itself is tested on gloo ranks: no TP engine runs on the CPU)."""
+    config = EngineConfig(
+        QWEN,
+        switches={**OFFLOAD_SWITCHES, "SGLANG_QSA_CACHE_SHARDING": "2"},
+        server_args=OFFLOAD_ARGS,
+    )
+    with pytest.raises(EngineStartError) as caught:
+        start_engine(config, tmp_path / "engine", timeout=300.0).close()
+    text = str(caught.value)
+    for fragment in ("SGLANG_QSA_CACHE_SHARDING=2 does not fit --tp-size=1", "allowed: [1]"):
+        assert fragment in text, text
 
 
 def test_abort_during_decode_gives_the_lease_back(engines: EnginePool) -> None:

@@ -452,18 +452,18 @@ class OffloadedKV:
             msg = f"a prompt of {tokens!r} tokens is not allowed; allowed: 1..{g.max_tokens!r}"
             raise KernelInputError(msg)
         self.tables.reset_rows(torch.tensor([row], device=self.device))
+        owned_prefix = self._owned_blocks(0, prefix_blocks)
         if prefix is not None:
             self.wait_for_host_writes()
             if self.device.type == "cuda":  # the arena may still be read by queued fetches
                 torch.cuda.current_stream(self.device).synchronize()
-            owned = self._owned_blocks(0, prefix_blocks)
-            self.host_arena[row, :, : len(owned)].copy_(
-                prefix if self.shard is None else prefix[:, owned]
+            self.host_arena[row, :, : len(owned_prefix)].copy_(
+                prefix if self.shard is None else prefix[:, owned_prefix]
             )
-        send_k, send_v, first_block = k, v, prefix_blocks
-        if self.shard is not None:  # this rank's complete blocks; their local ids are consecutive
+        # The new tokens' blocks go to the arena after the prefix's (local ids are consecutive).
+        send_k, send_v, first_block = k, v, len(owned_prefix)
+        if self.shard is not None:  # this rank's complete blocks only
             owned = self._owned_blocks(prefix_blocks, tokens // BLOCK_TOKENS)
-            first_block = len(self._owned_blocks(0, prefix_blocks))
             token_ids = (owned.to(k.device).unsqueeze(1) - prefix_blocks) * BLOCK_TOKENS
             token_ids = token_ids + torch.arange(BLOCK_TOKENS, device=k.device)
             send_k, send_v = (x.index_select(1, token_ids.view(-1)) for x in (k, v))
@@ -733,7 +733,9 @@ class OffloadedKV:
         tail = self._plan.tail_tokens if self._attends_tail else self._no_tail[: len(rows)]
         return self._attend_parts(layer, q, hot_tokens, tail, scale, out_dtype=out_dtype)
 
-    def selection_counts(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+    def selection_counts(
+        self, layer: int, rows: Sequence[int], blocks: torch.Tensor
+    ) -> torch.Tensor:
         """How many selected blocks this rank stores, and how many of them miss the hot cache.
 
         Call it before :meth:`attend`, which fetches the misses. Under a shard group, the blocks
@@ -742,21 +744,22 @@ class OffloadedKV:
 
         Args:
             layer: QSA layer index in ``[0, L)``.
-            blocks: ``[B, K]`` int32 selected complete blocks of the planned rows, ``-1`` padded
+            rows: the step's rows (what the last :meth:`advance` returned).
+            blocks: ``[B, K]`` int32 selected complete blocks of those rows, ``-1`` padded
                 (what :meth:`attend` takes).
 
         Returns:
             ``[2]`` int64 device: (selected, missing).
         """
-        self._check_step("selection_counts", layer, self._plan.rows)
-        if blocks.dim() != 2 or blocks.shape[0] != self._plan.batch:
-            msg = f"blocks must be [B={self._plan.batch}, K]; got {tuple(blocks.shape)!r}"
+        self._check_step("selection_counts", layer, rows)
+        if blocks.dim() != 2 or blocks.shape[0] != len(rows):
+            msg = f"blocks must be [B={len(rows)}, K]; got {tuple(blocks.shape)!r}"
             raise KernelInputError(msg)
         if self.shard is not None:
             blocks = localize_blocks(blocks, self.shard.placement, self.shard.rank)
         valid = blocks >= 0
-        rows = self._plan.row_ids.long().unsqueeze(1)
-        resident = self.tables.block_slot[layer][rows, blocks.clamp(min=0).long()] >= 0
+        row_ids = self._plan.row_ids.long().unsqueeze(1)
+        resident = self.tables.block_slot[layer][row_ids, blocks.clamp(min=0).long()] >= 0
         return torch.stack((valid.sum(), (valid & ~resident).sum()))
 
     def token_blocks(self, rows: Sequence[int], positions: torch.Tensor) -> torch.Tensor:

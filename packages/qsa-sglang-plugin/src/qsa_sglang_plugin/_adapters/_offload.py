@@ -574,7 +574,7 @@ class OffloadRuntime:
 
     def _count_blocks(self, ordinal: int, blocks: torch.Tensor) -> None:
         """Add this layer's selected and missing blocks to the device-side counters (no sync)."""
-        self._pending_counts += self.kv.selection_counts(ordinal, blocks)
+        self._pending_counts += self.kv.selection_counts(ordinal, self._rows, blocks)
 
     def _count_step(self) -> None:
         self._steps += 1
