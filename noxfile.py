@@ -280,13 +280,14 @@ ENGINE_BENCHMARKS: Final = {
     "offload": "engine_offload.py",  # offloaded against resident decode and prefill
     "prefix_cache": "engine_prefix_cache.py",  # warm against cold TTFT of the host prefix cache
     "double_sparsity": "engine_double_sparsity.py",  # qsa_ds against triton decode
+    "capacity": "engine_capacity.py",  # most concurrent long requests at one GPU budget
 }
 
 
 @nox.session(name="gpu-engine-bench", python=False)
 def gpu_engine_bench(session: nox.Session) -> None:
     """A benchmark in real engines on the GPU machine: ``offload`` (default), ``prefix_cache``,
-    ``double_sparsity``.
+    ``double_sparsity``, ``capacity``.
 
     Installs the engine payload as ``gpu-engine`` does and runs the named script of
     ``packages/qsa-sglang-plugin/benchmarks/`` (:data:`ENGINE_BENCHMARKS`); the other arguments

@@ -23,10 +23,12 @@ from typing import Any
 
 __all__ = (
     "Cell",
+    "Served",
     "first_difference",
     "log_numbers",
     "measure",
     "profile_decode",
+    "send_together",
     "start_all",
     "warm_up",
     "write_json",
@@ -60,20 +62,52 @@ class Cell:
     output_ids: list[int]
 
 
-def measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) -> Cell:
-    """Serve ``batch`` prompts of ``context`` tokens at once; time the decode from the log."""
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """``batch`` requests sent to one engine at once, and what its log said meanwhile.
+
+    Attributes:
+        replies: each request's generation, in the order sent.
+        wall_s: from sending the first to the last reply.
+        decode_lines: ``(running requests, gen throughput tok/s)`` of each of SGLang's
+            ``Decode batch`` log lines while they ran.
+    """
+
+    replies: list[Any]
+    wall_s: float
+    decode_lines: list[tuple[int, float]]
+
+    @property
+    def most_running(self) -> int:
+        """The most requests SGLang decoded in one step (0 without a ``Decode batch`` line)."""
+        return max((n for n, _ in self.decode_lines), default=0)
+
+
+def _requests(engine: Any, context: int, batch: int, new_tokens: int) -> list[Any]:
+    """``batch`` greedy requests of ``context`` prompt tokens (seeds 100, 101, ...)."""
     from qsa_testing import GenerateRequest
 
     model = engine.config.model
-    requests = [
+    return [
         GenerateRequest(model.prompt(context, seed=100 + i), new_tokens, top_logprobs=0)
         for i in range(batch)
     ]
+
+
+def send_together(
+    engine: Any, context: int, batch: int, new_tokens: int, arm: str, *, timeout: float = 1800.0
+) -> Served:
+    """Send ``batch`` prompts of ``context`` tokens (seeds 100, 101, ...) at once; wait for all.
+
+    Raises:
+        RuntimeError: a request got no reply (naming the arm, batch and context).
+    """
+    requests = _requests(engine, context, batch, new_tokens)
     mark = engine.log_path.stat().st_size
     replies: list[Any] = [None] * batch
 
     def run(i: int) -> None:
-        replies[i] = engine.generate(requests[i], timeout=1800.0)
+        replies[i] = engine.generate(requests[i], timeout=timeout)
 
     started = time.monotonic()
     threads = [threading.Thread(target=run, args=(i,)) for i in range(batch)]
@@ -88,16 +122,24 @@ def measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) ->
     with engine.log_path.open("rb") as log:
         log.seek(mark)
         text = log.read().decode("utf-8", "replace")
-    rates = [float(r) for n, r in _DECODE_LINE.findall(text) if int(n) == batch]
+    lines = [(int(n), float(r)) for n, r in _DECODE_LINE.findall(text)]
+    return Served(replies, wall, lines)
+
+
+def measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) -> Cell:
+    """Serve ``batch`` prompts of ``context`` tokens at once; time the decode from the log."""
+    served = send_together(engine, context, batch, new_tokens, arm)
+    rates = [rate for n, rate in served.decode_lines if n == batch]
     if not rates:
         msg = f"{arm}: no 'Decode batch' log line with {batch} running requests"
         raise RuntimeError(msg)
     decode = statistics.median(rates[1:] if len(rates) > 2 else rates)  # the first may span prefill
     prefill = None
     if batch == 1:
-        prefill_s = wall - (new_tokens - 1) / decode
+        prefill_s = served.wall_s - (new_tokens - 1) / decode
         prefill = context / prefill_s if prefill_s > 0 else None
-    return Cell(arm, context, batch, decode, wall, prefill, list(replies[0].output_ids))
+    ids = list(served.replies[0].output_ids)
+    return Cell(arm, context, batch, decode, served.wall_s, prefill, ids)
 
 
 def profile_decode(  # noqa: PLR0917 (measure's order, then the trace's)
@@ -120,14 +162,8 @@ def profile_decode(  # noqa: PLR0917 (measure's order, then the trace's)
     Returns:
         The trace, ``out/<arm>-<context>-<batch>-*.trace.json.gz``.
     """
-    from qsa_testing import GenerateRequest
-
-    model = engine.config.model
     prefix = f"{arm}-{context}-{batch}"
-    requests = [
-        GenerateRequest(model.prompt(context, seed=100 + i), new_tokens, top_logprobs=0)
-        for i in range(batch)
-    ]
+    requests = _requests(engine, context, batch, new_tokens)
     mark = engine.log_path.stat().st_size
     threads = [
         threading.Thread(target=engine.generate, args=(r,), kwargs={"timeout": 1800.0})

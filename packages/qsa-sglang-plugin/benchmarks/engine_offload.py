@@ -56,7 +56,7 @@ _SKIPPED = 77
 #: Prefill chunk of both engines. SGLang runs the running requests' decode steps between the
 #: chunks of the next prompt, so the first of ``B`` requests decodes about ``(B - 1)`` prompts'
 #: chunks' worth of steps before the last one joins: each request generates that many more.
-_CHUNK = 16384
+CHUNK = 16384
 _PRICE = re.compile(r"pool sizing charges (\d+) B per token \(was (\d+) B")
 _OFFLOAD = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
 
@@ -108,30 +108,52 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _new_tokens(args: argparse.Namespace, context: int, batch: int) -> int:
     """Tokens each request of a cell generates: ``--new-tokens`` while all ``batch`` decode."""
-    return args.new_tokens + (batch - 1) * math.ceil(context / _CHUNK)
+    return tokens_while_all_decode(args.new_tokens, context, batch)
+
+
+def tokens_while_all_decode(new_tokens: int, context: int, batch: int) -> int:
+    """Tokens each of ``batch`` requests sent at once generates so that all of them decode
+    ``new_tokens`` steps together: the first decodes between the later prompts' chunks."""
+    return new_tokens + (batch - 1) * math.ceil(context / CHUNK)
 
 
 def _configs(args: argparse.Namespace) -> dict[str, Any]:
-    from qsa_testing import EngineConfig, tiny_qwen4_exp
+    from qsa_testing import tiny_qwen4_exp
 
     longest = max(args.contexts) + _new_tokens(args, max(args.contexts), max(args.batches)) + 64
     model = tiny_qwen4_exp(
         model_shaped=True, qsa_layers=args.qsa_layers, max_position_embeddings=longest
     )
+    # 12 resident QSA layers at 8 x 256K tokens take 53 GB: more than the harness's 0.3 of an
+    # H200. Each engine still allocates only its --max-total-tokens.
+    return engine_configs(
+        model,
+        context_length=longest,
+        max_running_requests=max(args.batches),
+        pool={"max_total_tokens": max(args.batches) * longest, "mem_fraction_static": 0.6},
+    )
+
+
+def engine_configs(
+    model: Any, *, context_length: int, max_running_requests: int, pool: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``resident`` and ``offload`` engines' configurations: the same scheduler flags, decode
+    CUDA graphs on (prefill graphs off: p2-offload captures decode only), and ``pool`` (SGLang's
+    ``max_total_tokens`` and/or ``mem_fraction_static``) for both.
+    """
+    from qsa_testing import EngineConfig
+
     common = {
-        "context_length": longest,
-        "max_running_requests": max(args.batches),
+        "context_length": context_length,
+        "max_running_requests": max_running_requests,
         "prefill_max_requests": 1,
         "disable_overlap_schedule": True,
-        "chunked_prefill_size": _CHUNK,
-        "max_total_tokens": max(args.batches) * longest,
+        "chunked_prefill_size": CHUNK,
         "disable_cuda_graph": False,
-        "cuda_graph_backend_prefill": "disabled",  # p2-offload captures decode only
-        "cuda_graph_max_bs_decode": max(args.batches),
+        "cuda_graph_backend_prefill": "disabled",
+        "cuda_graph_max_bs_decode": max_running_requests,
         "decode_log_interval": 20,
-        # 12 resident QSA layers at 8 x 256K tokens take 53 GB: more than the harness's 0.3 of
-        # an H200. Each engine still allocates only its --max-total-tokens.
-        "mem_fraction_static": 0.6,
+        **pool,
     }
     return {
         "resident": EngineConfig(model, plugin=False, server_args=common),
