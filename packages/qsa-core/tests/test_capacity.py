@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qsa_core import (
+    HOT_SLOTS_PER_TOPK,
     QWEN38_FLASH_NEXT,
     QWEN38_FLASH_NEXT_TEXT_CONFIG,
     CapacityError,
@@ -19,6 +20,7 @@ from qsa_core import (
     MemoryPartKind,
     MemoryTier,
     PlacementError,
+    hot_cache_slots,
     plan_capacity,
     render_plan,
 )
@@ -78,6 +80,21 @@ def test_hot_cache_is_2048_plus_64_blocks_per_layer_per_request() -> None:
     assert _plan(1).offloaded.part(MemoryPartKind.HOT_CACHE).nbytes == int(49.5 * MIB)
     core = _plan(reserved_hot_slots=0).offloaded.part(MemoryPartKind.HOT_CACHE).nbytes
     assert core == 384 * MIB
+
+
+def test_hot_cache_slots_default_to_four_selections_and_refuse_less_than_one() -> None:
+    """The one default the plan and the offload runtime share, and what it refuses."""
+    assert hot_cache_slots(512) == HOT_SLOTS_PER_TOPK * 512 == 2048
+    assert hot_cache_slots(512, 512) == 512
+    assert hot_cache_slots(255, 4096) == 4096
+    for topk, slots, pattern in (
+        (512, 511, r"hot_slots=511 .*block_topk=512"),
+        (512, 1024.0, r"hot_slots=1024.0 "),
+        (512, True, r"hot_slots=True "),
+        (0, None, r"block_topk=0 "),
+    ):
+        with pytest.raises(CapacityError, match=pattern):
+            hot_cache_slots(topk, slots)  # type: ignore[arg-type]
 
 
 def test_recurrent_state_pool_of_40_slots_is_about_2_2_gib() -> None:

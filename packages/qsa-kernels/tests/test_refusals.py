@@ -13,6 +13,7 @@ from hypothesis import given, settings
 
 from qsa_core import KVDType
 from qsa_kernels import KernelInputError, KernelPath, kv_torch_dtype
+from qsa_kernels.fetch import MAX_HOT_SLOTS
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
 from qsa_pytest.refusals import any_value, refusal, shows
 
@@ -33,6 +34,13 @@ GEOMETRY: Mapping[str, Any] = {
 def test_a_geometry_is_built_or_refused_naming_the_field_value(field: str, value: object) -> None:
     refused = refusal(OffloadGeometry, {**GEOMETRY, field: value}, KernelInputError)
     assert refused is None or shows(str(refused), value), (field, value, str(refused))
+
+
+def test_a_geometry_refuses_more_hot_slots_than_the_fetch_kernel_addresses() -> None:
+    """One more slot than ``MAX_HOT_SLOTS`` is refused before any allocation, naming both."""
+    assert OffloadGeometry(**{**GEOMETRY, "hot_slots": MAX_HOT_SLOTS}).hot_slots == MAX_HOT_SLOTS
+    with pytest.raises(KernelInputError, match=rf"hot_slots={MAX_HOT_SLOTS + 1} .*{MAX_HOT_SLOTS}"):
+        OffloadGeometry(**{**GEOMETRY, "hot_slots": MAX_HOT_SLOTS + 1})
 
 
 def test_kv_dtypes_map_to_torch_in_one_place() -> None:

@@ -328,3 +328,22 @@ def test_cache_sharding_beyond_the_replica_group_is_refused_by_name(
     message = str(info.value)
     assert f"SGLANG_QSA_CACHE_SHARDING={sharding} does not fit --tp-size={tp_size}" in message
     assert f"allowed: {allowed}" in message
+
+
+@pytest.mark.parametrize("blocks", [512, 2048, 1 << 16])
+def test_hot_blocks_from_one_selection_to_the_fetch_kernels_limit_pass(blocks: int) -> None:
+    switches = parse_switches({**OFFLOAD_ENV, "SGLANG_QSA_HISPARSE_HOT_BLOCKS": str(blocks)})
+    assert check_configuration(GOOD, switches) is not None
+
+
+@pytest.mark.parametrize("blocks", [1, 511, (1 << 16) + 1])
+def test_hot_blocks_outside_one_selection_to_the_kernels_limit_are_refused_by_name(
+    blocks: int,
+) -> None:
+    """Qwen3.8-Flash-Next selects 512 blocks a step; the fetch kernel addresses 65,536 slots."""
+    switches = parse_switches({**OFFLOAD_ENV, "SGLANG_QSA_HISPARSE_HOT_BLOCKS": str(blocks)})
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(GOOD, switches)
+    message = str(info.value)
+    assert f"SGLANG_QSA_HISPARSE_HOT_BLOCKS={blocks}" in message
+    assert "allowed: 512 (the indexer's block top-k) to 65536" in message

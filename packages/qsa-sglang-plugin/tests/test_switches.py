@@ -124,6 +124,17 @@ def test_verification_is_off_unless_asked_for_with_offload() -> None:
             ["SGLANG_QSA_CACHE_SHARDING='65'", "up to 64"],
         ),
         (
+            {**ON, "SGLANG_QSA_HISPARSE_V3": "p2-offload", "SGLANG_QSA_HISPARSE_HOT_BLOCKS": "0"},
+            ["SGLANG_QSA_HISPARSE_HOT_BLOCKS='0'", "a positive integer up to 16777216"],
+        ),
+        (
+            {**ON, "SGLANG_QSA_HISPARSE_V3": "p2-resident", "SGLANG_QSA_HISPARSE_HOT_BLOCKS": "9"},
+            [
+                "SGLANG_QSA_HISPARSE_HOT_BLOCKS='9' requires SGLANG_QSA_HISPARSE_V3='p2-offload'",
+                "got SGLANG_QSA_HISPARSE_V3='p2-resident'",
+            ],
+        ),
+        (
             {**ON, "SGLANG_QSA_HISPARSE_V3": "p2-resident", "SGLANG_QSA_CACHE_SHARDING": "2"},
             [
                 "SGLANG_QSA_CACHE_SHARDING='2' shards the offloaded K/V",
@@ -322,6 +333,13 @@ def test_every_mode_that_needs_the_tree_cache_registers_it(env: dict[str, str]) 
     assert ("radix_cache_backend", "qsa_hisparse") in {
         (r.registry.name.lower(), r.name) for r in entries
     }
+
+
+def test_hot_blocks_default_to_none_and_parse_with_offload() -> None:
+    """Unset leaves the library's default; a value is taken as given (start-up checks its range)."""
+    env = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+    assert parse_switches(env).hot_blocks is None
+    assert parse_switches({**env, "SGLANG_QSA_HISPARSE_HOT_BLOCKS": " 1024 "}).hot_blocks == 1024
 
 
 def test_cache_sharding_with_offload_is_its_own_feature() -> None:

@@ -7,11 +7,13 @@ device code.
 """
 
 from qsa_core._capacity import (
+    HOT_SLOTS_PER_TOPK,
     CapacityPlan,
     MemoryLayout,
     MemoryPart,
     MemoryPartKind,
     MemoryTier,
+    hot_cache_slots,
     plan_capacity,
 )
 from qsa_core._cp import MAX_CP_SIZE, MAX_SEQ_LEN, ZigzagLayout
@@ -73,12 +75,14 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "merge_topk",
     "topk_reference",
     # capacity plan
+    "HOT_SLOTS_PER_TOPK",
     "CapacityPlan",
     "MemoryLayout",
     "MemoryPart",
     "MemoryPartKind",
     "MemoryTier",
     "format_bytes",
+    "hot_cache_slots",
     "plan_capacity",
     "render_plan",
     # errors

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Final
 
 from qsa_core._checks import is_int
 from qsa_core._errors import CapacityError
@@ -39,11 +40,13 @@ from qsa_core._placement import ShardPlacement
 from qsa_core._profile import KVDType, QSAProfile
 
 __all__ = (
+    "HOT_SLOTS_PER_TOPK",
     "CapacityPlan",
     "MemoryLayout",
     "MemoryPart",
     "MemoryPartKind",
     "MemoryTier",
+    "hot_cache_slots",
     "plan_capacity",
 )
 
@@ -55,6 +58,10 @@ _RING_DTYPE_BYTES = 2  # the pending ring is always bf16
 _SSM_STATE_BYTES = 4  # fp32 GDN recurrent state
 _CONV_STATE_BYTES = 2  # bf16 conv windows
 _SEARCH_LIMIT = 2**40  # request counts beyond this are reported as this bound
+#: Hot-cache block slots per (request, QSA layer), per block the indexer selects, unless
+#: configured: a block that drops out of the selection stays cached while three selections'
+#: worth of newer blocks arrive (the selection of consecutive steps overlaps, and blocks return).
+HOT_SLOTS_PER_TOPK: Final = 4
 
 
 class MemoryTier(enum.Enum):
@@ -326,6 +333,26 @@ def _check_int_at_least(name: str, value: int, minimum: int = 1) -> None:
         raise CapacityError(msg)
 
 
+def hot_cache_slots(block_topk: int, hot_slots: int | None = None) -> int:
+    """Hot-cache block slots per (request, QSA layer).
+
+    ``hot_slots``, by default :data:`HOT_SLOTS_PER_TOPK` × ``block_topk``.
+
+    Raises:
+        CapacityError: ``block_topk`` is not a positive int, or ``hot_slots`` is not an int of at
+            least ``block_topk`` (one step's selection must fit).
+    """
+    _check_int_at_least("block_topk", block_topk)
+    slots = HOT_SLOTS_PER_TOPK * block_topk if hot_slots is None else hot_slots
+    if not is_int(slots) or slots < block_topk:
+        msg = (
+            f"hot_slots={slots!r} is not allowed; it must be an integer >= block_topk="
+            f"{block_topk!r} (one step's selection)"
+        )
+        raise CapacityError(msg)
+    return slots
+
+
 def plan_capacity(
     profile: QSAProfile,
     *,
@@ -352,7 +379,7 @@ def plan_capacity(
         context_len: tokens per request.
         num_requests: requests to plan for.
         index_dtype: compressed index dtype (bf16 by default).
-        hot_slots: hot block slots per request per layer (default ``4 × block_topk``).
+        hot_slots: hot block slots per request per layer (default :func:`hot_cache_slots`).
         reserved_hot_slots: extra hot slots per request per layer (default 64).
         state_slots: recurrent-state slots (default: one per request; when given, the fit search
             uses ``max(state_slots, R)``).
@@ -383,13 +410,7 @@ def plan_capacity(
                 "flag with KVDType.parse"
             )
             raise CapacityError(msg)
-    hot = 4 * profile.block_topk if hot_slots is None else hot_slots
-    if not is_int(hot) or hot < profile.block_topk:
-        msg = (
-            f"hot_slots={hot!r} is not allowed; it must be >= block_topk="
-            f"{profile.block_topk!r} (S >= K)"
-        )
-        raise CapacityError(msg)
+    hot = hot_cache_slots(profile.block_topk, hot_slots)
     if state_slots is not None:
         _check_int_at_least("state_slots", state_slots, minimum=0)
     profile.kv_heads_per_rank(tp_size)

@@ -14,11 +14,13 @@ from typing import Any, Final
 
 from qsa_core import (
     QWEN38_FLASH_NEXT,
+    CapacityError,
     KVDType,
     PlacementError,
     QSAConfigError,
     QSAProfile,
     ShardPlacement,
+    hot_cache_slots,
 )
 from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import (
@@ -26,6 +28,7 @@ from qsa_sglang_plugin._switches import (
     ENV_CACHE_SHARDING,
     ENV_DS_CHANNEL_CONFIG,
     ENV_DS_OFFLOAD,
+    ENV_HISPARSE_HOT_BLOCKS,
     RADIX_CACHE_BACKEND,
     DoubleSparsitySwitches,
     Feature,
@@ -194,6 +197,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_prefix_cache(facts)
     if switches.cache_sharding > 1:
         _check_cache_sharding(facts, profile, switches.cache_sharding)
+    if switches.hot_blocks is not None:
+        _check_hot_blocks(profile, switches.hot_blocks)
     return profile
 
 
@@ -413,6 +418,19 @@ def _check_cache_sharding(facts: ConfigFacts, profile: QSAProfile, sharding: int
             f"{profile.num_kv_heads!r} K/V heads: {exc}"
         )
         raise ConfigurationError(msg) from exc
+
+
+def _check_hot_blocks(profile: QSAProfile, blocks: int) -> None:
+    """Refuse hot caches smaller than one step's selection or larger than the fetch addresses."""
+    from qsa_kernels.fetch import MAX_HOT_SLOTS
+
+    allowed = f"allowed: {profile.block_topk} (the indexer's block top-k) to {MAX_HOT_SLOTS}"
+    try:
+        hot_cache_slots(profile.block_topk, blocks)
+    except CapacityError as exc:
+        raise ConfigurationError(f"{ENV_HISPARSE_HOT_BLOCKS}={blocks!r}: {exc}; {allowed}") from exc
+    if blocks > MAX_HOT_SLOTS:
+        raise ConfigurationError(f"{ENV_HISPARSE_HOT_BLOCKS}={blocks!r} is not allowed; {allowed}")
 
 
 def _check_prefix_cache(facts: ConfigFacts) -> None:

@@ -24,6 +24,7 @@ __all__ = (
     "ENV_DS_HEAVY_TOKENS",
     "ENV_DS_OFFLOAD",
     "ENV_DS_THRESHOLD",
+    "ENV_HISPARSE_HOT_BLOCKS",
     "ENV_HISPARSE_V3",
     "ENV_HISPARSE_VERIFY",
     "ENV_MODEL_COMPAT",
@@ -49,6 +50,9 @@ ENV_HISPARSE_V3: Final = "SGLANG_QSA_HISPARSE_V3"
 ENV_HISPARSE_VERIFY: Final = "SGLANG_QSA_HISPARSE_VERIFY"
 ENV_PREFIX_CACHE_MB: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB"
 ENV_PREFIX_CACHE_MAX_ENTRIES: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES"
+#: Hot-cache blocks per request and QSA layer with ``p2-offload`` (default: qsa-core's
+#: ``hot_cache_slots``, four times the indexer's block top-k; at least the top-k).
+ENV_HISPARSE_HOT_BLOCKS: Final = "SGLANG_QSA_HISPARSE_HOT_BLOCKS"
 #: ``N`` > 1: the TP ranks holding copies of one K/V head store its offloaded K/V once, in shard
 #: groups of ``N`` ranks (each rank's host arena holds every ``N``-th 16-block page).
 ENV_CACHE_SHARDING: Final = "SGLANG_QSA_CACHE_SHARDING"
@@ -81,6 +85,9 @@ DEFAULT_PREFIX_CACHE_MAX_ENTRIES: Final = 256
 MAX_PREFIX_CACHE_MB: Final = 1 << 24
 #: Largest prefix-cache entry count per TP rank the parser accepts.
 MAX_PREFIX_CACHE_ENTRIES: Final = 1 << 20
+#: Largest hot-cache block count the parser accepts (start-up then checks it against the model's
+#: block top-k and the fetch kernel's limit).
+MAX_HOT_BLOCKS_PARSED: Final = 1 << 24
 #: Largest shard group the parser accepts (the start-up check then requires one that divides
 #: the TP ranks holding one K/V head).
 MAX_CACHE_SHARDING: Final = 64
@@ -148,6 +155,8 @@ class Switches:
             memory offload saves.
         cache_sharding: ``SGLANG_QSA_CACHE_SHARDING``: ranks per shard group (1 = off; with
             ``p2-offload`` only).
+        hot_blocks: ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``: hot-cache blocks per request and QSA
+            layer, or None for the default (with ``p2-offload`` only).
     """
 
     model_compat: bool = False
@@ -157,6 +166,7 @@ class Switches:
     prefix_cache_max_entries: int = DEFAULT_PREFIX_CACHE_MAX_ENTRIES
     double_sparsity: DoubleSparsitySwitches | None = None
     cache_sharding: int = 1
+    hot_blocks: int | None = None
 
     @property
     def any_on(self) -> bool:
@@ -235,9 +245,9 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
 
     Raises:
         SwitchError: a value is malformed, or ``SGLANG_QSA_HISPARSE_V3`` is set without
-            ``SGLANG_QSA_MODEL_COMPAT=1``, or the prefix cache or cache sharding is on without
-            ``SGLANG_QSA_HISPARSE_V3=p2-offload``. The message names the variable, its value and
-            what is allowed.
+            ``SGLANG_QSA_MODEL_COMPAT=1``, or the prefix cache, cache sharding or a hot-cache
+            size is set without ``SGLANG_QSA_HISPARSE_V3=p2-offload``. The message names the
+            variable, its value and what is allowed.
     """
     raw_compat = environ.get(ENV_MODEL_COMPAT, "")
     if raw_compat not in ("", "0", "1"):
@@ -316,6 +326,13 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         # The resident QSA pool is upstream's; the shards are the offload's host arenas.
         what = f"{ENV_CACHE_SHARDING}={raw_sharding!r} shards the offloaded K/V and"
         _require_offload(what, hisparse, raw_mode)
+    raw_hot = environ.get(ENV_HISPARSE_HOT_BLOCKS, "")
+    hot_blocks = None
+    if raw_hot:
+        hot_blocks = _positive_int(
+            ENV_HISPARSE_HOT_BLOCKS, raw_hot, zero_allowed=False, maximum=MAX_HOT_BLOCKS_PARSED
+        )
+        _require_offload(f"{ENV_HISPARSE_HOT_BLOCKS}={raw_hot!r}", hisparse, raw_mode)
     return Switches(
         model_compat=model_compat,
         hisparse=hisparse,
@@ -324,6 +341,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         prefix_cache_max_entries=max_entries,
         double_sparsity=double_sparsity,
         cache_sharding=cache_sharding,
+        hot_blocks=hot_blocks,
     )
 
 

@@ -199,8 +199,9 @@ def plan_check(
 
     ``flags`` holds ``model_path``, ``tp_size``, ``kv_cache_dtype``, ``context_length``,
     ``max_running_requests``, ``gpu_budget_gib`` and ``host_budget_gib`` (the doctor's options);
-    ``SGLANG_QSA_CACHE_SHARDING`` in ``environ`` divides the host arena (a malformed switch is
-    the switches check's to report; the plan then assumes none).
+    ``SGLANG_QSA_CACHE_SHARDING`` in ``environ`` divides the host arena and
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` sizes the hot caches (a malformed switch is the switches
+    check's to report; the plan then assumes the defaults).
     """
     config_path = Path(flags.model_path) / "config.json"
     try:
@@ -222,9 +223,10 @@ def plan_check(
         max_running_requests=flags.max_running_requests,
     )
     try:
-        sharding = parse_switches(environ).cache_sharding
+        switches = parse_switches(environ)
+        sharding, hot_blocks = switches.cache_sharding, switches.hot_blocks
     except SwitchError:
-        sharding = 1
+        sharding, hot_blocks = 1, None
     try:
         plan = capacity_plan_from_sglang(
             server_args,
@@ -232,6 +234,7 @@ def plan_check(
             int(flags.gpu_budget_gib * (1 << 30)),
             int(flags.host_budget_gib * (1 << 30)),
             sharding_size=sharding,
+            hot_slots=hot_blocks,
         )
     except (AdapterError, CapacityError, PlacementError, ValueError) as exc:
         return Check("capacity plan", Status.FAIL, str(exc)), None

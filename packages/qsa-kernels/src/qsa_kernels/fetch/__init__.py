@@ -5,11 +5,12 @@ contract; ``HotCacheTables`` is the device residency state both update. Layouts 
 ``qsa_kernels.fetch._tables``.
 """
 
-from qsa_kernels.fetch._tables import HotCacheTables
+from qsa_kernels.fetch._tables import MAX_HOT_SLOTS, HotCacheTables
 from qsa_kernels.fetch.reference import fetch_selected_blocks_reference
 from qsa_kernels.fetch.triton import fetch_selected_blocks
 
 __all__ = (
+    "MAX_HOT_SLOTS",
     "HotCacheTables",
     "fetch_selected_blocks",
     "fetch_selected_blocks_reference",

@@ -29,7 +29,11 @@ from qsa_kernels._checks import (
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS
 
-__all__ = ("BLOCK_TOKENS", "HotCacheTables", "check_kv_layouts")
+__all__ = ("BLOCK_TOKENS", "MAX_HOT_SLOTS", "HotCacheTables", "check_kv_layouts")
+
+#: Most slots ``S`` one hot cache may have: the fetch kernel's fallback victim sort keeps a slot
+#: in 16 bits beside a 46-bit stamp.
+MAX_HOT_SLOTS = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

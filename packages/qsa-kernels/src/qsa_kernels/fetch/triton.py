@@ -9,12 +9,11 @@ import triton.language as tl
 from qsa_kernels._checks import next_pow2, sm_count
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._uva import device_view
-from qsa_kernels.fetch._tables import HotCacheTables
+from qsa_kernels.fetch._tables import MAX_HOT_SLOTS, HotCacheTables
 from qsa_kernels.fetch._validate import check_fetch_args
 
 __all__ = ("fetch_selected_blocks",)
 
-_MAX_SLOTS = 1 << 16  # the fallback sort key keeps the slot in 16 bits beside a 46-bit stamp
 _INT64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 #: Victim groups (slots sharing one (occupied, stamp) rank) taken by min-extraction before the
 #: plan kernel falls back to sorting the remaining candidates.
@@ -232,8 +231,8 @@ def fetch_selected_blocks(
     check_fetch_args(
         selected, rows, layers, step=step, tables=tables, hot=hot, host_arena=host_arena
     )
-    if tables.slots > _MAX_SLOTS:
-        msg = f"S={tables.slots!r} slots per hot cache; at most {_MAX_SLOTS!r} supported"
+    if tables.slots > MAX_HOT_SLOTS:
+        msg = f"S={tables.slots!r} slots per hot cache; at most {MAX_HOT_SLOTS!r} supported"
         raise KernelInputError(msg)
     if copy_programs_per_sm < 1 or copy_warps < 1:
         msg = (

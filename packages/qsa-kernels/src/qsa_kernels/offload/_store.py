@@ -41,7 +41,12 @@ from qsa_kernels._checks import KV_DTYPES
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels._path import KernelPath
-from qsa_kernels.fetch import HotCacheTables, fetch_selected_blocks, fetch_selected_blocks_reference
+from qsa_kernels.fetch import (
+    MAX_HOT_SLOTS,
+    HotCacheTables,
+    fetch_selected_blocks,
+    fetch_selected_blocks_reference,
+)
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
 from qsa_kernels.sharded._group import ShardGroup
 from qsa_kernels.sharded._layout import localize_blocks
@@ -97,6 +102,9 @@ class OffloadGeometry:
             if not isinstance(value, int) or value < 1:
                 msg = f"{name}={value!r} is not allowed; it must be a positive integer"
                 raise KernelInputError(msg)
+        if self.hot_slots > MAX_HOT_SLOTS:
+            msg = f"hot_slots={self.hot_slots!r} is not allowed; allowed: 1 to {MAX_HOT_SLOTS!r}"
+            raise KernelInputError(msg)
         if self.dtype not in KV_DTYPES:
             msg = f"dtype={self.dtype!r} is not allowed; allowed: {KV_DTYPES!r}"
             raise KernelInputError(msg)

@@ -28,6 +28,7 @@ def capacity_plan_from_sglang(
     host_budget_bytes: int,
     *,
     sharding_size: int = 1,
+    hot_slots: int | None = None,
 ) -> CapacityPlan:
     """Price the per-rank memory of the operator's flags with and without host offload.
 
@@ -43,6 +44,7 @@ def capacity_plan_from_sglang(
         gpu_budget_bytes: GPU bytes for KV and per-request state, per rank.
         host_budget_bytes: Pinned host bytes, per rank.
         sharding_size: ``SGLANG_QSA_CACHE_SHARDING`` (the host arena divides by it).
+        hot_slots: ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` (None: qsa-core's default).
 
     Returns:
         ``qsa_core.plan_capacity`` of the profile at those flags.
@@ -88,4 +90,5 @@ def capacity_plan_from_sglang(
         context_len=int(context_len),
         num_requests=int(requests),
         sharding_size=sharding_size,
+        hot_slots=hot_slots,
     )

@@ -61,7 +61,7 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from qsa_core import QSAProfile, ShardPlacement
+from qsa_core import QSAProfile, ShardPlacement, hot_cache_slots
 from qsa_kernels import BLOCK_TOKENS, KernelInputError
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
 from qsa_kernels.sharded import (
@@ -624,6 +624,17 @@ def _blocks(tokens: int) -> int:
     return math.ceil(tokens / BLOCK_TOKENS)
 
 
+def _qsa_hot_slots(block_topk: int, context_len: int) -> int:
+    """Hot-cache slots per (request, QSA layer).
+
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` or qsa-core's default (:func:`qsa_core.hot_cache_slots`),
+    but no more than a context's blocks (never fewer than one step's selection). Start-up has
+    checked the switch against ``block_topk``.
+    """
+    slots = hot_cache_slots(block_topk, current_switches().hot_blocks)
+    return max(block_topk, min(slots, _blocks(context_len)))
+
+
 def arena_rows(kvc: Any) -> int:
     """Host-arena rows an engine's offload allocates: one per running request.
 
@@ -723,7 +734,7 @@ def _qsa_layout(runner: Any) -> OffloadLayout:
         layers=len(layer_ordinal),
         rows=int(runner.req_to_token_pool.size),
         context_len=int(runner.model_config.context_len),
-        hot_slots=int(profile.block_topk),
+        hot_slots=_qsa_hot_slots(int(profile.block_topk), int(runner.model_config.context_len)),
         kv_heads=int(full.head_num),
         head_dim=int(full.head_dim),
         dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
@@ -1037,7 +1048,7 @@ def price_offloaded_pool(configurator: Any, kvc: Any) -> None:
         layers=layers,
         rows=arena_rows(kvc),
         context_len=int(model_config.context_len),
-        hot_slots=int(profile.block_topk),
+        hot_slots=_qsa_hot_slots(int(profile.block_topk), int(model_config.context_len)),
         kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),
         head_dim=int(model_config.head_dim),
         dtype=kvc.kv_cache_dtype,
