@@ -22,9 +22,11 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = (
+    "SKIPPED",
     "Cell",
     "Served",
     "first_difference",
+    "lacks_cuda",
     "log_numbers",
     "measure",
     "profile_decode",
@@ -34,9 +36,22 @@ __all__ = (
     "write_json",
 )
 
+#: Exit status of a benchmark that cannot run here (no CUDA device).
+SKIPPED = 77
+
 _DECODE_LINE = re.compile(
     r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)"
 )
+
+
+def lacks_cuda(script: str) -> bool:
+    """True, after saying so on stderr, when this machine has no CUDA device for ``script``."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"{script}: needs a CUDA device; skipped", file=sys.stderr)
+    return True
 
 
 @dataclasses.dataclass

@@ -31,10 +31,9 @@ import tempfile
 import time
 from typing import Any
 
-from _engine_bench import Served, log_numbers, send_together, write_json
+from _engine_bench import SKIPPED, Served, lacks_cuda, log_numbers, send_together, write_json
 from engine_offload import engine_configs, tokens_while_all_decode
 
-_SKIPPED = 77
 _POOL = re.compile(r"max_total_num_tokens=(\d+)")
 _ARENA = re.compile(r"offload: host arena ([^;]+);")
 #: The order the engines run in; the report's rows.
@@ -179,11 +178,8 @@ def _write(
 def main(argv: list[str]) -> int:
     """Start each engine alone at the budget, send the requests, write the report."""
     args = _parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("engine_capacity: needs a CUDA device; skipped", file=sys.stderr)
-        return _SKIPPED
+    if lacks_cuda("engine_capacity"):
+        return SKIPPED
     from qsa_testing import running_engine, tiny_qwen4_exp
 
     fraction = _mem_fraction(args.gpu_budget_gib)

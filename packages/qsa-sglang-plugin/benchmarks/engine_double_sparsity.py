@@ -39,9 +39,17 @@ import tempfile
 import time
 from typing import Any
 
-from _engine_bench import Cell, log_numbers, measure, start_all, warm_up, write_json
+from _engine_bench import (
+    SKIPPED,
+    Cell,
+    lacks_cuda,
+    log_numbers,
+    measure,
+    start_all,
+    warm_up,
+    write_json,
+)
 
-_SKIPPED = 77
 _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of K/V")
 _OFFLOAD_PRICE = re.compile(
     r"DS-Offload: pool sizing charges (\d+) B per token of labels .* plus ([0-9.]+) MiB fixed"
@@ -223,11 +231,8 @@ def _write(
 def main(argv: list[str]) -> int:
     """Start both engines, measure every (context, batch) cell that fits, write the report."""
     args = _parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("engine_double_sparsity: needs a CUDA device; skipped", file=sys.stderr)
-        return _SKIPPED
+    if lacks_cuda("engine_double_sparsity"):
+        return SKIPPED
     started = time.monotonic()
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-bench-"))
     engines = start_all(_configs(args, workdir), workdir, together=False)

@@ -41,8 +41,10 @@ import time
 from typing import Any
 
 from _engine_bench import (
+    SKIPPED,
     Cell,
     first_difference,
+    lacks_cuda,
     log_numbers,
     measure,
     profile_decode,
@@ -52,7 +54,6 @@ from _engine_bench import (
 )
 from _trace import summarize
 
-_SKIPPED = 77
 #: Prefill chunk of both engines. SGLang runs the running requests' decode steps between the
 #: chunks of the next prompt, so the first of ``B`` requests decodes about ``(B - 1)`` prompts'
 #: chunks' worth of steps before the last one joins: each request generates that many more.
@@ -295,11 +296,8 @@ def _write(
 def main(argv: list[str]) -> int:
     """Start both engines, measure every (context, batch) cell, write the report."""
     args = _parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("engine_offload: needs a CUDA device; skipped", file=sys.stderr)
-        return _SKIPPED
+    if lacks_cuda("engine_offload"):
+        return SKIPPED
     started = time.monotonic()
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-bench-"))
     engines = start_all(_configs(args), workdir)

@@ -37,9 +37,8 @@ import tempfile
 import time
 from typing import Any
 
-from _engine_bench import write_json
+from _engine_bench import SKIPPED, lacks_cuda, write_json
 
-_SKIPPED = 77
 _PAGE = 64
 _MODELS = {
     "full-depth": "the full-depth dummy Qwen4Exp (48 layers, 12 QSA, the real attention and GDN "
@@ -245,11 +244,8 @@ def _same(row: Row) -> str:
 def main(argv: list[str]) -> int:
     """Start the engine, measure every context, write the report."""
     args = _parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("engine_prefix_cache: needs a CUDA device; skipped", file=sys.stderr)
-        return _SKIPPED
+    if lacks_cuda("engine_prefix_cache"):
+        return SKIPPED
     from qsa_testing import GenerateRequest, start_engine
 
     started = time.monotonic()
