@@ -29,6 +29,7 @@ __all__ = (
     "lacks_cuda",
     "log_numbers",
     "measure",
+    "pool_tokens",
     "profile_decode",
     "send_together",
     "start_all",
@@ -42,6 +43,14 @@ SKIPPED = 77
 _DECODE_LINE = re.compile(
     r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)"
 )
+
+
+_POOL = re.compile(r"max_total_num_tokens=(\d+)")
+
+
+def pool_tokens(engine: Any) -> int:
+    """The token capacity SGLang sized the engine's pools to (``max_total_num_tokens``)."""
+    return log_numbers(engine, _POOL)[0]
 
 
 def lacks_cuda(script: str) -> bool:

@@ -31,10 +31,9 @@ import tempfile
 import time
 from typing import Any
 
-from _engine_bench import SKIPPED, Served, lacks_cuda, log_numbers, send_together, write_json
+from _engine_bench import SKIPPED, Served, lacks_cuda, pool_tokens, send_together, write_json
 from engine_offload import engine_configs, tokens_while_all_decode
 
-_POOL = re.compile(r"max_total_num_tokens=(\d+)")
 _ARENA = re.compile(r"offload: host arena ([^;]+);")
 #: The order the engines run in; the report's rows.
 _ARMS = ("resident", "offload")
@@ -106,7 +105,7 @@ def _mem_fraction(budget_gib: float) -> float:
 
 
 def _capacity(engine: Any, arm: str, served: Served, tokens: int, context: int) -> Capacity:
-    pool = log_numbers(engine, _POOL)[0]
+    pool = pool_tokens(engine)
     together = served.most_running
     rates = [rate for n, rate in served.decode_lines if n == together]
     arena = _ARENA.findall(engine.log_path.read_text(encoding="utf-8", errors="replace"))
@@ -118,7 +117,7 @@ def _capacity(engine: Any, arm: str, served: Served, tokens: int, context: int) 
         decode_tokens_per_s=rates[-1] if rates else 0.0,
         wall_s=served.wall_s,
         start_s=float(engine.start_seconds),
-        host_arena=arena[-1] if arena and arm == "offload" else "",
+        host_arena=arena[-1] if arena else "",  # the offload logs one; resident none
     )
 
 
@@ -201,7 +200,7 @@ def main(argv: list[str]) -> int:
         with running_engine(configs[arm], workdir / arm, timeout=900.0) as engine:
             print(
                 f"engine_capacity: {arm} up after {time.monotonic() - started:.0f} s, pool "
-                f"{log_numbers(engine, _POOL)[0]:,} tokens; sending {args.requests} x "
+                f"{pool_tokens(engine):,} tokens; sending {args.requests} x "
                 f"{args.context:,}",
                 flush=True,
             )

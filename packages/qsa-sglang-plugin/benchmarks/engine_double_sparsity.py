@@ -45,6 +45,7 @@ from _engine_bench import (
     lacks_cuda,
     log_numbers,
     measure,
+    pool_tokens,
     start_all,
     warm_up,
     write_json,
@@ -54,7 +55,6 @@ _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of
 _OFFLOAD_PRICE = re.compile(
     r"DS-Offload: pool sizing charges (\d+) B per token of labels .* plus ([0-9.]+) MiB fixed"
 )
-_POOL = re.compile(r"max_total_num_tokens=(\d+)")
 _ARMS = ("triton", "qsa_ds", "ds_offload")
 
 
@@ -239,7 +239,7 @@ def main(argv: list[str]) -> int:
     try:
         warm_up(engines, 8192)
         price = _token_price(engines)
-        pool = min(log_numbers(e, _POOL)[0] for e in engines.values())
+        pool = min(pool_tokens(e) for e in engines.values())
         print(
             f"engine_double_sparsity: engines up after {time.monotonic() - started:.0f} s; "
             f"{price}; the smaller pool holds {pool:,} tokens"

@@ -347,3 +347,25 @@ def test_hot_blocks_outside_one_selection_to_the_kernels_limit_are_refused_by_na
     message = str(info.value)
     assert f"SGLANG_QSA_HISPARSE_HOT_BLOCKS={blocks}" in message
     assert "allowed: 512 (the indexer's block top-k) to 65536" in message
+
+
+@pytest.mark.parametrize(
+    ("switch", "context_len", "slots"),
+    [
+        (None, 262_144, 2048),  # qsa-core's default: 4 x the top-k
+        (None, 4_096, 1024),  # clipped to the context's blocks
+        (None, 1_000, 512),  # never below one selection
+        (4096, 262_144, 4096),
+        (4096, 8_192, 2048),
+    ],
+)
+def test_the_runtime_sizes_hot_caches_from_the_switch_clipped_to_a_contexts_blocks(
+    monkeypatch: pytest.MonkeyPatch, switch: int | None, context_len: int, slots: int
+) -> None:
+    from qsa_sglang_plugin._adapters import _offload
+
+    env = dict(OFFLOAD_ENV)
+    if switch is not None:
+        env["SGLANG_QSA_HISPARSE_HOT_BLOCKS"] = str(switch)
+    monkeypatch.setattr(_offload, "current_switches", lambda: parse_switches(env))
+    assert _offload._qsa_hot_slots(512, context_len) == slots
