@@ -550,7 +550,7 @@ def _offload_run(
     layers, rows = 2, len(prompts) + 1
     max_blocks = math.ceil((max(prompts) + steps) / 4) + 1
     channels = _channels(gen, layers, hkv, d, config.heavy_channel_num)
-    geometry = OffloadGeometry(layers, rows, hot_slots, max_blocks, hkv, d, kv_dtype)
+    geometry = OffloadGeometry(layers, rows, hot_slots, max_blocks, hkv, d, kv_dtype, per_head=True)
     store = DSOffloadedKV(geometry, channels, config=config, device=device)
     live = list(range(1, rows))  # row 0 stays free
     hist_k: dict[int, torch.Tensor] = {}
@@ -606,7 +606,7 @@ def test_ds_offload_equals_resident_ds(  # noqa: PLR0917
         prompts=[29, 6, 42],
         steps=5,
         config=config,
-        hot_slots=hkv * heavy,
+        hot_slots=heavy,
         device=kernel_device,
         kv_dtype=kv_dtype,
         seed=hq,
@@ -634,7 +634,7 @@ def test_ds_offload_dense_rows_and_a_small_hot_cache(kernel_device: str) -> None
 def test_ds_offload_rejects_a_hot_cache_smaller_than_the_step_needs() -> None:
     """A step needing more distinct blocks than hot_slots raises and names both numbers."""
     config = DSConfig(heavy_channel_num=4, heavy_token_num=8, sparse_decode_threshold=0)
-    geometry = OffloadGeometry(1, 1, 2, 16, 1, 16, torch.bfloat16)
+    geometry = OffloadGeometry(1, 1, 2, 16, 1, 16, torch.bfloat16, per_head=True)
     store = DSOffloadedKV(
         geometry, torch.zeros(1, 1, 4, dtype=torch.int32), config=config, device="cpu"
     )
@@ -646,9 +646,21 @@ def test_ds_offload_rejects_a_hot_cache_smaller_than_the_step_needs() -> None:
         store.decode(0, [0], _quarters(gen, 1, 4, 16))
 
 
+def test_ds_offload_refuses_records_of_every_head_and_sizes_hot_caches_per_head() -> None:
+    """DS-Offload needs per-head records; a head's hot cache covers its heavy tokens' blocks or
+    a dense row's context."""
+    geometry = OffloadGeometry(1, 1, 4, 4, 2, 16, torch.bfloat16)
+    with pytest.raises(KernelInputError, match="per_head=False"):
+        DSOffloadedKV(
+            geometry, torch.zeros(1, 2, 4, dtype=torch.int32), config=DSConfig(), device="cpu"
+        )
+    assert DSConfig(heavy_token_num=256, sparse_decode_threshold=2048).hot_blocks() == 511
+    assert DSConfig(heavy_token_num=256, sparse_decode_threshold=0).hot_blocks() == 256
+
+
 def test_ds_offload_decode_needs_a_step() -> None:
     """decode before begin_step is refused."""
-    geometry = OffloadGeometry(1, 1, 4, 4, 1, 16, torch.bfloat16)
+    geometry = OffloadGeometry(1, 1, 4, 4, 1, 16, torch.bfloat16, per_head=True)
     store = DSOffloadedKV(
         geometry, torch.zeros(1, 1, 4, dtype=torch.int32), config=DSConfig(), device="cpu"
     )
@@ -678,7 +690,7 @@ def test_full_size_llama_ds_decode_and_offload() -> None:
         prompts=[4093, 2050],
         steps=2,
         config=config,
-        hot_slots=8 * 256 + 8,
+        hot_slots=config.hot_blocks(),
         device="cuda",
     )
     assert checks == 4

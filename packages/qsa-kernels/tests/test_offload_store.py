@@ -325,9 +325,10 @@ def test_geometry_bytes_equal_what_the_store_allocates() -> None:
 def test_attend_tokens_reads_each_heads_own_tokens_from_hot_cache_and_tail(
     kernel_device: str, path: KernelPath
 ) -> None:
-    """Per-layer steps, rows out of order: each KV head attends exactly its chosen tokens."""
+    """Per-head records, per-layer steps, rows out of order: each KV head attends exactly its
+    chosen tokens."""
     hkv, d, hq = 2, 16, 4
-    geometry = OffloadGeometry(_L, 4, 6, 8, hkv, d, torch.bfloat16)
+    geometry = OffloadGeometry(_L, 4, 6, 8, hkv, d, torch.bfloat16, per_head=True)
     store = OffloadedKV(geometry, torch.device(kernel_device), path=path)
     g = torch.Generator().manual_seed(5)
     history = {2: 13, 0: 6}  # row -> prompt tokens; 13 + 1 closes no block, 6 + 1 neither
@@ -377,11 +378,59 @@ def test_attend_tokens_reads_each_heads_own_tokens_from_hot_cache_and_tail(
 
 
 def test_token_blocks_refuses_more_blocks_than_a_hot_cache_holds() -> None:
-    """A row whose tokens span more closed blocks than hot_slots is refused, naming both."""
-    geometry = OffloadGeometry(1, 1, 2, 8, 1, 16, torch.bfloat16)
+    """A head whose tokens span more closed blocks than hot_slots is refused, naming both."""
+    geometry = OffloadGeometry(1, 1, 2, 8, 1, 16, torch.bfloat16, per_head=True)
     store = OffloadedKV(geometry, torch.device("cpu"))
     store.admit(0, torch.zeros(1, 20, 1, 16).bfloat16(), torch.zeros(1, 20, 1, 16).bfloat16())
     store.advance([0])
+    two = torch.tensor([[[0, 1, 4, 5]]], dtype=torch.int32)  # 4 tokens of 2 blocks: they fit
+    assert store.token_blocks([0], two).tolist() == [[[0, 1]]]
     positions = torch.tensor([[[0, 4, 8, 12]]], dtype=torch.int32)  # 4 blocks
     with pytest.raises(KernelInputError, match=r"needs 4 distinct blocks .*hot_slots=2"):
         store.token_blocks([0], positions)
+
+
+def test_token_reads_need_per_head_records_and_block_reads_refuse_them() -> None:
+    """Token lists per head need per-head records; whole-block attention refuses them."""
+    every_head = OffloadedKV(
+        OffloadGeometry(1, 1, 2, 8, 2, 16, torch.bfloat16), torch.device("cpu")
+    )
+    every_head.admit(0, torch.zeros(1, 9, 2, 16).bfloat16(), torch.zeros(1, 9, 2, 16).bfloat16())
+    every_head.advance([0])
+    with pytest.raises(KernelInputError, match=r"token_blocks .*per_head=True"):
+        every_head.token_blocks([0], torch.zeros(1, 2, 1, dtype=torch.int32))
+    geometry = OffloadGeometry(1, 1, 2, 8, 2, 16, torch.bfloat16, per_head=True)
+    per_head = OffloadedKV(geometry, torch.device("cpu"))
+    per_head.admit(0, torch.zeros(1, 9, 2, 16).bfloat16(), torch.zeros(1, 9, 2, 16).bfloat16())
+    per_head.begin_step()
+    per_head.advance([0])
+    with pytest.raises(KernelInputError, match="attend takes blocks for every KV head"):
+        per_head.attend(0, [0], torch.zeros(1, 2, 16).bfloat16(), torch.zeros(1, 1).int())
+    with pytest.raises(KernelInputError, match="one per head"):
+        per_head.export_prefix(0, 1)
+
+
+def test_per_head_records_hold_each_heads_tokens_and_cost_the_same_bytes(
+    kernel_device: str,
+) -> None:
+    """Per-head records: record layer l * Hkv + h holds head h of layer l, byte for byte, after
+    a prompt and decode steps that close a block; the arena's bytes equal the all-heads store's."""
+    hkv = 3
+    shape = (_L, _ROWS, 4, 4, hkv, _D, torch.bfloat16)
+    per_head = OffloadedKV(OffloadGeometry(*shape, per_head=True), torch.device(kernel_device))
+    every_head = OffloadedKV(OffloadGeometry(*shape), torch.device(kernel_device))
+    assert per_head.geometry.host_bytes == every_head.geometry.host_bytes
+    assert per_head.geometry.record_shape == (2, 4, 1, _D)
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(_L, 10, hkv, _D, generator=g).bfloat16().to(kernel_device)
+    v = torch.randn(_L, 10, hkv, _D, generator=g).bfloat16().to(kernel_device)
+    per_head.admit(1, k[:, :6], v[:, :6])
+    for t in range(6, 10):  # block 1 closes at token 7
+        per_head.append([1], k[:, t : t + 1], v[:, t : t + 1])
+    result = per_head.compare(1, k, v)
+    assert (result.bytes_compared, result.bytes_differing) == (2 * 10 * _L * hkv * _D * 2, 0)
+    arena = per_head.host_arena[1].cpu()  # [L Hkv, NB, 2, 4, 1, D]
+    for layer in range(_L):
+        for head in range(hkv):
+            want = k[layer, 4:8, head].cpu()
+            assert torch.equal(arena[layer * hkv + head, 1, 0, :, 0], want)

@@ -68,7 +68,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=262144, help="prompt tokens per request")
     parser.add_argument(
-        "--gpu-budget-gib", type=float, default=20.0, help="GPU memory each engine may hold, GiB"
+        "--gpu-budget-gib",
+        type=float,
+        default=14.0,
+        help="GPU memory each engine may hold, GiB (14: two resident 256K requests at 12 layers)",
     )
     parser.add_argument(
         "--requests", type=int, default=10, help="sent at once; also --max-running-requests"
@@ -191,7 +194,8 @@ def main(argv: list[str]) -> int:
         model,
         context_length=longest,
         max_running_requests=args.requests,
-        pool={"mem_fraction_static": fraction},
+        # SGLang sizes the pool from the budget alone (the harness's default token cap is off).
+        pool={"mem_fraction_static": fraction, "max_total_tokens": None},
     )
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-capacity-"))
     rows: list[Capacity] = []

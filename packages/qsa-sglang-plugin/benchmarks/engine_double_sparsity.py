@@ -11,9 +11,9 @@ the same scheduler flags, decode CUDA graphs on and prefill graphs off:
   seeded random channels (the weights are dummy, so calibrating them would rank noise; the speed
   does not depend on which channels are heavy);
 - **ds_offload** (``--arms`` includes it): the same with ``SGLANG_QSA_DS_OFFLOAD=1``, the K/V
-  history in pinned host memory (decode CUDA graphs off: its steps read their fetch width on the
-  host). Its host arena holds every running request at the longest context: size ``--contexts``
-  and ``--batches`` to the host's memory.
+  history in pinned host memory, one record per (block, KV head) (decode CUDA graphs off: its
+  steps size their token lists on the host). Its host arena holds every running request at the
+  longest context: size ``--contexts`` and ``--batches`` to the host's memory.
 
 For each context length and batch size, ``B`` requests of that many prompt tokens generate
 ``--new-tokens`` greedy tokens concurrently on each engine in turn; reported per cell: decode

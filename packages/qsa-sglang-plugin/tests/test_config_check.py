@@ -278,7 +278,7 @@ def test_ds_offload_passes_with_the_offload_flags(tmp_path: Any) -> None:
 @pytest.mark.parametrize(
     ("change", "fragments"),
     [
-        ({"decode_cuda_graph": True}, ["--disable-cuda-graph=False", "fetch width on the host"]),
+        ({"decode_cuda_graph": True}, ["--disable-cuda-graph=False", "token lists on the host"]),
         (
             {"radix_cache_backend": None},
             ["--radix-cache-backend=None", "'qsa_hisparse'", "one lease per request"],

@@ -58,7 +58,7 @@ DS = EngineConfig(
 )
 DENSE = EngineConfig(LLAMA, plugin=False)
 #: DS-Offload with every released row's host bytes checked against a resident copy. Eager only
-#: (its decode reads each step's fetch width on the host); prefill in chunks, so later chunks
+#: (its decode sizes each step's token lists on the host); prefill in chunks, so later chunks
 #: attend over a staged prefix.
 DS_OFFLOAD = EngineConfig(
     LLAMA,

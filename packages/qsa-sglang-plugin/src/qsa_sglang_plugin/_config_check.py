@@ -405,7 +405,7 @@ def _check_ds_offload(facts: ConfigFacts) -> None:
             "--disable-cuda-graph",
             False,
             "set (decode CUDA graphs off)",
-            f"DS-Offload ({ENV_DS_OFFLOAD}=1) reads each decode step's fetch width on the host",
+            f"DS-Offload ({ENV_DS_OFFLOAD}=1) sizes each decode step's token lists on the host",
         )
 
 

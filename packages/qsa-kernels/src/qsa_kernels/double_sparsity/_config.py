@@ -118,20 +118,17 @@ class DSConfig:
         """
         return seq_len < self.sparse_decode_threshold or seq_len <= self.heavy_token_num
 
-    def hot_blocks(self, kv_heads: int) -> int:
-        """Complete 4-token blocks one row's decode step of one layer may read (DS-Offload).
+    def hot_blocks(self) -> int:
+        """Hot-cache slots one KV head's decode step of one layer and row may fill (DS-Offload).
 
+        DS-Offload's records hold one head each.
         A dense row reads every complete block of its context (at most ``max(threshold - 1,
-        heavy_token_num)`` tokens), a sparse row the blocks that hold any KV head's heavy tokens
-        (at most ``kv_heads * heavy_token_num``); a hot cache of this many slots (or of a row's
-        whole context, if smaller) never runs short.
-
-        Raises:
-            DSConfigError: ``kv_heads`` is not a positive int.
+        heavy_token_num)`` tokens), a sparse row the blocks that hold the head's heavy tokens (at
+        most ``heavy_token_num``); a hot cache of this many slots (or of a row's whole context,
+        if smaller) never runs short.
         """
-        _positive_int("kv_heads", kv_heads, minimum=1)
         longest_dense = max(self.sparse_decode_threshold - 1, self.heavy_token_num)
-        return max(kv_heads * self.heavy_token_num, longest_dense // BLOCK_TOKENS)
+        return max(self.heavy_token_num, longest_dense // BLOCK_TOKENS)
 
     def sparse_rows(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """:meth:`is_dense`'s negation element-wise, on the device: no host read.

@@ -2,11 +2,13 @@
 
 The full K/V history of every request row lives in the pinned host arena of an
 :class:`~qsa_kernels.offload.OffloadedKV`; only the label cache (``C`` of ``D`` channels of each
-key) and the per-row hot caches stay on the device. A decode step of one layer scores every token
-from the label cache, keeps the heavy tokens per KV head, fetches the 4-token blocks that hold
-them (the union over KV heads, through the fetch kernel and the hot cache's LRU), and attends only
-to the selected tokens: from the hot cache for closed blocks, from the open-block tail for the
-newest ``seq_len % 4`` tokens. The result equals resident double sparsity (:func:`ds_decode`).
+key) and the per-row hot caches stay on the device. The store keeps one record per (block, KV
+head) (:attr:`OffloadGeometry.per_head`), so a head's choice moves only its own bytes. A decode
+step of one layer scores every token from the label cache, keeps the heavy tokens per KV head,
+fetches each head's 4-token blocks that hold them (one fetch for every head, through the fetch
+kernel and each head's hot-cache LRU), and attends only to the selected tokens: from the hot
+cache for closed blocks, from the open-block tail for the newest ``seq_len % 4`` tokens. The
+result equals resident double sparsity (:func:`ds_decode`).
 The data path is :meth:`OffloadedKV.token_blocks` and :meth:`OffloadedKV.attend_tokens`; this
 class adds the row-indexed label cache and the selection.
 """
@@ -29,16 +31,17 @@ __all__ = ("DSOffloadedKV",)
 class DSOffloadedKV:
     """Double-sparsity K/V of one rank with the K/V history on the host.
 
-    Composes an :class:`~qsa_kernels.offload.OffloadedKV` (``kv``: host arena
-    ``[R, L, NB, 2, 4, Hkv, D]``, hot caches ``[L, R, S, 2, 4, Hkv, D]``, open-block tails) and a
-    device :class:`LabelCache` (``labels``: ``[L, R * NB * 4, Hkv, C]``).
+    Composes an :class:`~qsa_kernels.offload.OffloadedKV` of per-head records (``kv``: host
+    arena ``[R, L Hkv, NB, 2, 4, 1, D]``, hot caches ``[L Hkv, R, S, 2, 4, 1, D]``, open-block
+    tails) and a device :class:`LabelCache` (``labels``: ``[L, R * NB * 4, Hkv, C]``).
 
-    Hot-cache size: one layer's step needs a slot for every distinct closed block that holds a
-    selected token of any KV head, at most ``min(config.hot_blocks(Hkv), NB)``
-    (:meth:`DSConfig.hot_blocks`); :meth:`decode` raises if ``S`` is smaller than the step's need.
+    Hot-cache size: one head's step needs a slot for every distinct closed block that holds one
+    of its selected tokens, at most ``min(config.hot_blocks(), NB)``
+    (:meth:`DSConfig.hot_blocks`); :meth:`decode` raises if ``S`` is smaller than a step's need.
 
     Args:
-        geometry: sizes of the offloaded K/V (``layers`` = attention layers).
+        geometry: sizes of the offloaded K/V (``layers`` = attention layers), with
+            ``per_head=True``.
         channels: ``[L, Hkv, C]`` heavy channels (:attr:`ChannelConfig.channels`).
         config: the double-sparsity options.
         device: the device of the hot caches and the label cache.
@@ -55,6 +58,12 @@ class DSOffloadedKV:
         label_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         device = torch.device(device)
+        if not geometry.per_head:
+            msg = (
+                "DS-Offload keeps one record per KV head; got a geometry with per_head=False "
+                "(give OffloadGeometry(..., per_head=True))"
+            )
+            raise KernelInputError(msg)
         if channels.dim() != 3 or tuple(channels.shape[:2]) != (geometry.layers, geometry.kv_heads):
             msg = (
                 f"channels must be [L={geometry.layers}, Hkv={geometry.kv_heads}, C]; got "
@@ -161,8 +170,8 @@ class DSOffloadedKV:
             blocks = self.kv.token_blocks(rows, positions)
         except KernelInputError as exc:
             msg = (
-                f"layer {layer!r}: {exc}; DSConfig.hot_blocks(Hkv={g.kv_heads}) = "
-                f"{self.config.hot_blocks(g.kv_heads)!r} slots never run short"
+                f"layer {layer!r}: {exc}; DSConfig.hot_blocks() = "
+                f"{self.config.hot_blocks()!r} slots never run short"
             )
             raise KernelInputError(msg) from exc
         out, lse = self.kv.attend_tokens(layer, rows, q, positions, blocks, scale=scale)

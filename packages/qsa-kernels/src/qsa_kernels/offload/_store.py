@@ -15,6 +15,11 @@ blocks, fetch, sparse decode, merge) reads only those buffers and a device stamp
 host value, so one layer's step can be captured in a CUDA graph once per batch size and replayed:
 the plan pads the batch with free rows, whose work is masked out.
 
+A record holds one 4-token block of every KV head, as QSA's indexer selects blocks for all heads
+at once. Where each KV head chooses its own tokens (double sparsity), per-head records
+(:attr:`OffloadGeometry.per_head`) hold one head each, so a head's choice moves only its own
+bytes: :meth:`OffloadedKV.token_blocks` and :meth:`OffloadedKV.attend_tokens` read them.
+
 Under a shard group (``shard``: ``N`` ranks holding the same K/V heads, e.g. the copies of one KV
 head at TP > KV heads), each rank's arena stores only the blocks its placement gives it: whole
 16-block pages, page ``p`` of a request on rank ``p % N`` (the compressed index's page
@@ -50,7 +55,12 @@ from qsa_kernels.fetch import (
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
 from qsa_kernels.sharded._group import ShardGroup
 from qsa_kernels.sharded._layout import localize_blocks
-from qsa_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from qsa_kernels.sparse_decode import (
+    sparse_decode,
+    sparse_decode_reference,
+    sparse_decode_split,
+    sparse_decode_split_reference,
+)
 from qsa_kernels.writeback import (
     offload_prompt,
     offload_prompt_reference,
@@ -86,6 +96,12 @@ class OffloadGeometry:
         kv_heads: K/V heads per rank ``Hkv``.
         head_dim: ``D``.
         dtype: ``torch.float8_e4m3fn`` or ``torch.bfloat16``.
+        per_head: what one record holds. ``False``: one block of every KV head, ``[2, 4, Hkv,
+            D]``, since QSA's indexer picks blocks for all heads at once. ``True``: one block of
+            one KV head, ``[2, 4, 1, D]``, for selections made per KV head (double sparsity), so
+            a head's choice fetches only its own bytes; the store then keeps ``L × Hkv`` record
+            layers (:attr:`store_layers`), layer ``l``'s head ``h`` at ``l × Hkv + h``, and
+            ``hot_slots`` counts the slots of one head.
     """
 
     layers: int
@@ -95,6 +111,7 @@ class OffloadGeometry:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    per_head: bool = False
 
     def __post_init__(self) -> None:
         for name in ("layers", "rows", "hot_slots", "max_blocks", "kv_heads", "head_dim"):
@@ -108,6 +125,10 @@ class OffloadGeometry:
         if self.dtype not in KV_DTYPES:
             msg = f"dtype={self.dtype!r} is not allowed; allowed: {KV_DTYPES!r}"
             raise KernelInputError(msg)
+        per_head: object = self.per_head
+        if not isinstance(per_head, bool):
+            msg = f"per_head={self.per_head!r} is not allowed; allowed: True or False"
+            raise KernelInputError(msg)
 
     @property
     def max_tokens(self) -> int:
@@ -115,19 +136,29 @@ class OffloadGeometry:
         return self.max_blocks * BLOCK_TOKENS
 
     @property
+    def record_heads(self) -> int:
+        """KV heads one record holds: ``Hkv``, or 1 with :attr:`per_head`."""
+        return 1 if self.per_head else self.kv_heads
+
+    @property
+    def store_layers(self) -> int:
+        """Record layers ``Ls`` of the arena, hot caches and tails: ``L``, or ``L × Hkv``."""
+        return self.layers * self.kv_heads // self.record_heads
+
+    @property
     def record_shape(self) -> tuple[int, int, int, int]:
-        """One block of one layer: ``[2, 4, Hkv, D]`` (its K rows, then its V rows)."""
-        return (2, BLOCK_TOKENS, self.kv_heads, self.head_dim)
+        """One block of one record layer: ``[2, 4, Hr, D]`` (its K rows, then its V rows)."""
+        return (2, BLOCK_TOKENS, self.record_heads, self.head_dim)
 
     @property
     def record_bytes(self) -> int:
-        """Bytes of one record (one block of one layer, K and V)."""
+        """Bytes of one record (one block of one record layer, K and V)."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * BLOCK_TOKENS * self.kv_heads * self.head_dim * element
+        return 2 * BLOCK_TOKENS * self.record_heads * self.head_dim * element
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host arena: ``R × L × NB`` records."""
+        """Bytes of the host arena: ``R × Ls × NB`` records."""
         return self.arena_bytes()
 
     def arena_blocks(self, shard: ShardGroup | None = None) -> int:
@@ -141,25 +172,25 @@ class OffloadGeometry:
         return shard.placement.blocks_on_rank(self.max_blocks, shard.rank)
 
     def arena_bytes(self, shard: ShardGroup | None = None) -> int:
-        """Bytes of one rank's host arena: ``R × L ×`` :meth:`arena_blocks` records."""
-        return self.rows * self.layers * self.arena_blocks(shard) * self.record_bytes
+        """Bytes of one rank's host arena: ``R × Ls ×`` :meth:`arena_blocks` records."""
+        return self.rows * self.store_layers * self.arena_blocks(shard) * self.record_bytes
 
     @property
     def device_bytes(self) -> int:
         """Device bytes :class:`OffloadedKV` allocates: hot caches, tails and residency tables.
 
-        ``L × R × (S + 1)`` records, plus ``L × R × S`` int32 block ids and int64 stamps and
-        ``L × R × NB`` int32 slots (a bound: a shard's slot maps cover its own blocks).
+        ``Ls × R × (S + 1)`` records, plus ``Ls × R × S`` int32 block ids and int64 stamps and
+        ``Ls × R × NB`` int32 slots (a bound: a shard's slot maps cover its own blocks).
         """
-        caches = self.layers * self.rows * (self.hot_slots + 1) * self.record_bytes
+        caches = self.store_layers * self.rows * (self.hot_slots + 1) * self.record_bytes
         per_slot = 4 + 8  # an int32 block id and an int64 stamp
-        tables = self.layers * self.rows * (self.hot_slots * per_slot + self.max_blocks * 4)
+        tables = self.store_layers * self.rows * (self.hot_slots * per_slot + self.max_blocks * 4)
         return caches + tables
 
 
 @dataclass(frozen=True, slots=True)
 class _Kernels:
-    """The four operations of the data path, from one implementation (see :class:`KernelPath`).
+    """The operations of the data path, from one implementation (see :class:`KernelPath`).
 
     The write-back and prompt offload return the event that completes them (``None`` when they
     ran synchronously).
@@ -167,6 +198,7 @@ class _Kernels:
 
     fetch: Callable[..., torch.Tensor]
     decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    decode_split: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     merge: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     writeback: Callable[..., torch.cuda.Event | None]
     offload: Callable[..., torch.cuda.Event | None]
@@ -184,6 +216,7 @@ _KERNELS = {
     KernelPath.TRITON: _Kernels(
         fetch=fetch_selected_blocks,
         decode=sparse_decode,
+        decode_split=sparse_decode_split,
         merge=lse_merge,
         writeback=writeback_blocks,
         offload=lambda *args, **kwargs: offload_prompt(*args, **kwargs)[1],
@@ -191,6 +224,7 @@ _KERNELS = {
     KernelPath.REFERENCE: _Kernels(
         fetch=fetch_selected_blocks_reference,
         decode=sparse_decode_reference,
+        decode_split=sparse_decode_split_reference,
         merge=lse_merge_reference,
         writeback=_writeback_reference,
         offload=_offload_reference,
@@ -217,6 +251,18 @@ def _differing_bytes(have: torch.Tensor, want: torch.Tensor) -> int:
     a = have.contiguous().view(torch.uint8).cpu()
     b = want.contiguous().view(torch.uint8).cpu()
     return int((a != b).sum())
+
+
+def _head_records(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V of one layer's per-head record layers as ``[N, Hkv, D]`` views (no copy).
+
+    ``cache`` is ``[Hkv, R, S', 2, 4, 1, D]`` (a hot cache, or tails with ``S' = 1``); token
+    ``8 r + o`` of the K view is token ``o`` of record ``r = row × S' + slot``, and the same id
+    in the V view (4 rows later) is its value.
+    """
+    heads, d = int(cache.shape[0]), int(cache.shape[-1])
+    rows = cache.view(heads, -1, d).permute(1, 0, 2)  # [R S' 8, Hkv, D]
+    return rows[:-BLOCK_TOKENS], rows[BLOCK_TOKENS:]
 
 
 class _StepPlan:
@@ -339,10 +385,12 @@ class _StepPlan:
 class OffloadedKV:
     """One rank's QSA K/V under host offload (see the module docstring).
 
-    Shapes: host arena (``host_arena``, the request K/V arena) ``[R, L, NB, 2, 4, Hkv, D]`` (pinned
-    where CUDA exists), hot cache ``[L, R, S, 2, 4, Hkv, D]``, open-block tails ``[L, R, 1, 2, 4,
-    Hkv, D]`` (device), residency tables :class:`~qsa_kernels.fetch.HotCacheTables`. Token counts
-    per row are tracked on the host.
+    Shapes: host arena (``host_arena``, the request K/V arena) ``[R, Ls, NB, 2, 4, Hr, D]``
+    (pinned where CUDA exists), hot cache ``[Ls, R, S, 2, 4, Hr, D]``, open-block tails ``[Ls, R,
+    1, 2, 4, Hr, D]`` (device), residency tables :class:`~qsa_kernels.fetch.HotCacheTables`; ``Ls,
+    Hr`` are ``L, Hkv``, or ``L × Hkv, 1`` with per-head records (:attr:`OffloadGeometry.per_head`).
+    Every method takes and returns K/V by logical layer and head. Token counts per row are
+    tracked on the host.
 
     A decode step either appends every layer's token at once (:meth:`append`), or, as a model's
     forward pass produces them, counts the token once (:meth:`advance`) and then writes it layer
@@ -369,30 +417,30 @@ class OffloadedKV:
         self.shard = shard if shard is not None and shard.world_size > 1 else None
         blocks = g.arena_blocks(self.shard)
         pin = device.type == "cuda"
+        layers = g.store_layers
         self.host_arena = torch.empty(
-            (g.rows, g.layers, blocks, *g.record_shape), dtype=g.dtype, pin_memory=pin
+            (g.rows, layers, blocks, *g.record_shape), dtype=g.dtype, pin_memory=pin
         )
         self.hot = torch.zeros(
-            (g.layers, g.rows, g.hot_slots, *g.record_shape), dtype=g.dtype, device=device
+            (layers, g.rows, g.hot_slots, *g.record_shape), dtype=g.dtype, device=device
         )
-        self.tail = torch.zeros(
-            (g.layers, g.rows, 1, *g.record_shape), dtype=g.dtype, device=device
-        )
+        self.tail = torch.zeros((layers, g.rows, 1, *g.record_shape), dtype=g.dtype, device=device)
         # The device of a real allocation ("cuda" resolves to "cuda:<index>").
         self.device = self.hot.device
         self.path = path.resolve(self.device)
         self._kernels = _KERNELS[self.path]
-        self.tables = HotCacheTables.empty(g.layers, g.rows, g.hot_slots, blocks, device)
+        self.tables = HotCacheTables.empty(layers, g.rows, g.hot_slots, blocks, device)
         self._lengths = [0] * g.rows
         self._states = [RowState.FREE] * g.rows
         self._step = -1
         self._pending: list[torch.cuda.Event] = []
-        self._layer_ids = torch.arange(g.layers, dtype=torch.int32, device=self.device)
+        self._layer_ids = torch.arange(layers, dtype=torch.int32, device=self.device)
         self._block_offsets = torch.arange(BLOCK_TOKENS, dtype=torch.int32, device=self.device)
+        self._head_ids = torch.arange(g.kv_heads, device=self.device)
         # The write-back's fixed index vectors, sliced per call: every entry's source slot (the
-        # tail record, 0) and each layer's id repeated for every row ([L, R]).
-        self._zero_slots = torch.zeros(g.layers * g.rows, dtype=torch.int32, device=self.device)
-        self._layer_of = self._layer_ids.repeat_interleave(g.rows).view(g.layers, g.rows)
+        # tail record, 0) and each record layer's id repeated for every row ([Ls, R]).
+        self._zero_slots = torch.zeros(layers * g.rows, dtype=torch.int32, device=self.device)
+        self._layer_of = self._layer_ids.repeat_interleave(g.rows).view(layers, g.rows)
         # Hot-cache stamps: every fetch reads this counter and advances it by one, on the device.
         self._stamp = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._plan = _StepPlan(g.rows, self.device, self.shard)
@@ -429,7 +477,8 @@ class OffloadedKV:
                 (device, the geometry's dtype); ``T`` may be 0 only with a prefix.
             v: ``[L, T, Hkv, D]`` values.
             prefix: ``[L, P, 2, 4, Hkv, D]`` records of the first ``P`` complete blocks
-                (``4 P`` tokens), any device, the geometry's dtype; ``None`` for no prefix.
+                (``4 P`` tokens), any device, the geometry's dtype; ``None`` for no prefix
+                (always with per-head records).
         """
         self._check_row(row)
         if self._states[row] is not RowState.FREE:
@@ -443,6 +492,10 @@ class OffloadedKV:
                 f"{tuple(k.shape)!r} and {tuple(v.shape)!r}"
             )
             raise KernelInputError(msg)
+        if prefix is not None and g.per_head:
+            msg = "admit with a prefix takes every head's records; this store keeps one per head"
+            raise KernelInputError(msg)
+        k, v = self._record_layers(k), self._record_layers(v)
         prefix_blocks = 0 if prefix is None else int(prefix.shape[1]) if prefix.dim() == 6 else -1
         if prefix is not None and (
             prefix_blocks < 0
@@ -502,6 +555,9 @@ class OffloadedKV:
         """
         self._check_row(row)
         self._refuse_shard("export_prefix")
+        if self.geometry.per_head:
+            msg = "export_prefix returns every head's records; this store keeps one per head"
+            raise KernelInputError(msg)
         closed_blocks = self._lengths[row] // BLOCK_TOKENS
         if not 0 < blocks <= closed_blocks:
             msg = (
@@ -541,18 +597,19 @@ class OffloadedKV:
         self.wait_for_host_writes()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        k, v = self._record_layers(k), self._record_layers(v)
         blocks, open_tokens = divmod(tokens, BLOCK_TOKENS)
         closed = blocks * BLOCK_TOKENS
-        shape = (g.layers, blocks, BLOCK_TOKENS, g.kv_heads, g.head_dim)
+        shape = (g.store_layers, blocks, BLOCK_TOKENS, g.record_heads, g.head_dim)
         want = torch.stack((k[:, :closed].reshape(shape), v[:, :closed].reshape(shape)), dim=2)
         owned = self._owned_blocks(0, blocks)
         if self.shard is not None:
             want = want[:, owned.to(want.device)]
         have = self.host_arena[row, :, : len(owned)]
-        tail = self.tail[:, row, 0, :, :open_tokens]  # [L, 2, open, Hkv, D]
+        tail = self.tail[:, row, 0, :, :open_tokens]  # [Ls, 2, open, Hr, D]
         want_tail = torch.stack((k[:, closed:], v[:, closed:]), dim=1)
         differing = _differing_bytes(have, want) + _differing_bytes(tail, want_tail)
-        compared = (len(owned) * BLOCK_TOKENS + open_tokens) * g.layers
+        compared = (len(owned) * BLOCK_TOKENS + open_tokens) * g.store_layers
         return KVComparison(compared * g.record_bytes // BLOCK_TOKENS, differing)
 
     def state(self, row: int) -> RowState:
@@ -660,19 +717,20 @@ class OffloadedKV:
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             msg = f"k and v must be {expected!r}; got {tuple(k.shape)!r} and {tuple(v.shape)!r}"
             raise KernelInputError(msg)
+        if layer is not None:
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
+        k, v = self._record_layers(k), self._record_layers(v)  # [n, B, Hr, D]
+        span = slice(None) if layer is None else self._record_span(layer)
         plan = self._plan
-        target = self.tail if layer is None else self.tail[layer]
-        head = (slice(None),) if layer is None else ()
-        target[(*head, plan.row_ids, 0, 0, plan.offsets)] = k.to(g.dtype)
-        target[(*head, plan.row_ids, 0, 1, plan.offsets)] = v.to(g.dtype)
+        target = self.tail[span]
+        target[:, plan.row_ids, 0, 0, plan.offsets] = k.to(g.dtype)
+        target[:, plan.row_ids, 0, 1, plan.offsets] = v.to(g.dtype)
         # Every row's entry is launched; those whose token closes no block are masked (-1).
-        n = plan.batch
-        if layer is None:
-            rows_t, blocks_t = plan.row_ids.repeat(g.layers), plan.closing.repeat(g.layers)
-            layers_t = self._layer_of[:, :n].contiguous().view(-1)  # the kernel reads dense
-        else:
-            rows_t, blocks_t = plan.row_ids, plan.closing
-            layers_t = self._layer_of[layer, :n]
+        n, spanned = plan.batch, int(k.shape[0])
+        rows_t, blocks_t = plan.row_ids, plan.closing
+        if spanned > 1:
+            rows_t, blocks_t = rows_t.repeat(spanned), blocks_t.repeat(spanned)
+        layers_t = self._layer_of[span, :n].contiguous().view(-1)  # the kernel reads dense
         self._kernels.writeback(
             self.tail,
             self.host_arena,
@@ -728,6 +786,9 @@ class OffloadedKV:
             blocks' tokens and the row's open-block tokens, natural-log LSE.
         """
         self._check_step("attend", layer, rows)
+        if self.geometry.per_head:
+            msg = "attend takes blocks for every KV head; with per-head records use attend_tokens"
+            raise KernelInputError(msg)
         if blocks.dim() != 2 or blocks.shape[0] != len(rows):
             msg = f"blocks must be [B={len(rows)}, K]; got {tuple(blocks.shape)!r}"
             raise KernelInputError(msg)
@@ -746,36 +807,46 @@ class OffloadedKV:
     ) -> torch.Tensor:
         """How many selected blocks this rank stores, and how many of them miss the hot cache.
 
-        Call it before :meth:`attend`, which fetches the misses. Under a shard group, the blocks
-        of other ranks are not counted (a group's counts add up to the selection). No host
-        synchronisation.
+        Call it before :meth:`attend` or :meth:`attend_tokens`, which fetch the misses. Under a
+        shard group, the blocks of other ranks are not counted (a group's counts add up to the
+        selection). No host synchronisation.
 
         Args:
-            layer: QSA layer index in ``[0, L)``.
+            layer: layer index in ``[0, L)``.
             rows: the step's rows (what the last :meth:`advance` returned).
             blocks: ``[B, K]`` int32 selected complete blocks of those rows, ``-1`` padded
-                (what :meth:`attend` takes).
+                (what :meth:`attend` takes), or with per-head records ``[B, Hkv, K]`` (what
+                :meth:`token_blocks` returns).
 
         Returns:
-            ``[2]`` int64 device: (selected, missing).
+            ``[2]`` int64 device: (selected, missing) records.
         """
         self._check_step("selection_counts", layer, rows)
-        if blocks.dim() != 2 or blocks.shape[0] != len(rows):
-            msg = f"blocks must be [B={len(rows)}, K]; got {tuple(blocks.shape)!r}"
+        g = self.geometry
+        shape = (len(rows), g.kv_heads) if g.per_head else (len(rows),)
+        if blocks.dim() != len(shape) + 1 or tuple(blocks.shape[:-1]) != shape:
+            names = "B, Hkv, K" if g.per_head else "B, K"
+            msg = f"blocks must be [{names}] with B={len(rows)}; got {tuple(blocks.shape)!r}"
             raise KernelInputError(msg)
         if self.shard is not None:
             blocks = localize_blocks(blocks, self.shard.placement, self.shard.rank)
         valid = blocks >= 0
-        row_ids = self._plan.row_ids.long().unsqueeze(1)
-        resident = self.tables.block_slot[layer][row_ids, blocks.clamp(min=0).long()] >= 0
+        row_ids = self._plan.row_ids.long().view(-1, *[1] * (blocks.dim() - 1))
+        ids = blocks.clamp(min=0).long()
+        if g.per_head:
+            table = self.tables.block_slot[self._record_span(layer)]  # [Hkv, R, NB]
+            resident = table[self._head_ids.view(1, -1, 1), row_ids, ids] >= 0
+        else:
+            resident = self.tables.block_slot[layer][row_ids, ids] >= 0
         return torch.stack((valid.sum(), (valid & ~resident).sum()))
 
     def token_blocks(self, rows: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
-        """The complete blocks that hold the planned rows' chosen tokens, one list per row.
+        """The complete blocks that hold each KV head's chosen tokens (per-head records).
 
-        What :meth:`attend_tokens` fetches: a token chosen by any KV head needs its whole 4-token
-        block (every head) in the hot cache; tokens of the open block are read from the tail.
-        Reads the width on the host (one synchronisation), so it is for eager steps.
+        What :meth:`attend_tokens` fetches: a head's chosen token needs that head's record of
+        its 4-token block in the hot cache; tokens of the open block are read from the tail. No
+        host synchronisation when ``W <= hot_slots``; a wider list is counted on the host (one
+        read) to refuse a head that needs more blocks than a hot cache holds.
 
         Args:
             rows: the step's rows (what the last :meth:`advance` returned).
@@ -783,15 +854,16 @@ class OffloadedKV:
                 attends, ``-1`` padded, each below the row's length after the step's token.
 
         Returns:
-            ``[B, K]`` int32 distinct block ids per row, ascending, ``-1`` padded, ``K`` the most
-            any row needs (0 when only open-block tokens are chosen).
+            ``[B, Hkv, K]`` int32 distinct block ids per (row, head), ascending, ``-1`` padded,
+            ``K = min(W, hot_slots)``.
 
         Raises:
-            KernelInputError: ``positions`` is not ``[B, Hkv, W]``, or a row needs more blocks
-                than a hot cache holds (``hot_slots``).
+            KernelInputError: the store keeps every head in one record, ``positions`` is not
+                ``[B, Hkv, W]``, or a head needs more blocks than a hot cache holds.
         """
         g = self.geometry
         self._refuse_shard("token_blocks")
+        self._require_per_head("token_blocks")
         self._check_planned("token_blocks", rows)
         if positions.dim() != 3 or tuple(positions.shape[:2]) != (len(rows), g.kv_heads):
             msg = (
@@ -799,23 +871,23 @@ class OffloadedKV:
                 f"{tuple(positions.shape)!r}"
             )
             raise KernelInputError(msg)
-        batch = len(rows)
-        in_hot = self._in_closed_blocks(positions)
         sentinel = g.max_blocks  # sorts after every block id
-        ids = torch.where(in_hot, positions // BLOCK_TOKENS, sentinel).view(batch, -1)
-        ids = ids.sort(dim=1).values
+        in_hot = self._in_closed_blocks(positions)
+        ids = torch.where(in_hot, positions // BLOCK_TOKENS, sentinel).sort(dim=2).values
         repeat = torch.zeros_like(ids, dtype=torch.bool)
-        repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
-        ids = torch.where(repeat, sentinel, ids).sort(dim=1).values
-        need = int((ids < sentinel).sum(dim=1).max()) if batch else 0  # the host read
-        if need > g.hot_slots:
-            msg = (
-                f"a row needs {need!r} distinct blocks in one hot cache but hot_slots="
-                f"{g.hot_slots!r}; allowed: at most hot_slots blocks per row and layer"
-            )
-            raise KernelInputError(msg)
-        head = ids[:, :need]
-        return torch.where(head < sentinel, head, -1).to(torch.int32)
+        repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+        ids = torch.where(repeat, sentinel, ids).sort(dim=2).values
+        width = int(positions.shape[2])
+        if width > g.hot_slots:
+            need = int((ids < sentinel).sum(dim=2).max())  # the host read
+            if need > g.hot_slots:
+                msg = (
+                    f"a KV head needs {need!r} distinct blocks in one hot cache but hot_slots="
+                    f"{g.hot_slots!r}; allowed: at most hot_slots blocks per row, layer and head"
+                )
+                raise KernelInputError(msg)
+        ids = ids[..., : min(width, g.hot_slots)]
+        return torch.where(ids < sentinel, ids, -1).to(torch.int32)
 
     def attend_tokens(
         self,
@@ -830,12 +902,13 @@ class OffloadedKV:
         """Attention of one layer for ``B`` rows over chosen tokens, a list per KV head.
 
         :meth:`attend` takes whole blocks for every head (QSA's indexer); this takes tokens per
-        KV head (double sparsity's heavy tokens): the blocks that hold them are fetched into the
-        hot cache, each head attends only its own tokens there and in the open-block tail, and
-        the two parts are merged by their LSE.
+        KV head (double sparsity's heavy tokens) from a store of per-head records: each head's
+        blocks are fetched into that head's hot cache (one fetch for every head of the layer),
+        each head attends only its own tokens there and in the open-block tail, and the two
+        parts are merged by their LSE. No host synchronisation.
 
         Args:
-            layer: offloaded attention layer index in ``[0, L)``.
+            layer: layer index in ``[0, L)``.
             rows: the step's rows (what the last :meth:`advance` returned).
             q: ``[B, Hq, D]`` bf16 queries.
             positions: ``[B, Hkv, W]`` int32 chosen token positions, ``-1`` padded (see
@@ -848,32 +921,57 @@ class OffloadedKV:
         """
         g = self.geometry
         self._refuse_shard("attend_tokens")
+        self._require_per_head("attend_tokens")
         self._check_step("attend_tokens", layer, rows)
         batch = len(rows)
-        if blocks.dim() != 2 or blocks.shape[0] != batch or blocks.shape[1] > g.hot_slots:
+        if (
+            blocks.dim() != 3
+            or tuple(blocks.shape[:2]) != (batch, g.kv_heads)
+            or blocks.shape[2] > g.hot_slots
+        ):
             msg = (
-                f"blocks must be [B={batch}, K <= hot_slots={g.hot_slots}] "
+                f"blocks must be [B={batch}, Hkv={g.kv_heads}, K <= hot_slots={g.hot_slots}] "
                 f"(token_blocks); got {tuple(blocks.shape)!r}"
             )
             raise KernelInputError(msg)
+        span = self._record_span(layer)
         plan = self._plan
-        row_t = plan.row_ids.long()
-        if blocks.shape[1]:
-            self._fetch(layer, blocks)
+        row_t = plan.row_ids.long().view(batch, 1, 1)
+        if blocks.shape[2]:
+            self.wait_for_host_writes()
+            self._kernels.fetch(
+                blocks.contiguous(),
+                plan.row_ids,
+                self._layer_ids[span],
+                step=self._stamp,
+                tables=self.tables,
+                hot=self.hot,
+                host_arena=self.host_arena,
+            )
+        # Token ids into a head's records viewed as [slots * 8, D]: record r's K token o at
+        # 8 r + o, its V token at 8 r + 4 + o (the V view starts 4 rows later).
+        record = 2 * BLOCK_TOKENS
         in_hot = self._in_closed_blocks(positions)
-        block = torch.where(in_hot, positions // BLOCK_TOKENS, 0).view(batch, -1).long()
-        slot = torch.gather(self.tables.block_slot[layer].index_select(0, row_t), 1, block)
-        token = (row_t.view(batch, 1) * g.hot_slots + slot) * BLOCK_TOKENS
-        token = token.view_as(positions) + positions % BLOCK_TOKENS
+        block = torch.where(in_hot, positions // BLOCK_TOKENS, 0).long()
+        table = self.tables.block_slot[span]  # [Hkv, R, NB]
+        slot = table[self._head_ids.view(1, -1, 1), row_t, block]
+        token = (row_t * g.hot_slots + slot) * record + positions % BLOCK_TOKENS
         hot_tokens = torch.where(in_hot, token, -1).to(torch.int32).contiguous()
-        # The open block's tokens each head chose, as tail-record token ids.
+        # The open block's tokens each head chose, as tail token ids.
         offsets = self._block_offsets[: BLOCK_TOKENS - 1]
         closed = plan.closed_blocks.view(batch, 1, 1, 1) * BLOCK_TOKENS
-        open_positions = closed + offsets  # [B, 1, 1, 3]
-        chosen = (positions.unsqueeze(-1) == open_positions).any(dim=2)  # [B, Hkv, 3]
-        tail_ids = (plan.row_ids.view(batch, 1, 1) * BLOCK_TOKENS + offsets).expand_as(chosen)
+        chosen = (positions.unsqueeze(-1) == closed + offsets).any(dim=2)  # [B, Hkv, 3]
+        tail_ids = (row_t * record + offsets).expand_as(chosen)
         tail_tokens = torch.where(chosen, tail_ids, -1).to(torch.int32).contiguous()
-        return self._attend_parts(layer, q, hot_tokens, tail_tokens, scale)
+        parts = [
+            self._kernels.decode_split(
+                q, tokens, *_head_records(cache[span]), scale=scale, out_dtype=torch.float32
+            )
+            for tokens, cache in ((hot_tokens, self.hot), (tail_tokens, self.tail))
+        ]
+        return self._kernels.merge(
+            torch.stack([out for out, _ in parts]), torch.stack([lse for _, lse in parts])
+        )
 
     def wait_for_host_writes(self) -> None:
         """Order the current stream after every write to the host arena or tail still in flight.
@@ -889,6 +987,29 @@ class OffloadedKV:
             self._pending.clear()
 
     # -- internals --
+
+    def _record_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, T, Hkv, D]`` K or V of ``n`` layers as their record layers.
+
+        ``[n Hkv / Hr, T, Hr, D]``: a copy with per-head records, ``x`` itself otherwise.
+        """
+        if not self.geometry.per_head:
+            return x
+        n, t, hkv, d = x.shape
+        return x.permute(0, 2, 1, 3).reshape(n * hkv, t, 1, d)
+
+    def _require_per_head(self, call: str) -> None:
+        if not self.geometry.per_head:
+            msg = (
+                f"{call} reads each KV head's own tokens; it needs per-head records "
+                "(OffloadGeometry(per_head=True))"
+            )
+            raise KernelInputError(msg)
+
+    def _record_span(self, layer: int) -> slice:
+        """The record layers of logical layer ``layer``."""
+        per_layer = self.geometry.store_layers // self.geometry.layers
+        return slice(layer * per_layer, (layer + 1) * per_layer)
 
     def _owned_blocks(self, start: int, stop: int) -> torch.Tensor:
         """``[n]`` int64 (CPU): the blocks of ``[start, stop)`` this rank's arena stores."""

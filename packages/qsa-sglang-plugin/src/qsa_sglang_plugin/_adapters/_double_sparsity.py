@@ -34,8 +34,9 @@ same lifecycle (the ``qsa_hisparse`` tree cache); SGLang's K/V pool holds one pa
 the staging area and the dense backend attends over it (its K/V pool seen as the staging area,
 token ``t`` at row ``t``: :class:`_DSOffload`); every decode row, dense or sparse, chooses its
 tokens per KV head (:func:`qsa_kernels.double_sparsity.ds_positions`: all of them for a dense
-row) and attends them through :meth:`OffloadRuntime.decode_tokens`, which fetches the blocks
-that hold them. Eager only: each step reads its fetch width on the host.
+row) and attends them through :meth:`OffloadRuntime.decode_tokens`, which fetches each head's
+own records of the blocks that hold them (one record per block and KV head). Eager only: each
+step sizes its token lists from the host's sequence lengths.
 
 Limits of this backend today: one TP rank, no speculative decoding (start-up refuses both).
 """

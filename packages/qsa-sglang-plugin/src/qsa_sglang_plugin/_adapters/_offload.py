@@ -439,7 +439,8 @@ class OffloadRuntime:
 
         Double sparsity's form of :meth:`decode_layer`: the new token goes to the tail (a block it
         closes to the host arena), then each KV head attends the tokens it chose, whose blocks
-        are fetched into the hot cache (:meth:`OffloadedKV.token_blocks`, one host read).
+        are fetched into that head's hot cache (:meth:`OffloadedKV.token_blocks`; no host read
+        while the chosen lists fit a hot cache).
 
         Args:
             layer_id: SGLang's layer id.
@@ -661,8 +662,11 @@ def offload_geometry(
     kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    per_head: bool = False,
 ) -> OffloadGeometry:
     """The arena, hot caches and tails of ``rows`` requests of up to ``context_len`` tokens.
+
+    ``per_head``: one record per (block, KV head), for tokens chosen per head (DS-Offload).
 
     Raises:
         ConfigurationError: the library refuses a size (naming it).
@@ -676,6 +680,7 @@ def offload_geometry(
             kv_heads=kv_heads,
             head_dim=head_dim,
             dtype=dtype,
+            per_head=per_head,
         )
     except KernelInputError as exc:
         raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
@@ -702,7 +707,7 @@ def fixed_device_bytes(geometry: OffloadGeometry, *, verify: bool = False) -> in
 
     With ``verify``, also the resident copy of every row (``R`` prompts' worth of staging).
     """
-    staging = geometry.layers * geometry.max_blocks * geometry.record_bytes
+    staging = geometry.store_layers * geometry.max_blocks * geometry.record_bytes
     resident = geometry.host_bytes if verify else 0  # the arena's size, on the device
     return staging + resident + geometry.device_bytes
 
@@ -753,11 +758,12 @@ def ds_offload_geometry(
 ) -> OffloadGeometry:
     """DS-Offload's ``OffloadGeometry``.
 
-    Every attention layer, and hot caches that hold the blocks one step may read
+    Every attention layer, one record per (block, KV head), so a head's chosen token moves only
+    that head's bytes, and per-head hot caches that hold the blocks one step may read
     (:meth:`DSConfig.hot_blocks`, at most a whole context).
     """
     layers, _, _, head_dim = ds_geometry(text_config)
-    hot = min(ds_config(switches).hot_blocks(kv_heads), _blocks(context_len))
+    hot = min(ds_config(switches).hot_blocks(), _blocks(context_len))
     return offload_geometry(
         layers=layers,
         rows=rows,
@@ -766,6 +772,7 @@ def ds_offload_geometry(
         kv_heads=kv_heads,
         head_dim=head_dim,
         dtype=dtype,
+        per_head=True,
     )
 
 
@@ -825,8 +832,8 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
     available = meminfo_bytes("MemAvailable")
     if available is not None and arena > available:
         msg = (
-            f"the host arena needs {format_bytes(arena)} ({rows} rows x {geometry.layers} "
-            f"attention layers x {geometry.arena_blocks(shard)} blocks x "
+            f"the host arena needs {format_bytes(arena)} ({rows} rows x "
+            f"{geometry.store_layers} record layers x {geometry.arena_blocks(shard)} blocks x "
             f"{geometry.record_bytes} B) but the host has {format_bytes(available)} available; "
             f"lower --max-running-requests={rows} or --context-length={context_len}"
         )
