@@ -1,0 +1,161 @@
+"""Where one DS-Offload decode step's time goes, part by part, at Llama-3.1-8B's attention shape.
+
+A :class:`~qsa_kernels.double_sparsity.DSOffloadedKV` with per-head records (32 layers, 8 KV and 32
+query heads of 128, bf16; 32 heavy channels, 256 heavy tokens, dense below 4,096) holds ``B`` rows
+of a ``--context``-token prompt in pinned host memory. Each decode step appends one token per
+row (K/V write-back and labels) and then, per layer, chooses the heavy tokens from the labels
+(``ds_positions``), lists each head's blocks (``token_blocks``), fetches the misses and attends
+(``attend_tokens``). Every part is timed on the host around a device synchronisation, so a
+part's time is its host work plus the GPU work it waits for: what an eager engine step pays.
+The first step fetches every block; the reported steps after it fetch only what changes.
+
+Writes ``<out-dir>/ds_offload_step.md`` and ``.json``. Needs CUDA; exits with status 77 without.
+"""
+
+# ruff: noqa: B023 (each closure runs within the loop iteration that defines it)
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+_LAYERS, _HKV, _HQ, _D = 32, 8, 32, 128
+_CHANNELS, _HEAVY, _THRESHOLD = 32, 256, 4096
+_PARTS = ("append", "ds_positions", "token_blocks", "attend_tokens")
+
+
+def _timed(totals: dict[str, float], part: str, fn: Callable[[], object]) -> object:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    totals[part] += time.perf_counter() - start
+    return result
+
+
+def _step_parts(batch: int, context: int, steps: int) -> dict[str, object]:
+    """Per-step milliseconds of each part, and the fetched bytes, for ``batch`` rows."""
+    from qsa_kernels.double_sparsity import DSConfig, DSOffloadedKV, ds_positions
+    from qsa_kernels.offload import OffloadGeometry
+
+    config = DSConfig(
+        heavy_channel_num=_CHANNELS, heavy_token_num=_HEAVY, sparse_decode_threshold=_THRESHOLD
+    )
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks = (context + steps + 8) // 4 + 1
+    geometry = OffloadGeometry(
+        _LAYERS, batch, config.hot_blocks(), blocks, _HKV, _D, torch.bfloat16, per_head=True
+    )
+    channels = torch.stack(
+        [torch.randperm(_D, device="cuda")[:_CHANNELS] for _ in range(_LAYERS * _HKV)]
+    ).view(_LAYERS, _HKV, _CHANNELS)
+    store = DSOffloadedKV(geometry, channels.int(), config=config, device="cuda")
+    for row in range(batch):
+        k = torch.randn(_LAYERS, context, _HKV, _D, generator=gen, device="cuda").bfloat16()
+        store.admit(row, k, torch.randn_like(k))
+        del k
+    rows = list(range(batch))
+    totals: dict[str, float] = defaultdict(float)
+    fetched = 0
+    for step in range(steps + 1):
+        if step == 1:  # the first step fetches every block: report the steps after it
+            totals.clear()
+            fetched = 0
+        store.begin_step()
+        new = torch.randn(_LAYERS, batch, _HKV, _D, generator=gen, device="cuda").bfloat16()
+        _timed(totals, "append", lambda: store.append(rows, new, torch.randn_like(new)))
+        lengths = [store.length(r) for r in rows]
+        slots = store.labels.slots(rows, max(lengths))
+        for layer in range(_LAYERS):
+            q = torch.randn(batch, _HQ, _D, generator=gen, device="cuda").bfloat16()
+            positions = _timed(
+                totals,
+                "ds_positions",
+                lambda: ds_positions(
+                    q,
+                    store.labels.layer(layer),
+                    store.labels.channels[layer],
+                    slots,
+                    lengths,
+                    config=config,
+                ),
+            )
+            held = _timed(totals, "token_blocks", lambda: store.kv.token_blocks(rows, positions))
+            counts = store.kv.selection_counts(layer, rows, held)
+            fetched += int(counts[1])
+            _timed(
+                totals,
+                "attend_tokens",
+                lambda: store.kv.attend_tokens(layer, rows, q, positions, held),
+            )
+    per_step = {part: 1e3 * totals[part] / steps for part in _PARTS}
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "ms_per_step": per_step,
+        "step_ms": sum(per_step.values()),
+        "fetched_records_per_step": fetched / steps,
+        "fetched_mib_per_step": fetched * geometry.record_bytes / steps / 2**20,
+        "record_bytes": geometry.record_bytes,
+        "hot_slots": geometry.hot_slots,
+    }
+
+
+def main(argv: list[str]) -> int:
+    """Measure each batch, write the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("docs/bench"))
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_ds_offload_step: needs CUDA; skipped", file=sys.stderr)
+        return 77  # the bench session reads 77 as "skipped: no hardware"
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        rows.append(_step_parts(batch, args.context, args.steps))
+        print(f"bench_ds_offload_step: {rows[-1]}", flush=True)
+        torch.cuda.empty_cache()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    machine = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    (args.out_dir / "ds_offload_step.json").write_text(
+        json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n", encoding="utf-8"
+    )
+    lines = [
+        "# One DS-Offload decode step, part by part (Llama-3.1-8B attention shape)",
+        "",
+        f"{machine['gpu']}, torch {machine['torch']}; per-head records, {_CHANNELS} heavy "
+        f"channels, {_HEAVY} heavy tokens; host-timed parts (host work plus the GPU work "
+        "each waits for), milliseconds per step over every layer. "
+        "`packages/qsa-kernels/benchmarks/bench_ds_offload_step.py`.",
+        "",
+        "| context | batch | " + " | ".join(_PARTS) + " | step | fetched MiB/step |",
+        "| ---: | ---: | " + " | ".join("---:" for _ in _PARTS) + " | ---: | ---: |",
+    ]
+    for r in rows:
+        parts = r["ms_per_step"]
+        assert isinstance(parts, dict)
+        lines.append(
+            f"| {r['context']:,} | {r['batch']} | "
+            + " | ".join(f"{parts[p]:.2f}" for p in _PARTS)
+            + f" | {r['step_ms']:.2f} | {r['fetched_mib_per_step']:.1f} |"
+        )
+    (args.out_dir / "ds_offload_step.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
