@@ -870,16 +870,19 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
     pool = runner.token_to_kv_pool
     full = getattr(pool, "full_kv_pool", pool)  # the QSA pool's MHA leaf, or the MHA pool
     logger.info(
-        "offload: host arena %s (%d rows x %d attention layers x %d blocks, %s, %s); on %s: "
-        "staging, hot caches (%d blocks each), tails and tables %s; K/V pool %s; kernels: %s",
+        "offload: host arena %s (%d rows x %d attention layers x %d blocks, %s records, %s, %s); "
+        "on %s: staging, hot caches (%d blocks per request, layer and %s), tails and tables %s; "
+        "K/V pool %s; kernels: %s",
         format_bytes(arena),
         rows,
         geometry.layers,
         geometry.arena_blocks(shard),
+        "per-head" if geometry.per_head else "all-head",
         str(geometry.dtype).removeprefix("torch."),
         "pinned" if kv.host_arena.is_pinned() else "pageable",
         kv.device,
         geometry.hot_slots,
+        "KV head" if geometry.per_head else "every KV head",
         format_bytes(fixed_device_bytes(geometry)),
         format_bytes(sum(int(n) for n in full.get_kv_size_bytes())),  # (K bytes, V bytes)
         kv.path.value,
