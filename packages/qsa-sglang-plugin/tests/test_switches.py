@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from qsa_sglang_plugin import Feature, HiSparseMode, SwitchError, Switches, parse_switches
@@ -155,12 +155,14 @@ def test_malformed_switch_names_variable_value_and_allowed(
 
 
 @given(st.text(max_size=12))
+@example("0\x1f")  # str.strip() removes the unit separator; int() alone would not
 def test_prefix_cache_mb_accepts_only_decimal_digits(raw: str) -> None:
-    """Any MB text parses iff it is ASCII digits up to the maximum (or empty), as int(raw)."""
+    """Any MB text parses iff, stripped, it is ASCII digits up to the maximum (or it is empty)."""
     env = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": raw}
-    digits = raw.strip().isascii() and raw.strip().isdigit()
-    if raw == "" or (digits and int(raw) <= MAX_PREFIX_CACHE_MB):
-        assert parse_switches(env).prefix_cache_mb == (int(raw) if raw else 0)
+    text = raw.strip()
+    digits = text.isascii() and text.isdigit()
+    if raw == "" or (digits and int(text) <= MAX_PREFIX_CACHE_MB):
+        assert parse_switches(env).prefix_cache_mb == (int(text) if raw else 0)
     else:
         with pytest.raises(SwitchError):
             parse_switches(env)
