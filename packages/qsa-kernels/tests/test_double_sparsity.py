@@ -22,6 +22,7 @@ from qsa_kernels.double_sparsity import (
     ds_heavy_decode_split,
     ds_heavy_decode_split_reference,
     ds_positions,
+    ds_positions_fixed,
 )
 from qsa_kernels.ds_label import label_keys_reference
 from qsa_kernels.offload import OffloadGeometry
@@ -513,6 +514,26 @@ def test_ds_positions_list_each_rows_tokens_first_then_minus_one_padding() -> No
         assert torch.equal(positions[b], want), b
 
 
+def test_fixed_width_positions_equal_the_host_length_positions_padded(kernel_device: str) -> None:
+    """With the lengths on the device, each row (dense at most heavy tokens, dense below the
+    threshold, sparse) lists what ds_positions lists, padded with -1 to the fixed width."""
+    lengths = [5, 25, 60, 90]
+    q, ks, vs, channels = _case(lengths, 8, 2, 32, 6, seed=21)
+    config = DSConfig(heavy_channel_num=6, heavy_token_num=8, sparse_decode_threshold=40)
+    pool = _Resident(ks, vs, channels, max_tokens=128, device=kernel_device)
+    slots = pool.labels.slots(range(len(lengths)), 128)
+    args = (q.to(kernel_device), pool.labels.layer(0), pool.labels.channels[0], slots)
+    want = ds_positions(*args, lengths, config=config)
+    seq_lens = torch.tensor(lengths, device=kernel_device)
+    got = ds_positions_fixed(*args, seq_lens, config=config)
+    assert tuple(got.shape) == (4, 2, config.fixed_width()) == (4, 2, 39)
+    assert torch.equal(got[..., : want.shape[2]], want)
+    assert bool((got[..., want.shape[2] :] == -1).all())
+    assert _positions_as_lists(got)[1] == [list(range(25))] * 2  # dense below the threshold
+    with pytest.raises(KernelInputError, match=r"fixed_width\(\)=39"):
+        ds_positions_fixed(*args[:3], slots[:, :30], seq_lens.clamp(max=30), config=config)
+
+
 def test_ds_decode_rejects_lengths_outside_the_slot_table(kernel_device: str) -> None:
     """seq_lens beyond req_to_token's width (or zero) are refused with the bound."""
     q, ks, vs, channels = _case([8], 4, 2, 16, 4, seed=3)
@@ -629,6 +650,91 @@ def test_ds_offload_dense_rows_and_a_small_hot_cache(kernel_device: str) -> None
         seed=3,
     )
     assert checks == 12
+
+
+def _twin_stores(
+    config: DSConfig, prompts: Sequence[int], device: str, seed: int
+) -> tuple[list[DSOffloadedKV], torch.Generator, list[int]]:
+    """Two DS-Offload stores holding the same prompts (rows 1.., row 0 free)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers, hkv, d = 2, 2, 16
+    channels = _channels(gen, layers, hkv, d, config.heavy_channel_num)
+    geometry = OffloadGeometry(
+        layers, len(prompts) + 1, config.hot_blocks(), 16, hkv, d, torch.bfloat16, per_head=True
+    )
+    stores = [DSOffloadedKV(geometry, channels, config=config, device=device) for _ in range(2)]
+    for row, n in enumerate(prompts, start=1):
+        k, v = _quarters(gen, layers, n, hkv, d), _quarters(gen, layers, n, hkv, d)
+        for store in stores:
+            store.admit(row, k.to(device), v.to(device))
+    return stores, gen, list(range(1, len(prompts) + 1))
+
+
+def test_ds_offload_fixed_shape_decode_equals_the_host_sized_decode(kernel_device: str) -> None:
+    """decode_fixed (device lengths, fixed widths, no host read) attends decode's tokens, for a
+    sparse row, a dense row within heavy tokens and one below the threshold."""
+    config = DSConfig(heavy_channel_num=4, heavy_token_num=6, sparse_decode_threshold=20)
+    (eager, fixed), gen, rows = _twin_stores(config, [29, 5, 14], kernel_device, seed=31)
+    for _ in range(6):  # blocks close; the 14-token row crosses the threshold
+        k = _quarters(gen, 2, len(rows), 2, 16).to(kernel_device)
+        v = _quarters(gen, 2, len(rows), 2, 16).to(kernel_device)
+        for store in (eager, fixed):
+            store.begin_step()
+            store.append(rows, k, v)
+        for layer in range(2):
+            q = _quarters(gen, len(rows), 4, 16).to(kernel_device)
+            want = eager.decode(layer, rows, q)
+            got = fixed.decode_fixed(layer, rows, q)
+            assert got.positions.shape[2] == config.fixed_width()
+            assert torch.equal(got.positions[..., : want.positions.shape[2]], want.positions)
+            # The same tokens; the wider lists split the kernel's work otherwise, so the fp32
+            # partials merge in another order: one bf16 step of the output at most.
+            torch.testing.assert_close(got.out.float(), want.out.float(), atol=4e-3, rtol=0)
+            torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
+
+
+def test_ds_offload_fixed_shape_decode_refuses_hot_caches_below_the_bound() -> None:
+    """A fixed-shape step cannot count blocks on the host, so it needs hot_blocks() slots."""
+    config = DSConfig(heavy_channel_num=4, heavy_token_num=8, sparse_decode_threshold=0)
+    geometry = OffloadGeometry(1, 1, 2, 16, 1, 16, torch.bfloat16, per_head=True)
+    store = DSOffloadedKV(
+        geometry, torch.zeros(1, 1, 4, dtype=torch.int32), config=config, device="cpu"
+    )
+    store.begin_step()
+    with pytest.raises(KernelInputError, match=r"hot_slots=2 .*hot_blocks\(\)=8"):
+        store.decode_fixed(0, [0], torch.zeros(1, 4, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_ds_offload_fixed_shape_decode_replays_from_a_cuda_graph() -> None:
+    """Every layer's decode_fixed captured once replays step after step (new lengths, blocks
+    closing, hot-cache misses) exactly as its eager twin runs."""
+    config = DSConfig(heavy_channel_num=8, heavy_token_num=16, sparse_decode_threshold=64)
+    (eager, graphed), gen, rows = _twin_stores(config, [40, 9, 58], "cuda", seed=41)
+    static_q = torch.zeros(2, len(rows), 4, 16, dtype=torch.bfloat16, device="cuda")
+    outputs: list[Any] = []
+
+    def layers(store: DSOffloadedKV) -> list[Any]:
+        return [store.decode_fixed(layer, rows, static_q[layer]) for layer in range(2)]
+
+    graph = torch.cuda.CUDAGraph()
+    for step in range(5):
+        k = _quarters(gen, 2, len(rows), 2, 16).cuda()
+        v = _quarters(gen, 2, len(rows), 2, 16).cuda()
+        static_q.copy_(_quarters(gen, 2, len(rows), 4, 16).cuda())
+        for store in (eager, graphed):
+            store.begin_step()
+            store.append(rows, k, v)
+        want = layers(eager)  # compiles every kernel before the capture, too
+        if step == 0:
+            with torch.cuda.graph(graph):
+                outputs = layers(graphed)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, expected in zip(outputs, want, strict=True):
+            assert torch.equal(got.positions, expected.positions), step
+            assert torch.equal(got.out, expected.out), step
+            assert torch.equal(got.lse, expected.lse), step
 
 
 def test_ds_offload_rejects_a_hot_cache_smaller_than_the_step_needs() -> None:

@@ -12,7 +12,8 @@ and attends exactly over those. This subpackage holds:
   :func:`qsa_kernels.sparse_decode.sparse_decode` with one token list per KV head, and over
   SGLang's split K and V buffers (:func:`ds_decode_split`, on
   :func:`qsa_kernels.sparse_decode.sparse_decode_split`; reference beside it), and its
-  CUDA-graph form with the lengths on the device (:func:`ds_heavy_decode_split`);
+  CUDA-graph form with the lengths on the device (:func:`ds_heavy_decode_split`; the token
+  choice alone: :func:`ds_positions_fixed`);
 * DS-Offload (:class:`DSOffloadedKV`): the K/V history in the host arena, the label cache on the
   device, the selected tokens' blocks fetched into the hot cache.
 """
@@ -34,6 +35,7 @@ from qsa_kernels.double_sparsity._decode import (
     ds_heavy_decode_split,
     ds_heavy_decode_split_reference,
     ds_positions,
+    ds_positions_fixed,
 )
 from qsa_kernels.double_sparsity._errors import ChannelConfigError, DSConfigError
 from qsa_kernels.double_sparsity._label_cache import LabelCache
@@ -60,6 +62,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ds_heavy_decode_split",
     "ds_heavy_decode_split_reference",
     "ds_positions",
+    "ds_positions_fixed",
     # -- Offload --
     "DSOffloadedKV",
 )

@@ -127,8 +127,16 @@ class DSConfig:
         most ``heavy_token_num``); a hot cache of this many slots (or of a row's whole context,
         if smaller) never runs short.
         """
-        longest_dense = max(self.sparse_decode_threshold - 1, self.heavy_token_num)
-        return max(self.heavy_token_num, longest_dense // BLOCK_TOKENS)
+        return max(self.heavy_token_num, self.fixed_width() // BLOCK_TOKENS)
+
+    def fixed_width(self) -> int:
+        """Positions per (row, KV head) that a step of fixed shapes lists (CUDA graphs).
+
+        The longest list any row may need: a dense row's whole context (below the threshold, or
+        within ``heavy_token_num``) or a sparse row's heavy tokens, ``max(threshold - 1,
+        heavy_token_num)``.
+        """
+        return max(self.sparse_decode_threshold - 1, self.heavy_token_num)
 
     def sparse_rows(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """:meth:`is_dense`'s negation element-wise, on the device: no host read.

@@ -26,6 +26,7 @@ __all__ = (
     "ds_heavy_decode_split",
     "ds_heavy_decode_split_reference",
     "ds_positions",
+    "ds_positions_fixed",
     "positions_to_slots",
 )
 
@@ -124,6 +125,57 @@ def ds_positions(
         idx = torch.tensor(dense_rows, dtype=torch.long, device=q.device)
         positions[idx] = filled[:, None, :].expand(-1, hkv, -1)
     return positions
+
+
+def ds_positions_fixed(
+    q: torch.Tensor,
+    label_cache: torch.Tensor,
+    channels: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    config: DSConfig,
+    reference: bool = False,
+) -> torch.Tensor:
+    """:func:`ds_positions` with the lengths on the device and a fixed width: CUDA-graph safe.
+
+    No host input and fixed shapes: heavy tokens are scored over the whole ``req_to_token``
+    width (tiles past a row's length skipped), and every row's list is ``config.fixed_width()``
+    long, so one captured step serves every replay. Each row is dense or sparse as in
+    :func:`ds_positions` (:meth:`DSConfig.sparse_rows`, on the device), and the result equals
+    :func:`ds_positions`' padded with ``-1`` to the fixed width.
+
+    Args:
+        q: ``[B, Hq, D]`` bf16 queries.
+        label_cache: ``[slots, Hkv, C]`` bf16/fp16 label rows.
+        channels: ``[Hkv, C]`` int32/int64 heavy channels of this layer.
+        req_to_token: ``[B, S]`` int32/int64 slot of each logical position in ``label_cache``,
+            ``S >= config.fixed_width()`` and at least every row's length.
+        seq_lens: ``[B]`` int32/int64 device context lengths, ``1 <= seq_len <= S``.
+        config: the double-sparsity options.
+        reference: select with the torch reference instead of the Triton kernel.
+
+    Returns:
+        ``[B, Hkv, config.fixed_width()]`` int32 positions, ``-1`` padded.
+    """
+    width = config.fixed_width()
+    if req_to_token.shape[1] < width:
+        msg = (
+            f"req_to_token is {tuple(req_to_token.shape)!r}; a fixed-width step needs at least "
+            f"DSConfig.fixed_width()={width!r} columns"
+        )
+        raise KernelInputError(msg)
+    heavy = config.heavy_token_num
+    select: _Selector = label_topk_reference if reference else label_topk
+    chosen = select(
+        q, label_cache, channels, req_to_token, seq_lens.to(torch.int32), heavy_token_num=heavy
+    ).positions.to(torch.int32)
+    sparse_lists = torch.nn.functional.pad(chosen, (0, width - heavy), value=-1)
+    ramp = torch.arange(width, dtype=torch.int32, device=q.device)
+    lengths = seq_lens.to(torch.int32).view(-1, 1, 1)
+    dense_lists = torch.where(ramp < lengths, ramp, -1)  # [B, 1, W]
+    dense = ~config.sparse_rows(seq_lens).view(-1, 1, 1)
+    return torch.where(dense, dense_lists, sparse_lists).contiguous()
 
 
 def positions_to_slots(positions: torch.Tensor, req_to_token: torch.Tensor) -> torch.Tensor:

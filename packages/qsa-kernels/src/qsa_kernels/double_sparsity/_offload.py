@@ -21,7 +21,7 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.double_sparsity._config import DSConfig
-from qsa_kernels.double_sparsity._decode import DSDecodeOutput, ds_positions
+from qsa_kernels.double_sparsity._decode import DSDecodeOutput, ds_positions, ds_positions_fixed
 from qsa_kernels.double_sparsity._label_cache import LabelCache
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
 
@@ -80,6 +80,9 @@ class DSOffloadedKV:
             device=device,
         )
         self._step = -1
+        self._token_offsets = torch.arange(
+            geometry.max_tokens, dtype=torch.int64, device=self.kv.device
+        )
 
     @property
     def geometry(self) -> OffloadGeometry:
@@ -174,5 +177,61 @@ class DSOffloadedKV:
                 f"{self.config.hot_blocks()!r} slots never run short"
             )
             raise KernelInputError(msg) from exc
+        out, lse = self.kv.attend_tokens(layer, rows, q, positions, blocks, scale=scale)
+        return DSDecodeOutput(out, lse, positions)
+
+    def decode_fixed(
+        self,
+        layer: int,
+        rows: Sequence[int],
+        q: torch.Tensor,
+        *,
+        scale: float | None = None,
+    ) -> DSDecodeOutput:
+        """:meth:`decode` with no host read and fixed shapes: one layer of a CUDA-graph step.
+
+        The rows and lengths come from the store's step plan on the device (what
+        :meth:`begin_step` and :meth:`append` left there), the token choice is
+        :func:`ds_positions_fixed` over each row's whole label range, and the block lists are
+        not counted on the host (the hot caches must hold :meth:`DSConfig.hot_blocks` slots).
+        The result equals :meth:`decode`'s, its positions padded with ``-1`` to
+        ``config.fixed_width()``.
+
+        Args:
+            layer: attention layer in ``[0, L)``.
+            rows: the step's rows (as given to :meth:`append`).
+            q: ``[B, Hq, D]`` bf16 queries.
+            scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+
+        Raises:
+            KernelInputError: bad arguments, no :meth:`begin_step`, or hot caches smaller than
+                ``config.hot_blocks()`` (or a whole context).
+        """
+        g = self.geometry
+        if self._step < 0:
+            msg = "decode before begin_step(); every decode step needs a stamp"
+            raise KernelInputError(msg)
+        if not 0 <= layer < g.layers:
+            msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers})"
+            raise KernelInputError(msg)
+        need = min(self.config.hot_blocks(), g.max_blocks)
+        if g.hot_slots < need:
+            msg = (
+                f"hot_slots={g.hot_slots!r} is not allowed for a fixed-shape step; allowed: at "
+                f"least DSConfig.hot_blocks()={self.config.hot_blocks()!r} (or the row's "
+                f"{g.max_blocks!r} blocks)"
+            )
+            raise KernelInputError(msg)
+        row_ids = self.kv.step_row_ids.long().unsqueeze(1)
+        slots = row_ids * g.max_tokens + self._token_offsets  # [B, max_tokens]
+        positions = ds_positions_fixed(
+            q,
+            self.labels.layer(layer),
+            self.labels.channels[layer],
+            slots,
+            self.kv.step_positions + 1,
+            config=self.config,
+        )
+        blocks = self.kv.token_blocks(rows, positions, checked=False)
         out, lse = self.kv.attend_tokens(layer, rows, q, positions, blocks, scale=scale)
         return DSDecodeOutput(out, lse, positions)

@@ -840,18 +840,25 @@ class OffloadedKV:
             resident = self.tables.block_slot[layer][row_ids, ids] >= 0
         return torch.stack((valid.sum(), (valid & ~resident).sum()))
 
-    def token_blocks(self, rows: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
+    def token_blocks(
+        self, rows: Sequence[int], positions: torch.Tensor, *, checked: bool = True
+    ) -> torch.Tensor:
         """The complete blocks that hold each KV head's chosen tokens (per-head records).
 
         What :meth:`attend_tokens` fetches: a head's chosen token needs that head's record of
         its 4-token block in the hot cache; tokens of the open block are read from the tail. No
-        host synchronisation when ``W <= hot_slots``; a wider list is counted on the host (one
-        read) to refuse a head that needs more blocks than a hot cache holds.
+        host synchronisation when ``W <= hot_slots`` or ``checked=False``; otherwise a wider
+        list is counted on the host (one read) to refuse a head that needs more blocks than a
+        hot cache holds.
 
         Args:
             rows: the step's rows (what the last :meth:`advance` returned).
             positions: ``[B, Hkv, W]`` int32 logical token positions each (row, KV head)
                 attends, ``-1`` padded, each below the row's length after the step's token.
+            checked: count a wide list's blocks on the host. ``False`` (a CUDA-graph step) when
+                the caller guarantees at most ``hot_slots`` blocks per head, e.g. by sizing hot
+                caches with :meth:`DSConfig.hot_blocks`; a head's blocks past ``hot_slots`` are
+                then dropped.
 
         Returns:
             ``[B, Hkv, K]`` int32 distinct block ids per (row, head), ascending, ``-1`` padded,
@@ -878,7 +885,7 @@ class OffloadedKV:
         repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
         ids = torch.where(repeat, sentinel, ids).sort(dim=2).values
         width = int(positions.shape[2])
-        if width > g.hot_slots:
+        if checked and width > g.hot_slots:
             need = int((ids < sentinel).sum(dim=2).max())  # the host read
             if need > g.hot_slots:
                 msg = (
