@@ -150,13 +150,7 @@ class DSOffloadedKV:
             KernelInputError: bad arguments, no :meth:`begin_step`, or a hot cache too small for
                 the step's blocks.
         """
-        g = self.geometry
-        if self._step < 0:
-            msg = "decode before begin_step(); every decode step needs a stamp"
-            raise KernelInputError(msg)
-        if not 0 <= layer < g.layers:
-            msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers})"
-            raise KernelInputError(msg)
+        self._check_decode(layer)
         if len(set(rows)) != len(rows) or not rows:
             msg = f"rows {list(rows)!r} must be non-empty and distinct"
             raise KernelInputError(msg)
@@ -208,12 +202,7 @@ class DSOffloadedKV:
                 ``config.hot_blocks()`` (or a whole context).
         """
         g = self.geometry
-        if self._step < 0:
-            msg = "decode before begin_step(); every decode step needs a stamp"
-            raise KernelInputError(msg)
-        if not 0 <= layer < g.layers:
-            msg = f"layer={layer!r} is not allowed; allowed: [0, {g.layers})"
-            raise KernelInputError(msg)
+        self._check_decode(layer)
         need = min(self.config.hot_blocks(), g.max_blocks)
         if g.hot_slots < need:
             msg = (
@@ -235,3 +224,12 @@ class DSOffloadedKV:
         blocks = self.kv.token_blocks(rows, positions, checked=False)
         out, lse = self.kv.attend_tokens(layer, rows, q, positions, blocks, scale=scale)
         return DSDecodeOutput(out, lse, positions)
+
+    def _check_decode(self, layer: int) -> None:
+        """A decode call needs a stamped step and a layer of the store."""
+        if self._step < 0:
+            msg = "decode before begin_step(); every decode step needs a stamp"
+            raise KernelInputError(msg)
+        if not 0 <= layer < self.geometry.layers:
+            msg = f"layer={layer!r} is not allowed; allowed: [0, {self.geometry.layers})"
+            raise KernelInputError(msg)
