@@ -166,14 +166,14 @@ def ds_positions_fixed(
         )
         raise KernelInputError(msg)
     heavy = config.heavy_token_num
+    lengths = seq_lens.to(torch.int32)
     select: _Selector = label_topk_reference if reference else label_topk
     chosen = select(
-        q, label_cache, channels, req_to_token, seq_lens.to(torch.int32), heavy_token_num=heavy
+        q, label_cache, channels, req_to_token, lengths, heavy_token_num=heavy
     ).positions.to(torch.int32)
     sparse_lists = torch.nn.functional.pad(chosen, (0, width - heavy), value=-1)
     ramp = torch.arange(width, dtype=torch.int32, device=q.device)
-    lengths = seq_lens.to(torch.int32).view(-1, 1, 1)
-    dense_lists = torch.where(ramp < lengths, ramp, -1)  # [B, 1, W]
+    dense_lists = torch.where(ramp < lengths.view(-1, 1, 1), ramp, -1)  # [B, 1, W]
     dense = ~config.sparse_rows(seq_lens).view(-1, 1, 1)
     return torch.where(dense, dense_lists, sparse_lists).contiguous()
 

@@ -80,9 +80,18 @@ class LabelCache:
         if not 0 <= width <= self.max_tokens:
             msg = f"width={width!r} is not allowed; allowed: [0, {self.max_tokens!r}]"
             raise DSConfigError(msg)
-        base = torch.tensor(list(rows), dtype=torch.int32, device=self.device) * self.max_tokens
-        offsets = torch.arange(width, dtype=torch.int32, device=self.device)
-        return base.unsqueeze(1) + offsets
+        return self.row_slots(
+            torch.tensor(list(rows), dtype=torch.int32, device=self.device), width
+        )
+
+    def row_slots(self, row_ids: torch.Tensor, width: int) -> torch.Tensor:
+        """:meth:`slots` for rows given on the device (``[B]`` int, not checked): no host read.
+
+        Returns:
+            ``[B, width]`` of ``row_ids``' dtype: ``row_ids[b] * max_tokens + t``.
+        """
+        offsets = torch.arange(width, dtype=row_ids.dtype, device=row_ids.device)
+        return row_ids.unsqueeze(1) * self.max_tokens + offsets
 
     def write_prompt(self, layer: int, row: int, k: torch.Tensor, *, start: int = 0) -> None:
         """Write the labels of ``T`` consecutive keys of one row (a prompt or a prefill chunk).

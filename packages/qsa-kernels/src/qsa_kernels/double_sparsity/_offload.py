@@ -80,9 +80,6 @@ class DSOffloadedKV:
             device=device,
         )
         self._step = -1
-        self._token_offsets = torch.arange(
-            geometry.max_tokens, dtype=torch.int64, device=self.kv.device
-        )
 
     @property
     def geometry(self) -> OffloadGeometry:
@@ -211,13 +208,11 @@ class DSOffloadedKV:
                 f"{g.max_blocks!r} blocks)"
             )
             raise KernelInputError(msg)
-        row_ids = self.kv.step_row_ids.long().unsqueeze(1)
-        slots = row_ids * g.max_tokens + self._token_offsets  # [B, max_tokens]
         positions = ds_positions_fixed(
             q,
             self.labels.layer(layer),
             self.labels.channels[layer],
-            slots,
+            self.labels.row_slots(self.kv.step_row_ids, g.max_tokens),
             self.kv.step_positions + 1,
             config=self.config,
         )

@@ -253,12 +253,16 @@ def _differing_bytes(have: torch.Tensor, want: torch.Tensor) -> int:
     return int((a != b).sum())
 
 
+#: Rows of ``D`` elements in one per-head record: its 4 K rows, then its 4 V rows.
+_RECORD_ROWS = 2 * BLOCK_TOKENS
+
+
 def _head_records(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V of one layer's per-head record layers as ``[N, Hkv, D]`` views (no copy).
 
     ``cache`` is ``[Hkv, R, S', 2, 4, 1, D]`` (a hot cache, or tails with ``S' = 1``); token
-    ``8 r + o`` of the K view is token ``o`` of record ``r = row × S' + slot``, and the same id
-    in the V view (4 rows later) is its value.
+    ``_RECORD_ROWS × r + o`` of the K view is token ``o`` of record ``r = row × S' + slot``, and
+    the same id in the V view (``BLOCK_TOKENS`` rows later) is its value.
     """
     heads, d = int(cache.shape[0]), int(cache.shape[-1])
     rows = cache.view(heads, -1, d).permute(1, 0, 2)  # [R S' 8, Hkv, D]
@@ -795,7 +799,7 @@ class OffloadedKV:
         blocks = blocks.to(torch.int32)
         if self.shard is not None:
             blocks = localize_blocks(blocks, self.shard.placement, self.shard.rank)
-        slots = self._fetch(layer, blocks)
+        slots = self._fetch(slice(layer, layer + 1), blocks.unsqueeze(1))[:, 0]
         hot_tokens = torch.where(
             slots.unsqueeze(-1) >= 0, slots.unsqueeze(-1) * BLOCK_TOKENS + self._block_offsets, -1
         ).reshape(len(rows), -1)
@@ -945,30 +949,19 @@ class OffloadedKV:
         plan = self._plan
         row_t = plan.row_ids.long().view(batch, 1, 1)
         if blocks.shape[2]:
-            self.wait_for_host_writes()
-            self._kernels.fetch(
-                blocks.contiguous(),
-                plan.row_ids,
-                self._layer_ids[span],
-                step=self._stamp,
-                tables=self.tables,
-                hot=self.hot,
-                host_arena=self.host_arena,
-            )
-        # Token ids into a head's records viewed as [slots * 8, D]: record r's K token o at
-        # 8 r + o, its V token at 8 r + 4 + o (the V view starts 4 rows later).
-        record = 2 * BLOCK_TOKENS
+            self._fetch(span, blocks)
+        # Token ids into a head's records viewed as token rows (_head_records).
         in_hot = self._in_closed_blocks(positions)
         block = torch.where(in_hot, positions // BLOCK_TOKENS, 0).long()
         table = self.tables.block_slot[span]  # [Hkv, R, NB]
         slot = table[self._head_ids.view(1, -1, 1), row_t, block]
-        token = (row_t * g.hot_slots + slot) * record + positions % BLOCK_TOKENS
+        token = (row_t * g.hot_slots + slot) * _RECORD_ROWS + positions % BLOCK_TOKENS
         hot_tokens = torch.where(in_hot, token, -1).to(torch.int32).contiguous()
         # The open block's tokens each head chose, as tail token ids.
         offsets = self._block_offsets[: BLOCK_TOKENS - 1]
         closed = plan.closed_blocks.view(batch, 1, 1, 1) * BLOCK_TOKENS
         chosen = (positions.unsqueeze(-1) == closed + offsets).any(dim=2)  # [B, Hkv, 3]
-        tail_ids = (row_t * record + offsets).expand_as(chosen)
+        tail_ids = (row_t * _RECORD_ROWS + offsets).expand_as(chosen)
         tail_tokens = torch.where(chosen, tail_ids, -1).to(torch.int32).contiguous()
         parts = [
             self._kernels.decode_split(
@@ -1086,21 +1079,21 @@ class OffloadedKV:
             raise KernelInputError(msg)
         self._check_planned(call, rows)
 
-    def _fetch(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        """Make the planned rows' ``[B, K]`` int32 blocks of ``layer`` resident.
+    def _fetch(self, layers: slice, blocks: torch.Tensor) -> torch.Tensor:
+        """Make the planned rows' ``[B, NL, K]`` int32 blocks of record layers ``layers`` resident.
 
-        Returns their ``[B, K]`` global hot slots. Write-backs still in flight land first.
+        Returns their ``[B, NL, K]`` global hot slots. Write-backs still in flight land first.
         """
         self.wait_for_host_writes()
         return self._kernels.fetch(
-            blocks.contiguous().unsqueeze(1),
+            blocks.contiguous(),
             self._plan.row_ids,
-            self._layer_ids[layer : layer + 1],
+            self._layer_ids[layers],
             step=self._stamp,
             tables=self.tables,
             hot=self.hot,
             host_arena=self.host_arena,
-        )[:, 0]
+        )
 
     def _attend_parts(
         self,
