@@ -530,8 +530,25 @@ def test_fixed_width_positions_equal_the_host_length_positions_padded(kernel_dev
     assert torch.equal(got[..., : want.shape[2]], want)
     assert bool((got[..., want.shape[2] :] == -1).all())
     assert _positions_as_lists(got)[1] == [list(range(25))] * 2  # dense below the threshold
-    with pytest.raises(KernelInputError, match=r"fixed_width\(\)=39"):
-        ds_positions_fixed(*args[:3], slots[:, :30], seq_lens.clamp(max=30), config=config)
+
+
+def test_a_slot_table_narrower_than_the_fixed_width_lists_every_row_densely(
+    kernel_device: str,
+) -> None:
+    """Rows of at most S < fixed_width() tokens are all dense: each lists its whole context at
+    the fixed width, as ds_positions does (padded), with no token scored."""
+    lengths = [5, 25, 30]
+    q, ks, vs, channels = _case(lengths, 8, 2, 32, 6, seed=22)
+    config = DSConfig(heavy_channel_num=6, heavy_token_num=8, sparse_decode_threshold=40)
+    pool = _Resident(ks, vs, channels, max_tokens=32, device=kernel_device)
+    slots = pool.labels.slots(range(len(lengths)), 30)
+    args = (q.to(kernel_device), pool.labels.layer(0), pool.labels.channels[0], slots)
+    want = ds_positions(*args, lengths, config=config)
+    got = ds_positions_fixed(*args, torch.tensor(lengths, device=kernel_device), config=config)
+    assert tuple(got.shape) == (3, 2, config.fixed_width()) == (3, 2, 39)
+    assert torch.equal(got[..., :30], want)
+    assert bool((got[..., 30:] == -1).all())
+    assert _positions_as_lists(got)[0] == [list(range(5))] * 2
 
 
 def test_ds_decode_rejects_lengths_outside_the_slot_table(kernel_device: str) -> None:

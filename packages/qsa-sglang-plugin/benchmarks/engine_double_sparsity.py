@@ -11,9 +11,11 @@ the same scheduler flags, decode CUDA graphs on and prefill graphs off:
   seeded random channels (the weights are dummy, so calibrating them would rank noise; the speed
   does not depend on which channels are heavy);
 - **ds_offload** (``--arms`` includes it): the same with ``SGLANG_QSA_DS_OFFLOAD=1``, the K/V
-  history in pinned host memory, one record per (block, KV head) (decode CUDA graphs off: its
-  steps size their token lists on the host). Its host arena holds every running request at the
-  longest context: size ``--contexts`` and ``--batches`` to the host's memory.
+  history in pinned host memory, one record per (block, KV head), decode CUDA graphs on (fixed
+  token lists of ``DSConfig.fixed_width()`` per KV head). Its host arena holds every running
+  request at the longest context: size ``--contexts`` and ``--batches`` to the host's memory;
+- **ds_offload_eager**: DS-Offload with decode CUDA graphs off (each step's lists as wide as its
+  longest).
 
 For each context length and batch size, ``B`` requests of that many prompt tokens generate
 ``--new-tokens`` greedy tokens concurrently on each engine in turn; reported per cell: decode
@@ -55,7 +57,7 @@ _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of
 _OFFLOAD_PRICE = re.compile(
     r"DS-Offload: pool sizing charges (\d+) B per token of labels .* plus ([0-9.]+) MiB fixed"
 )
-_ARMS = ("triton", "qsa_ds", "ds_offload")
+_ARMS = ("triton", "qsa_ds", "ds_offload", "ds_offload_eager")
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -130,6 +132,17 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
     }
     channels = _channel_file(model, workdir / "channels.json")
     ds = {"attention_backend": "qsa_ds", "enable_metrics": True}
+    offload = {
+        **common,
+        **ds,
+        "radix_cache_backend": "qsa_hisparse",
+        "disable_overlap_schedule": True,
+        "prefill_max_requests": 1,
+    }
+    offload_switches = {
+        "SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels),
+        "SGLANG_QSA_DS_OFFLOAD": "1",
+    }
     configs = {
         "triton": EngineConfig(model, plugin=False, server_args=common),
         "qsa_ds": EngineConfig(
@@ -137,17 +150,11 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
             switches={"SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels)},
             server_args={**common, **ds},
         ),
-        "ds_offload": EngineConfig(
+        "ds_offload": EngineConfig(model, switches=offload_switches, server_args=offload),
+        "ds_offload_eager": EngineConfig(
             model,
-            switches={"SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels), "SGLANG_QSA_DS_OFFLOAD": "1"},
-            server_args={
-                **common,
-                **ds,
-                "radix_cache_backend": "qsa_hisparse",
-                "disable_overlap_schedule": True,
-                "prefill_max_requests": 1,
-                "disable_cuda_graph": True,
-            },
+            switches=offload_switches,
+            server_args={**offload, "disable_cuda_graph": True},
         ),
     }
     return {arm: configs[arm] for arm in args.arms}
@@ -157,20 +164,24 @@ def _token_price(engines: dict[str, Any]) -> dict[str, float]:
     """GPU bytes per token of each arm's pool sizing, and DS-Offload's fixed MiB."""
     total, kv = log_numbers(engines["qsa_ds"], _PRICE)
     price: dict[str, float] = {"kv": kv, "kv_and_labels": total}
-    if "ds_offload" in engines:
-        text = engines["ds_offload"].log_path.read_text(encoding="utf-8", errors="replace")
+    offloaded = [engines[arm] for arm in ("ds_offload", "ds_offload_eager") if arm in engines]
+    if offloaded:
+        text = offloaded[0].log_path.read_text(encoding="utf-8", errors="replace")
         labels, fixed = _OFFLOAD_PRICE.findall(text)[-1]
         price |= {"labels": int(labels), "ds_offload_fixed_mib": float(fixed)}
     return price
 
 
 def _ratios(arms: tuple[str, ...]) -> list[tuple[str, str]]:
-    """The reported speed ratios: qsa_ds over triton, DS-Offload over resident qsa_ds."""
-    return [
-        (num, den)
-        for num, den in (("qsa_ds", "triton"), ("ds_offload", "qsa_ds"))
-        if num in arms and den in arms
-    ]
+    """The reported speed ratios: qsa_ds over triton, DS-Offload over resident qsa_ds and over
+    its own eager steps."""
+    pairs = (
+        ("qsa_ds", "triton"),
+        ("ds_offload", "qsa_ds"),
+        ("ds_offload_eager", "qsa_ds"),
+        ("ds_offload", "ds_offload_eager"),
+    )
+    return [(num, den) for num, den in pairs if num in arms and den in arms]
 
 
 def _write(
@@ -187,7 +198,7 @@ def _write(
         "# Double sparsity (`qsa_ds`) against SGLang's triton backend, real SGLang 0.5.23 engines",
         "",
         f"GPU {device}, torch {torch_version}; the Llama-3.1-8B-shaped dummy model, decode "
-        "CUDA graphs on (DS-Offload: off), otherwise the same scheduler flags; qsa_ds with 32 "
+        "CUDA graphs on (but ds_offload_eager), otherwise the same scheduler flags; qsa_ds with 32 "
         f"heavy channels of 128 and 256 heavy tokens per KV head. `{data['command']}`; written by "
         "`packages/qsa-sglang-plugin/benchmarks/engine_double_sparsity.py`.",
         "",

@@ -271,14 +271,13 @@ def _ds_offload(tmp_path: Any) -> Any:
 
 
 def test_ds_offload_passes_with_the_offload_flags(tmp_path: Any) -> None:
-    """ConfigFacts' defaults are the offload flags; DS-Offload adds decode graphs off."""
+    """ConfigFacts' defaults are the offload flags; DS-Offload adds none (decode graphs too)."""
     assert check_configuration(LLAMA, _ds_offload(tmp_path)) is None
 
 
 @pytest.mark.parametrize(
     ("change", "fragments"),
     [
-        ({"decode_cuda_graph": True}, ["--disable-cuda-graph=False", "token lists on the host"]),
         (
             {"radix_cache_backend": None},
             ["--radix-cache-backend=None", "'qsa_hisparse'", "one lease per request"],

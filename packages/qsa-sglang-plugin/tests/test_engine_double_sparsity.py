@@ -12,9 +12,10 @@ below 1,024 tokens) against SGLang's dense backend of the platform on the same m
 
 And DS-Offload (``SGLANG_QSA_DS_OFFLOAD=1``): the same backend with the K/V history in the host
 arena, prefilled through a one-prompt staging area in 1,024-token chunks, every decode row
-attending its chosen tokens from the hot cache and the open-block tail. It answers as the
-resident double-sparsity engine (dense rows as the dense engine), holds every token's K/V on the
-host byte for byte, prices a token at its labels alone, and gives every lease back.
+attending its chosen tokens from the hot cache and the open-block tail, eagerly or replayed from
+decode CUDA graphs as the harness asks. It answers as the resident double-sparsity engine (dense
+rows as the dense engine), alone and in a batch of a dense and a sparse row, holds every token's
+K/V on the host byte for byte, prices a token at its labels alone, and gives every lease back.
 """
 
 from __future__ import annotations
@@ -57,9 +58,8 @@ DS = EngineConfig(
     server_args={"attention_backend": "qsa_ds", "enable_metrics": True},
 )
 DENSE = EngineConfig(LLAMA, plugin=False)
-#: DS-Offload with every released row's host bytes checked against a resident copy. Eager only
-#: (its decode sizes each step's token lists on the host); prefill in chunks, so later chunks
-#: attend over a staged prefix.
+#: DS-Offload with every released row's host bytes checked against a resident copy; decode CUDA
+#: graphs as for DS; prefill in chunks, so later chunks attend over a staged prefix.
 DS_OFFLOAD = EngineConfig(
     LLAMA,
     switches={**SWITCHES, "SGLANG_QSA_DS_OFFLOAD": "1", "SGLANG_QSA_HISPARSE_VERIFY": "1"},
@@ -70,7 +70,6 @@ DS_OFFLOAD = EngineConfig(
         "disable_overlap_schedule": True,
         "prefill_max_requests": 1,
         "chunked_prefill_size": 1024,
-        "disable_cuda_graph": True,
         "cuda_graph_backend_prefill": "disabled",
     },
 )
@@ -234,6 +233,9 @@ def test_ds_offload_answers_as_resident_double_sparsity(
     rows_before = {
         p: _offloaded(engines, "qsa_hisparse_ds_decode_rows_total", path=p) for p in PATHS
     }
+    modes_before = {
+        m: _offloaded(engines, "qsa_hisparse_ds_decode_steps_total", mode=m) for m in MODES
+    }
     short = engines.generate_all(DS_OFFLOAD, SHORT)
     long = engines.generate(DS_OFFLOAD, LONG)
     for i, (want, got) in enumerate(zip(served.dense[: len(SHORT)], short, strict=True)):
@@ -250,6 +252,12 @@ def test_ds_offload_answers_as_resident_double_sparsity(
     }
     short_steps = sum(r.max_new_tokens - 1 for r in SHORT)
     assert rows == {"dense": short_steps, "sparse": LONG.max_new_tokens - 1}
+    # Each step launched eagerly, or replayed from a captured graph where the harness asks.
+    modes = {
+        m: _offloaded(engines, "qsa_hisparse_ds_decode_steps_total", mode=m) - modes_before[m]
+        for m in MODES
+    }
+    assert modes == dict.fromkeys(MODES, 0.0) | {MODE: short_steps + LONG.max_new_tokens - 1}
     # Every decode step read the host arena: the dense rows fetched their whole prompts' blocks.
     steps = _offloaded(engines, "qsa_hisparse_offload_decode_steps_total")
     assert steps >= short_steps + LONG.max_new_tokens - 1
@@ -257,6 +265,24 @@ def test_ds_offload_answers_as_resident_double_sparsity(
     log = engines.engine(DS_OFFLOAD).log_path.read_text(encoding="utf-8", errors="replace")
     assert "Tree cache initialized: source=registered('qsa_hisparse')" in log
     assert "DS-Offload: K/V in the host arena" in log
+
+
+def test_ds_offload_decides_dense_and_sparse_per_row_in_one_batch(
+    served: _Served, engines: EnginePool
+) -> None:
+    """A 600- and a 2,100-token request decoding together: the short row attends every token, the
+    long one its heavy tokens, each answering as resident qsa_ds did for the same batch."""
+    rows_before = {
+        p: _offloaded(engines, "qsa_hisparse_ds_decode_rows_total", path=p) for p in PATHS
+    }
+    mixed = engines.generate_together(DS_OFFLOAD, MIXED)
+    rows = {
+        p: _offloaded(engines, "qsa_hisparse_ds_decode_rows_total", path=p) - rows_before[p]
+        for p in PATHS
+    }
+    assert rows == {"dense": MIXED[0].max_new_tokens - 1, "sparse": MIXED[1].max_new_tokens - 1}
+    for i, (want, got) in enumerate(zip(served.mixed, mixed, strict=True)):
+        assert_same_generation(want, got, atol=BF16_STEP, what=f"mixed request {i}")
 
 
 def test_ds_offload_holds_every_token_on_the_host_and_gives_every_lease_back(

@@ -27,7 +27,6 @@ from qsa_sglang_plugin._switches import (
     DS_ATTENTION_BACKEND,
     ENV_CACHE_SHARDING,
     ENV_DS_CHANNEL_CONFIG,
-    ENV_DS_OFFLOAD,
     ENV_HISPARSE_HOT_BLOCKS,
     RADIX_CACHE_BACKEND,
     DoubleSparsitySwitches,
@@ -84,7 +83,6 @@ class ConfigFacts:
         attention_backend: ``--attention-backend`` after resolution (None = SGLang chooses).
         tp_size: ``--tp-size``.
         enable_prefill_cp: ``--enable-prefill-cp`` (context-parallel prefill).
-        decode_cuda_graph: decode runs in CUDA graphs (on CUDA without ``--disable-cuda-graph``).
     """
 
     architectures: tuple[str, ...]
@@ -109,7 +107,6 @@ class ConfigFacts:
     attention_backend: str | None = None
     tp_size: int = 1
     enable_prefill_cp: bool = False
-    decode_cuda_graph: bool = False
 
 
 #: The features that serve a QSA checkpoint (double sparsity serves models without QSA layers).
@@ -136,8 +133,7 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size; with cache
     sharding, a shard group that divides the TP ranks holding one K/V head. With
     double sparsity: ``--attention-backend qsa_ds`` on a GQA model without QSA layers that the
-    channel file fits; with DS-Offload also the serving and offload rules above and decode CUDA
-    graphs off.
+    channel file fits; with DS-Offload also the serving and offload rules above.
 
     Returns:
         The model's QSA profile, or None when every switch is off (nothing is checked).
@@ -151,7 +147,6 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         if switches.double_sparsity.offload:
             _check_serving(facts)
             _check_offload(facts)
-            _check_ds_offload(facts)
     if not _QSA_FEATURES.intersection(features):
         return None
     if facts.architectures != (SUPPORTED_ARCHITECTURE,):
@@ -399,16 +394,6 @@ def _check_offload(facts: ConfigFacts) -> None:
         )
 
 
-def _check_ds_offload(facts: ConfigFacts) -> None:
-    if facts.decode_cuda_graph:
-        raise _reject(
-            "--disable-cuda-graph",
-            False,
-            "set (decode CUDA graphs off)",
-            f"DS-Offload ({ENV_DS_OFFLOAD}=1) sizes each decode step's token lists on the host",
-        )
-
-
 def _check_cache_sharding(facts: ConfigFacts, profile: QSAProfile, sharding: int) -> None:
     try:
         ShardPlacement.for_tp(profile, facts.tp_size, sharding)
@@ -504,7 +489,6 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         attention_backend=None if cfg.attention_backend is None else str(cfg.attention_backend),
         tp_size=int(cfg.tp_size),
         enable_prefill_cp=bool(cfg.enable_prefill_cp),
-        decode_cuda_graph=str(cfg.device) == "cuda" and not bool(cfg.disable_cuda_graph),
     )
 
 

@@ -143,14 +143,16 @@ def ds_positions_fixed(
     width (tiles past a row's length skipped), and every row's list is ``config.fixed_width()``
     long, so one captured step serves every replay. Each row is dense or sparse as in
     :func:`ds_positions` (:meth:`DSConfig.sparse_rows`, on the device), and the result equals
-    :func:`ds_positions`' padded with ``-1`` to the fixed width.
+    :func:`ds_positions`' padded with ``-1`` to the fixed width. A slot table narrower than the
+    fixed width holds only rows that are dense (``seq_len <= S < max(threshold - 1, heavy)``):
+    no token is scored then.
 
     Args:
         q: ``[B, Hq, D]`` bf16 queries.
         label_cache: ``[slots, Hkv, C]`` bf16/fp16 label rows.
         channels: ``[Hkv, C]`` int32/int64 heavy channels of this layer.
         req_to_token: ``[B, S]`` int32/int64 slot of each logical position in ``label_cache``,
-            ``S >= config.fixed_width()`` and at least every row's length.
+            at least every row's length.
         seq_lens: ``[B]`` int32/int64 device context lengths, ``1 <= seq_len <= S``.
         config: the double-sparsity options.
         reference: select with the torch reference instead of the Triton kernel.
@@ -159,21 +161,18 @@ def ds_positions_fixed(
         ``[B, Hkv, config.fixed_width()]`` int32 positions, ``-1`` padded.
     """
     width = config.fixed_width()
-    if req_to_token.shape[1] < width:
-        msg = (
-            f"req_to_token is {tuple(req_to_token.shape)!r}; a fixed-width step needs at least "
-            f"DSConfig.fixed_width()={width!r} columns"
-        )
-        raise KernelInputError(msg)
-    heavy = config.heavy_token_num
     lengths = seq_lens.to(torch.int32)
+    ramp = torch.arange(width, dtype=torch.int32, device=q.device)
+    dense_lists = torch.where(ramp < lengths.view(-1, 1, 1), ramp, -1)  # [B, 1, W]
+    hkv = label_cache.shape[1]
+    if req_to_token.shape[1] < width:  # every row is dense (the shape is fixed per capture)
+        return dense_lists.expand(-1, hkv, -1).contiguous()
+    heavy = config.heavy_token_num
     select: _Selector = label_topk_reference if reference else label_topk
     chosen = select(
         q, label_cache, channels, req_to_token, lengths, heavy_token_num=heavy
     ).positions.to(torch.int32)
     sparse_lists = torch.nn.functional.pad(chosen, (0, width - heavy), value=-1)
-    ramp = torch.arange(width, dtype=torch.int32, device=q.device)
-    dense_lists = torch.where(ramp < lengths.view(-1, 1, 1), ramp, -1)  # [B, 1, W]
     dense = ~config.sparse_rows(seq_lens).view(-1, 1, 1)
     return torch.where(dense, dense_lists, sparse_lists).contiguous()
 

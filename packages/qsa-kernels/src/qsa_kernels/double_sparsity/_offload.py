@@ -213,7 +213,7 @@ class DSOffloadedKV:
             self.labels.layer(layer),
             self.labels.channels[layer],
             self.labels.row_slots(self.kv.step_row_ids, g.max_tokens),
-            self.kv.step_positions + 1,
+            self.kv.step_lengths,
             config=self.config,
         )
         blocks = self.kv.token_blocks(rows, positions, checked=False)

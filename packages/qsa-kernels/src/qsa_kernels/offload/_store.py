@@ -699,6 +699,14 @@ class OffloadedKV:
         """``[B]`` int32 device: each planned row's new token position (padding: 0; fixed)."""
         return self._plan.positions
 
+    @property
+    def step_lengths(self) -> torch.Tensor:
+        """``[B]`` int32 device: each planned row's length after its new token (padding: 1).
+
+        :attr:`step_positions` plus one: a new tensor each call (one device op, no host read).
+        """
+        return self._plan.positions + 1
+
     def write_token(
         self, layer: int | None, rows: Sequence[int], k: torch.Tensor, v: torch.Tensor
     ) -> None:

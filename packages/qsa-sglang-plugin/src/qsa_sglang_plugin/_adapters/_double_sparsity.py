@@ -35,8 +35,13 @@ the staging area and the dense backend attends over it (its K/V pool seen as the
 token ``t`` at row ``t``: :class:`_DSOffload`); every decode row, dense or sparse, chooses its
 tokens per KV head (:func:`qsa_kernels.double_sparsity.ds_positions`: all of them for a dense
 row) and attends them through :meth:`OffloadRuntime.decode_tokens`, which fetches each head's
-own records of the blocks that hold them (one record per block and KV head). Eager only: each
-step sizes its token lists from the host's sequence lengths.
+own records of the blocks that hold them (one record per block and KV head). Eagerly, each
+step's token lists are as wide as its longest list (from the host's sequence lengths); under
+decode CUDA graphs the step is planned outside the graph as ``p2-offload``'s is, and the captured
+layers choose their tokens with the lengths of the step plan on the device and lists of a fixed
+width (:func:`qsa_kernels.double_sparsity.ds_positions_fixed`, :meth:`DSConfig.fixed_width`),
+whose blocks the hot caches always hold (:meth:`DSConfig.hot_blocks` slots), so nothing is
+counted on the host.
 
 Limits of this backend today: one TP rank, no speculative decoding (start-up refuses both).
 """
@@ -313,7 +318,7 @@ class _GraphStep:
 
     Attributes:
         sparse_rows: ``[bs]`` bool, the rows that attend their heavy tokens (refreshed before
-            each replay).
+            each replay; DS-Offload decides per row on the device instead).
         req_to_token: ``[bs, S]`` the batch's slot table, gathered inside the captured step.
     """
 
@@ -412,7 +417,9 @@ class DoubleSparsityBackend:
 
         The dense backend sees the sparse rows at length 1. At capture every row has SGLang's fill
         length (dense), so the dense backend's metadata is its own; the captured step still holds
-        both paths (:meth:`forward_decode`).
+        both paths (:meth:`forward_decode`). With DS-Offload the offload runtime plans the step
+        (the padding SGLang adds becomes free rows) and the dense backend, which decodes no row,
+        sees every row at length 1.
         """
         self._step = None
         if not forward_batch.forward_mode.is_decode_or_idle():
@@ -426,16 +433,20 @@ class DoubleSparsityBackend:
         sparse = self._config.sparse_rows(seq_lens)
         mask = self._sparse_rows[: sparse.shape[0]]
         mask.copy_(sparse)
+        if self._offload is not None and forward_batch.forward_mode.is_decode():
+            self._offload.runtime.begin_decode(forward_batch, graph=True, capture=in_capture)
+            sparse = torch.ones_like(sparse)  # the dense backend decodes no row
         if in_capture:
             self._graph = _GraphStep(mask)
             self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
             return
         lengths = [int(n) for n in _host_seq_lens(forward_batch)]
         real = len(lengths) - int(getattr(forward_batch, "num_padding", 0) or 0)
-        if self._count(lengths[:real], StepMode.GRAPH) == real:  # all dense: metadata as it is
+        all_dense = self._count(lengths[:real], StepMode.GRAPH) == real
+        if all_dense and self._offload is None:  # the dense backend's own metadata
             self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
             return
-        host = [1 if not self._config.is_dense(n) else n for n in lengths]
+        host = [n if self._offload is None and self._config.is_dense(n) else 1 for n in lengths]
         shrunk = copy.copy(forward_batch)
         shrunk.seq_lens = torch.where(sparse, torch.ones_like(seq_lens), seq_lens)
         if getattr(forward_batch, "seq_lens_cpu", None) is not None:
@@ -560,26 +571,39 @@ class DoubleSparsityBackend:
     def _offloaded_decode(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any
     ) -> torch.Tensor:
-        """DS-Offload: every row's chosen tokens per KV head, attended from the host arena."""
-        from qsa_kernels.double_sparsity import ds_positions
+        """DS-Offload: every row's chosen tokens per KV head, attended from the host arena.
 
-        step, offload = self._step, self._offload
-        if step is None or offload is None or k is None or v is None:
-            msg = "qsa_ds: an offloaded decode needs its step planned and the new token's K/V"
+        Eagerly the lists are as wide as the step's longest; in a captured step they have the
+        fixed width and the lengths come from the step plan on the device (no host input).
+        """
+        from qsa_kernels.double_sparsity import ds_positions, ds_positions_fixed
+
+        step, graph, offload = self._step, self._graph, self._offload
+        if offload is None or k is None or v is None:
+            msg = "qsa_ds: an offloaded decode needs the offload runtime and the new token's K/V"
             raise AdapterError(msg)
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
         queries = q.reshape(-1, heads, dim).to(torch.bfloat16)
-        positions = ds_positions(
-            queries,
-            self._labels.layer(layer.layer_id),
-            self._labels.channels[layer.layer_id],
-            step.req_to_token,
-            step.lengths,
-            config=self._config,
-            reference=self._reference,
-        )
+        labels = (self._labels.layer(layer.layer_id), self._labels.channels[layer.layer_id])
+        if graph is not None and graph.req_to_token is not None:
+            lengths = offload.runtime.kv.step_lengths  # the plan's, padding rows at 1
+            positions = ds_positions_fixed(
+                queries, *labels, graph.req_to_token, lengths, config=self._config
+            )
+        elif graph is None and step is not None:
+            positions = ds_positions(
+                queries,
+                *labels,
+                step.req_to_token,
+                step.lengths,
+                config=self._config,
+                reference=self._reference,
+            )
+        else:
+            msg = "qsa_ds: an offloaded decode before its step's metadata"
+            raise AdapterError(msg)
         out = offload.runtime.decode_tokens(
-            layer.layer_id, queries, k, v, positions, float(layer.scaling)
+            layer.layer_id, queries, k, v, positions, float(layer.scaling), checked=graph is None
         )
         return out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
 

@@ -434,13 +434,15 @@ class OffloadRuntime:
         v: torch.Tensor,
         positions: torch.Tensor,
         scale: float,
+        *,
+        checked: bool = True,
     ) -> torch.Tensor:
-        """One attention layer of the planned (eager) decode step over chosen tokens per KV head.
+        """One attention layer of the planned decode step over chosen tokens per KV head.
 
         Double sparsity's form of :meth:`decode_layer`: the new token goes to the tail (a block it
         closes to the host arena), then each KV head attends the tokens it chose, whose blocks
         are fetched into that head's hot cache (:meth:`OffloadedKV.token_blocks`; no host read
-        while the chosen lists fit a hot cache).
+        while the chosen lists fit a hot cache, or with ``checked=False``).
 
         Args:
             layer_id: SGLang's layer id.
@@ -450,6 +452,9 @@ class OffloadRuntime:
             positions: ``[B, Hkv, W]`` int32 token positions each (row, KV head) attends, ``-1``
                 padded, the new token's among them where chosen.
             scale: softmax scale.
+            checked: refuse a head whose blocks overflow its hot cache (a host read for lists
+                wider than the hot cache). ``False`` in a captured step, whose hot caches hold
+                :meth:`DSConfig.hot_blocks` slots, as many as any list needs.
 
         Returns:
             ``[B, Hq * D]`` attention output, in ``q``'s dtype.
@@ -457,7 +462,7 @@ class OffloadRuntime:
         ordinal = self._append(layer_id, k, v)
         rows = self._rows
         try:
-            blocks = self.kv.token_blocks(rows, positions)
+            blocks = self.kv.token_blocks(rows, positions, checked=checked)
         except KernelInputError as exc:
             raise OffloadRuntimeError(f"layer {layer_id!r}: {exc}") from exc
         self._count_blocks(ordinal, blocks)
