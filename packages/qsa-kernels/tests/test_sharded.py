@@ -1,4 +1,4 @@
-"""Sharded QSA decode on N gloo processes (N = 1..4) against the single-rank computation.
+"""Sharded QSA decode and prefill on N gloo processes (N = 1..4) against the single-rank result.
 
 One module fixture starts four CPU processes once (``python this_file.py``, gloo over
 ``127.0.0.1``); they build subgroups of 1, 2, 3 and 4 ranks and run every case in each. Every
@@ -13,6 +13,11 @@ attention, LSE merge); the ``triton-*`` case runs the Triton kernels through the
 (``TRITON_INTERPRET=1``, set by conftest) on a small case. Index keys are multiples of 1/64 in
 [-2, 2] so every score is exact in fp32 whatever the summation order (CPU BLAS is not
 order-stable across call sizes); the ``ties`` case uses integer keys so many scores tie.
+
+Prefill: a chunk of :data:`PREFILL_CHUNK` tokens after a :data:`PREFILL_PREFIX`-token prefix
+whose K/V is already sharded (a restored prefix, or the chunks before), the chunk's own K/V
+routed to its owners, each query token with its own causal selection; ``owner_sparse_prefill``
+against the single-rank sparse attention of every query token.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ LAYOUTS = ("replicated", "sharded")
 WRITE_PREFILL = (190, 61, 5)
 WRITE_STEPS = 7
 WRITE_TOPK = 8
+#: Prefill: prefix tokens already in the shards, chunk tokens, selection width, rows per group
+#: (the chunk runs in several groups, the last one short).
+PREFILL_PREFIX, PREFILL_CHUNK, PREFILL_TOPK, PREFILL_ROWS = 1234, 45, 8, 8
 #: Output tolerance per path (rtol 2^-7 on top). The reference keeps each rank's partial in fp32;
 #: ``sparse_decode`` returns its partial rounded to bf16, so an output that is a weighted sum of
 #: partials of magnitude ~1 carries up to one bf16 ulp of those partials (2^-7) in absolute terms.
@@ -350,6 +358,87 @@ def _run_writes(shard: Any) -> dict[str, Any]:
     }
 
 
+def _run_prefill(shard: Any) -> dict[str, Any]:
+    """One chunk's prefill over a sharded prefix, both head layouts, against one rank."""
+    from _gloo import mismatch  # the workers run as scripts beside it
+    from qsa_kernels import KernelPath
+    from qsa_kernels.expand import expand_blocks_reference
+    from qsa_kernels.indexer_topk import indexer_topk_reference
+    from qsa_kernels.sharded import (
+        HeadLayout,
+        ShardedDecodeBuffers,
+        owner_sparse_prefill,
+        raw_write_targets,
+        shard_raw_kv,
+        write_owned_raw_kv,
+    )
+    from qsa_kernels.sparse_decode import sparse_decode_reference
+
+    total = PREFILL_PREFIX + PREFILL_CHUNK
+    case = _build_case((total,), "fine", SEED + 11)
+    placement, rank, n = shard.placement, shard.rank, shard.world_size
+    g = torch.Generator().manual_seed(SEED + 12)
+    positions = torch.arange(PREFILL_PREFIX, total, dtype=torch.int32)
+    q_index = (torch.randint(-128, 129, (PREFILL_CHUNK, 4, 128), generator=g) / 64).to(
+        torch.bfloat16
+    )
+    q = torch.randn((PREFILL_CHUNK, HQ, D), generator=g).to(torch.bfloat16)
+    seq_lens = positions + 1
+    pages = case["page_table"].expand(PREFILL_CHUNK, -1)
+    ids = indexer_topk_reference(q_index, case["index"], pages, seq_lens, topk=PREFILL_TOPK)
+    slot_row = case["slot_table"][0]
+    # One rank: every query token over its selection, read from the whole pool.
+    token_pos = expand_blocks_reference(ids, seq_lens, ratio=4, token_topk=4 * PREFILL_TOPK)
+    valid = token_pos >= 0
+    slots = torch.where(valid, slot_row[token_pos.clamp(min=0).long()], -1).to(torch.int32)
+    ref_out, ref_lse = sparse_decode_reference(q, slots, case["kv"])
+    # The shards: the prefix's K/V already there, the chunk's routed to its owners.
+    chunk = slot_row[PREFILL_PREFIX:total].to(torch.int64)
+    prefix_kv = case["kv"].clone()
+    prefix_kv[chunk // 4, :, chunk % 4] = 0
+    local_kv = shard_raw_kv(prefix_kv, placement, rank)
+    targets = raw_write_targets(chunk, placement, rank)
+    chunk_k = case["kv"][chunk // 4, 0, chunk % 4]
+    chunk_v = case["kv"][chunk // 4, 1, chunk % 4]
+    write_owned_raw_kv(local_kv, targets, chunk_k, chunk_v)
+    result: dict[str, Any] = {
+        "shard_equal": bool(torch.equal(local_kv, shard_raw_kv(case["kv"], placement, rank))),
+        "selects_prefix_and_chunk": [
+            bool(((token_pos >= 0) & (token_pos < PREFILL_PREFIX)).any()),
+            bool((token_pos >= PREFILL_PREFIX).any()),
+        ],
+    }
+    for layout_name in LAYOUTS:
+        buffers = ShardedDecodeBuffers.allocate(
+            world_size=n,
+            max_rows=PREFILL_ROWS,
+            topk=PREFILL_TOPK,
+            q_heads=HQ,
+            head_dim=D,
+            layout=HeadLayout(layout_name),
+            device="cpu",
+        )
+        heads = slice(rank * HQ // n, (rank + 1) * HQ // n) if layout_name == "sharded" else None
+        out, lse = owner_sparse_prefill(
+            q if heads is None else q[:, heads].contiguous(),
+            ids,
+            positions,
+            slot_row,
+            local_kv,
+            shard=shard,
+            buffers=buffers,
+            path=KernelPath.REFERENCE,
+        )
+        want_out = ref_out if heads is None else ref_out[:, heads]
+        want_lse = ref_lse if heads is None else ref_lse[:, heads]
+        result[layout_name] = {
+            "out_close": mismatch(out.float(), want_out.float(), rtol=2**-7, atol=1e-3),
+            "lse_close": mismatch(lse, want_lse, rtol=1e-5, atol=1e-5),
+            "out_shape": list(out.shape),
+        }
+    return result
+
+
 def _worker(rank: int, port: int, out_dir: Path) -> None:
     from _gloo import member_groups
     from qsa_kernels.sharded import ShardGroup
@@ -362,6 +451,7 @@ def _worker(rank: int, port: int, out_dir: Path) -> None:
                 shard, name=name, lengths=lengths, topk=topk, key_kind=key_kind, path_name=path_name
             )
         results[f"{n}/writes"] = _run_writes(shard)
+        results[f"{n}/prefill"] = _run_prefill(shard)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -385,18 +475,20 @@ def _entries(runs: dict[int, dict[str, Any]]) -> list[tuple[int, int, str, dict[
     for rank, per_case in runs.items():
         for key, result in per_case.items():
             n, name = key.split("/", 1)
-            if name != "writes":
+            if name not in {"writes", "prefill"}:
                 out.append((int(n), rank, name, result))
     return out
 
 
-def _write_entries(runs: dict[int, dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
-    """``{(N, rank): result}`` of the write-routing scenario."""
+def _scenario_entries(
+    runs: dict[int, dict[str, Any]], scenario: str = "writes"
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """``{(N, rank): result}`` of one scenario (write routing, or the prefill)."""
     return {
         (int(key.split("/")[0]), rank): result
         for rank, per_case in runs.items()
         for key, result in per_case.items()
-        if key.endswith("/writes")
+        if key.endswith(f"/{scenario}")
     }
 
 
@@ -405,7 +497,8 @@ def test_every_world_size_and_case_ran(runs: dict[int, dict[str, Any]]) -> None:
     seen = {(n, rank, name) for n, rank, name, _ in _entries(runs)}
     expected = {(n, rank, c[0]) for n in range(1, WORLD + 1) for rank in range(n) for c in CASES}
     assert seen == expected
-    assert set(_write_entries(runs)) == {(n, r) for n in range(1, WORLD + 1) for r in range(n)}
+    members = {(n, r) for n in range(1, WORLD + 1) for r in range(n)}
+    assert set(_scenario_entries(runs)) == set(_scenario_entries(runs, "prefill")) == members
 
 
 def test_compacted_owned_width_shrinks_with_world_size(runs: dict[int, dict[str, Any]]) -> None:
@@ -426,15 +519,14 @@ def test_routed_writes_build_exactly_the_single_rank_shards(
     runs: dict[int, dict[str, Any]],
 ) -> None:
     """After prefill + decode writes, each rank's K/V and index equal the single-rank shards."""
-    bad = [
-        key for key, r in _write_entries(runs).items() if not (r["kv_equal"] and r["index_equal"])
-    ]
+    entries = _scenario_entries(runs)
+    bad = [key for key, r in entries.items() if not (r["kv_equal"] and r["index_equal"])]
     assert bad == []
 
 
 def test_routed_raw_writes_land_on_exactly_one_rank(runs: dict[int, dict[str, Any]]) -> None:
     """Summed over a group's ranks, every raw row of every write is stored exactly once."""
-    entries = _write_entries(runs)
+    entries = _scenario_entries(runs)
     for n in range(1, WORLD + 1):
         group = [entries[n, r] for r in range(n)]
         assert sum(r["owned_rows"] for r in group) == group[0]["total_rows"], n
@@ -448,10 +540,31 @@ def test_decode_on_routed_shards_matches_single_rank(runs: dict[int, dict[str, A
     """A decode step on the routed shards selects the same blocks and output as one rank."""
     bad = [
         (key, r["out_close"], r["lse_close"])
-        for key, r in _write_entries(runs).items()
+        for key, r in _scenario_entries(runs).items()
         if not r["ids_equal"] or r["out_close"] or r["lse_close"]
     ]
     assert bad == []
+
+
+def test_prefill_over_a_sharded_prefix_matches_single_rank(
+    runs: dict[int, dict[str, Any]],
+) -> None:
+    """A chunk after a 1,234-token prefix, its own K/V routed to the owners, each query token
+    selecting blocks of the prefix and of the chunk: the merged attention equals one rank's
+    within bf16 (LSE within fp32), both head layouts, every group size."""
+    entries = _scenario_entries(runs, "prefill")
+    bad = [
+        (key, layout, r[layout]["out_close"], r[layout]["lse_close"])
+        for key, r in entries.items()
+        for layout in LAYOUTS
+        if r[layout]["out_close"] or r[layout]["lse_close"]
+    ]
+    assert bad == []
+    for (n, _rank), r in entries.items():
+        assert r["shard_equal"], n
+        assert r["selects_prefix_and_chunk"] == [True, True]
+        assert r["replicated"]["out_shape"] == [PREFILL_CHUNK, HQ, D]
+        assert r["sharded"]["out_shape"] == [PREFILL_CHUNK, HQ // n, D]
 
 
 def test_selected_block_set_equals_single_rank_indexer(runs: dict[int, dict[str, Any]]) -> None:

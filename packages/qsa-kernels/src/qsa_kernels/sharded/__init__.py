@@ -5,7 +5,9 @@ token-interleaved and its compressed index page-interleaved (:class:`qsa_core.Sh
 One decode step of one QSA layer is :func:`sharded_indexer_topk` (each rank scores its own
 blocks; one all-gather of candidates; an exact merge) then :func:`owner_sparse_decode` (each rank
 attends over the selected tokens it stores, compacted to a width that shrinks with ``N``; one
-exchange of fp32 partials; an LSE merge). All transport goes through
+exchange of fp32 partials; an LSE merge). A prefill chunk over a sharded prefix is
+:func:`owner_sparse_prefill` (each query token attends as a decode row of its position would).
+All transport goes through
 :class:`ShardedDecodeBuffers`, allocated once. Writes of new raw K/V rows
 and closed index blocks are routed to their owners (``*_write_targets``, ``write_owned_*``).
 """
@@ -14,6 +16,7 @@ from qsa_kernels.sharded._attention import (
     gather_group_queries,
     merge_owner_partials,
     owner_sparse_decode,
+    owner_sparse_prefill,
     partial_attention_reference,
 )
 from qsa_kernels.sharded._buffers import CollectiveBytes, HeadLayout, ShardedDecodeBuffers
@@ -71,6 +74,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "local_topk_candidates",
     "merge_owner_partials",
     "owner_sparse_decode",
+    "owner_sparse_prefill",
     "partial_attention_reference",
     "sharded_indexer_topk",
 )

@@ -28,6 +28,7 @@ __all__ = (
     "gather_group_queries",
     "merge_owner_partials",
     "owner_sparse_decode",
+    "owner_sparse_prefill",
     "partial_attention_reference",
 )
 
@@ -162,6 +163,91 @@ def owner_sparse_decode(
     else:
         out, lse = partial_attention_reference(q_full, local, local_kv, scale=sm_scale)
     return merge_owner_partials(out, lse, shard=shard, buffers=buffers, path=concrete)
+
+
+def owner_sparse_prefill(
+    q: torch.Tensor,
+    block_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_row: torch.Tensor,
+    local_kv: torch.Tensor,
+    *,
+    shard: ShardGroup,
+    buffers: ShardedDecodeBuffers,
+    scale: float | None = None,
+    path: KernelPath = KernelPath.AUTO,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse GQA prefill of one request's chunk over sharded raw K/V, a prefix included.
+
+    A prefill query at position ``p`` attends what a decode row of length ``p + 1`` attends: its
+    selected complete blocks and the tokens of its own open block up to ``p`` (causal). So each
+    group of ``buffers.max_rows`` query tokens runs :func:`owner_sparse_decode` with lengths
+    ``positions + 1`` over the request's one slot-table row: every rank attends the tokens it owns
+    (of the prefix, a restored prefix, or the chunk itself), and the LSE merge gives the
+    attention over the whole selection. Every rank of the group calls this with the same ``T``
+    (the groups' collectives must pair up). The chunk's own K/V must already be in the owners'
+    shards (:func:`write_owned_raw_kv`). Eager: each group reads its owned width on the host.
+
+    Collectives: those of :func:`owner_sparse_decode`, once per group of ``max_rows`` tokens.
+
+    Args:
+        q: REPLICATED ``[T, Hq, D]``; SHARDED ``[T, Hq / N, D]``; bf16, roped.
+        block_ids: ``[T, topk]`` int32 each query's selected request-relative blocks, ``-1``
+            padded; identical on every rank.
+        positions: ``[T]`` int32/int64 each query token's position in the request.
+        slot_row: ``[S]`` int32/int64 the request's logical raw slot of each position, ``S >
+            max(positions)`` (its ``req_to_token`` row).
+        local_kv: ``[NS_local, 2, 4, Hkv, D]`` this rank's raw K/V shard.
+        shard: this rank's shard group.
+        buffers: static buffers with ``topk == block_ids.shape[1]`` and ``q_heads == Hq``; their
+            ``max_rows`` sets the group size.
+        scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+        path: kernels or references.
+
+    Returns:
+        ``(out, lse)`` as :func:`owner_sparse_decode` returns them, ``T`` rows.
+
+    Raises:
+        KernelInputError: bad shapes, or a position outside the slot row.
+    """
+    tokens = q.shape[0]
+    if block_ids.dim() != 2 or block_ids.shape[0] != tokens or positions.shape != (tokens,):
+        msg = (
+            f"block_ids must be [T={tokens!r}, topk] and positions [T]; got "
+            f"{tuple(block_ids.shape)!r} and {tuple(positions.shape)!r}"
+        )
+        raise KernelInputError(msg)
+    if slot_row.dim() != 1:
+        msg = f"slot_row must be [S]; got {tuple(slot_row.shape)!r}"
+        raise KernelInputError(msg)
+    if tokens and not 0 <= int(positions.min()) <= int(positions.max()) < slot_row.shape[0]:
+        msg = (
+            f"positions span [{int(positions.min())!r}, {int(positions.max())!r}]; the slot row "
+            f"holds [0, {slot_row.shape[0]!r})"
+        )
+        raise KernelInputError(msg)
+    seq_lens = positions.to(torch.int32) + 1
+    outs, lses = [], []
+    for start in range(0, tokens, buffers.max_rows):
+        rows = slice(start, min(start + buffers.max_rows, tokens))
+        count = rows.stop - rows.start
+        out, lse = owner_sparse_decode(
+            q[rows],
+            block_ids[rows],
+            seq_lens[rows],
+            slot_row.unsqueeze(0).expand(count, -1),
+            local_kv,
+            shard=shard,
+            buffers=buffers,
+            scale=scale,
+            path=path,
+        )
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        heads = q.shape[1]
+        return q.new_empty(0, heads, q.shape[2]), torch.empty(0, heads, device=q.device)
+    return torch.cat(outs), torch.cat(lses)
 
 
 def gather_group_queries(
