@@ -191,7 +191,14 @@ def test_scheduler_process_writes_one_record(reports: Reports) -> None:
     assert len(names) == 1
     record = ActivationRecord.from_json((reports.activation_dir / names[0]).read_text())
     assert (record.role, record.tp_rank, record.pp_rank) == ("scheduler", 0, 0)
-    assert record.features == ("framework", "model_compat", "hisparse", "lifecycle")
+    assert record.features == (
+        "framework",
+        "model_compat",
+        "hisparse",
+        "lifecycle",
+        "qsa_backend",
+        "kv_pool",
+    )
     assert record.hisparse_mode == "p2-offload"
     assert record.verified is True
     assert record.versions["sglang"] == "0.5.23"

@@ -329,6 +329,46 @@ def test_cache_sharding_beyond_the_replica_group_is_refused_by_name(
     assert f"allowed: {allowed}" in message
 
 
+RESIDENT_SHARDING = parse_switches({"SGLANG_QSA_CACHE_SHARDING": "2"})
+#: Upstream's own scheduling: the offload's flags are not needed without an offload.
+UPSTREAM_SCHEDULING = dataclasses.replace(
+    GOOD,
+    tp_size=4,
+    disable_overlap_schedule=False,
+    disable_radix_cache=False,
+    radix_cache_backend=None,
+    max_running_requests=None,
+    prefill_max_requests=None,
+)
+
+
+def test_resident_cache_sharding_passes_with_upstreams_scheduling() -> None:
+    """Without an offload the sharded store needs none of the offload's flags."""
+    assert check_configuration(UPSTREAM_SCHEDULING, RESIDENT_SHARDING) is not None
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        ({"speculative_algorithm": "EAGLE"}, ["--speculative-algorithm='EAGLE'", "unset"]),
+        ({"attn_dp_size": 2}, ["--attn-dp-size=2", "same batch"]),
+        ({"enable_prefill_cp": True}, ["--enable-prefill-cp=True", "zigzag share"]),
+        ({"disaggregation_mode": "prefill"}, ["--disaggregation-mode='prefill'", "'null'"]),
+        ({"enable_hisparse": True}, ["--enable-hisparse=True", "off"]),
+        ({"enable_mixed_chunk": True}, ["--enable-mixed-chunk=True", "not verified"]),
+        ({"prefill_graph_backend": "full"}, ["--cuda-graph-backend-prefill='full'", "host"]),
+        ({"tp_size": 2}, ["SGLANG_QSA_CACHE_SHARDING=2 does not fit --tp-size=2", "[1]"]),
+    ],
+)
+def test_resident_cache_sharding_refuses_what_its_backend_cannot_serve(
+    change: dict[str, Any], fragments: list[str]
+) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(dataclasses.replace(UPSTREAM_SCHEDULING, **change), RESIDENT_SHARDING)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
 @pytest.mark.parametrize("blocks", [512, 2048, 1 << 16])
 def test_hot_blocks_from_one_selection_to_the_fetch_kernels_limit_pass(blocks: int) -> None:
     switches = parse_switches({**OFFLOAD_ENV, "SGLANG_QSA_HISPARSE_HOT_BLOCKS": str(blocks)})

@@ -172,7 +172,7 @@ def test_offloaded_decode_chooses_upstreams_tokens_within_bf16_noise(
     log = engine.log_path.read_text(encoding="utf-8", errors="replace")
     tree_cache = "Tree cache initialized: source=registered('qsa_hisparse') impl=HiSparseRadixCache"
     assert tree_cache in log
-    assert "offload: the QSA layers attend through HiSparseOffloadBackend" in log
+    assert "the QSA layers attend through HiSparseOffloadBackend" in log
     # Every decode step went through the host arena: 63 per request (the first token comes from
     # the prefill), and the sparse prompts' first steps fetched their selected blocks from host.
     assert _value(engine, "qsa_hisparse_offload_decode_steps_total") >= 3 * 63

@@ -34,15 +34,18 @@ def test_model_compat_zero_is_off() -> None:
 @pytest.mark.parametrize("mode", list(HiSparseMode))
 def test_every_mode_with_model_compat_parses(mode: HiSparseMode) -> None:
     """Both V3 modes parse when MODEL_COMPAT=1 and turn on the hisparse feature and the request
-    lifecycle (the qsa_hisparse tree cache); only p2-offload offloads."""
+    lifecycle (the qsa_hisparse tree cache); only p2-offload offloads, through the plugin's QSA
+    backend and the one-page K/V pool."""
     switches = parse_switches({"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": mode})
     assert switches.hisparse is mode
     assert switches.offload is (mode is HiSparseMode.P2_OFFLOAD)
+    offload = (Feature.QSA_BACKEND, Feature.KV_POOL) if switches.offload else ()
     assert switches.features == (
         Feature.FRAMEWORK,
         Feature.MODEL_COMPAT,
         Feature.HISPARSE,
         Feature.LIFECYCLE,
+        *offload,
     )
 
 
@@ -137,9 +140,16 @@ def test_verification_is_off_unless_asked_for_with_offload() -> None:
         (
             {**ON, "SGLANG_QSA_HISPARSE_V3": "p2-resident", "SGLANG_QSA_CACHE_SHARDING": "2"},
             [
-                "SGLANG_QSA_CACHE_SHARDING='2' shards the offloaded K/V",
-                "requires SGLANG_QSA_HISPARSE_V3='p2-offload'",
+                "SGLANG_QSA_CACHE_SHARDING='2' shards the offloaded or the resident QSA K/V",
+                "requires SGLANG_QSA_HISPARSE_V3 unset or 'p2-offload'",
                 "got SGLANG_QSA_HISPARSE_V3='p2-resident'",
+            ],
+        ),
+        (
+            {"SGLANG_QSA_DS_CHANNEL_CONFIG": "c.json", "SGLANG_QSA_CACHE_SHARDING": "2"},
+            [
+                "SGLANG_QSA_CACHE_SHARDING='2' shards QSA layers",
+                "SGLANG_QSA_DS_CHANNEL_CONFIG='c.json' serves models without them",
             ],
         ),
     ],
@@ -280,7 +290,12 @@ def test_ds_offload_turns_on_the_offload_feature_and_allows_verification() -> No
     assert switches.double_sparsity.offload
     assert switches.offload
     assert switches.verify_offload
-    assert switches.features == (Feature.FRAMEWORK, Feature.LIFECYCLE, Feature.DOUBLE_SPARSITY)
+    assert switches.features == (
+        Feature.FRAMEWORK,
+        Feature.LIFECYCLE,
+        Feature.DOUBLE_SPARSITY,
+        Feature.KV_POOL,
+    )
     resident = parse_switches({DS: "c.json", "SGLANG_QSA_DS_OFFLOAD": "0"})
     assert resident.double_sparsity is not None
     assert not resident.double_sparsity.offload
@@ -355,4 +370,21 @@ def test_cache_sharding_with_offload_is_its_own_feature() -> None:
     )
     sharded = parse_switches({**env, "SGLANG_QSA_CACHE_SHARDING": "4"})
     assert sharded.cache_sharding == 4
-    assert sharded.features[-1] is Feature.CACHE_SHARDING
+    assert Feature.CACHE_SHARDING in sharded.features
+    assert not sharded.resident_sharding
+
+
+def test_cache_sharding_without_an_offload_keeps_the_k_v_resident_in_sharded_stores() -> None:
+    """N > 1 alone is resident sharding: the plugin's QSA backend and the one-page K/V pool, no
+    request lifecycle, no offload."""
+    switches = parse_switches({"SGLANG_QSA_CACHE_SHARDING": "2"})
+    assert switches.any_on
+    assert switches.resident_sharding
+    assert switches.plugin_holds_raw_kv
+    assert not switches.offload
+    assert switches.features == (
+        Feature.FRAMEWORK,
+        Feature.CACHE_SHARDING,
+        Feature.QSA_BACKEND,
+        Feature.KV_POOL,
+    )

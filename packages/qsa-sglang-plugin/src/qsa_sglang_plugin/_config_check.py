@@ -131,9 +131,11 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     ``--prefill-max-requests 1`` (one staged prompt) and, on CUDA, prefill CUDA graphs off
     (``--cuda-graph-backend-prefill disabled``; decode graphs are supported); with the host
     prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size; with cache
-    sharding, a shard group that divides the TP ranks holding one K/V head. With
-    double sparsity: ``--attention-backend qsa_ds`` on a GQA model without QSA layers that the
-    channel file fits; with DS-Offload also the serving and offload rules above.
+    sharding, a shard group that divides the TP ranks holding one K/V head, and without an
+    offload also no speculative decoding, attention DP, prefill CP, PD disaggregation, upstream
+    HiSparse, mixed chunks or prefill CUDA graphs. With double sparsity: ``--attention-backend
+    qsa_ds`` on a GQA model without QSA layers that the channel file fits; with DS-Offload also
+    the serving and offload rules above.
 
     Returns:
         The model's QSA profile, or None when every switch is off (nothing is checked).
@@ -192,6 +194,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_prefix_cache(facts)
     if switches.cache_sharding > 1:
         _check_cache_sharding(facts, profile, switches.cache_sharding)
+    if switches.resident_sharding:
+        _check_resident_sharding(facts)
     if switches.hot_blocks is not None:
         _check_hot_blocks(profile, switches.hot_blocks)
     return profile
@@ -391,6 +395,64 @@ def _check_offload(facts: ConfigFacts) -> None:
             "'disabled' (decode CUDA graphs stay on)",
             "prefill graph capture runs the staging of prompts for requests that hold no "
             "host-arena row",
+        )
+
+
+def _check_resident_sharding(facts: ConfigFacts) -> None:
+    """What the sharded store's backend serves.
+
+    One decode token per request and step, every rank of a shard group in the same batch, eager
+    prefill.
+    """
+    if facts.speculative_algorithm is not None:
+        raise _reject(
+            "--speculative-algorithm",
+            facts.speculative_algorithm,
+            "unset",
+            "the sharded decode attends one new token per request and step",
+        )
+    if facts.attn_dp_size != 1:
+        raise _reject(
+            "--attn-dp-size",
+            facts.attn_dp_size,
+            "1",
+            "the ranks of a shard group must run the same batch through every collective",
+        )
+    if facts.enable_prefill_cp:
+        raise _reject(
+            "--enable-prefill-cp",
+            True,
+            "off",
+            "context-parallel prefill is not wired into the sharded store: each rank would write "
+            "only its zigzag share of the prompt",
+        )
+    if facts.disaggregation_mode != "null":
+        raise _reject(
+            "--disaggregation-mode",
+            facts.disaggregation_mode,
+            "'null'",
+            "the K/V transfer reads SGLang's pool, which holds no raw K/V under sharding",
+        )
+    if facts.enable_hisparse:
+        raise _reject(
+            "--enable-hisparse",
+            True,
+            "off",
+            "upstream HiSparse and the sharded store would both own the QSA K/V",
+        )
+    if facts.enable_mixed_chunk:
+        raise _reject(
+            "--enable-mixed-chunk",
+            True,
+            "off",
+            "mixed prefill-and-decode batches are not verified against the sharded store",
+        )
+    if facts.prefill_graph_backend != "disabled":
+        raise _reject(
+            "--cuda-graph-backend-prefill",
+            facts.prefill_graph_backend,
+            "'disabled' (decode CUDA graphs stay on)",
+            "a prefill after a prefix reads its owned widths on the host",
         )
 
 

@@ -105,11 +105,12 @@ HOOKS: tuple[HookSpec, ...] = (
         module="sglang.srt.layers.attention.attention_registry",
         qualname="attn_backend_wrapper",
         kind=HookKind.AFTER,
-        feature=Feature.HISPARSE,
+        feature=Feature.QSA_BACKEND,
         hook="qsa_sglang_plugin._adapters._offload:after_attn_backend_wrapper",
         reason=(
-            "With p2-offload, put the offload backend (a QwenSparseAttnBackend subclass) in the "
-            "hybrid GDN backend's full-attention place. The attention-backend registry cannot "
+            "With p2-offload the offload backend, with cache sharding and no offload the sharded "
+            "backend (QwenSparseAttnBackend subclasses), in the hybrid GDN backend's "
+            "full-attention place. The attention-backend registry cannot "
             "reach it: for hybrid GDN+QSA models the wrapper builds QwenSparseAttnBackend itself, "
             "whatever --attention-backend says."
         ),
@@ -122,12 +123,13 @@ HOOKS: tuple[HookSpec, ...] = (
         module="sglang.srt.mem_cache.kv_cache_configurator",
         qualname="KVCacheConfigurator._resolve_kv_pool_class",
         kind=HookKind.AFTER,
-        feature=Feature.LIFECYCLE,
+        feature=Feature.KV_POOL,
         hook="qsa_sglang_plugin._adapters._kv_pool:after_resolve_kv_pool_class",
         reason=(
-            "With an offload (p2-offload, DS-Offload), the attention layers' MHA pool class (also "
-            "the full-KV leaf of the QSA pool) becomes a one-page pool: the K/V lives in staging, "
-            "hot caches, tails and the host arena. The platform seam for pool classes "
+            "With an offload (p2-offload, DS-Offload) or cache sharding, the attention layers' "
+            "MHA pool class (also the full-KV leaf of the QSA pool) becomes a one-page pool: the "
+            "K/V lives in staging, hot caches, tails and the host arena, or in each rank's share "
+            "of the sharded store. The platform seam for pool classes "
             "(get_kv_pool_cls) is open to out-of-tree platforms only."
         ),
         relies_on=("sglang.srt.mem_cache.memory_pool",),

@@ -115,8 +115,15 @@ class Feature(enum.StrEnum):
     PREFIX_CACHE = "prefix_cache"
     DOUBLE_SPARSITY = "double_sparsity"
     CACHE_SHARDING = "cache_sharding"
-    """``SGLANG_QSA_CACHE_SHARDING`` > 1: the offload's host arena sharded over the TP ranks of
-    one K/V head (no hooks of its own: the offload backend shards)."""
+    """``SGLANG_QSA_CACHE_SHARDING`` > 1: the QSA layers' raw K/V sharded over the TP ranks of
+    one K/V head, the offload's host arenas or, without an offload, a store on each rank (no
+    hooks of its own: the backend of :attr:`QSA_BACKEND` shards)."""
+    QSA_BACKEND = "qsa_backend"
+    """The QSA layers attend through the plugin's subclass of upstream's QSA backend: the
+    offload backend (``p2-offload``) or the sharded one (cache sharding without an offload)."""
+    KV_POOL = "kv_pool"
+    """The attention layers' raw K/V is held by the plugin, not SGLang's K/V pool (an offload,
+    or cache sharding): that pool keeps its slots and one page of storage."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +161,7 @@ class Switches:
             and tail when the request gives its row back. A diagnostic that costs the GPU
             memory offload saves.
         cache_sharding: ``SGLANG_QSA_CACHE_SHARDING``: ranks per shard group (1 = off; with
-            ``p2-offload`` only).
+            ``p2-offload`` or with no ``SGLANG_QSA_HISPARSE_V3`` mode, resident).
         hot_blocks: ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``: hot-cache blocks per request and QSA
             layer, or None for the default (with ``p2-offload`` only).
     """
@@ -176,6 +183,7 @@ class Switches:
             or self.hisparse is not None
             or self.prefix_cache_mb > 0
             or self.double_sparsity is not None
+            or self.cache_sharding > 1
         )
 
     @property
@@ -184,6 +192,16 @@ class Switches:
         return self.hisparse is HiSparseMode.P2_OFFLOAD or (
             self.double_sparsity is not None and self.double_sparsity.offload
         )
+
+    @property
+    def resident_sharding(self) -> bool:
+        """Cache sharding without an offload: each rank stores its share of the raw K/V."""
+        return self.cache_sharding > 1 and self.hisparse is None
+
+    @property
+    def plugin_holds_raw_kv(self) -> bool:
+        """The attention layers' raw K/V is outside SGLang's pool: an offload, or sharded."""
+        return self.offload or self.resident_sharding
 
     @property
     def prefix_cache_bytes(self) -> int:
@@ -208,6 +226,10 @@ class Switches:
             out.append(Feature.DOUBLE_SPARSITY)
         if self.cache_sharding > 1:
             out.append(Feature.CACHE_SHARDING)
+        if self.hisparse is HiSparseMode.P2_OFFLOAD or self.resident_sharding:
+            out.append(Feature.QSA_BACKEND)
+        if self.plugin_holds_raw_kv:
+            out.append(Feature.KV_POOL)
         return tuple(out)
 
 
@@ -322,10 +344,20 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         if raw_sharding
         else 1
     )
-    if cache_sharding > 1:
-        # The resident QSA pool is upstream's; the shards are the offload's host arenas.
-        what = f"{ENV_CACHE_SHARDING}={raw_sharding!r} shards the offloaded K/V and"
-        _require_offload(what, hisparse, raw_mode)
+    if cache_sharding > 1 and hisparse not in (None, HiSparseMode.P2_OFFLOAD):
+        # Shards are the offload's host arenas, or each rank's store of the resident K/V.
+        msg = (
+            f"{ENV_CACHE_SHARDING}={raw_sharding!r} shards the offloaded or the resident QSA K/V "
+            f"and requires {ENV_HISPARSE_V3} unset or {HiSparseMode.P2_OFFLOAD.value!r}, got "
+            f"{ENV_HISPARSE_V3}={raw_mode!r}"
+        )
+        raise SwitchError(msg)
+    if cache_sharding > 1 and double_sparsity is not None:
+        msg = (
+            f"{ENV_CACHE_SHARDING}={raw_sharding!r} shards QSA layers; {ENV_DS_CHANNEL_CONFIG}="
+            f"{double_sparsity.channel_config!r} serves models without them; unset one side"
+        )
+        raise SwitchError(msg)
     raw_hot = environ.get(ENV_HISPARSE_HOT_BLOCKS, "")
     hot_blocks = None
     if raw_hot:

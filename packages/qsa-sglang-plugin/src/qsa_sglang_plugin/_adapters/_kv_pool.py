@@ -1,13 +1,14 @@
-"""The attention layers' K/V pool under an offload: SGLang's slots, one page of storage.
+"""The attention layers' K/V pool when the plugin holds their K/V: slots, one page of storage.
 
 With ``p2-offload`` (QSA) or DS-Offload (``SGLANG_QSA_DS_OFFLOAD=1``) the K/V history of the
 attention layers lives in pinned host memory, one prompt's staging area, the hot caches and the
-open-block tails (:mod:`._offload`). SGLang still allocates a token slot per token, and what else
-it keys by slot stays as upstream: the QSA compressed index (``slot // 4``) and the
+open-block tails (:mod:`._offload`); with cache sharding and no offload, in each TP rank's share
+of the sharded store (:mod:`._sharded_kv`). SGLang still allocates a token slot per token, and
+what else it keys by slot stays as upstream: the QSA compressed index (``slot // 4``) and the
 double-sparsity label cache. Its MHA pool class, which SGLang resolves once per model runner
 (``KVCacheConfigurator._resolve_kv_pool_class(kind="mha")``, also the full-KV leaf of the QSA
 pool), becomes :func:`no_storage_pool_class`: the same pool with only its padding page
-allocated. One AFTER hook on that resolution serves both offloads.
+allocated. One AFTER hook on that resolution serves both offloads and the sharded store.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from qsa_sglang_plugin._switches import current_switches
 
 __all__ = ("after_resolve_kv_pool_class", "no_storage_pool_class")
 
-#: The pool kind whose class the offload replaces (SGLang's ``KVPoolKind``).
+#: The pool kind whose class the plugin replaces (SGLang's ``KVPoolKind``).
 _MHA: str = "mha"
 
 
@@ -30,12 +31,12 @@ def no_storage_pool_class() -> type[Any]:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     class NoRawKVPool(MHATokenToKVPool):  # type: ignore[misc]
-        """The attention layers' K/V pool under an offload: slots without storage.
+        """The attention layers' K/V pool when the plugin holds the K/V: slots without storage.
 
         SGLang's allocator still hands out a slot per token (the QSA compressed index is
         addressed by ``slot // 4``, the double-sparsity labels by the slot itself); the K/V
-        lives in the staging area, the hot caches, the tails and the host arena, so the buffers
-        hold only the padding page.
+        lives in the staging area, the hot caches, the tails and the host arena, or in the
+        sharded store, so the buffers hold only the padding page.
         """
 
         def _create_buffers(self) -> None:
@@ -48,7 +49,7 @@ def no_storage_pool_class() -> type[Any]:
 
         def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
             del args, kwargs
-            msg = "the attention layers' K/V is offloaded; nothing may write SGLang's K/V pool"
+            msg = "the plugin holds the attention layers' K/V; nothing may write SGLang's K/V pool"
             raise OffloadRuntimeError(msg)
 
     return NoRawKVPool
@@ -57,24 +58,24 @@ def no_storage_pool_class() -> type[Any]:
 def after_resolve_kv_pool_class(
     result: type, configurator: Any, *args: object, kind: str, default: type, **kwargs: object
 ) -> type | None:
-    """AFTER hook on ``KVCacheConfigurator._resolve_kv_pool_class``: the offload's MHA pool.
+    """AFTER hook on ``KVCacheConfigurator._resolve_kv_pool_class``: the one-page MHA pool.
 
     Returns:
-        :func:`no_storage_pool_class` for the MHA kind when an offload is on; None (SGLang's
-        result stands) otherwise.
+        :func:`no_storage_pool_class` for the MHA kind when an offload or cache sharding is on;
+        None (SGLang's result stands) otherwise.
 
     Raises:
-        ConfigurationError: an offload on a platform that brings its own MHA pool class, or with
-            a layout other than upstream's plain per-layer pool.
+        ConfigurationError: a platform that brings its own MHA pool class, or a layout other
+            than upstream's plain per-layer pool.
     """
     del configurator, args, default, kwargs
-    if kind != _MHA or not current_switches().offload:
+    if kind != _MHA or not current_switches().plugin_holds_raw_kv:
         return None
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     if result is not MHATokenToKVPool:  # a platform's own pool, or the page-major layout
         msg = (
-            f"SGLang resolved the MHA K/V pool to {result.__name__}; the offload replaces only "
+            f"SGLang resolved the MHA K/V pool to {result.__name__}; the plugin replaces only "
             f"{MHATokenToKVPool.__name__} (upstream's per-layer layout)"
         )
         raise ConfigurationError(msg)

@@ -83,11 +83,14 @@ __all__ = (
     "OffloadRuntime",
     "after_attn_backend_wrapper",
     "arena_rows",
+    "complete_blocks",
     "ds_offload_geometry",
     "fixed_device_bytes",
     "offload_geometry",
     "price_offloaded_pool",
+    "qsa_profile_of",
     "runtime_of",
+    "shard_group",
 )
 
 logger = logging.getLogger(__name__)
@@ -497,24 +500,8 @@ class OffloadRuntime:
         if self._block_topk is None:
             msg = "decode_layer takes a QSA indexer's blocks; this runtime chooses tokens"
             raise OffloadRuntimeError(msg)
-        closed = self.kv.step_closed_blocks.unsqueeze(1)  # 0 for padding rows: nothing selected
-        width = indices.shape[1] if indices.dim() == 2 else -1
-        if width == self._block_topk:
-            blocks = indices.to(torch.int32)
-            return torch.where(blocks < closed, blocks, -1)
-        if width == BLOCK_TOKENS * self._block_topk + BLOCK_TOKENS - 1:
-            # Token positions: a selected block contributes its first token (4 b); the open
-            # block's tokens lie at or after 4 * closed and are the tail's.
-            tokens = indices.to(torch.int32)
-            starts = (tokens >= 0) & (tokens % BLOCK_TOKENS == 0) & (tokens < BLOCK_TOKENS * closed)
-            candidates = torch.where(starts, tokens // BLOCK_TOKENS, -1)
-            return candidates.sort(dim=1, descending=True).values[:, : self._block_topk]
-        msg = (
-            f"the offloaded decode takes the indexer's [B, {self._block_topk}] block ids or "
-            f"[B, {BLOCK_TOKENS * (self._block_topk + 1) - 1}] token positions; got "
-            f"{tuple(indices.shape)!r}"
-        )
-        raise OffloadRuntimeError(msg)
+        # Padding rows have 0 complete blocks: nothing selected.
+        return complete_blocks(indices, self.kv.step_closed_blocks, self._block_topk)
 
     def _ordinal_of(self, layer_id: int) -> int:
         ordinal = self._ordinal.get(layer_id)
@@ -612,6 +599,40 @@ class OffloadRuntime:
                 format_bytes(self.host_arena_bytes),
             )
         return selected, fetched
+
+
+def complete_blocks(indices: torch.Tensor, closed: torch.Tensor, block_topk: int) -> torch.Tensor:
+    """``[B, block_topk]`` int32 selected complete blocks (``-1`` padded) of the QSA indexer.
+
+    Args:
+        indices: ``[B, block_topk]`` block ids, or the same blocks expanded to token positions
+            followed by the open block's (``[B, 4 block_topk + 3]``, what upstream's indexer
+            returns in prefill and where it does not defer the expansion); ``-1`` padded.
+        closed: ``[B]`` complete blocks each row may attend (its length // 4); an entry at or
+            beyond it is not a complete block.
+        block_topk: the indexer's block selection width.
+
+    Raises:
+        OffloadRuntimeError: ``indices`` has neither shape.
+    """
+    limit = closed.to(torch.int32).unsqueeze(1)
+    width = indices.shape[1] if indices.dim() == 2 else -1
+    if width == block_topk:
+        blocks = indices.to(torch.int32)
+        return torch.where(blocks < limit, blocks, -1)
+    if width == BLOCK_TOKENS * block_topk + BLOCK_TOKENS - 1:
+        # Token positions: a selected block contributes its first token (4 b); the open
+        # block's tokens lie at or after 4 * closed.
+        tokens = indices.to(torch.int32)
+        starts = (tokens >= 0) & (tokens % BLOCK_TOKENS == 0) & (tokens < BLOCK_TOKENS * limit)
+        candidates = torch.where(starts, tokens // BLOCK_TOKENS, -1)
+        return candidates.sort(dim=1, descending=True).values[:, :block_topk].contiguous()
+    msg = (
+        f"the QSA indexer's selection must be [B, {block_topk}] block ids or "
+        f"[B, {BLOCK_TOKENS * (block_topk + 1) - 1}] token positions; got "
+        f"{tuple(indices.shape)!r}"
+    )
+    raise OffloadRuntimeError(msg)
 
 
 # ---- construction --------------------------------------------------------------------------------
@@ -717,18 +738,26 @@ def fixed_device_bytes(geometry: OffloadGeometry, *, verify: bool = False) -> in
     return staging + resident + geometry.device_bytes
 
 
-def _qsa_profile(model_config: Any) -> Any:
+def qsa_profile_of(model_config: Any) -> Any:
+    """SGLang's QSA profile of a model (its indexer's block top-k, budget, compress ratio).
+
+    Raises:
+        ConfigurationError: the model has no QSA layers, or blocks other than 4 tokens.
+    """
     from sglang.srt.layers.attention.qsa.config import parse_qsa_profile
 
     config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
     profile = parse_qsa_profile(config)
     if profile is None:
-        msg = f"{type(config).__name__} has no QSA profile; p2-offload serves QSA models only"
+        msg = (
+            f"{type(config).__name__} has no QSA profile; the plugin's QSA backends serve QSA "
+            "models only"
+        )
         raise ConfigurationError(msg)
     if profile.compress_ratio != BLOCK_TOKENS:
         msg = (
-            f"indexer_compress_ratio={profile.compress_ratio!r}; p2-offload moves blocks of "
-            f"{BLOCK_TOKENS} tokens (allowed: {BLOCK_TOKENS})"
+            f"indexer_compress_ratio={profile.compress_ratio!r}; the plugin's QSA backends move "
+            f"blocks of {BLOCK_TOKENS} tokens (allowed: {BLOCK_TOKENS})"
         )
         raise ConfigurationError(msg)
     return profile
@@ -739,7 +768,7 @@ def _qsa_layout(runner: Any) -> OffloadLayout:
     pool = runner.token_to_kv_pool
     full = pool.full_kv_pool
     layer_ordinal = dict(pool.full_attention_layer_id_mapping)
-    profile = _qsa_profile(runner.model_config)
+    profile = qsa_profile_of(runner.model_config)
     geometry = offload_geometry(
         layers=len(layer_ordinal),
         rows=int(runner.req_to_token_pool.size),
@@ -795,7 +824,7 @@ def _ds_layout(runner: Any, switches: DoubleSparsitySwitches) -> OffloadLayout:
     return OffloadLayout(geometry, {i: i for i in range(geometry.layers)}, None)
 
 
-def _shard_group(runner: Any, sharding: int) -> ShardGroup | None:
+def shard_group(runner: Any, sharding: int) -> ShardGroup | None:
     """This rank's shard group (``SGLANG_QSA_CACHE_SHARDING``), or None when it is off.
 
     Every TP rank creates every group, in the order :meth:`ShardPlacement.tp_groups` lists them
@@ -832,7 +861,7 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
     layout = _qsa_layout(runner) if ds is None else _ds_layout(runner, ds)
     geometry = layout.geometry
     rows, context_len = geometry.rows, int(runner.model_config.context_len)
-    shard = _shard_group(runner, switches.cache_sharding)
+    shard = shard_group(runner, switches.cache_sharding)
     arena = geometry.arena_bytes(shard)
     available = meminfo_bytes("MemAvailable")
     if available is not None and arena > available:
@@ -1015,33 +1044,40 @@ def _backend_class() -> type[Any]:
 def after_attn_backend_wrapper(
     result: Any, runner: Any, full_attn_backend: Any, *args: object, **kwargs: object
 ) -> None:
-    """AFTER hook on ``attention_registry.attn_backend_wrapper``: install the offload backend.
+    """AFTER hook on ``attention_registry.attn_backend_wrapper``: install the plugin's QSA backend.
 
-    With ``SGLANG_QSA_HISPARSE_V3=p2-offload``, the hybrid GDN backend's full-attention side (its
-    ``full_attn_backend`` and the first entry of ``attn_backend_list``, the only two references)
-    becomes the offload backend. Any other mode leaves upstream's backend in place.
+    With ``SGLANG_QSA_HISPARSE_V3=p2-offload`` the offload backend, with cache sharding and no
+    offload the sharded backend (:mod:`._sharded_kv`), becomes the hybrid GDN backend's
+    full-attention side (its ``full_attn_backend`` and the first entry of ``attn_backend_list``,
+    the only two references). Otherwise upstream's backend stays in place.
 
     Raises:
-        ConfigurationError: ``p2-offload`` on a model whose wrapper did not build upstream's
+        ConfigurationError: a model whose wrapper did not build upstream's
             ``QwenSparseAttnBackend``.
     """
     del full_attn_backend, args, kwargs
-    if not _offload_requested():
+    switches = current_switches()
+    if not (_offload_requested() or switches.resident_sharding):
         return
     from sglang.srt.layers.attention.qwen_sparse_attn_backend import QwenSparseAttnBackend
 
     upstream = getattr(result, "full_attn_backend", None)
     if type(upstream) is not QwenSparseAttnBackend:
+        what = "p2-offload" if _offload_requested() else "cache sharding"
         msg = (
-            f"SGLANG_QSA_HISPARSE_V3=p2-offload needs the hybrid GDN backend with upstream's "
-            f"QwenSparseAttnBackend; attn_backend_wrapper built {type(result).__name__} with "
-            f"{type(upstream).__name__}"
+            f"{what} needs the hybrid GDN backend with upstream's QwenSparseAttnBackend; "
+            f"attn_backend_wrapper built {type(result).__name__} with {type(upstream).__name__}"
         )
         raise ConfigurationError(msg)
-    backend = _backend_class()(runner)
+    if switches.resident_sharding:
+        from qsa_sglang_plugin._adapters._sharded_kv import sharded_backend_class
+
+        backend = sharded_backend_class()(runner)
+    else:
+        backend = _backend_class()(runner)
     result.full_attn_backend = backend
     result.attn_backend_list[0] = backend
-    logger.info("offload: the QSA layers attend through %s", type(backend).__name__)
+    logger.info("the QSA layers attend through %s", type(backend).__name__)
 
 
 def price_offloaded_pool(configurator: Any, kvc: Any) -> None:
@@ -1058,7 +1094,7 @@ def price_offloaded_pool(configurator: Any, kvc: Any) -> None:
     if hybrid is None:
         return
     layers = len(hybrid.full_attention_layer_ids)
-    profile = _qsa_profile(model_config)
+    profile = qsa_profile_of(model_config)
     geometry = offload_geometry(
         layers=layers,
         rows=arena_rows(kvc),

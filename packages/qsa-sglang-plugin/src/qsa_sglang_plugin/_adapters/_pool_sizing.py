@@ -2,8 +2,10 @@
 
 One AFTER hook on ``DefaultPoolConfigurator.__init__`` (SGLang has no registry for pool sizing):
 with ``p2-offload`` a token costs its compressed index only and the offload's device buffers are
-fixed overhead (:func:`._offload.price_offloaded_pool`); with double sparsity a token also costs
-its label rows (:func:`._double_sparsity.price_label_cache`). The switches never turn both on.
+fixed overhead (:func:`._offload.price_offloaded_pool`); with cache sharding and no offload its
+index and ``1 / N`` of its raw K/V (:func:`._sharded_kv.price_sharded_pool`); with double sparsity
+a token also costs its label rows (:func:`._double_sparsity.price_label_cache`). The switches
+turn on at most one of them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ def after_pool_configurator_init(
         from qsa_sglang_plugin._adapters._offload import price_offloaded_pool
 
         price_offloaded_pool(configurator, kvc)
+    if switches.resident_sharding:
+        from qsa_sglang_plugin._adapters._sharded_kv import price_sharded_pool
+
+        price_sharded_pool(configurator, kvc)
     if switches.double_sparsity is not None:
         from qsa_sglang_plugin._adapters._double_sparsity import price_label_cache
 

@@ -1,0 +1,535 @@
+"""QSA cache sharding without an offload (D1, resident): each rank stores its share of the raw K/V.
+
+With ``SGLANG_QSA_CACHE_SHARDING=N`` and no ``SGLANG_QSA_HISPARSE_V3`` mode, the TP ranks that
+hold copies of one K/V head form shard groups of ``N`` (:meth:`qsa_core.ShardPlacement.tp_groups`,
+the groups :func:`._offload.shard_group` creates). Every rank still computes the whole K/V of
+every token and the same block selection with upstream's indexer (the compressed index stays
+replicated in SGLang's QSA pool); the raw K/V of the QSA layers is stored once per group:
+
+- **Storage.** SGLang's full-KV leaf holds one page (the pool class of :mod:`._kv_pool`); each
+  rank keeps ``[L, NS_local, 2, 4, Hkv, D]`` records of the logical slots it owns (slot ``g`` on
+  rank ``g % N`` at local slot ``g // N``, :mod:`qsa_kernels.sharded`), ``1 / N`` of the raw
+  bytes SGLang's pool would hold; pool sizing charges a token ``1 / N`` of its raw bytes.
+- **Writes.** Every prefill chunk's and decode token's K/V goes to its owner only
+  (:func:`~qsa_kernels.sharded.raw_write_targets`, :func:`~qsa_kernels.sharded.write_owned_raw_kv`:
+  fixed shapes, no host read).
+- **Prefill.** A chunk with no prefix attends over its own K/V, which every rank has, with
+  upstream's no-prefix kernel (the torch path on CPU). A chunk after a prefix (chunked prefill)
+  attends owner-side: each query token as a decode row of its position
+  (:func:`~qsa_kernels.sharded.owner_sparse_prefill`).
+- **Decode.** :func:`~qsa_kernels.sharded.owner_sparse_decode` over the indexer's block ids: the
+  group's queries are all-gathered, each rank attends every head of the group over the selected
+  tokens it owns (compacted to ``owned_token_bound`` columns), and an all-to-all of the fp32
+  partials with an LSE merge gives each rank its own heads. One set of transport buffers,
+  allocated once, serves every layer; no host read under CUDA graphs.
+
+Operators see ``qsa_hisparse_sharded_kv_bytes`` (this rank's raw K/V store) on SGLang's
+Prometheus endpoint and a start-up log line with the per-rank and unsharded bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from qsa_kernels import BLOCK_TOKENS, KernelPath
+from qsa_kernels.sharded import (
+    HeadLayout,
+    ShardedDecodeBuffers,
+    ShardGroup,
+    owned_token_bound,
+    owner_sparse_decode,
+    owner_sparse_prefill,
+    raw_write_targets,
+    write_owned_raw_kv,
+)
+from qsa_sglang_plugin._adapters._metrics import RankMetrics
+from qsa_sglang_plugin._adapters._offload import complete_blocks, shard_group
+from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
+from qsa_sglang_plugin._hostmem import format_bytes
+from qsa_sglang_plugin._switches import current_switches
+
+__all__ = (
+    "PREFILL_GROUP_ROWS",
+    "ShardedKVRuntime",
+    "price_sharded_pool",
+    "sharded_backend_class",
+    "sharded_runtime_of",
+)
+
+logger = logging.getLogger(__name__)
+
+#: Query tokens of a prefill chunk after a prefix that attend in one owner-side round.
+PREFILL_GROUP_ROWS = 256
+
+
+class ShardedKVRuntime:
+    """This rank's share of the QSA layers' raw K/V, and the attention over the shard group.
+
+    Args:
+        shard: this rank's shard group (``N >= 2`` ranks holding copies of one K/V head).
+        layer_ordinal: SGLang layer id of each QSA layer -> its index in the store (``[0, L)``).
+        slots: logical token slots of SGLang's pool (its size plus the padding page).
+        kv_heads: K/V heads of this rank's attention layers.
+        head_dim: head dim ``D``.
+        dtype: the K/V dtype (bf16 or FP8 E4M3).
+        q_heads: query heads of this rank (the group attends ``N x q_heads``).
+        block_topk: the QSA indexer's block selection width.
+        max_rows: most decode rows of one step (SGLang's running requests).
+        device: where the store and the transport buffers live.
+        tp_rank: the TP rank, for the metrics' labels.
+        path: kernels or torch references (:attr:`KernelPath.AUTO`: Triton on CUDA).
+    """
+
+    def __init__(
+        self,
+        shard: ShardGroup,
+        layer_ordinal: Mapping[int, int],
+        *,
+        slots: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        q_heads: int,
+        block_topk: int,
+        max_rows: int,
+        device: torch.device,
+        tp_rank: int = 0,
+        path: KernelPath = KernelPath.AUTO,
+    ) -> None:
+        self.shard = shard
+        self.path = path
+        self._ordinal = dict(layer_ordinal)
+        self._block_topk = block_topk
+        self._heads, self._head_dim = kv_heads, head_dim
+        placement = shard.placement
+        records = -(-placement.local_capacity(slots) // BLOCK_TOKENS)
+        shape = (len(self._ordinal), records, 2, BLOCK_TOKENS, kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self._width = owned_token_bound(placement, block_topk)
+
+        def buffers(rows: int) -> ShardedDecodeBuffers:
+            return ShardedDecodeBuffers.allocate(
+                world_size=shard.world_size,
+                max_rows=rows,
+                topk=block_topk,
+                q_heads=shard.world_size * q_heads,
+                head_dim=head_dim,
+                layout=HeadLayout.SHARDED,
+                device=device,
+            )
+
+        self._decode_buffers = buffers(max_rows)
+        self._prefill_buffers = buffers(PREFILL_GROUP_ROWS)
+        RankMetrics(tp_rank).gauge(
+            "qsa_hisparse_sharded_kv_bytes",
+            "Bytes of this rank's share of the QSA layers' raw K/V (cache sharding).",
+        ).set(self.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's raw K/V store."""
+        return int(self.kv.nbytes)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the transport buffers (decode and prefill)."""
+        return self._decode_buffers.nbytes + self._prefill_buffers.nbytes
+
+    def layer(self, layer_id: int) -> torch.Tensor:
+        """``[NS_local, 2, 4, Hkv, D]`` this rank's records of one QSA layer."""
+        ordinal = self._ordinal.get(layer_id)
+        if ordinal is None:
+            msg = f"layer {layer_id!r} is not a QSA layer; QSA layers: {list(self._ordinal)!r}"
+            raise OffloadRuntimeError(msg)
+        return self.kv[ordinal]
+
+    def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the owned rows of new K/V (a prefill chunk or a decode step's tokens).
+
+        Args:
+            layer_id: SGLang's layer id.
+            k: ``[M, Hkv * D]`` (or ``[M, Hkv, D]``) keys of the new tokens.
+            v: their values, shaped like ``k``.
+            slots: ``[M]`` their logical slots (``out_cache_loc``; negative for padding).
+        """
+        store = self.layer(layer_id)
+        rows = int(slots.shape[0])
+        shape = (rows, self._heads, self._head_dim)
+        targets = raw_write_targets(slots, self.shard.placement, self.shard.rank)
+        k = k[:rows].reshape(shape).to(store.dtype)
+        v = v[:rows].reshape(shape).to(store.dtype)
+        write_owned_raw_kv(store, targets, k, v)
+
+    def extend(  # noqa: PLR0917 (the attention call's own order)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        indices: torch.Tensor,
+        forward_batch: Any,
+        req_to_token: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One QSA layer of an extend batch: store the owned rows, attend every query token.
+
+        Requests with no prefix attend over their own chunk, which every rank holds whole, with
+        upstream's no-prefix kernel (its torch path on CPU); when any request has a prefix each
+        request attends owner-side (:meth:`prefill`), in the batch's order on every rank.
+
+        Args:
+            layer_id: SGLang's layer id.
+            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's query heads, ``T`` valid rows.
+            k: ``[T, Hkv * D]`` the chunk's keys.
+            v: its values.
+            indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per query.
+            forward_batch: SGLang's ``ForwardBatch`` (``req_pool_indices``, ``out_cache_loc``,
+                the host ``seq_lens_cpu`` and ``extend_seq_lens_cpu``).
+            req_to_token: SGLang's ``[R, S]`` slot table.
+            scale: softmax scale.
+
+        Returns:
+            ``[T, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
+        """
+        tokens = int(indices.shape[0])
+        self.write(layer_id, k[:tokens], v[:tokens], forward_batch.out_cache_loc[:tokens])
+        extend = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+        lengths = [int(n) for n in forward_batch.seq_lens_cpu][: len(extend)]
+        heads = q.reshape(tokens, -1, self._head_dim)
+        if all(n == e for n, e in zip(lengths, extend, strict=True)):
+            out = _chunk_attention(heads, k, v, indices, extend, lengths, scale, self._heads)
+            return out.reshape(tokens, -1).to(q.dtype)
+        parts, start = [], 0
+        for i, (length, count) in enumerate(zip(lengths, extend, strict=True)):
+            rows = slice(start, start + count)
+            positions = torch.arange(length - count, length, device=q.device)
+            slot_row = req_to_token[forward_batch.req_pool_indices[i], :length]
+            part = self.prefill(layer_id, heads[rows], indices[rows], positions, slot_row, scale)
+            parts.append(part)
+            start += count
+        return torch.cat(parts).to(q.dtype)
+
+    def decode(  # noqa: PLR0917 (the attention call's own order)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_table: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One QSA layer's decode over the shard group (the new token already :meth:`write` n).
+
+        Args:
+            layer_id: SGLang's layer id.
+            q: ``[B, Hq * D]`` (or ``[B, Hq, D]``) this rank's query heads.
+            indices: the indexer's selection (the forms :func:`._offload.complete_blocks` takes).
+            seq_lens: ``[B]`` each row's length with the new token.
+            slot_table: ``[B, >= max seq_len]`` logical slot of each position
+                (``req_to_token`` rows).
+            scale: softmax scale.
+
+        Returns:
+            ``[B, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
+        """
+        batch = int(seq_lens.shape[0])
+        queries = q.reshape(batch, -1, self._head_dim)
+        blocks = complete_blocks(indices[:batch], seq_lens // BLOCK_TOKENS, self._block_topk)
+        capturing = queries.is_cuda and torch.cuda.is_current_stream_capturing()
+        out, _lse = owner_sparse_decode(
+            queries.to(torch.bfloat16),
+            blocks,
+            seq_lens,
+            slot_table,
+            self.layer(layer_id),
+            shard=self.shard,
+            buffers=self._decode_buffers,
+            scale=scale,
+            path=self.path,
+            owned_width=self._width,
+            check_width=not capturing,  # a captured step relies on the page-contiguous bound
+        )
+        return out.reshape(batch, -1).to(q.dtype)
+
+    def prefill(  # noqa: PLR0917 (the attention call's own order)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        indices: torch.Tensor,
+        positions: torch.Tensor,
+        slot_row: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One request's chunk after a prefix, owner-side (the chunk already :meth:`write` n).
+
+        Args:
+            layer_id: SGLang's layer id.
+            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's query heads of the chunk.
+            indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per query token.
+            positions: ``[T]`` each query token's position in the request.
+            slot_row: ``[S]`` the request's logical slot of each position.
+            scale: softmax scale.
+
+        Returns:
+            ``[T, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
+        """
+        tokens = int(positions.shape[0])
+        queries = q.reshape(tokens, -1, self._head_dim)
+        closed = (positions + 1) // BLOCK_TOKENS
+        blocks = complete_blocks(indices, closed, self._block_topk)
+        out, _lse = owner_sparse_prefill(
+            queries.to(torch.bfloat16),
+            blocks,
+            positions,
+            slot_row,
+            self.layer(layer_id),
+            shard=self.shard,
+            buffers=self._prefill_buffers,
+            scale=scale,
+            path=self.path,
+        )
+        return out.reshape(tokens, -1).to(q.dtype)
+
+
+def _chunk_attention(  # noqa: PLR0917
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    extend: list[int],
+    lengths: list[int],
+    scale: float,
+    kv_heads: int,
+) -> torch.Tensor:
+    """Upstream's no-prefix QSA prefill: each request's queries over its own chunk's K/V.
+
+    ``q [T, Hq, D]``; ``k``, ``v`` ``[T, Hkv * D]``; ``indices [T, W]`` positions in each
+    request. Returns ``[T, Hq, D]``.
+    """
+    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
+
+    tokens, d = q.shape[0], q.shape[2]
+    k = k[:tokens].reshape(tokens, kv_heads, d)
+    v = v[:tokens].reshape(tokens, kv_heads, d)
+    starts = torch.tensor([0, *extend], device=q.device).cumsum(0)[:-1]
+    if not q.is_cuda:  # the CPU branch of upstream's forward_extend, over the chunk
+        owner = torch.repeat_interleave(
+            torch.arange(len(extend), device=q.device), torch.tensor(extend, device=q.device)
+        )
+        bound = torch.tensor(lengths, device=q.device)[owner].unsqueeze(1)
+        inside = (indices >= 0) & (indices < bound)
+        rows = torch.where(inside, indices + starts[owner].unsqueeze(1), -1).to(torch.int32)
+        out: torch.Tensor = upstream.qsa_sparse_attention(q, k, v, rows, scale)
+        return out
+    cu_q = torch.nn.functional.pad(starts.new_tensor(extend).cumsum(0), (1, 0)).to(torch.int32)
+    out = upstream.sparse_gqa_fwd_interface_triton(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        max(lengths, default=1),
+        indices.to(torch.int32).contiguous(),
+        cu_q,
+        scale,
+    )
+    return out
+
+
+# ---- construction and SGLang's side --------------------------------------------------------------
+
+
+def transport_bytes(
+    *, world_size: int, max_rows: int, block_topk: int, q_heads: int, head_dim: int
+) -> int:
+    """Device bytes of one rank's transport buffers (decode and prefill), without allocating."""
+    return sum(
+        ShardedDecodeBuffers.allocate(
+            world_size=world_size,
+            max_rows=rows,
+            topk=block_topk,
+            q_heads=world_size * q_heads,
+            head_dim=head_dim,
+            layout=HeadLayout.SHARDED,
+            device="meta",
+        ).nbytes
+        for rows in (max_rows, PREFILL_GROUP_ROWS)
+    )
+
+
+def _build_runtime(runner: Any) -> ShardedKVRuntime:
+    """The sharded store of one model runner, sized from its pools and its QSA profile."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from qsa_sglang_plugin._adapters._offload import qsa_profile_of
+
+    sharding = current_switches().cache_sharding
+    shard = shard_group(runner, sharding)
+    if shard is None:
+        msg = f"cache sharding over {sharding!r} rank builds no shard group"
+        raise ConfigurationError(msg)
+    pool = runner.token_to_kv_pool
+    full = pool.full_kv_pool
+    parallel = get_parallel()
+    device = torch.device(runner.device)
+    runtime = ShardedKVRuntime(
+        shard,
+        dict(pool.full_attention_layer_id_mapping),
+        slots=int(full.size) + int(full.page_size),
+        kv_heads=int(full.head_num),
+        head_dim=int(full.head_dim),
+        dtype=full.dtype,  # the logical dtype (fp8 pools hand out fp8 views)
+        q_heads=int(runner.model_config.get_num_attention_heads(parallel.attn_tp_size)),
+        block_topk=int(qsa_profile_of(runner.model_config).block_topk),
+        max_rows=int(runner.req_to_token_pool.size),
+        device=device,
+        tp_rank=int(parallel.tp_rank),
+    )
+    logger.info(
+        "cache sharding (resident): rank %d of a group of %d stores %s of the QSA layers' raw "
+        "K/V on %s (%s unsharded); transport buffers %s; kernels: %s",
+        shard.rank,
+        shard.world_size,
+        format_bytes(runtime.nbytes),
+        device,
+        format_bytes(runtime.nbytes * shard.world_size),
+        format_bytes(runtime.buffer_bytes),
+        runtime.path.resolve(device).value,
+    )
+    return runtime
+
+
+def sharded_runtime_of(runner: Any) -> ShardedKVRuntime:
+    """The one sharded store of ``runner`` (built on first use)."""
+    runtime = getattr(runner, "qsa_sharded_kv", None)
+    if runtime is None:
+        runtime = runner.qsa_sharded_kv = _build_runtime(runner)
+    return runtime
+
+
+def price_sharded_pool(configurator: Any, kvc: Any) -> None:
+    """Price SGLang's pools with resident cache sharding (``DefaultPoolConfigurator`` built them).
+
+    A token costs its compressed index and ``1 / N`` of its raw K/V; the transport buffers are
+    fixed overhead.
+    """
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.runtime_context import get_parallel
+
+    from qsa_sglang_plugin._adapters._offload import qsa_profile_of
+
+    model_config = kvc.model_config
+    hybrid = mambaish_config(model_config)
+    if hybrid is None:
+        return
+    sharding = current_switches().cache_sharding
+    layers = len(hybrid.full_attention_layer_ids)
+    resident = int(configurator._cell_size)
+    index_only = int(
+        configurator._compute_qsa_cell_size(hf_config=model_config.hf_config, num_layers=layers)
+    )
+    raw = resident - index_only
+    cell = index_only + -(-raw // sharding)
+    rows = kvc.server_args.max_running_requests
+    fixed = transport_bytes(
+        world_size=sharding,
+        max_rows=int(rows) if rows is not None else 1,
+        block_topk=int(qsa_profile_of(model_config).block_topk),
+        q_heads=int(model_config.get_num_attention_heads(get_parallel().attn_tp_size)),
+        head_dim=int(model_config.head_dim),
+    )
+    configurator._cell_size = cell
+    configurator._fixed_overhead_bytes += fixed
+    logger.info(
+        "cache sharding: pool sizing charges %d B per token (was %d B: %d B of raw K/V over %d "
+        "ranks, %d B of index and state) plus %s of transport buffers",
+        cell,
+        resident,
+        raw,
+        sharding,
+        index_only,
+        format_bytes(fixed),
+    )
+
+
+@functools.cache
+def sharded_backend_class() -> type[Any]:
+    """The ``QwenSparseAttnBackend`` subclass of resident cache sharding (built on first use)."""
+    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
+
+    class HiSparseShardedBackend(upstream.QwenSparseAttnBackend):  # type: ignore[misc]
+        """Upstream's QSA backend with the raw K/V in the shard group's stores (module docs)."""
+
+        def __init__(self, runner: Any) -> None:
+            super().__init__(runner)
+            self.qsa_sharded = sharded_runtime_of(runner)
+
+        def _can_defer_block_expansion(self, forward_mode: Any) -> bool:
+            # Decode takes the indexer's block ids as they are: owners expand their own tokens.
+            return bool(forward_mode.is_decode())
+
+        def forward_extend(  # noqa: PLR0917 (upstream's signature)
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layer: Any,
+            forward_batch: Any,
+            save_kv_cache: bool = True,
+            topk_indices: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            """The chunk's owned rows to the store, then upstream's or the owners' attention."""
+            del save_kv_cache, kwargs  # the chunk goes to its owners, not the pool
+            if topk_indices is None:
+                msg = "QSA sparse attention requires topk_indices"
+                raise ValueError(msg)
+            if getattr(forward_batch, "attn_cp_metadata", None) is not None:
+                msg = "context-parallel prefill is not wired with cache sharding"
+                raise OffloadRuntimeError(msg)
+            q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
+            rows, valid = q.shape[0], topk_indices.shape[0]  # DP attention may pad q
+            out = self.qsa_sharded.extend(
+                layer.layer_id,
+                q[:valid],
+                k,
+                v,
+                topk_indices,
+                forward_batch,
+                self.req_to_token,
+                float(layer.scaling),
+            )
+            return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
+
+        def forward_decode(  # noqa: PLR0917 (upstream's signature)
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layer: Any,
+            forward_batch: Any,
+            save_kv_cache: bool = True,
+            topk_indices: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            """The new token to its owner, then owner-side attention over the selection."""
+            del save_kv_cache, kwargs
+            if topk_indices is None:
+                msg = "QSA sparse attention requires topk_indices"
+                raise ValueError(msg)
+            runtime = self.qsa_sharded
+            runtime.write(layer.layer_id, k, v, forward_batch.out_cache_loc)
+            table = self.req_to_token[forward_batch.req_pool_indices.long()]
+            return runtime.decode(
+                layer.layer_id,
+                q,
+                topk_indices,
+                forward_batch.seq_lens,
+                table,
+                float(layer.scaling),
+            )
+
+    return HiSparseShardedBackend
