@@ -16,16 +16,13 @@ start on the CPU (docs/STATUS.md), and the NCCL runs wait for a multi-GPU machin
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import spawn
+
+from qsa_testing import run_on_gloo_ranks
 
 LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
 ROWS, TOPK, MAX_BLOCKS, HQ, D = 4, 16, 300, 4, 64
@@ -34,13 +31,6 @@ REQUESTS = {5: (0, (512, 99)), 9: (2, (40,))}
 STEPS = 7
 SEED = 20261202
 SCALE = D**-0.5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _extend_batch(slot: int, start: int, end: int) -> Any:
@@ -73,17 +63,6 @@ def _decode_batch(slots: list[int], seq_lens: list[int]) -> Any:
         seq_lens_sum=sum(seq_lens),
         seq_lens_cpu=torch.tensor(seq_lens),
     )
-
-
-def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = _run(rank, world)
-    finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
@@ -194,9 +173,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     world = int(request.param)
-    out = tmp_path_factory.mktemp(f"sharding{world}")
-    spawn(_rank, args=(world, _free_port(), str(out)), nprocs=world, join=True)  # type: ignore[no-untyped-call]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_on_gloo_ranks(_run, world, tmp_path_factory.mktemp(f"sharding{world}"))
 
 
 def test_sharded_decode_equals_one_rank_attending_every_block(ranks: list[Any]) -> None:

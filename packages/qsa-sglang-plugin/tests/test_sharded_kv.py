@@ -19,16 +19,13 @@ multi-GPU machine.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import spawn
+
+from qsa_testing import run_on_gloo_ranks
 
 LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
 TOPK, HQ, D, PAGE = 16, 4, 64, 64
@@ -39,13 +36,6 @@ POOL_PAGES = 40
 SEED = 20261203
 SCALE = D**-0.5
 RTOL, ATOL = 2**-7, 2e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _extend_batch(parts: list[tuple[int, int, int]], out_cache_loc: torch.Tensor) -> Any:
@@ -65,17 +55,6 @@ def _extend_batch(parts: list[tuple[int, int, int]], out_cache_loc: torch.Tensor
         seq_lens_cpu=torch.tensor(ends),
         extend_seq_lens_cpu=counts,
     )
-
-
-def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = _run(rank, world)
-    finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
@@ -208,9 +187,7 @@ def _compare(failures: list[str], what: str, got: torch.Tensor, want: torch.Tens
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     world = int(request.param)
-    out = tmp_path_factory.mktemp(f"sharded_kv{world}")
-    spawn(_rank, args=(world, _free_port(), str(out)), nprocs=world, join=True)  # type: ignore[no-untyped-call]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_on_gloo_ranks(_run, world, tmp_path_factory.mktemp(f"sharded_kv{world}"))
 
 
 def test_sharded_prefill_and_decode_equal_one_rank_over_the_whole_pool(ranks: list[Any]) -> None:

@@ -2,7 +2,8 @@
 
 Tiny dummy models written at test time (:func:`tiny_qwen4_exp`, :func:`tiny_llama`; for
 benchmarks :func:`full_depth_qwen4_exp` and :func:`llama_8b_shaped`), named
-stand-ins for what a machine cannot run as is (:mod:`qsa_testing.standins`), and real SGLang
+stand-ins for what a machine cannot run as is (:mod:`qsa_testing.standins`), scenarios on several
+gloo ranks of one machine (:func:`run_on_gloo_ranks`), and real SGLang
 0.5.23 servers for tests (:func:`start_engine`, :class:`EnginePool`, and the ``engines`` fixture
 of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens.
 """
@@ -27,6 +28,7 @@ from qsa_testing._errors import (
     ModelSpecError,
     StandInError,
 )
+from qsa_testing._gloo import Scenario, run_on_gloo_ranks
 from qsa_testing._models import (
     TinyModel,
     TinyModelKind,
@@ -65,6 +67,9 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # comparisons
     "assert_same_generation",
     "logprob_gap",
+    # distributed scenarios on one machine
+    "Scenario",
+    "run_on_gloo_ranks",
     # errors
     "EngineConfigError",
     "EngineRequestError",

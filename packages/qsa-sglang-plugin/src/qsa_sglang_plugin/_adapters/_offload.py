@@ -87,6 +87,7 @@ __all__ = (
     "ds_offload_geometry",
     "fixed_device_bytes",
     "offload_geometry",
+    "plugin_backend_base",
     "price_offloaded_pool",
     "qsa_profile_of",
     "runtime_of",
@@ -933,20 +934,80 @@ def runtime_of(runner: Any) -> OffloadRuntime:
 
 
 @functools.cache
-def _backend_class() -> type[Any]:
-    """The ``QwenSparseAttnBackend`` subclass; built on first use so importing stays cheap."""
+def plugin_backend_base() -> type[Any]:
+    """The base of the plugin's QSA backends: upstream's, with its attention entries narrowed.
+
+    Decode takes the indexer's block ids as they are (the block expansion is deferred), both
+    entries require the indexer's selection, prefill refuses context-parallel batches, and the
+    extend output is padded to the query rows as upstream pads it. A subclass implements
+    ``_attend_extend(q [T, Hq, D], k, v, layer, forward_batch, topk_indices) -> [T, Hq * D]``
+    over the ``T`` rows the indexer selected for, and ``_attend_decode(q, k, v, layer,
+    forward_batch, topk_indices) -> [B, Hq * D]``; ``feature`` names it in refusals.
+    """
     from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
 
-    class HiSparseOffloadBackend(upstream.QwenSparseAttnBackend):  # type: ignore[misc]
+    class PluginQSABackend(upstream.QwenSparseAttnBackend):  # type: ignore[misc]
+        feature = "the plugin's QSA backend"
+
+        def _can_defer_block_expansion(self, forward_mode: Any) -> bool:
+            return bool(forward_mode.is_decode())
+
+        def forward_extend(  # noqa: PLR0917 (upstream's signature)
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layer: Any,
+            forward_batch: Any,
+            save_kv_cache: bool = True,
+            topk_indices: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            del save_kv_cache, kwargs  # the K/V goes to the plugin's store, not the pool
+            if topk_indices is None:
+                msg = "QSA sparse attention requires topk_indices"
+                raise ValueError(msg)
+            if getattr(forward_batch, "attn_cp_metadata", None) is not None:
+                msg = f"context-parallel prefill is not wired with {self.feature}"
+                raise OffloadRuntimeError(msg)
+            q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
+            rows, valid = q.shape[0], topk_indices.shape[0]  # DP attention may pad q
+            out = self._attend_extend(q[:valid], k, v, layer, forward_batch, topk_indices)
+            return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
+
+        def forward_decode(  # noqa: PLR0917 (upstream's signature)
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layer: Any,
+            forward_batch: Any,
+            save_kv_cache: bool = True,
+            topk_indices: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            del save_kv_cache, kwargs  # the token goes to the plugin's store, not the pool
+            if topk_indices is None:
+                msg = "QSA sparse attention requires topk_indices"
+                raise ValueError(msg)
+            return self._attend_decode(q, k, v, layer, forward_batch, topk_indices)  # type: ignore[no-any-return]
+
+    return PluginQSABackend
+
+
+@functools.cache
+def _backend_class() -> type[Any]:
+    """The offload's ``QwenSparseAttnBackend`` subclass; built on first use (cheap imports)."""
+    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
+
+    class HiSparseOffloadBackend(plugin_backend_base()):  # type: ignore[misc]
         """Upstream's QSA backend whose decode reads K/V from the host arena (module docstring)."""
+
+        feature = "p2-offload"
 
         def __init__(self, runner: Any) -> None:
             super().__init__(runner)
             self.qsa_runtime = runtime_of(runner)
-
-        def _can_defer_block_expansion(self, forward_mode: Any) -> bool:
-            # Decode takes the indexer's block ids as they are: the hot cache holds blocks.
-            return bool(forward_mode.is_decode())
 
         def init_forward_metadata(self, forward_batch: Any) -> None:
             super().init_forward_metadata(forward_batch)
@@ -961,37 +1022,27 @@ def _backend_class() -> type[Any]:
             if forward_batch.forward_mode.is_decode():
                 self.qsa_runtime.begin_decode(forward_batch, graph=True, capture=in_capture)
 
-        def forward_extend(  # noqa: PLR0917 (upstream's signature)
+        def _attend_extend(  # noqa: PLR0917
             self,
             q: torch.Tensor,
             k: torch.Tensor,
             v: torch.Tensor,
             layer: Any,
             forward_batch: Any,
-            save_kv_cache: bool = True,
-            topk_indices: torch.Tensor | None = None,
-            **kwargs: Any,
+            topk_indices: torch.Tensor,
         ) -> torch.Tensor:
             """Upstream's prefill attention, over the staging area instead of the KV pool."""
-            del save_kv_cache, kwargs  # the chunk goes to the staging area, not the pool
-            if topk_indices is None:
-                msg = "QSA sparse attention requires topk_indices"
-                raise ValueError(msg)
-            if getattr(forward_batch, "attn_cp_metadata", None) is not None:
-                msg = "context-parallel prefill is not wired with p2-offload"
-                raise OffloadRuntimeError(msg)
             staged_k, staged_v, prefix = self.qsa_runtime.stage(layer.layer_id, k, v, forward_batch)
-            q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
-            rows = q.shape[0]
-            valid_rows = topk_indices.shape[0]  # DP attention may pad q beyond the indexer's rows
-            q = q[:valid_rows]
+            valid_rows = q.shape[0]
             tokens = int(staged_k.shape[0])
             if not q.is_cuda:
                 # The staging area is indexed by token position: logical index = slot.
                 inside = (topk_indices >= 0) & (topk_indices < tokens)
                 slots = torch.where(inside, topk_indices, -1).to(torch.int32)
-                out = upstream.qsa_sparse_attention(q, staged_k, staged_v, slots, layer.scaling)
-                return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
+                out: torch.Tensor = upstream.qsa_sparse_attention(
+                    q, staged_k, staged_v, slots, layer.scaling
+                )
+                return out
             topk = topk_indices.to(torch.int32).contiguous()
             cu_q = torch.tensor([0, valid_rows], dtype=torch.int32, device=q.device)
             if prefix == 0:  # the chunk is the whole prompt so far: upstream's no-prefix kernel
@@ -1004,36 +1055,32 @@ def _backend_class() -> type[Any]:
                     cu_q,
                     layer.scaling,
                 )
-            else:
-                lens = torch.tensor([tokens], dtype=torch.int32, device=q.device)
-                cu_k = torch.tensor([0, tokens], dtype=torch.int32, device=q.device)
-                out = upstream.sparse_gqa_fwd_interface_triton_ck(
-                    q.contiguous(),
-                    staged_k.to(q.dtype),
-                    staged_v.to(q.dtype),
-                    topk,
-                    cu_q,
-                    cu_k,
-                    lens,
-                    layer.scaling,
-                )
-            return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
+                return out
+            lens = torch.tensor([tokens], dtype=torch.int32, device=q.device)
+            cu_k = torch.tensor([0, tokens], dtype=torch.int32, device=q.device)
+            out = upstream.sparse_gqa_fwd_interface_triton_ck(
+                q.contiguous(),
+                staged_k.to(q.dtype),
+                staged_v.to(q.dtype),
+                topk,
+                cu_q,
+                cu_k,
+                lens,
+                layer.scaling,
+            )
+            return out
 
-        def forward_decode(  # noqa: PLR0917 (upstream's signature)
+        def _attend_decode(  # noqa: PLR0917
             self,
             q: torch.Tensor,
             k: torch.Tensor,
             v: torch.Tensor,
             layer: Any,
             forward_batch: Any,
-            save_kv_cache: bool = True,
-            topk_indices: torch.Tensor | None = None,
-            **kwargs: Any,
+            topk_indices: torch.Tensor,
         ) -> torch.Tensor:
-            del forward_batch, save_kv_cache, kwargs  # the token goes to the tail, not the pool
-            if topk_indices is None:
-                msg = "QSA sparse attention requires topk_indices"
-                raise ValueError(msg)
+            """The token to the tail, then attention from the host arena (the planned step)."""
+            del forward_batch
             return self.qsa_runtime.decode_layer(
                 layer.layer_id, q, k, v, topk_indices, float(layer.scaling)
             )

@@ -48,7 +48,11 @@ from qsa_kernels.sharded import (
     write_owned_raw_kv,
 )
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
-from qsa_sglang_plugin._adapters._offload import complete_blocks, shard_group
+from qsa_sglang_plugin._adapters._offload import (
+    complete_blocks,
+    plugin_backend_base,
+    shard_group,
+)
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes
 from qsa_sglang_plugin._switches import current_switches
@@ -458,43 +462,29 @@ def price_sharded_pool(configurator: Any, kvc: Any) -> None:
 @functools.cache
 def sharded_backend_class() -> type[Any]:
     """The ``QwenSparseAttnBackend`` subclass of resident cache sharding (built on first use)."""
-    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
 
-    class HiSparseShardedBackend(upstream.QwenSparseAttnBackend):  # type: ignore[misc]
+    class HiSparseShardedBackend(plugin_backend_base()):  # type: ignore[misc]
         """Upstream's QSA backend with the raw K/V in the shard group's stores (module docs)."""
+
+        feature = "cache sharding"
 
         def __init__(self, runner: Any) -> None:
             super().__init__(runner)
             self.qsa_sharded = sharded_runtime_of(runner)
 
-        def _can_defer_block_expansion(self, forward_mode: Any) -> bool:
-            # Decode takes the indexer's block ids as they are: owners expand their own tokens.
-            return bool(forward_mode.is_decode())
-
-        def forward_extend(  # noqa: PLR0917 (upstream's signature)
+        def _attend_extend(  # noqa: PLR0917
             self,
             q: torch.Tensor,
             k: torch.Tensor,
             v: torch.Tensor,
             layer: Any,
             forward_batch: Any,
-            save_kv_cache: bool = True,
-            topk_indices: torch.Tensor | None = None,
-            **kwargs: Any,
+            topk_indices: torch.Tensor,
         ) -> torch.Tensor:
             """The chunk's owned rows to the store, then upstream's or the owners' attention."""
-            del save_kv_cache, kwargs  # the chunk goes to its owners, not the pool
-            if topk_indices is None:
-                msg = "QSA sparse attention requires topk_indices"
-                raise ValueError(msg)
-            if getattr(forward_batch, "attn_cp_metadata", None) is not None:
-                msg = "context-parallel prefill is not wired with cache sharding"
-                raise OffloadRuntimeError(msg)
-            q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
-            rows, valid = q.shape[0], topk_indices.shape[0]  # DP attention may pad q
-            out = self.qsa_sharded.extend(
+            return self.qsa_sharded.extend(
                 layer.layer_id,
-                q[:valid],
+                q,
                 k,
                 v,
                 topk_indices,
@@ -502,24 +492,17 @@ def sharded_backend_class() -> type[Any]:
                 self.req_to_token,
                 float(layer.scaling),
             )
-            return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
 
-        def forward_decode(  # noqa: PLR0917 (upstream's signature)
+        def _attend_decode(  # noqa: PLR0917
             self,
             q: torch.Tensor,
             k: torch.Tensor,
             v: torch.Tensor,
             layer: Any,
             forward_batch: Any,
-            save_kv_cache: bool = True,
-            topk_indices: torch.Tensor | None = None,
-            **kwargs: Any,
+            topk_indices: torch.Tensor,
         ) -> torch.Tensor:
             """The new token to its owner, then owner-side attention over the selection."""
-            del save_kv_cache, kwargs
-            if topk_indices is None:
-                msg = "QSA sparse attention requires topk_indices"
-                raise ValueError(msg)
             runtime = self.qsa_sharded
             runtime.write(layer.layer_id, k, v, forward_batch.out_cache_loc)
             table = self.req_to_token[forward_batch.req_pool_indices.long()]
