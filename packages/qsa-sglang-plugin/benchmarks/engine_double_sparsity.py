@@ -15,7 +15,9 @@ the same scheduler flags, decode CUDA graphs on and prefill graphs off:
   token lists of ``DSConfig.fixed_width()`` per KV head). Its host arena holds every running
   request at the longest context: size ``--contexts`` and ``--batches`` to the host's memory;
 - **ds_offload_eager**: DS-Offload with decode CUDA graphs off (each step's lists as wide as its
-  longest).
+  longest). Every engine stays up for the whole run, so the two DS-Offload arms pin two host
+  arenas at once (2 x 34.5 GB at 8 rows of 32K on the Llama-8B shape: on the H200 machine's
+  128 GiB host the second engine was killed for memory); measure them in separate runs there.
 
 For each context length and batch size, ``B`` requests of that many prompt tokens generate
 ``--new-tokens`` greedy tokens concurrently on each engine in turn; reported per cell: decode
