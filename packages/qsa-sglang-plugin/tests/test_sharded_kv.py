@@ -63,7 +63,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     from qsa_kernels.expand import expand_blocks_reference
     from qsa_kernels.sharded import ShardGroup, shard_raw_kv
     from qsa_kernels.sparse_decode import sparse_decode_reference
-    from qsa_sglang_plugin._adapters._sharded_kv import ShardedKVRuntime
+    from qsa_sglang_plugin._adapters._sharded_kv import ShardedKVRuntime, transport_bytes
 
     placement = ShardPlacement(world, QWEN38_FLASH_NEXT.blocks_per_page, 4)
     group = dist.new_group(list(range(world)))
@@ -172,6 +172,10 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         "failures": failures,
         "stores_equal": stores_equal,
         "store_bytes": runtime.nbytes,
+        "buffers_priced_as_allocated": runtime.buffer_bytes
+        == transport_bytes(
+            world_size=world, max_rows=4, block_topk=TOPK, q_heads=HQ // world, head_dim=D
+        ),
         "unsharded_bytes": int(pool.nbytes),
         "tokens_written": int(lengths.sum()),
     }
@@ -200,8 +204,9 @@ def test_sharded_prefill_and_decode_equal_one_rank_over_the_whole_pool(ranks: li
 
 def test_each_rank_stores_exactly_its_share_of_the_pool(ranks: list[Any]) -> None:
     """Every rank's store equals its shard of the pool one rank would hold, and costs 1 / N of
-    its bytes."""
+    its bytes; pool sizing charges the transport buffers the runtime allocates."""
     assert all(r["stores_equal"] for r in ranks)
+    assert all(r["buffers_priced_as_allocated"] for r in ranks)
     world = len(ranks)
     for r in ranks:
         assert r["store_bytes"] * world == r["unsharded_bytes"]

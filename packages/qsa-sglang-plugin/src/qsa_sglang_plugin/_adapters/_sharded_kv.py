@@ -63,6 +63,7 @@ __all__ = (
     "price_sharded_pool",
     "sharded_backend_class",
     "sharded_runtime_of",
+    "transport_bytes",
 )
 
 logger = logging.getLogger(__name__)
