@@ -9,6 +9,14 @@ row (K/V write-back and labels) and then, per layer, chooses the heavy tokens fr
 part's time is its host work plus the GPU work it waits for: what an eager engine step pays.
 The first step fetches every block; the reported steps after it fetch only what changes.
 
+Then the step as a CUDA-graph engine runs it: the append eagerly (the step plan and write-back),
+every layer's fixed-shape decode (:meth:`DSOffloadedKV.decode_fixed`) replayed from one captured
+graph, against resident double sparsity's captured step at the same shape
+(:func:`ds_heavy_decode_split` over a resident ``[B x max_tokens, Hkv, D]`` K/V, what the
+``qsa_ds`` backend captures; one K/V buffer serves every layer, the time depends on its shape
+only). Both are timed around a synchronisation per step, in one run: their ratio is DS-Offload's
+decode speed against resident at the attention level.
+
 Writes ``<out-dir>/ds_offload_step.md`` and ``.json``. Needs CUDA; exits with status 77 without.
 """
 
@@ -23,15 +31,18 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+_T = TypeVar("_T")
 
 _LAYERS, _HKV, _HQ, _D = 32, 8, 32, 128
 _CHANNELS, _HEAVY, _THRESHOLD = 32, 256, 4096
 _PARTS = ("append", "ds_positions", "token_blocks", "attend_tokens")
 
 
-def _timed(totals: dict[str, float], part: str, fn: Callable[[], object]) -> object:
+def _timed(totals: dict[str, float], part: str, fn: Callable[[], _T]) -> _T:
     torch.cuda.synchronize()
     start = time.perf_counter()
     result = fn()
@@ -109,6 +120,81 @@ def _step_parts(batch: int, context: int, steps: int) -> dict[str, object]:
     }
 
 
+def _captured(batch: int, context: int, steps: int) -> dict[str, object]:
+    """Milliseconds per step of the captured DS-Offload decode and of resident DS, one batch."""
+    from qsa_kernels.double_sparsity import DSConfig, DSOffloadedKV, ds_heavy_decode_split
+    from qsa_kernels.offload import OffloadGeometry
+
+    config = DSConfig(
+        heavy_channel_num=_CHANNELS, heavy_token_num=_HEAVY, sparse_decode_threshold=_THRESHOLD
+    )
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    blocks = (context + steps + 8) // 4 + 1
+    geometry = OffloadGeometry(
+        _LAYERS, batch, config.hot_blocks(), blocks, _HKV, _D, torch.bfloat16, per_head=True
+    )
+    channels = torch.stack(
+        [torch.randperm(_D, device="cuda")[:_CHANNELS] for _ in range(_LAYERS * _HKV)]
+    ).view(_LAYERS, _HKV, _CHANNELS)
+    store = DSOffloadedKV(geometry, channels.int(), config=config, device="cuda")
+    slots = batch * geometry.max_tokens  # the label cache's rows, one resident K/V slot each
+    resident_k = torch.randn(slots, _HKV, _D, generator=gen, device="cuda").bfloat16()
+    resident_v = torch.randn_like(resident_k)
+    for row in range(batch):
+        k = torch.randn(_LAYERS, context, _HKV, _D, generator=gen, device="cuda").bfloat16()
+        store.admit(row, k, torch.randn_like(k))
+        del k
+    rows = list(range(batch))
+    table = store.labels.slots(rows, geometry.max_tokens)
+    static_q = torch.zeros(_LAYERS, batch, _HQ, _D, dtype=torch.bfloat16, device="cuda")
+    lengths = torch.zeros(batch, dtype=torch.int32, device="cuda")
+
+    def offloaded() -> list[object]:
+        return [store.decode_fixed(layer, rows, static_q[layer]).out for layer in range(_LAYERS)]
+
+    def resident() -> list[object]:
+        return [
+            ds_heavy_decode_split(
+                static_q[layer],
+                resident_k,
+                resident_v,
+                store.labels.layer(layer),
+                store.labels.channels[layer],
+                table,
+                lengths,
+                heavy_token_num=_HEAVY,
+            ).out
+            for layer in range(_LAYERS)
+        ]
+
+    graphs = {"ds_offload": torch.cuda.CUDAGraph(), "resident": torch.cuda.CUDAGraph()}
+    bodies = {"ds_offload": offloaded, "resident": resident}
+    totals: dict[str, float] = defaultdict(float)
+    for step in range(steps + 2):
+        if step == 2:  # capture, then the first replay fetches every block: skip both
+            totals.clear()
+        store.begin_step()
+        new = torch.randn(_LAYERS, batch, _HKV, _D, generator=gen, device="cuda").bfloat16()
+        _timed(totals, "append", lambda: store.append(rows, new, torch.randn_like(new)))
+        lengths.copy_(store.kv.step_lengths)
+        static_q.copy_(torch.randn(static_q.shape, generator=gen, device="cuda").bfloat16())
+        for name, graph in graphs.items():
+            if step == 0:
+                bodies[name]()  # compiles every kernel before the capture
+                with torch.cuda.graph(graph):
+                    bodies[name]()
+            _timed(totals, name, graph.replay)
+    per_step = {name: 1e3 * totals[name] / steps for name in ("append", *graphs)}
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "ms_per_step": per_step,
+        "ds_offload_over_resident": per_step["resident"]
+        / (per_step["append"] + per_step["ds_offload"]),
+    }
+
+
 def main(argv: list[str]) -> int:
     """Measure each batch, write the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -120,10 +206,13 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("bench_ds_offload_step: needs CUDA; skipped", file=sys.stderr)
         return 77  # the bench session reads 77 as "skipped: no hardware"
-    rows = []
+    rows, captured = [], []
     for batch in (int(b) for b in args.batches.split(",")):
         rows.append(_step_parts(batch, args.context, args.steps))
         print(f"bench_ds_offload_step: {rows[-1]}", flush=True)
+        torch.cuda.empty_cache()
+        captured.append(_captured(batch, args.context, args.steps))
+        print(f"bench_ds_offload_step: captured {captured[-1]}", flush=True)
         torch.cuda.empty_cache()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     machine = {
@@ -132,7 +221,8 @@ def main(argv: list[str]) -> int:
         "python": platform.python_version(),
     }
     (args.out_dir / "ds_offload_step.json").write_text(
-        json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n", encoding="utf-8"
+        json.dumps({"machine": machine, "rows": rows, "captured": captured}, indent=1) + "\n",
+        encoding="utf-8",
     )
     lines = [
         "# One DS-Offload decode step, part by part (Llama-3.1-8B attention shape)",
@@ -152,6 +242,23 @@ def main(argv: list[str]) -> int:
             f"| {r['context']:,} | {r['batch']} | "
             + " | ".join(f"{parts[p]:.2f}" for p in _PARTS)
             + f" | {r['step_ms']:.2f} | {r['fetched_mib_per_step']:.1f} |"
+        )
+    lines += [
+        "",
+        "Captured: the append launched eagerly, then every layer's `decode_fixed` replayed from "
+        "one CUDA graph, against resident double sparsity's captured step "
+        "(`ds_heavy_decode_split`) at the same shape; milliseconds per step.",
+        "",
+        "| context | batch | append | ds_offload replay | resident replay | resident / "
+        "(append + ds_offload) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in captured:
+        ms = r["ms_per_step"]
+        assert isinstance(ms, dict)
+        lines.append(
+            f"| {r['context']:,} | {r['batch']} | {ms['append']:.2f} | {ms['ds_offload']:.2f} | "
+            f"{ms['resident']:.2f} | {r['ds_offload_over_resident']:.2f} |"
         )
     (args.out_dir / "ds_offload_step.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return 0
