@@ -261,15 +261,18 @@ def _abort_while_running(engine: Engine, request: GenerateRequest, wait: float) 
     return call
 
 
+@pytest.mark.parametrize("offloaded", [True, False], ids=["offloaded", "resident"])
 def test_cache_sharding_beyond_one_kv_heads_ranks_stops_the_engine_at_start_up(
-    tmp_path: Path,
+    tmp_path: Path, offloaded: bool
 ) -> None:
     """At TP1 a K/V head has one rank: a shard group of 2 is refused by name before the model
-    loads (the sharded decode itself is tested on gloo ranks: no TP engine runs on the CPU)."""
+    loads, with the offload or resident (the sharded prefill and decode are tested on gloo
+    ranks: no TP engine runs on the CPU)."""
+    switches = OFFLOAD_SWITCHES if offloaded else {}
     config = EngineConfig(
         QWEN,
-        switches={**OFFLOAD_SWITCHES, "SGLANG_QSA_CACHE_SHARDING": "2"},
-        server_args=OFFLOAD_ARGS,
+        switches={**switches, "SGLANG_QSA_CACHE_SHARDING": "2"},
+        server_args=OFFLOAD_ARGS if offloaded else {},
     )
     with pytest.raises(EngineStartError) as caught:
         start_engine(config, tmp_path / "engine", timeout=300.0).close()
