@@ -52,6 +52,17 @@ def no_storage_pool_class() -> type[Any]:
             msg = "the plugin holds the attention layers' K/V; nothing may write SGLang's K/V pool"
             raise OffloadRuntimeError(msg)
 
+        def move_kv_cache(self, tgt_loc: Any, src_loc: Any) -> None:
+            # SGLang moves slots for speculative decoding and pool compaction; the plugin's
+            # stores are addressed by request rows or owned slots, which such a move would
+            # leave behind. Start-up refuses speculative decoding; anything else stops here.
+            del tgt_loc, src_loc
+            msg = (
+                "the plugin holds the attention layers' K/V; SGLang's K/V pool cannot move "
+                "slots (speculative decoding and pool compaction are not supported)"
+            )
+            raise OffloadRuntimeError(msg)
+
     return NoRawKVPool
 
 
