@@ -31,9 +31,12 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from qsa_kernels.double_sparsity import DSOffloadedKV
 
 _T = TypeVar("_T")
 
@@ -51,15 +54,17 @@ def _timed(totals: dict[str, float], part: str, fn: Callable[[], _T]) -> _T:
     return result
 
 
-def _step_parts(batch: int, context: int, steps: int) -> dict[str, object]:
-    """Per-step milliseconds of each part, and the fetched bytes, for ``batch`` rows."""
-    from qsa_kernels.double_sparsity import DSConfig, DSOffloadedKV, ds_positions
+def _store(
+    batch: int, context: int, steps: int, *, seed: int
+) -> tuple[DSOffloadedKV, torch.Generator]:
+    """A DS-Offload store at Llama-8B's shape holding ``batch`` random prompts of ``context``."""
+    from qsa_kernels.double_sparsity import DSConfig, DSOffloadedKV
     from qsa_kernels.offload import OffloadGeometry
 
     config = DSConfig(
         heavy_channel_num=_CHANNELS, heavy_token_num=_HEAVY, sparse_decode_threshold=_THRESHOLD
     )
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     blocks = (context + steps + 8) // 4 + 1
     geometry = OffloadGeometry(
         _LAYERS, batch, config.hot_blocks(), blocks, _HKV, _D, torch.bfloat16, per_head=True
@@ -72,6 +77,15 @@ def _step_parts(batch: int, context: int, steps: int) -> dict[str, object]:
         k = torch.randn(_LAYERS, context, _HKV, _D, generator=gen, device="cuda").bfloat16()
         store.admit(row, k, torch.randn_like(k))
         del k
+    return store, gen
+
+
+def _step_parts(batch: int, context: int, steps: int) -> dict[str, object]:
+    """Per-step milliseconds of each part, and the fetched bytes, for ``batch`` rows."""
+    from qsa_kernels.double_sparsity import ds_positions
+
+    store, gen = _store(batch, context, steps, seed=0)
+    config, geometry = store.config, store.geometry
     rows = list(range(batch))
     totals: dict[str, float] = defaultdict(float)
     fetched = 0
@@ -122,28 +136,13 @@ def _step_parts(batch: int, context: int, steps: int) -> dict[str, object]:
 
 def _captured(batch: int, context: int, steps: int) -> dict[str, object]:
     """Milliseconds per step of the captured DS-Offload decode and of resident DS, one batch."""
-    from qsa_kernels.double_sparsity import DSConfig, DSOffloadedKV, ds_heavy_decode_split
-    from qsa_kernels.offload import OffloadGeometry
+    from qsa_kernels.double_sparsity import ds_heavy_decode_split
 
-    config = DSConfig(
-        heavy_channel_num=_CHANNELS, heavy_token_num=_HEAVY, sparse_decode_threshold=_THRESHOLD
-    )
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    blocks = (context + steps + 8) // 4 + 1
-    geometry = OffloadGeometry(
-        _LAYERS, batch, config.hot_blocks(), blocks, _HKV, _D, torch.bfloat16, per_head=True
-    )
-    channels = torch.stack(
-        [torch.randperm(_D, device="cuda")[:_CHANNELS] for _ in range(_LAYERS * _HKV)]
-    ).view(_LAYERS, _HKV, _CHANNELS)
-    store = DSOffloadedKV(geometry, channels.int(), config=config, device="cuda")
+    store, gen = _store(batch, context, steps, seed=1)
+    geometry = store.geometry
     slots = batch * geometry.max_tokens  # the label cache's rows, one resident K/V slot each
     resident_k = torch.randn(slots, _HKV, _D, generator=gen, device="cuda").bfloat16()
     resident_v = torch.randn_like(resident_k)
-    for row in range(batch):
-        k = torch.randn(_LAYERS, context, _HKV, _D, generator=gen, device="cuda").bfloat16()
-        store.admit(row, k, torch.randn_like(k))
-        del k
     rows = list(range(batch))
     table = store.labels.slots(rows, geometry.max_tokens)
     static_q = torch.zeros(_LAYERS, batch, _HQ, _D, dtype=torch.bfloat16, device="cuda")
