@@ -106,7 +106,7 @@ HOOKS: tuple[HookSpec, ...] = (
         qualname="attn_backend_wrapper",
         kind=HookKind.AFTER,
         feature=Feature.QSA_BACKEND,
-        hook="qsa_sglang_plugin._adapters._offload:after_attn_backend_wrapper",
+        hook="qsa_sglang_plugin._adapters._qsa_backend:after_attn_backend_wrapper",
         reason=(
             "With p2-offload the offload backend, with cache sharding and no offload the sharded "
             "backend (QwenSparseAttnBackend subclasses), in the hybrid GDN backend's "

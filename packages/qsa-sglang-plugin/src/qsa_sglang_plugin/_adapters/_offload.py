@@ -61,17 +61,22 @@ from typing import Any, Final, Protocol
 
 import torch
 
-from qsa_core import QSAProfile, ShardPlacement, hot_cache_slots
+from qsa_core import hot_cache_slots
 from qsa_kernels import BLOCK_TOKENS, KernelInputError
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
 from qsa_kernels.sharded import (
     HeadLayout,
     ShardedDecodeBuffers,
-    ShardGroup,
     gather_group_queries,
     merge_owner_partials,
 )
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
+from qsa_sglang_plugin._adapters._qsa_common import (
+    complete_blocks,
+    plugin_backend_base,
+    qsa_profile_of,
+    shard_group,
+)
 from qsa_sglang_plugin._config_check import ds_config, ds_geometry
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
@@ -81,17 +86,13 @@ __all__ = (
     "LOG_EVERY_STEPS",
     "OffloadLayout",
     "OffloadRuntime",
-    "after_attn_backend_wrapper",
     "arena_rows",
-    "complete_blocks",
     "ds_offload_geometry",
     "fixed_device_bytes",
+    "offload_backend_class",
     "offload_geometry",
-    "plugin_backend_base",
     "price_offloaded_pool",
-    "qsa_profile_of",
     "runtime_of",
-    "shard_group",
 )
 
 logger = logging.getLogger(__name__)
@@ -602,40 +603,6 @@ class OffloadRuntime:
         return selected, fetched
 
 
-def complete_blocks(indices: torch.Tensor, closed: torch.Tensor, block_topk: int) -> torch.Tensor:
-    """``[B, block_topk]`` int32 selected complete blocks (``-1`` padded) of the QSA indexer.
-
-    Args:
-        indices: ``[B, block_topk]`` block ids, or the same blocks expanded to token positions
-            followed by the open block's (``[B, 4 block_topk + 3]``, what upstream's indexer
-            returns in prefill and where it does not defer the expansion); ``-1`` padded.
-        closed: ``[B]`` complete blocks each row may attend (its length // 4); an entry at or
-            beyond it is not a complete block.
-        block_topk: the indexer's block selection width.
-
-    Raises:
-        OffloadRuntimeError: ``indices`` has neither shape.
-    """
-    limit = closed.to(torch.int32).unsqueeze(1)
-    width = indices.shape[1] if indices.dim() == 2 else -1
-    if width == block_topk:
-        blocks = indices.to(torch.int32)
-        return torch.where(blocks < limit, blocks, -1)
-    if width == BLOCK_TOKENS * block_topk + BLOCK_TOKENS - 1:
-        # Token positions: a selected block contributes its first token (4 b); the open
-        # block's tokens lie at or after 4 * closed.
-        tokens = indices.to(torch.int32)
-        starts = (tokens >= 0) & (tokens % BLOCK_TOKENS == 0) & (tokens < BLOCK_TOKENS * limit)
-        candidates = torch.where(starts, tokens // BLOCK_TOKENS, -1)
-        return candidates.sort(dim=1, descending=True).values[:, :block_topk].contiguous()
-    msg = (
-        f"the QSA indexer's selection must be [B, {block_topk}] block ids or "
-        f"[B, {BLOCK_TOKENS * (block_topk + 1) - 1}] token positions; got "
-        f"{tuple(indices.shape)!r}"
-    )
-    raise OffloadRuntimeError(msg)
-
-
 # ---- construction --------------------------------------------------------------------------------
 
 
@@ -739,31 +706,6 @@ def fixed_device_bytes(geometry: OffloadGeometry, *, verify: bool = False) -> in
     return staging + resident + geometry.device_bytes
 
 
-def qsa_profile_of(model_config: Any) -> Any:
-    """SGLang's QSA profile of a model (its indexer's block top-k, budget, compress ratio).
-
-    Raises:
-        ConfigurationError: the model has no QSA layers, or blocks other than 4 tokens.
-    """
-    from sglang.srt.layers.attention.qsa.config import parse_qsa_profile
-
-    config = getattr(model_config, "hf_text_config", None) or model_config.hf_config
-    profile = parse_qsa_profile(config)
-    if profile is None:
-        msg = (
-            f"{type(config).__name__} has no QSA profile; the plugin's QSA backends serve QSA "
-            "models only"
-        )
-        raise ConfigurationError(msg)
-    if profile.compress_ratio != BLOCK_TOKENS:
-        msg = (
-            f"indexer_compress_ratio={profile.compress_ratio!r}; the plugin's QSA backends move "
-            f"blocks of {BLOCK_TOKENS} tokens (allowed: {BLOCK_TOKENS})"
-        )
-        raise ConfigurationError(msg)
-    return profile
-
-
 def _qsa_layout(runner: Any) -> OffloadLayout:
     """The offload of a QSA model's runner: its QSA layers, the indexer's top-k blocks hot."""
     pool = runner.token_to_kv_pool
@@ -823,34 +765,6 @@ def _ds_layout(runner: Any, switches: DoubleSparsitySwitches) -> OffloadLayout:
         dtype=pool.dtype,  # the logical dtype
     )
     return OffloadLayout(geometry, {i: i for i in range(geometry.layers)}, None)
-
-
-def shard_group(runner: Any, sharding: int) -> ShardGroup | None:
-    """This rank's shard group (``SGLANG_QSA_CACHE_SHARDING``), or None when it is off.
-
-    Every TP rank creates every group, in the order :meth:`ShardPlacement.tp_groups` lists them
-    (``torch.distributed.new_group`` is collective over the default group), with the default
-    group's backend.
-    """
-    if sharding == 1:
-        return None
-    import torch.distributed as dist
-    from sglang.srt.distributed.parallel_state import get_tp_group
-
-    tp = get_tp_group()
-    profile = QSAProfile.from_text_config(
-        runner.model_config.hf_text_config.to_dict(), page_size=int(runner.server_args.page_size)
-    )
-    placement = ShardPlacement.for_tp(profile, tp.world_size, sharding)
-    mine: ShardGroup | None = None
-    for members in ShardPlacement.tp_groups(profile, tp.world_size, sharding):
-        group = dist.new_group([tp.ranks[i] for i in members])
-        if tp.rank_in_group in members and isinstance(group, dist.ProcessGroup):
-            mine = ShardGroup(placement, members.index(tp.rank_in_group), group)
-    if mine is None:  # tp_groups covers every rank
-        msg = f"TP rank {tp.rank_in_group!r} is in no shard group of {sharding!r} ranks"
-        raise OffloadRuntimeError(msg)
-    return mine
 
 
 def _build_runtime(runner: Any) -> OffloadRuntime:
@@ -934,69 +848,7 @@ def runtime_of(runner: Any) -> OffloadRuntime:
 
 
 @functools.cache
-def plugin_backend_base() -> type[Any]:
-    """The base of the plugin's QSA backends: upstream's, with its attention entries narrowed.
-
-    Decode takes the indexer's block ids as they are (the block expansion is deferred), both
-    entries require the indexer's selection, prefill refuses context-parallel batches, and the
-    extend output is padded to the query rows as upstream pads it. A subclass implements
-    ``_attend_extend(q [T, Hq, D], k, v, layer, forward_batch, topk_indices) -> [T, Hq * D]``
-    over the ``T`` rows the indexer selected for, and ``_attend_decode(q, k, v, layer,
-    forward_batch, topk_indices) -> [B, Hq * D]``; ``feature`` names it in refusals.
-    """
-    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
-
-    class PluginQSABackend(upstream.QwenSparseAttnBackend):  # type: ignore[misc]
-        feature = "the plugin's QSA backend"
-
-        def _can_defer_block_expansion(self, forward_mode: Any) -> bool:
-            return bool(forward_mode.is_decode())
-
-        def forward_extend(  # noqa: PLR0917 (upstream's signature)
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            save_kv_cache: bool = True,
-            topk_indices: torch.Tensor | None = None,
-            **kwargs: Any,
-        ) -> torch.Tensor:
-            del save_kv_cache, kwargs  # the K/V goes to the plugin's store, not the pool
-            if topk_indices is None:
-                msg = "QSA sparse attention requires topk_indices"
-                raise ValueError(msg)
-            if getattr(forward_batch, "attn_cp_metadata", None) is not None:
-                msg = f"context-parallel prefill is not wired with {self.feature}"
-                raise OffloadRuntimeError(msg)
-            q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
-            rows, valid = q.shape[0], topk_indices.shape[0]  # DP attention may pad q
-            out = self._attend_extend(q[:valid], k, v, layer, forward_batch, topk_indices)
-            return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
-
-        def forward_decode(  # noqa: PLR0917 (upstream's signature)
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            save_kv_cache: bool = True,
-            topk_indices: torch.Tensor | None = None,
-            **kwargs: Any,
-        ) -> torch.Tensor:
-            del save_kv_cache, kwargs  # the token goes to the plugin's store, not the pool
-            if topk_indices is None:
-                msg = "QSA sparse attention requires topk_indices"
-                raise ValueError(msg)
-            return self._attend_decode(q, k, v, layer, forward_batch, topk_indices)  # type: ignore[no-any-return]
-
-    return PluginQSABackend
-
-
-@functools.cache
-def _backend_class() -> type[Any]:
+def offload_backend_class() -> type[Any]:
     """The offload's ``QwenSparseAttnBackend`` subclass; built on first use (cheap imports)."""
     from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
 
@@ -1086,45 +938,6 @@ def _backend_class() -> type[Any]:
             )
 
     return HiSparseOffloadBackend
-
-
-def after_attn_backend_wrapper(
-    result: Any, runner: Any, full_attn_backend: Any, *args: object, **kwargs: object
-) -> None:
-    """AFTER hook on ``attention_registry.attn_backend_wrapper``: install the plugin's QSA backend.
-
-    With ``SGLANG_QSA_HISPARSE_V3=p2-offload`` the offload backend, with cache sharding and no
-    offload the sharded backend (:mod:`._sharded_kv`), becomes the hybrid GDN backend's
-    full-attention side (its ``full_attn_backend`` and the first entry of ``attn_backend_list``,
-    the only two references). Otherwise upstream's backend stays in place.
-
-    Raises:
-        ConfigurationError: a model whose wrapper did not build upstream's
-            ``QwenSparseAttnBackend``.
-    """
-    del full_attn_backend, args, kwargs
-    switches = current_switches()
-    if not (_offload_requested() or switches.resident_sharding):
-        return
-    from sglang.srt.layers.attention.qwen_sparse_attn_backend import QwenSparseAttnBackend
-
-    upstream = getattr(result, "full_attn_backend", None)
-    if type(upstream) is not QwenSparseAttnBackend:
-        what = "p2-offload" if _offload_requested() else "cache sharding"
-        msg = (
-            f"{what} needs the hybrid GDN backend with upstream's QwenSparseAttnBackend; "
-            f"attn_backend_wrapper built {type(result).__name__} with {type(upstream).__name__}"
-        )
-        raise ConfigurationError(msg)
-    if switches.resident_sharding:
-        from qsa_sglang_plugin._adapters._sharded_kv import sharded_backend_class
-
-        backend = sharded_backend_class()(runner)
-    else:
-        backend = _backend_class()(runner)
-    result.full_attn_backend = backend
-    result.attn_backend_list[0] = backend
-    logger.info("the QSA layers attend through %s", type(backend).__name__)
 
 
 def price_offloaded_pool(configurator: Any, kvc: Any) -> None:

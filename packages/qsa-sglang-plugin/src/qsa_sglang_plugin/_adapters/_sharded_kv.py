@@ -2,7 +2,7 @@
 
 With ``SGLANG_QSA_CACHE_SHARDING=N`` and no ``SGLANG_QSA_HISPARSE_V3`` mode, the TP ranks that
 hold copies of one K/V head form shard groups of ``N`` (:meth:`qsa_core.ShardPlacement.tp_groups`,
-the groups :func:`._offload.shard_group` creates). Every rank still computes the whole K/V of
+the groups :func:`._qsa_common.shard_group` creates). Every rank still computes the whole K/V of
 every token and the same block selection with upstream's indexer (the compressed index stays
 replicated in SGLang's QSA pool); the raw K/V of the QSA layers is stored once per group:
 
@@ -48,9 +48,10 @@ from qsa_kernels.sharded import (
     write_owned_raw_kv,
 )
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
-from qsa_sglang_plugin._adapters._offload import (
+from qsa_sglang_plugin._adapters._qsa_common import (
     complete_blocks,
     plugin_backend_base,
+    qsa_profile_of,
     shard_group,
 )
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
@@ -233,7 +234,7 @@ class ShardedKVRuntime:
         Args:
             layer_id: SGLang's layer id.
             q: ``[B, Hq * D]`` (or ``[B, Hq, D]``) this rank's query heads.
-            indices: the indexer's selection (the forms :func:`._offload.complete_blocks` takes).
+            indices: the indexer's selection (the forms :func:`._qsa_common.complete_blocks` takes).
             seq_lens: ``[B]`` each row's length with the new token.
             slot_table: ``[B, >= max seq_len]`` logical slot of each position
                 (``req_to_token`` rows).
@@ -369,8 +370,6 @@ def _build_runtime(runner: Any) -> ShardedKVRuntime:
     """The sharded store of one model runner, sized from its pools and its QSA profile."""
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_sglang_plugin._adapters._offload import qsa_profile_of
-
     sharding = current_switches().cache_sharding
     shard = shard_group(runner, sharding)
     if shard is None:
@@ -423,8 +422,6 @@ def price_sharded_pool(configurator: Any, kvc: Any) -> None:
     """
     from sglang.srt.configs.hybrid_arch import mambaish_config
     from sglang.srt.runtime_context import get_parallel
-
-    from qsa_sglang_plugin._adapters._offload import qsa_profile_of
 
     model_config = kvc.model_config
     hybrid = mambaish_config(model_config)

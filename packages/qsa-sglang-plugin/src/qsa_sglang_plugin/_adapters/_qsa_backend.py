@@ -1,0 +1,51 @@
+"""The AFTER hook that puts the plugin's QSA backend in SGLang's hybrid GDN backend."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from qsa_sglang_plugin._adapters._offload import offload_backend_class
+from qsa_sglang_plugin._adapters._sharded_kv import sharded_backend_class
+from qsa_sglang_plugin._errors import ConfigurationError
+from qsa_sglang_plugin._switches import HiSparseMode, current_switches
+
+__all__ = ("after_attn_backend_wrapper",)
+
+logger = logging.getLogger(__name__)
+
+
+def after_attn_backend_wrapper(
+    result: Any, runner: Any, full_attn_backend: Any, *args: object, **kwargs: object
+) -> None:
+    """AFTER hook on ``attention_registry.attn_backend_wrapper``: install the plugin's QSA backend.
+
+    With ``SGLANG_QSA_HISPARSE_V3=p2-offload`` the offload backend, with cache sharding and no
+    offload the sharded backend (:mod:`._sharded_kv`), becomes the hybrid GDN backend's
+    full-attention side (its ``full_attn_backend`` and the first entry of ``attn_backend_list``,
+    the only two references). Otherwise upstream's backend stays in place.
+
+    Raises:
+        ConfigurationError: a model whose wrapper did not build upstream's
+            ``QwenSparseAttnBackend``.
+    """
+    del full_attn_backend, args, kwargs
+    switches = current_switches()
+    offload = switches.hisparse is HiSparseMode.P2_OFFLOAD
+    if not (offload or switches.resident_sharding):
+        return
+    from sglang.srt.layers.attention.qwen_sparse_attn_backend import QwenSparseAttnBackend
+
+    upstream = getattr(result, "full_attn_backend", None)
+    if type(upstream) is not QwenSparseAttnBackend:
+        what = "p2-offload" if offload else "cache sharding"
+        msg = (
+            f"{what} needs the hybrid GDN backend with upstream's QwenSparseAttnBackend; "
+            f"attn_backend_wrapper built {type(result).__name__} with {type(upstream).__name__}"
+        )
+        raise ConfigurationError(msg)
+    make = sharded_backend_class() if switches.resident_sharding else offload_backend_class()
+    backend = make(runner)
+    result.full_attn_backend = backend
+    result.attn_backend_list[0] = backend
+    logger.info("the QSA layers attend through %s", type(backend).__name__)
