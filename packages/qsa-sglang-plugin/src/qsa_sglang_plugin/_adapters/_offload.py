@@ -3,7 +3,8 @@
 Two SGLang objects meet one :class:`OffloadRuntime` per model runner:
 
 - the attention backend, a subclass of upstream's ``QwenSparseAttnBackend`` that the AFTER hook on
-  ``attn_backend_wrapper`` puts in the hybrid GDN backend's full-attention place. Prefill writes the
+  ``attn_backend_wrapper`` (:mod:`._qsa_backend`) puts in the hybrid GDN backend's full-attention
+  place. Prefill writes the
   chunk's K/V to one prompt's GPU staging area and attends with upstream's kernels (with a prefix:
   over the staged prompt); decode appends each layer's new token to the row's open-block tail,
   writes a block that closes to the host arena, fetches the indexer's selected blocks that miss the
@@ -80,7 +81,7 @@ from qsa_sglang_plugin._adapters._qsa_common import (
 from qsa_sglang_plugin._config_check import ds_config, ds_geometry
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
-from qsa_sglang_plugin._switches import DoubleSparsitySwitches, HiSparseMode, current_switches
+from qsa_sglang_plugin._switches import DoubleSparsitySwitches, current_switches
 
 __all__ = (
     "LOG_EVERY_STEPS",
@@ -604,10 +605,6 @@ class OffloadRuntime:
 
 
 # ---- construction --------------------------------------------------------------------------------
-
-
-def _offload_requested() -> bool:
-    return current_switches().hisparse is HiSparseMode.P2_OFFLOAD
 
 
 def _verification_requested() -> bool:

@@ -111,7 +111,7 @@ class ShardedKVRuntime:
         self.path = path
         self._ordinal = dict(layer_ordinal)
         self._block_topk = block_topk
-        self._heads, self._head_dim = kv_heads, head_dim
+        self._kv_heads, self._head_dim = kv_heads, head_dim
         placement = shard.placement
         records = -(-placement.local_capacity(slots) // BLOCK_TOKENS)
         shape = (len(self._ordinal), records, 2, BLOCK_TOKENS, kv_heads, head_dim)
@@ -165,7 +165,7 @@ class ShardedKVRuntime:
         """
         store = self.layer(layer_id)
         rows = int(slots.shape[0])
-        shape = (rows, self._heads, self._head_dim)
+        shape = (rows, self._kv_heads, self._head_dim)
         targets = raw_write_targets(slots, self.shard.placement, self.shard.rank)
         k = k[:rows].reshape(shape).to(store.dtype)
         v = v[:rows].reshape(shape).to(store.dtype)
@@ -208,7 +208,7 @@ class ShardedKVRuntime:
         lengths = [int(n) for n in forward_batch.seq_lens_cpu][: len(extend)]
         heads = q.reshape(tokens, -1, self._head_dim)
         if all(n == e for n, e in zip(lengths, extend, strict=True)):
-            out = _chunk_attention(heads, k, v, indices, extend, lengths, scale, self._heads)
+            out = _chunk_attention(heads, k, v, indices, extend, lengths, scale, self._kv_heads)
             return out.reshape(tokens, -1).to(q.dtype)
         parts, start = [], 0
         for i, (length, count) in enumerate(zip(lengths, extend, strict=True)):
@@ -469,6 +469,19 @@ def sharded_backend_class() -> type[Any]:
         def __init__(self, runner: Any) -> None:
             super().__init__(runner)
             self.qsa_sharded = sharded_runtime_of(runner)
+            # The decode step's slot table, once per step for every layer: upstream's own
+            # metadata rows eagerly, a gather inside the captured step under CUDA graphs.
+            self._decode_slots: torch.Tensor | None = None
+
+        def init_forward_metadata(self, forward_batch: Any) -> None:
+            super().init_forward_metadata(forward_batch)
+            self._decode_slots = self.forward_metadata.token_slot_table
+
+        def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+            # Upstream's captured metadata holds a placeholder table; gather the real one.
+            super().init_forward_metadata_in_graph(forward_batch)
+            indices = forward_batch.req_pool_indices.long()
+            self._decode_slots = self.req_to_token[indices]
 
         def _attend_extend(  # noqa: PLR0917
             self,
@@ -501,15 +514,17 @@ def sharded_backend_class() -> type[Any]:
             topk_indices: torch.Tensor,
         ) -> torch.Tensor:
             """The new token to its owner, then owner-side attention over the selection."""
+            if self._decode_slots is None:
+                msg = "cache sharding: a decode step before its metadata"
+                raise OffloadRuntimeError(msg)
             runtime = self.qsa_sharded
             runtime.write(layer.layer_id, k, v, forward_batch.out_cache_loc)
-            table = self.req_to_token[forward_batch.req_pool_indices.long()]
             return runtime.decode(
                 layer.layer_id,
                 q,
                 topk_indices,
                 forward_batch.seq_lens,
-                table,
+                self._decode_slots,
                 float(layer.scaling),
             )
 
