@@ -175,10 +175,11 @@ def _token_price(engines: dict[str, Any]) -> dict[str, float]:
 
 
 def _ratios(arms: tuple[str, ...]) -> list[tuple[str, str]]:
-    """The reported speed ratios: qsa_ds over triton, DS-Offload over resident qsa_ds and over
-    its own eager steps."""
+    """The reported speed ratios: qsa_ds over triton, DS-Offload over dense triton, over resident
+    qsa_ds and over its own eager steps."""
     pairs = (
         ("qsa_ds", "triton"),
+        ("ds_offload", "triton"),
         ("ds_offload", "qsa_ds"),
         ("ds_offload_eager", "qsa_ds"),
         ("ds_offload", "ds_offload_eager"),
@@ -196,11 +197,12 @@ def _write(
     )
     device, torch_version = data["machine"]["gpu"], data["machine"]["torch"]
     by_key = {(c.arm, c.context, c.batch): c for c in cells}
+    graphs = "on, ds_offload_eager's off" if "ds_offload_eager" in args.arms else "on"
     lines = [
         "# Double sparsity (`qsa_ds`) against SGLang's triton backend, real SGLang 0.5.23 engines",
         "",
         f"GPU {device}, torch {torch_version}; the Llama-3.1-8B-shaped dummy model, decode "
-        "CUDA graphs on (but ds_offload_eager), otherwise the same scheduler flags; qsa_ds with 32 "
+        f"CUDA graphs {graphs}, otherwise the same scheduler flags; qsa_ds with 32 "
         f"heavy channels of 128 and 256 heavy tokens per KV head. `{data['command']}`; written by "
         "`packages/qsa-sglang-plugin/benchmarks/engine_double_sparsity.py`.",
         "",

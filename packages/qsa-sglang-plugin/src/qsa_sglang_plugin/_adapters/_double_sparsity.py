@@ -320,10 +320,13 @@ class _GraphStep:
         sparse_rows: ``[bs]`` bool, the rows that attend their heavy tokens (refreshed before
             each replay; DS-Offload decides per row on the device instead).
         req_to_token: ``[bs, S]`` the batch's slot table, gathered inside the captured step.
+        lengths: ``[bs]`` int32, DS-Offload's planned row lengths after the new token (padding
+            rows at 1), computed inside the captured step once for every layer.
     """
 
     sparse_rows: torch.Tensor
     req_to_token: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
 
 class DoubleSparsityBackend:
@@ -456,10 +459,15 @@ class DoubleSparsityBackend:
         self.dense.init_forward_metadata_out_graph(shrunk, in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
-        """Inside the captured step: the dense backend's, then the batch's slot table, once."""
+        """Inside the captured step: the dense backend's metadata, then what every layer reads.
+
+        The batch's slot table and, with DS-Offload, the plan's row lengths, once per step.
+        """
         self.dense.init_forward_metadata_in_graph(forward_batch)
         if self._graph is not None:
             self._graph.req_to_token = self._req_to_token[forward_batch.req_pool_indices]
+            if self._offload is not None and forward_batch.forward_mode.is_decode():
+                self._graph.lengths = self._offload.runtime.kv.step_lengths
 
     def glue_draft_metadata(self) -> str:
         """Why SGLang must not capture this backend's replay prep (it counts rows on the host)."""
@@ -585,10 +593,9 @@ class DoubleSparsityBackend:
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
         queries = q.reshape(-1, heads, dim).to(torch.bfloat16)
         labels = (self._labels.layer(layer.layer_id), self._labels.channels[layer.layer_id])
-        if graph is not None and graph.req_to_token is not None:
-            lengths = offload.runtime.kv.step_lengths  # the plan's, padding rows at 1
+        if graph is not None and graph.req_to_token is not None and graph.lengths is not None:
             positions = ds_positions_fixed(
-                queries, *labels, graph.req_to_token, lengths, config=self._config
+                queries, *labels, graph.req_to_token, graph.lengths, config=self._config
             )
         elif graph is None and step is not None:
             positions = ds_positions(
