@@ -4,7 +4,8 @@ One engine with the plugin's ``qsa_ds`` backend (8 heavy channels of 16, 64 heav
 below 1,024 tokens) against SGLang's dense backend of the platform on the same model and seed:
 
 - below the threshold every decode row is dense, and the answer equals the dense engine's bit
-  for bit (the label writes change nothing SGLang reads);
+  for bit (the label writes change nothing SGLang reads); so it is above the threshold when
+  ``heavy_token_num`` covers the whole context (a second engine with 4,096 heavy tokens);
 - above it the decode attends 64 tokens per KV head: the first token (from the dense prefill) is
   the dense engine's bit for bit, the decode steps after it are not, and the backend counts
   sparse rows;
@@ -58,6 +59,12 @@ DS = EngineConfig(
     server_args={"attention_backend": "qsa_ds", "enable_metrics": True},
 )
 DENSE = EngineConfig(LLAMA, plugin=False)
+#: Heavy tokens beyond every prompt here: a context above the threshold but within
+#: ``heavy_token_num`` would select every token, so its rows decode densely.
+ALL_HEAVY_TOKENS = 4096
+DS_ALL_HEAVY = dataclasses.replace(
+    DS, switches={**SWITCHES, "SGLANG_QSA_DS_HEAVY_TOKENS": str(ALL_HEAVY_TOKENS)}
+)
 #: DS-Offload with every released row's host bytes checked against a resident copy; decode CUDA
 #: graphs as for DS; prefill in chunks, so later chunks attend over a staged prefix.
 DS_OFFLOAD = EngineConfig(
@@ -222,6 +229,22 @@ def _kv_bytes_per_token() -> int:
         * int(text["head_dim"])
         * 2
     )
+
+
+def test_heavy_tokens_covering_the_context_answer_as_the_dense_backend(
+    served: _Served, engines: EnginePool
+) -> None:
+    """A prompt above the threshold whose context fits ``heavy_token_num`` decodes densely: its
+    answer is the dense engine's bit for bit, and every decode row counts dense."""
+    assert len(LONG.input_ids) + LONG.max_new_tokens <= ALL_HEAVY_TOKENS
+    assert len(LONG.input_ids) >= THRESHOLD
+    engine = engines.engine(DS_ALL_HEAVY)
+    before = {p: engine.metric("qsa_hisparse_ds_decode_rows_total", path=p) for p in PATHS}
+    got = engines.generate(DS_ALL_HEAVY, LONG)
+    after = {p: engine.metric("qsa_hisparse_ds_decode_rows_total", path=p) for p in PATHS}
+    assert_same_generation(served.dense[len(SHORT)], got)
+    rows = {p: after[p] - before[p] for p in PATHS}
+    assert rows == {"dense": LONG.max_new_tokens - 1, "sparse": 0}
 
 
 def test_ds_offload_answers_as_resident_double_sparsity(
