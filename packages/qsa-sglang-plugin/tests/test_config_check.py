@@ -369,6 +369,32 @@ def test_resident_cache_sharding_refuses_what_its_backend_cannot_serve(
         assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize("offloaded", [True, False], ids=["offloaded", "resident"])
+def test_cache_sharding_on_the_cpu_is_refused_where_sglang_pads_the_kv_heads(
+    offloaded: bool,
+) -> None:
+    """One K/V head at TP2: two ranks share it on CUDA, but SGLang's CPU engine pads it to two
+    heads, one per rank (``adjust_config_with_unaligned_cpu_tp``), so there is no shard group."""
+    base, switches = (
+        (GOOD, parse_switches({**OFFLOAD_ENV, "SGLANG_QSA_CACHE_SHARDING": "2"}))
+        if offloaded
+        else (UPSTREAM_SCHEDULING, RESIDENT_SHARDING)
+    )
+    one_head = dataclasses.replace(
+        base, tp_size=2, text_config={**base.text_config, "num_key_value_heads": 1}
+    )
+    assert check_configuration(one_head, switches) is not None
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(dataclasses.replace(one_head, device="cpu"), switches)
+    message = str(info.value)
+    for fragment in (
+        "SGLANG_QSA_CACHE_SHARDING=2 does not fit --tp-size=2 on the CPU",
+        "pads the model's 1 K/V heads to 2",
+        "allowed: [1]",
+    ):
+        assert fragment in message, message
+
+
 @pytest.mark.parametrize("blocks", [512, 2048, 1 << 16])
 def test_hot_blocks_from_one_selection_to_the_fetch_kernels_limit_pass(blocks: int) -> None:
     switches = parse_switches({**OFFLOAD_ENV, "SGLANG_QSA_HISPARSE_HOT_BLOCKS": str(blocks)})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from qsa_testing import (
     tiny_llama,
     tiny_qwen4_exp,
 )
-from qsa_testing._engine import _environment, _server_args, sum_samples
+from qsa_testing._engine import _cpu_tp_environment, _environment, _server_args, sum_samples
 from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, StandIn, boot_directory
 
 
@@ -104,6 +105,35 @@ def test_environment_names_plugins_switches_and_standins(
         s.value for s in platform_standins(Platform.CUDA) | {StandIn.PERTURB_DECODE_SELECTION}
     }
     assert Path(env["SGLANG_QSA_HISPARSE_ACTIVATION_DIR"]).is_dir()
+
+
+def test_a_cpu_engine_of_several_tp_ranks_splits_the_cores_and_loads_no_nccl(
+    tmp_path: Path,
+) -> None:
+    config = EngineConfig(tiny_qwen4_exp(), plugin=False, server_args={"tp_size": 2})
+    env = _environment(config, Platform.CPU, tmp_path)
+    library = Path(env["SGLANG_NCCL_SO_PATH"])
+    assert library.is_relative_to(tmp_path)
+    assert not library.exists()
+    ranks = [
+        {int(c) for c in run.split(",")} for run in env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")
+    ]
+    assert len(ranks) == 2
+    assert set.union(*ranks) == os.sched_getaffinity(0)
+    assert not ranks[0] & ranks[1]
+    # Runs in core order, the first ranks one core longer where the cores do not divide.
+    bind = _cpu_tp_environment(3, tmp_path, cores={6, 0, 1, 2, 3, 4, 5})
+    assert bind["SGLANG_CPU_OMP_THREADS_BIND"] == "0,1,2|3,4|5,6"
+    # One rank, or a CUDA engine, changes nothing.
+    assert _cpu_tp_environment(1, tmp_path) == {}
+    cuda = _environment(config, Platform.CUDA, tmp_path)
+    assert "SGLANG_NCCL_SO_PATH" not in cuda
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in cuda
+
+
+def test_more_tp_ranks_than_cores_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(EngineConfigError, match=r"tp_size=3 is not allowed on this CPU: 2 cores"):
+        _cpu_tp_environment(3, tmp_path, cores={0, 1})
 
 
 def test_labels_are_filesystem_safe_and_tell_configurations_apart() -> None:

@@ -83,6 +83,7 @@ class ConfigFacts:
         attention_backend: ``--attention-backend`` after resolution (None = SGLang chooses).
         tp_size: ``--tp-size``.
         enable_prefill_cp: ``--enable-prefill-cp`` (context-parallel prefill).
+        device: ``--device`` after resolution (``cuda``, ``cpu``...).
     """
 
     architectures: tuple[str, ...]
@@ -107,6 +108,7 @@ class ConfigFacts:
     attention_backend: str | None = None
     tp_size: int = 1
     enable_prefill_cp: bool = False
+    device: str = "cuda"
 
 
 #: The features that serve a QSA checkpoint (double sparsity serves models without QSA layers).
@@ -457,6 +459,16 @@ def _check_resident_sharding(facts: ConfigFacts) -> None:
 
 
 def _check_cache_sharding(facts: ConfigFacts, profile: QSAProfile, sharding: int) -> None:
+    kv_heads, tp = profile.num_kv_heads, facts.tp_size
+    if facts.device == "cpu" and sharding != 1 and kv_heads % tp:
+        # adjust_config_with_unaligned_cpu_tp: the CPU engine pads the heads, never replicates.
+        padded = -(-kv_heads // tp) * tp
+        msg = (
+            f"{ENV_CACHE_SHARDING}={sharding!r} does not fit --tp-size={tp!r} on the CPU: "
+            f"SGLang's CPU engine pads the model's {kv_heads!r} K/V heads to {padded!r}, so no "
+            "two TP ranks hold the same K/V head; allowed: [1]"
+        )
+        raise ConfigurationError(msg)
     try:
         ShardPlacement.for_tp(profile, facts.tp_size, sharding)
     except (PlacementError, QSAConfigError) as exc:
@@ -551,6 +563,7 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         attention_backend=None if cfg.attention_backend is None else str(cfg.attention_backend),
         tp_size=int(cfg.tp_size),
         enable_prefill_cp=bool(cfg.enable_prefill_cp),
+        device=str(cfg.device),
     )
 
 

@@ -535,9 +535,58 @@ def _server_args(
     return args
 
 
+#: Where a CPU engine of several TP ranks is told its NCCL library is: a path that holds none.
+_NO_NCCL: Final = "no-nccl-on-cpu/libnccl.so.2"
+
+
+def _cpu_tp_environment(
+    tp_size: int, workdir: Path, cores: AbstractSet[int] | None = None
+) -> dict[str, str]:
+    """What a CPU engine of ``tp_size`` TP ranks needs in its environment (nothing at one rank).
+
+    - ``SGLANG_NCCL_SO_PATH`` at a file that does not exist. SGLang 0.5.23 turns PyNccl on for
+      every TP group whatever the device, and on a machine with PyPI's CUDA torch the NCCL
+      library loads and ``PyNcclCommunicator`` then refuses the CPU device. Where the library
+      does not load, PyNccl disables itself, and the CPU all-reduce and all-gather run through
+      the group's gloo backend (``torch.distributed``), as on a machine without NCCL. Without
+      AMX, SGLang never takes its shared-memory all-reduce (an ``sgl_kernel`` CPU op).
+    - ``SGLANG_CPU_OMP_THREADS_BIND``: this process's cores split into ``tp_size`` runs, one
+      per rank, in order (SGLang otherwise wants a NUMA node per rank).
+
+    Args:
+        tp_size: ``--tp-size``.
+        workdir: the engine's directory (the missing library is named under it).
+        cores: the CPU ids to split; default the cores this process may run on.
+
+    Raises:
+        EngineConfigError: fewer cores than ranks.
+    """
+    if tp_size == 1:
+        return {}
+    ids = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if tp_size < 1 or len(ids) < tp_size:
+        msg = (
+            f"tp_size={tp_size!r} is not allowed on this CPU: {len(ids)} cores {ids!r}; "
+            f"allowed: 1 to {len(ids)}"
+        )
+        raise EngineConfigError(msg)
+    per_rank, extra = divmod(len(ids), tp_size)
+    runs, start = [], 0
+    for rank in range(tp_size):
+        size = per_rank + (rank < extra)
+        runs.append(",".join(str(i) for i in ids[start : start + size]))
+        start += size
+    return {
+        "SGLANG_NCCL_SO_PATH": str(workdir / _NO_NCCL),
+        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(runs),
+    }
+
+
 def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(SWITCH_PREFIX)}
     env.update(_PLATFORM_ENV[platform])
+    if platform is Platform.CPU:
+        env.update(_cpu_tp_environment(int(config.server_args.get("tp_size", 1)), workdir))
     env.update(dict(config.switches))
     env[ENV_SGLANG_PLUGINS] = PLUGIN_NAME if config.plugin else _NO_PLUGINS
     if config.plugin:

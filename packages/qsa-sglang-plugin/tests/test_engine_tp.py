@@ -1,0 +1,160 @@
+"""Two tensor-parallel ranks on the CPU: a real SGLang 0.5.23 engine at ``--tp-size 2``.
+
+SGLang 0.5.23 runs tensor parallelism on the CPU once PyNccl stays off: the harness names an NCCL
+library that does not load and splits the cores between the ranks (``qsa_testing`` does both for
+any CPU engine with ``tp_size`` > 1; the ranks' all-reduces then run over gloo). Each rank draws
+its shard of the dummy weights with the same seed, so two engines at TP2 serve the same model.
+
+The tiny Qwen4Exp has two K/V heads, one per rank. With ``p2-offload`` each rank offloads its own
+head: its own host arena, hot caches, tails and leases. Against upstream SGLang at TP2 with the
+same prefill chunks:
+
+- the offloaded engine answers upstream's tokens, for sparse prompts and for a batch of three;
+- when a request ends, each rank's arena row holds its head's K/V byte for byte: half of a
+  token's bytes on each rank;
+- every lease comes back on both ranks.
+
+And cache sharding at TP2 stops at start-up by name: SGLang's CPU engine pads a model's K/V heads
+to a multiple of the TP size instead of replicating them, so no two ranks share a head to shard.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from qsa_testing import (
+    Engine,
+    EngineConfig,
+    EnginePool,
+    EngineStartError,
+    GenerateRequest,
+    Platform,
+    assert_same_generation,
+    current_platform,
+    start_engine,
+    tiny_qwen4_exp,
+)
+
+pytestmark = pytest.mark.skipif(
+    current_platform() is not Platform.CPU,
+    reason="two TP ranks on the CPU; on GPUs the multi-GPU runs have their own session",
+)
+
+QWEN = tiny_qwen4_exp()
+TP = 2
+OFFLOAD_SWITCHES = {
+    "SGLANG_QSA_MODEL_COMPAT": "1",
+    "SGLANG_QSA_HISPARSE_V3": "p2-offload",
+    "SGLANG_QSA_HISPARSE_VERIFY": "1",
+}
+COMMON_ARGS = {
+    "tp_size": TP,
+    "chunked_prefill_size": 1024,
+    "max_running_requests": 4,
+    "context_length": 8192,
+}
+UPSTREAM = EngineConfig(QWEN, plugin=False, server_args=COMMON_ARGS)
+OFFLOADED = EngineConfig(
+    QWEN,
+    switches=OFFLOAD_SWITCHES,
+    server_args={
+        **COMMON_ARGS,
+        "radix_cache_backend": "qsa_hisparse",
+        "disable_overlap_schedule": True,
+        "enable_metrics": True,
+        "prefill_max_requests": 1,
+    },
+)
+#: One prompt above 2,051 tokens (sparse selection) and one below, neither a multiple of 4.
+SPARSE_PROMPTS = (
+    GenerateRequest(QWEN.prompt(2999, seed=1), max_new_tokens=32),
+    GenerateRequest(QWEN.prompt(301, seed=3), max_new_tokens=32),
+)
+#: Served together: one decode batch of three rows.
+CONCURRENT = tuple(
+    GenerateRequest(QWEN.prompt(700 + s, seed=s), max_new_tokens=16) for s in (10, 11, 12)
+)
+#: 300 complete blocks and 3 tokens, then 8 decode tokens.
+VERIFIED = GenerateRequest(QWEN.prompt(1203, seed=50), max_new_tokens=9)
+#: One bf16 step of a logit in [4, 8), as in the one-rank offload tests.
+BF16_NOISE = 2**-5
+
+
+def _kv_bytes_per_token() -> int:
+    """K and V bytes of one token in the QSA layers, every K/V head, bf16."""
+    text = QWEN.text_config
+    layers = list(text["layer_types"]).count("full_attention")
+    return layers * 2 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * 2
+
+
+def _rank_lines(engine: Engine, pattern: str) -> dict[int, list[re.Match[str]]]:
+    """Each TP rank's log lines matching ``pattern``, by rank."""
+    text = engine.log_path.read_text(encoding="utf-8", errors="replace")
+    lines: dict[int, list[re.Match[str]]] = {}
+    for match in re.finditer(r"^\[[^\]]* TP(?P<rank>\d+)\] " + pattern, text, re.M):
+        lines.setdefault(int(match["rank"]), []).append(match)
+    return lines
+
+
+def test_two_offloading_ranks_answer_as_upstream_at_two_ranks(engines: EnginePool) -> None:
+    want = engines.generate_all(UPSTREAM, SPARSE_PROMPTS)
+    want_together = engines.generate_together(UPSTREAM, CONCURRENT)
+    got = engines.generate_all(OFFLOADED, SPARSE_PROMPTS)
+    got_together = engines.generate_together(OFFLOADED, CONCURRENT)
+    for request, expected, served in zip(
+        SPARSE_PROMPTS + CONCURRENT, want + want_together, got + got_together, strict=True
+    ):
+        assert_same_generation(
+            expected, served, atol=BF16_NOISE, what=f"{len(request.input_ids)}-token prompt"
+        )
+    engine = engines.engine(OFFLOADED)
+    backends = _rank_lines(engine, r"the QSA layers attend through HiSparseOffloadBackend")
+    assert sorted(backends) == list(range(TP))
+    assert engine.metric("qsa_hisparse_offload_decode_steps_total") > 0
+    assert engine.metric("qsa_hisparse_live_leases") == 0
+    assert engine.metric("qsa_hisparse_offload_rows_in_use") == 0
+
+
+def test_each_rank_holds_its_own_k_v_heads_bytes_on_the_host(engines: EnginePool) -> None:
+    """Each rank's arena row equals its resident copy: one K/V head, half of a token's bytes."""
+    engine = engines.engine(OFFLOADED)
+    tokens = len(VERIFIED.input_ids) + VERIFIED.max_new_tokens - 1  # the last is never fed back
+    per_rank = tokens * _kv_bytes_per_token() // TP
+    pattern = rf"offload: row \d+: {tokens} tokens, (?P<bytes>\d+) K/V bytes on the host equal"
+    engines.generate(OFFLOADED, VERIFIED)
+    deadline = time.monotonic() + 30.0  # each rank checks its row when it releases the lease
+    while sorted(verified := _rank_lines(engine, pattern)) != list(range(TP)):
+        assert time.monotonic() < deadline, f"ranks that checked a {tokens}-token row: {verified}"
+        time.sleep(0.5)
+    assert {int(m["bytes"]) for lines in verified.values() for m in lines} == {per_rank}
+    assert engine.metric("qsa_hisparse_offload_differing_bytes_total") == 0
+    assert engine.metric("qsa_hisparse_live_leases") == 0
+
+
+@pytest.mark.parametrize("offloaded", [True, False], ids=["offloaded", "resident"])
+def test_cache_sharding_at_two_cpu_ranks_stops_the_engine_at_start_up(
+    tmp_path: Path, offloaded: bool
+) -> None:
+    """One K/V head at TP2 would be shared by both ranks on GPUs; the CPU engine pads it."""
+    one_head = tiny_qwen4_exp(kv_heads=1)
+    config = EngineConfig(
+        one_head,
+        switches={
+            **(OFFLOAD_SWITCHES if offloaded else {}),
+            "SGLANG_QSA_CACHE_SHARDING": "2",
+        },
+        server_args=OFFLOADED.server_args if offloaded else COMMON_ARGS,
+    )
+    with pytest.raises(EngineStartError) as caught:
+        start_engine(config, tmp_path / "engine", timeout=300.0).close()
+    text = str(caught.value)
+    for fragment in (
+        "SGLANG_QSA_CACHE_SHARDING=2 does not fit --tp-size=2 on the CPU",
+        "pads the model's 1 K/V heads to 2",
+        "allowed: [1]",
+    ):
+        assert fragment in text, text
