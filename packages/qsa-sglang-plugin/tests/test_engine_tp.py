@@ -7,12 +7,13 @@ its shard of the dummy weights with the same seed, so two engines at TP2 serve t
 
 The tiny Qwen4Exp has two K/V heads, one per rank. With ``p2-offload`` each rank offloads its own
 head: its own host arena, hot caches, tails and leases. Against upstream SGLang at TP2 with the
-same prefill chunks:
+same prefill chunks (each rank with its own host prefix cache):
 
 - the offloaded engine answers upstream's tokens, for sparse prompts and for a batch of three;
 - when a request ends, each rank's arena row holds its head's K/V byte for byte: half of a
   token's bytes on each rank;
-- every lease comes back on both ranks.
+- every lease comes back on both ranks;
+- a prompt served twice resumes from the host prefix cache of each rank, bit for bit.
 
 And cache sharding at TP2 stops at start-up by name: SGLang's CPU engine pads a model's K/V heads
 to a multiple of the TP size instead of replicating them, so no two ranks share a head to shard.
@@ -50,6 +51,8 @@ OFFLOAD_SWITCHES = {
     "SGLANG_QSA_MODEL_COMPAT": "1",
     "SGLANG_QSA_HISPARSE_V3": "p2-offload",
     "SGLANG_QSA_HISPARSE_VERIFY": "1",
+    # Each rank's own host prefix cache (6 MiB): both must answer every match alike.
+    "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "6",
 }
 COMMON_ARGS = {
     "tp_size": TP,
@@ -80,6 +83,9 @@ CONCURRENT = tuple(
 )
 #: 300 complete blocks and 3 tokens, then 8 decode tokens.
 VERIFIED = GenerateRequest(QWEN.prompt(1203, seed=50), max_new_tokens=9)
+#: Served twice: checkpointed at its 1,024-token chunk ends, the second run resumes at 2,048.
+REPEATED = GenerateRequest(QWEN.prompt(3000, seed=60), max_new_tokens=16)
+CHUNK = 1024
 #: One bf16 step of a logit in [4, 8), as in the one-rank offload tests.
 BF16_NOISE = 2**-5
 
@@ -103,6 +109,7 @@ def _rank_lines(engine: Engine, pattern: str) -> dict[int, list[re.Match[str]]]:
 def test_two_offloading_ranks_answer_as_upstream_at_two_ranks(engines: EnginePool) -> None:
     want = engines.generate_all(UPSTREAM, SPARSE_PROMPTS)
     want_together = engines.generate_together(UPSTREAM, CONCURRENT)
+    engines.generate(UPSTREAM, REPEATED)  # the prefix cache test's, while this engine is up
     got = engines.generate_all(OFFLOADED, SPARSE_PROMPTS)
     got_together = engines.generate_together(OFFLOADED, CONCURRENT)
     for request, expected, served in zip(
@@ -132,6 +139,23 @@ def test_each_rank_holds_its_own_k_v_heads_bytes_on_the_host(engines: EnginePool
         time.sleep(0.5)
     assert {int(m["bytes"]) for lines in verified.values() for m in lines} == {per_rank}
     assert engine.metric("qsa_hisparse_offload_differing_bytes_total") == 0
+    assert engine.metric("qsa_hisparse_live_leases") == 0
+
+
+def test_the_same_prompt_twice_resumes_from_each_ranks_host_cache(engines: EnginePool) -> None:
+    """Both ranks find the same checkpoint and restore their own head's part of it: the warm run
+    reports 2,048 cached tokens and answers as the cold one, bit for bit."""
+    want = engines.generate(UPSTREAM, REPEATED)
+    engine = engines.engine(OFFLOADED)
+    loaded = "qsa_hisparse_prefix_cache_loaded_tokens_total"
+    before = engine.metric(loaded)
+    cold = engine.generate(REPEATED)
+    warm = engine.generate(REPEATED)
+    assert (cold.cached_tokens, warm.cached_tokens) == (0, 2 * CHUNK)
+    assert_same_generation(cold, warm, what="warm against cold")
+    assert_same_generation(want, warm, atol=BF16_NOISE, what="warm against upstream")
+    assert engine.metric(loaded) - before == TP * 2 * CHUNK  # every rank restored its part
+    assert engine.metric("qsa_hisparse_prefix_cache_load_back_failures_total") == 0
     assert engine.metric("qsa_hisparse_live_leases") == 0
 
 
