@@ -262,3 +262,34 @@ def test_group_reduction_returns_distinct_channels_from_the_heads_tops(
     tops = {ch for row in rows for ch in row[:count]}
     assert set(merged) <= tops
     assert reduce_group_channels([rows[0]] * group, count) == rows[0][:count]
+
+
+def test_a_tp_rank_takes_the_channels_of_its_own_kv_heads() -> None:
+    """Runs of heads when they split over the ranks, one replicated head when they do not."""
+    cfg = _load(_file_data(2, 4), num_kv_heads=4, num_q_heads=8)
+    assert cfg.for_tp_rank(1, 0) is cfg
+    for rank in range(2):  # two heads each
+        assert torch.equal(
+            cfg.for_tp_rank(2, rank).channels, cfg.channels[:, 2 * rank : 2 * rank + 2]
+        )
+    for rank in range(8):  # each head on two consecutive ranks
+        got = cfg.for_tp_rank(8, rank).channels
+        assert torch.equal(got, cfg.channels[:, rank // 2 : rank // 2 + 1])
+    assert cfg.for_tp_rank(2, 1).layers == cfg.layers
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "tp_rank", "match"),
+    [
+        (3, 0, r"tp_size=3 does not split 4 K/V heads.*allowed: a divisor \[1, 2, 4\]"),
+        (6, 0, r"tp_size=6 does not split 4 K/V heads"),
+        (2, 2, r"tp_rank=2 is not allowed; allowed: 0 to 1"),
+        (0, 0, r"tp_size=0 is not allowed"),
+    ],
+)
+def test_a_tp_layout_that_does_not_split_the_heads_is_refused_by_name(
+    tp_size: int, tp_rank: int, match: str
+) -> None:
+    cfg = _load(_file_data(2, 4), num_kv_heads=4, num_q_heads=8)
+    with pytest.raises(DSConfigError, match=match):
+        cfg.for_tp_rank(tp_size, tp_rank)

@@ -367,9 +367,12 @@ def _run_prefill(shard: Any) -> dict[str, Any]:
     from qsa_kernels.sharded import (
         HeadLayout,
         ShardedDecodeBuffers,
+        local_index_table,
         owner_sparse_prefill,
         raw_write_targets,
+        shard_index_pages,
         shard_raw_kv,
+        sharded_indexer_topk,
         write_owned_raw_kv,
     )
     from qsa_kernels.sparse_decode import sparse_decode_reference
@@ -384,8 +387,26 @@ def _run_prefill(shard: Any) -> dict[str, Any]:
     )
     q = torch.randn((PREFILL_CHUNK, HQ, D), generator=g).to(torch.bfloat16)
     seq_lens = positions + 1
-    pages = case["page_table"].expand(PREFILL_CHUNK, -1)
+    pages = case["page_table"].expand(PREFILL_CHUNK, -1).contiguous()
     ids = indexer_topk_reference(q_index, case["index"], pages, seq_lens, topk=PREFILL_TOPK)
+    # D2: the chunk's rows select from the sharded index, each row a decode row of its position.
+    selection = ShardedDecodeBuffers.allocate(
+        world_size=n,
+        max_rows=PREFILL_CHUNK,
+        topk=PREFILL_TOPK,
+        q_heads=HQ,
+        head_dim=D,
+        layout=HeadLayout.REPLICATED,
+        device="cpu",
+    )
+    merged = sharded_indexer_topk(
+        q_index,
+        shard_index_pages(case["index"], placement, rank),
+        local_index_table(pages, seq_lens, placement, rank),
+        shard=shard,
+        buffers=selection,
+        path=KernelPath.REFERENCE,
+    )
     slot_row = case["slot_table"][0]
     # One rank: every query token over its selection, read from the whole pool.
     token_pos = expand_blocks_reference(ids, seq_lens, ratio=4, token_topk=4 * PREFILL_TOPK)
@@ -407,6 +428,7 @@ def _run_prefill(shard: Any) -> dict[str, Any]:
             bool(((token_pos >= 0) & (token_pos < PREFILL_PREFIX)).any()),
             bool((token_pos >= PREFILL_PREFIX).any()),
         ],
+        "sharded_selection": {"ids": merged.ids.tolist(), "ref_ids": ids.tolist()},
     }
     for layout_name in LAYOUTS:
         buffers = ShardedDecodeBuffers.allocate(
@@ -421,7 +443,7 @@ def _run_prefill(shard: Any) -> dict[str, Any]:
         heads = slice(rank * HQ // n, (rank + 1) * HQ // n) if layout_name == "sharded" else None
         out, lse = owner_sparse_prefill(
             q if heads is None else q[:, heads].contiguous(),
-            ids,
+            merged.ids,
             positions,
             slot_row,
             local_kv,
@@ -565,6 +587,26 @@ def test_prefill_over_a_sharded_prefix_matches_single_rank(
         assert r["selects_prefix_and_chunk"] == [True, True]
         assert r["replicated"]["out_shape"] == [PREFILL_CHUNK, HQ, D]
         assert r["sharded"]["out_shape"] == [PREFILL_CHUNK, HQ // n, D]
+
+
+def test_prefill_rows_select_from_a_sharded_index_as_one_rank_does(
+    runs: dict[int, dict[str, Any]],
+) -> None:
+    """D2's prefill selection: each chunk row's merged top-k over the page-sharded index is the
+    set one rank selects over the whole index, in the same order on every rank of a group (the
+    prefill outputs above attend this selection)."""
+    entries = _scenario_entries(runs, "prefill")
+    bad = [
+        key
+        for key, r in entries.items()
+        if [sorted(i for i in row if i >= 0) for row in r["sharded_selection"]["ids"]]
+        != [sorted(i for i in row if i >= 0) for row in r["sharded_selection"]["ref_ids"]]
+    ]
+    assert bad == []
+    orders: dict[int, set[str]] = {}
+    for (n, _rank), r in entries.items():
+        orders.setdefault(n, set()).add(json.dumps(r["sharded_selection"]["ids"]))
+    assert all(len(seen) == 1 for seen in orders.values()), orders.keys()
 
 
 def test_selected_block_set_equals_single_rank_indexer(runs: dict[int, dict[str, Any]]) -> None:

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -302,6 +302,44 @@ class ChannelConfig:
             config.heavy_channel_type.value,
         )
         return cls(source, config.heavy_channel_type, tuple(int(x) for x in layers), channels)
+
+    def for_tp_rank(self, tp_size: int, tp_rank: int) -> ChannelConfig:
+        """The channels of the K/V heads one tensor-parallel rank holds, in SGLang's order.
+
+        With ``Hkv >= tp_size`` the heads split into runs: rank ``r`` holds heads
+        ``[r * Hkv / tp_size, (r + 1) * Hkv / tp_size)``. With fewer heads than ranks each head
+        is replicated on ``tp_size / Hkv`` consecutive ranks: rank ``r`` holds head
+        ``r // (tp_size / Hkv)`` (how SGLang's QKV projection assigns them).
+
+        Returns:
+            A config whose ``channels`` are ``[L, Hkv_rank, C]``; itself at ``tp_size`` 1.
+
+        Raises:
+            DSConfigError: ``tp_size`` < 1, ``tp_rank`` outside ``[0, tp_size)``, or heads and
+                ranks that divide neither way (the message names the sizes that do).
+        """
+        _positive_int("tp_size", tp_size, minimum=1)
+        if not 0 <= tp_rank < tp_size:
+            msg = f"tp_rank={tp_rank!r} is not allowed; allowed: 0 to {tp_size - 1}"
+            raise DSConfigError(msg)
+        heads = int(self.channels.shape[1])
+        if tp_size == 1:
+            return self
+        if heads % tp_size and tp_size % heads:
+            divisors = [n for n in range(1, heads + 1) if heads % n == 0]
+            msg = (
+                f"tp_size={tp_size!r} does not split {heads!r} K/V heads (each rank needs whole "
+                f"heads, or one head replicated on a whole run of ranks); allowed: a divisor "
+                f"{divisors!r} or a multiple of {heads!r}"
+            )
+            raise DSConfigError(msg)
+        if heads >= tp_size:
+            per_rank = heads // tp_size
+            chosen = slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+        else:
+            head = tp_rank // (tp_size // heads)
+            chosen = slice(head, head + 1)
+        return replace(self, channels=self.channels[:, chosen].contiguous())
 
     def layer_channels(self, layer: int, device: torch.device | str | None = None) -> torch.Tensor:
         """``[Hkv, C]`` int32 heavy channels of model layer ``layer`` on ``device``."""
