@@ -216,6 +216,11 @@ def _ds(tmp_path: Any, rows: object) -> Any:
 def test_double_sparsity_passes_on_a_gqa_model_with_a_fitting_channel_file(tmp_path: Any) -> None:
     switches, _ = _ds(tmp_path, [list(range(16)), list(range(15, -1, -1))])
     assert check_configuration(LLAMA, switches) is None
+    # Tensor parallelism: each rank takes its K/V heads' channels (one or two heads per rank,
+    # or one head replicated on two ranks on GPUs).
+    for tp_size, device in ((2, "cpu"), (2, "cuda"), (4, "cuda")):
+        facts = dataclasses.replace(LLAMA, tp_size=tp_size, device=device)
+        assert check_configuration(facts, switches) is None
     # A Qwen2-style config names a window it does not use.
     unused = {**LLAMA.text_config, "sliding_window": 4096, "use_sliding_window": False}
     assert check_configuration(dataclasses.replace(LLAMA, text_config=unused), switches) is None
@@ -229,7 +234,11 @@ def test_double_sparsity_passes_on_a_gqa_model_with_a_fitting_channel_file(tmp_p
             {"architectures": ("Qwen4ExpForConditionalGeneration",)},
             ["--model-path architectures", "a model without QSA layers"],
         ),
-        ({"tp_size": 2}, ["--tp-size=2", "supported: 1"]),
+        ({"tp_size": 3}, ["tp_size=3 does not split 2 K/V heads", "a divisor [1, 2]"]),
+        (
+            {"tp_size": 4, "device": "cpu"},
+            ["--tp-size=4", "a divisor of the model's 2 K/V heads on the CPU", "pads"],
+        ),
         (
             {"text_config": {**LLAMA.text_config, "sliding_window": 4096}},
             ["--model-path sliding_window=4096", "without sliding-window attention"],

@@ -85,6 +85,22 @@ def test_double_sparsity_channel_file_is_loaded_against_the_model(tmp_path: Path
     assert "labels add 64 B per token to 256 B of bf16 K/V (25.0%)" in ds.detail
 
 
+def test_double_sparsity_prices_a_token_per_tp_rank_and_refuses_a_tp_size_by_name(
+    tmp_path: Path,
+) -> None:
+    """At TP2 each rank holds one of the two KV heads: half the K/V and labels per token; TP3
+    splits them neither way."""
+    model = tiny_llama().write(tmp_path)
+    ds = {c.name: c for c in run_checks(_ds_env(CHANNELS), tp_size=2, model_path=str(model))}
+    assert ds["double sparsity"].status is Status.OK, ds
+    assert "2 KV heads (each of 2 TP ranks holds 1)" in ds["double sparsity"].detail
+    assert "labels add 32 B per token to 128 B of bf16 K/V" in ds["double sparsity"].detail
+    refused = run_checks(_ds_env(CHANNELS), tp_size=3, model_path=str(model))
+    check = {c.name: c for c in refused}["double sparsity"]
+    assert check.status is Status.FAIL
+    assert "is refused at --tp-size=3: tp_size=3 does not split 2 K/V heads" in check.detail
+
+
 def test_ds_offload_shows_what_the_gpu_and_the_host_hold_per_token(tmp_path: Path) -> None:
     model = tiny_llama().write(tmp_path)
     env = {**_ds_env(CHANNELS), "SGLANG_QSA_DS_OFFLOAD": "1"}

@@ -15,6 +15,11 @@ same prefill chunks (each rank with its own host prefix cache):
 - every lease comes back on both ranks;
 - a prompt served twice resumes from the host prefix cache of each rank, bit for bit.
 
+Double sparsity at TP2 (the tiny Llama's two K/V heads, one per rank, each rank with its heads'
+channels and labels): below the threshold it answers as the dense engine at TP2 bit for bit, above
+it every rank decodes its head's heavy tokens, and DS-Offload at TP2 answers as it does; each rank
+prices a token at its own heads' K/V and labels.
+
 And cache sharding at TP2 stops at start-up by name: SGLang's CPU engine pads a model's K/V heads
 to a multiple of the TP size instead of replicating them, so no two ranks share a head to shard.
 """
@@ -37,6 +42,7 @@ from qsa_testing import (
     assert_same_generation,
     current_platform,
     start_engine,
+    tiny_llama,
     tiny_qwen4_exp,
 )
 
@@ -106,6 +112,24 @@ def _rank_lines(engine: Engine, pattern: str) -> dict[int, list[re.Match[str]]]:
     return lines
 
 
+def _nothing_held(engine: Engine, seconds: float = 30.0) -> None:
+    """Wait until no rank holds a lease or an arena row.
+
+    Rank 0 answers when its scheduler finishes a request; another rank may release its lease a
+    step later, so the gauges summed over the ranks reach zero shortly after the last reply.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        held = {
+            name: engine.metric(name)
+            for name in ("qsa_hisparse_live_leases", "qsa_hisparse_offload_rows_in_use")
+        }
+        if not any(held.values()):
+            return
+        assert time.monotonic() < deadline, f"still held after {seconds} s: {held}"
+        time.sleep(0.5)
+
+
 def test_two_offloading_ranks_answer_as_upstream_at_two_ranks(engines: EnginePool) -> None:
     want = engines.generate_all(UPSTREAM, SPARSE_PROMPTS)
     want_together = engines.generate_together(UPSTREAM, CONCURRENT)
@@ -122,8 +146,7 @@ def test_two_offloading_ranks_answer_as_upstream_at_two_ranks(engines: EnginePoo
     backends = _rank_lines(engine, r"the QSA layers attend through HiSparseOffloadBackend")
     assert sorted(backends) == list(range(TP))
     assert engine.metric("qsa_hisparse_offload_decode_steps_total") > 0
-    assert engine.metric("qsa_hisparse_live_leases") == 0
-    assert engine.metric("qsa_hisparse_offload_rows_in_use") == 0
+    _nothing_held(engine)
 
 
 def test_each_rank_holds_its_own_k_v_heads_bytes_on_the_host(engines: EnginePool) -> None:
@@ -139,7 +162,7 @@ def test_each_rank_holds_its_own_k_v_heads_bytes_on_the_host(engines: EnginePool
         time.sleep(0.5)
     assert {int(m["bytes"]) for lines in verified.values() for m in lines} == {per_rank}
     assert engine.metric("qsa_hisparse_offload_differing_bytes_total") == 0
-    assert engine.metric("qsa_hisparse_live_leases") == 0
+    _nothing_held(engine)
 
 
 def test_the_same_prompt_twice_resumes_from_each_ranks_host_cache(engines: EnginePool) -> None:
@@ -156,7 +179,89 @@ def test_the_same_prompt_twice_resumes_from_each_ranks_host_cache(engines: Engin
     assert_same_generation(want, warm, atol=BF16_NOISE, what="warm against upstream")
     assert engine.metric(loaded) - before == TP * 2 * CHUNK  # every rank restored its part
     assert engine.metric("qsa_hisparse_prefix_cache_load_back_failures_total") == 0
-    assert engine.metric("qsa_hisparse_live_leases") == 0
+    _nothing_held(engine)
+
+
+# -- double sparsity at two ranks ----------------------------------------------------------------
+
+LLAMA = tiny_llama()
+DS_SWITCHES = {
+    "SGLANG_QSA_DS_CHANNEL_CONFIG": str(
+        Path(__file__).with_name("data") / "tiny-llama-channels.json"
+    ),
+    "SGLANG_QSA_DS_HEAVY_CHANNELS": "8",
+    "SGLANG_QSA_DS_HEAVY_TOKENS": "64",
+    "SGLANG_QSA_DS_THRESHOLD": "1024",
+}
+DS_ARGS = {"tp_size": TP, "attention_backend": "qsa_ds", "enable_metrics": True}
+DENSE_LLAMA = EngineConfig(LLAMA, plugin=False, server_args={"tp_size": TP})
+DS = EngineConfig(LLAMA, switches=DS_SWITCHES, server_args=DS_ARGS)
+DS_OFFLOAD = EngineConfig(
+    LLAMA,
+    switches={**DS_SWITCHES, "SGLANG_QSA_DS_OFFLOAD": "1", "SGLANG_QSA_HISPARSE_VERIFY": "1"},
+    server_args={
+        **DS_ARGS,
+        "radix_cache_backend": "qsa_hisparse",
+        "disable_overlap_schedule": True,
+        "prefill_max_requests": 1,
+        "chunked_prefill_size": 1024,
+    },
+)
+#: Below the 1,024-token threshold (dense rows), and above it (64 heavy tokens per K/V head).
+DS_SHORT = GenerateRequest(LLAMA.prompt(500, seed=4), max_new_tokens=8)
+DS_LONG = GenerateRequest(LLAMA.prompt(2000, seed=7), max_new_tokens=8)
+
+
+def _ds_rows(engine: Engine) -> dict[str, float]:
+    """Decode rows counted by path, summed over the ranks (each rank counts its own)."""
+    return {
+        p: engine.metric("qsa_hisparse_ds_decode_rows_total", path=p) for p in ("dense", "sparse")
+    }
+
+
+def test_double_sparsity_at_two_ranks_answers_as_the_dense_engine_below_the_threshold(
+    engines: EnginePool,
+) -> None:
+    want = engines.generate(DENSE_LLAMA, DS_SHORT)
+    engines.generate(DENSE_LLAMA, DS_LONG)  # the next test's, while this engine is up
+    engine = engines.engine(DS)
+    before = _ds_rows(engine)
+    got = engines.generate(DS, DS_SHORT)
+    after = _ds_rows(engine)
+    assert_same_generation(want, got)
+    steps = DS_SHORT.max_new_tokens - 1
+    assert {p: after[p] - before[p] for p in after} == {"dense": TP * steps, "sparse": 0}
+
+
+def test_each_rank_prices_a_token_at_its_own_heads_k_v_and_labels(engines: EnginePool) -> None:
+    text = LLAMA.text_config
+    layers, head_dim = int(text["num_hidden_layers"]), int(text["head_dim"])
+    heads = int(text["num_key_value_heads"]) // TP
+    kv = layers * 2 * heads * head_dim * 2  # K and V, bf16
+    labels = layers * heads * int(DS_SWITCHES["SGLANG_QSA_DS_HEAVY_CHANNELS"]) * 2
+    line = rf"qsa_ds: pool sizing charges {kv + labels} B per token \({kv} B of K/V and {labels} B"
+    assert sorted(_rank_lines(engines.engine(DS), line)) == list(range(TP))
+
+
+def test_double_sparsity_at_two_ranks_attends_each_ranks_heavy_tokens(
+    engines: EnginePool,
+) -> None:
+    """Above the threshold every rank decodes its K/V head's heavy tokens; DS-Offload at two
+    ranks answers as resident double sparsity at two ranks."""
+    dense = engines.generate(DENSE_LLAMA, DS_LONG)
+    engine = engines.engine(DS)
+    before = _ds_rows(engine)
+    got = engines.generate(DS, DS_LONG)
+    after = _ds_rows(engine)
+    steps = DS_LONG.max_new_tokens - 1
+    assert {p: after[p] - before[p] for p in after} == {"dense": 0, "sparse": TP * steps}
+    assert got.output_ids[0] == dense.output_ids[0]  # the prefill is dense
+    assert got.logprobs[1:] != dense.logprobs[1:]
+    offloaded = engines.generate(DS_OFFLOAD, DS_LONG)
+    assert_same_generation(got, offloaded, atol=BF16_NOISE, what="DS-Offload against DS")
+    engine = engines.engine(DS_OFFLOAD)
+    assert engine.metric("qsa_hisparse_offload_differing_bytes_total") == 0
+    _nothing_held(engine)
 
 
 @pytest.mark.parametrize("offloaded", [True, False], ids=["offloaded", "resident"])

@@ -221,19 +221,21 @@ def _check_double_sparsity(facts: ConfigFacts, ds: DoubleSparsitySwitches) -> No
             "a QSA model selects its blocks with its own indexer; SGLang builds its attention "
             "backend whatever --attention-backend says",
         )
-    if facts.tp_size != 1:
-        raise _reject(
-            "--tp-size",
-            facts.tp_size,
-            "1",
-            "the double-sparsity backend does not split its channel table over TP ranks yet",
-        )
     if facts.speculative_algorithm is not None:
         raise _reject(
             "--speculative-algorithm",
             facts.speculative_algorithm,
             "unset",
             "the double-sparsity backend decodes one token per request and step",
+        )
+    _, _, kv_heads, _ = ds_geometry(facts.text_config)
+    if facts.device == "cpu" and kv_heads % facts.tp_size:
+        raise _reject(
+            "--tp-size",
+            facts.tp_size,
+            f"a divisor of the model's {kv_heads} K/V heads on the CPU",
+            "SGLang's CPU engine pads the K/V heads to a multiple of the TP size, and the "
+            "channel file has no channels for the padding heads",
         )
     window = facts.text_config.get("sliding_window")
     if window is not None and facts.text_config.get("use_sliding_window", True):
@@ -254,7 +256,7 @@ def _check_double_sparsity(facts: ConfigFacts, ds: DoubleSparsitySwitches) -> No
     from qsa_kernels.double_sparsity import DSConfigError
 
     try:
-        ds_channels(ds, facts.text_config)
+        ds_channels(ds, facts.text_config).for_tp_rank(facts.tp_size, 0)  # the heads split
     except DSConfigError as exc:
         msg = f"{ENV_DS_CHANNEL_CONFIG}={ds.channel_config!r} is refused: {exc}"
         raise ConfigurationError(msg) from exc

@@ -249,8 +249,13 @@ def plan_check(
     return Check("capacity plan", status, detail), render_plan(plan)
 
 
-def _check_double_sparsity(switches: Switches, model_path: str | None) -> Check | None:
-    """The channel file against the model, as start-up loads it; None with double sparsity off."""
+def _check_double_sparsity(
+    switches: Switches, model_path: str | None, tp_size: int = 1
+) -> Check | None:
+    """The channel file against the model and the TP size, as start-up loads it.
+
+    Reports what a token costs one TP rank; None with double sparsity off.
+    """
     ds = switches.double_sparsity
     if ds is None:
         return None
@@ -275,14 +280,15 @@ def _check_double_sparsity(switches: Switches, model_path: str | None) -> Check 
     except (KeyError, TypeError, ValueError) as exc:
         return Check(name, Status.FAIL, f"{config_path} has no GQA geometry: {exc!r}")
     try:
-        ds_channels(ds, text)
+        rank_heads = int(ds_channels(ds, text).for_tp_rank(tp_size, 0).channels.shape[1])
     except DSConfigError as exc:
-        return Check(name, Status.FAIL, f"{named} is refused: {exc}")
-    labels = label_bytes_per_token(layers, kv_heads, ds, torch.bfloat16)
-    kv = layers * 2 * kv_heads * head_dim * torch.bfloat16.itemsize
+        return Check(name, Status.FAIL, f"{named} is refused at --tp-size={tp_size}: {exc}")
+    labels = label_bytes_per_token(layers, rank_heads, ds, torch.bfloat16)
+    kv = layers * 2 * rank_heads * head_dim * torch.bfloat16.itemsize
+    per_rank = f" (each of {tp_size} TP ranks holds {rank_heads})" if tp_size > 1 else ""
     detail = (
         f"{ds.heavy_channel_num} of {head_dim} channels per KV head for {layers} layers x "
-        f"{kv_heads} KV heads, {ds.heavy_token_num} heavy tokens, dense below "
+        f"{kv_heads} KV heads{per_rank}, {ds.heavy_token_num} heavy tokens, dense below "
         f"{ds.sparse_decode_threshold} tokens; labels add {labels} B per token to {kv} B of "
         f"bf16 K/V ({labels / kv:.1%})"
     )
@@ -331,7 +337,7 @@ def run_checks(
             )
         else:
             checks.append(Check("switches", Status.WARN, "every switch is off: the plugin is idle"))
-        ds = _check_double_sparsity(switches, model_path)
+        ds = _check_double_sparsity(switches, model_path, tp_size)
         if ds is not None:
             checks.append(ds)
     checks.append(_check_fingerprints())

@@ -43,7 +43,9 @@ width (:func:`qsa_kernels.double_sparsity.ds_positions_fixed`, :meth:`DSConfig.f
 whose blocks the hot caches always hold (:meth:`DSConfig.hot_blocks` slots), so nothing is
 counted on the host.
 
-Limits of this backend today: one TP rank, no speculative decoding (start-up refuses both).
+Limits of this backend today: no speculative decoding (start-up refuses it). Under tensor
+parallelism each rank keeps the labels and channels of its own K/V heads
+(:meth:`ChannelConfig.for_tp_rank`).
 """
 
 from __future__ import annotations
@@ -125,10 +127,12 @@ def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitc
     Its label rows beside its K/V; with DS-Offload its label rows alone, and the offload's device
     buffers (staging, hot caches, tails, tables) as fixed overhead.
     """
+    from sglang.srt.runtime_context import get_parallel
+
     model_config = kvc.model_config
     text_config = model_config.hf_text_config.to_dict()
     layers, _, _, _ = ds_geometry(text_config)
-    kv_heads = int(model_config.get_num_kv_heads(1))
+    kv_heads = int(model_config.get_num_kv_heads(get_parallel().attn_tp_size))  # this rank's
     labels = label_bytes_per_token(layers, kv_heads, switches, kvc.kv_cache_dtype)
     kv = int(configurator._cell_size)
     if not switches.offload:
@@ -186,7 +190,10 @@ def create_backend(runner: Any) -> Any:
     config = ds_config(switches)
     text_config = runner.model_config.hf_text_config.to_dict()
     layers, _, _, head_dim = ds_geometry(text_config)
-    channels = ds_channels(switches, text_config)
+    parallel = get_parallel()
+    channels = ds_channels(switches, text_config).for_tp_rank(
+        int(parallel.attn_tp_size), int(parallel.attn_tp_rank)
+    )  # this rank's K/V heads
     pool = runner.token_to_kv_pool
     slots = int(pool.size) + int(pool.page_size)  # the pool's token slots, its padding page too
     labels = LabelCache(
@@ -211,7 +218,7 @@ def create_backend(runner: Any) -> Any:
         "; DS-Offload: K/V in the host arena" if offload is not None else "",
     )
     return DoubleSparsityBackend(
-        dense, labels, config, runner, tp_rank=int(get_parallel().tp_rank), offload=offload
+        dense, labels, config, runner, tp_rank=int(parallel.tp_rank), offload=offload
     )
 
 
