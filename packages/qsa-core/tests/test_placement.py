@@ -100,6 +100,22 @@ def test_tp_shard_groups_partition_each_kv_heads_replica_group() -> None:
         ShardPlacement.tp_groups(QWEN38_FLASH_NEXT, 2, 2)
 
 
+def test_attention_cp_over_the_tp_group_makes_every_rank_a_replica() -> None:
+    """Under CP-TP group sharing (attention TP 1) every rank holds both KV heads: at TP2 a
+    group of 2 is allowed (it is not without CP), and the groups are runs of the TP ranks."""
+    assert ShardPlacement.kv_replica_ranks(QWEN38_FLASH_NEXT, 2, attn_cp_size=2) == 2
+    assert ShardPlacement.for_tp(QWEN38_FLASH_NEXT, 2, 2, attn_cp_size=2).world_size == 2
+    assert ShardPlacement.tp_groups(QWEN38_FLASH_NEXT, 8, 4, attn_cp_size=8) == (
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
+    )
+    assert ShardPlacement.tp_groups(QWEN38_FLASH_NEXT, 4, 4, attn_cp_size=4) == ((0, 1, 2, 3),)
+    with pytest.raises(PlacementError, match=r"sharding_size=3 .*attn_cp_size=4.*\[1, 2, 4\]"):
+        ShardPlacement.for_tp(QWEN38_FLASH_NEXT, 4, 3, attn_cp_size=4)
+    with pytest.raises(PlacementError, match=r"attn_cp_size=2 .*tp_size=4; allowed: 1 or 4"):
+        ShardPlacement.for_tp(QWEN38_FLASH_NEXT, 4, 2, attn_cp_size=2)
+
+
 def test_bad_arguments_are_rejected() -> None:
     """Negative slots, out-of-range ranks and empty groups raise with the allowed range."""
     placement = ShardPlacement(4, 16, 4)

@@ -53,18 +53,32 @@ class ShardPlacement:
                 raise PlacementError(msg)
 
     @classmethod
-    def for_tp(cls, profile: QSAProfile, tp_size: int, sharding_size: int) -> ShardPlacement:
+    def for_tp(
+        cls,
+        profile: QSAProfile,
+        tp_size: int,
+        sharding_size: int,
+        *,
+        attn_cp_size: int = 1,
+    ) -> ShardPlacement:
         """The placement of a shard group inside a TP group, validated as upstream.
 
-        The group must lie inside one KV-head replica group: ``sharding_size`` divides
-        ``tp_size`` and divides ``max(1, tp_size // num_kv_heads)`` (the ranks holding copies of
-        the same KV head).
+        The group must lie inside one KV-head replica group (:meth:`kv_replica_ranks`):
+        ``sharding_size`` divides the number of TP ranks holding copies of the same KV head.
+
+        Args:
+            profile: the model's QSA profile.
+            tp_size: the TP size.
+            sharding_size: ranks per shard group.
+            attn_cp_size: attention context parallelism over the TP group (SGLang's CP-TP group
+                sharing, ``--attn-cp-size == --tp-size``: attention TP 1, so every rank holds
+                every KV head); 1 without it.
 
         Raises:
             PlacementError: the sizes do not satisfy those rules (the message lists the allowed
-                sharding sizes).
+                sharding sizes), or ``attn_cp_size`` is neither 1 nor ``tp_size``.
         """
-        replicas = profile.kv_replicas(tp_size)
+        replicas = cls.kv_replica_ranks(profile, tp_size, attn_cp_size=attn_cp_size)
         if not (is_int(sharding_size) and 1 <= sharding_size <= replicas) or (
             replicas % sharding_size
         ):
@@ -74,29 +88,57 @@ class ShardPlacement:
                 if replicas <= _LISTED_REPLICAS
                 else f"the divisors of {replicas}"
             )
+            cp = f", attn_cp_size={attn_cp_size!r}" if attn_cp_size != 1 else ""
             msg = (
-                f"sharding_size={sharding_size!r} is not allowed at tp_size={tp_size!r} with "
-                f"num_kv_heads={profile.num_kv_heads!r}; allowed: {allowed!r} (the shard group "
-                "must lie inside one KV-head replica group)"
+                f"sharding_size={sharding_size!r} is not allowed at tp_size={tp_size!r}{cp} "
+                f"with num_kv_heads={profile.num_kv_heads!r}; allowed: {allowed!r} (the shard "
+                "group must lie inside one KV-head replica group)"
             )
             raise PlacementError(msg)
         return cls(sharding_size, profile.blocks_per_page, profile.compress_ratio)
 
     @staticmethod
+    def kv_replica_ranks(profile: QSAProfile, tp_size: int, *, attn_cp_size: int = 1) -> int:
+        """TP ranks that hold a copy of the same KV head.
+
+        ``max(1, tp_size // num_kv_heads)`` with the heads split over TP; ``tp_size`` under
+        attention CP over the TP group (``attn_cp_size == tp_size``: every rank holds every
+        head).
+
+        Raises:
+            PlacementError: ``attn_cp_size`` is neither 1 nor ``tp_size``.
+            QSAConfigError: ``tp_size`` does not split the KV heads.
+        """
+        if attn_cp_size not in (1, tp_size) or not is_int(attn_cp_size):
+            msg = (
+                f"attn_cp_size={attn_cp_size!r} is not allowed at tp_size={tp_size!r}; allowed: "
+                f"1 or {tp_size!r} (attention CP over the whole TP group)"
+            )
+            raise PlacementError(msg)
+        if attn_cp_size > 1:
+            return tp_size
+        return profile.kv_replicas(tp_size)
+
+    @staticmethod
     def tp_groups(
-        profile: QSAProfile, tp_size: int, sharding_size: int
+        profile: QSAProfile, tp_size: int, sharding_size: int, *, attn_cp_size: int = 1
     ) -> tuple[tuple[int, ...], ...]:
         """The TP ranks of every shard group, each in rank order, the groups in rank order.
 
         TP rank ``r`` holds K/V head ``r // replicas`` (``replicas = kv_replicas(tp_size)``,
         the order in which SGLang's QKV projection replicates heads), so each head's replica
-        group is ``replicas`` consecutive ranks; it is cut into runs of ``sharding_size``. Every
-        rank builds the same list, so every rank can create every group in the same order.
+        group is ``replicas`` consecutive ranks; it is cut into runs of ``sharding_size``. Under
+        attention CP over the TP group every rank holds every head: one replica group of all
+        ranks. Every rank builds the same list, so every rank can create every group in the same
+        order.
 
         Raises:
             PlacementError: as :meth:`for_tp`.
         """
-        n = ShardPlacement.for_tp(profile, tp_size, sharding_size).world_size
+        placement = ShardPlacement.for_tp(
+            profile, tp_size, sharding_size, attn_cp_size=attn_cp_size
+        )
+        n = placement.world_size
         # ``n`` divides ``replicas``: runs of ``n`` never straddle two replica groups.
         return tuple(tuple(range(start, start + n)) for start in range(0, tp_size, n))
 
