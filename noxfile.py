@@ -245,6 +245,7 @@ _ENGINE_TEST_GROUPS = (
     ("llama", "tests/test_engine.py", "llama"),
     ("offload", "tests/test_engine_offload.py", None),
     ("double_sparsity", "tests/test_engine_double_sparsity.py", None),
+    ("context_attention", "tests/test_context_attention.py", None),
 )
 
 

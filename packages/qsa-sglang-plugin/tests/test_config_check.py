@@ -111,7 +111,10 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
         ),
         ({"prefill_max_requests": None}, ["--prefill-max-requests=None", "supported: 1"]),
         ({"prefill_max_requests": 2}, ["--prefill-max-requests=2", "one prompt at a time"]),
-        ({"enable_prefill_cp": True}, ["--enable-prefill-cp=True", "supported: off", "zigzag"]),
+        (
+            {"enable_prefill_cp": True, "device": "cpu"},
+            ["--enable-prefill-cp=True", "supported: off on --device='cpu'", "CUDA side stream"],
+        ),
     ],
 )
 def test_hisparse_rejects_scheduler_flags_it_cannot_run(
@@ -124,6 +127,13 @@ def test_hisparse_rejects_scheduler_flags_it_cannot_run(
     for fragment in fragments:
         assert fragment in str(info.value)
     assert check_configuration(facts, COMPAT) is not None  # model_compat alone allows it
+
+
+def test_the_offload_serves_context_parallel_prefill_on_cuda() -> None:
+    """SGLang's QSA prefill CP (zigzag over the TP group) composes with p2-offload: every rank
+    stages the gathered chunk."""
+    facts = dataclasses.replace(GOOD, enable_prefill_cp=True, tp_size=2)
+    assert check_configuration(facts, OFFLOAD) is not None
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bf16", "bfloat16", "fp8_e4m3"])
@@ -361,7 +371,14 @@ def test_resident_cache_sharding_passes_with_upstreams_scheduling() -> None:
     [
         ({"speculative_algorithm": "EAGLE"}, ["--speculative-algorithm='EAGLE'", "unset"]),
         ({"attn_dp_size": 2}, ["--attn-dp-size=2", "same batch"]),
-        ({"enable_prefill_cp": True}, ["--enable-prefill-cp=True", "zigzag share"]),
+        (
+            {"enable_prefill_cp": True, "attn_cp_size": 4, "device": "cpu"},
+            ["--enable-prefill-cp=True", "off on --device='cpu'", "CUDA side stream"],
+        ),
+        (
+            {"enable_prefill_cp": True, "attn_cp_size": 4, "enable_cp_decode_attn_tp": True},
+            ["--enable-cp-decode-attn-tp=True", "supported: off", "every head's K/V"],
+        ),
         ({"disaggregation_mode": "prefill"}, ["--disaggregation-mode='prefill'", "'null'"]),
         ({"enable_hisparse": True}, ["--enable-hisparse=True", "off"]),
         ({"enable_mixed_chunk": True}, ["--enable-mixed-chunk=True", "not verified"]),
@@ -376,6 +393,21 @@ def test_resident_cache_sharding_refuses_what_its_backend_cannot_serve(
         check_configuration(dataclasses.replace(UPSTREAM_SCHEDULING, **change), RESIDENT_SHARDING)
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("offloaded", [True, False], ids=["offloaded", "resident"])
+def test_prefill_cp_over_the_tp_group_lets_every_rank_share_the_kv_heads(offloaded: bool) -> None:
+    """Under SGLang's QSA prefill CP (attention CP over all 4 TP ranks, attention TP 1) every
+    rank holds both K/V heads: a group of 4 fits, which the head split alone does not allow."""
+    env = {"SGLANG_QSA_CACHE_SHARDING": "4", **(OFFLOAD_ENV if offloaded else {})}
+    base = GOOD if offloaded else UPSTREAM_SCHEDULING
+    facts = dataclasses.replace(base, tp_size=4, enable_prefill_cp=True, attn_cp_size=4)
+    assert check_configuration(facts, parse_switches(env)) is not None
+    with pytest.raises(ConfigurationError, match=r"SHARDING=4 .*allowed: \[1, 2\]"):
+        check_configuration(
+            dataclasses.replace(facts, enable_prefill_cp=False, attn_cp_size=1),
+            parse_switches(env),
+        )
 
 
 @pytest.mark.parametrize("offloaded", [True, False], ids=["offloaded", "resident"])

@@ -83,6 +83,10 @@ class ConfigFacts:
         attention_backend: ``--attention-backend`` after resolution (None = SGLang chooses).
         tp_size: ``--tp-size``.
         enable_prefill_cp: ``--enable-prefill-cp`` (context-parallel prefill).
+        attn_cp_size: ``--attn-cp-size`` after resolution (attention CP ranks; SGLang's QSA
+            prefill CP takes the whole TP group).
+        enable_cp_decode_attn_tp: ``--enable-cp-decode-attn-tp`` (decode slices the attention
+            heads over the CP ranks).
         device: ``--device`` after resolution (``cuda``, ``cpu``...).
     """
 
@@ -108,6 +112,8 @@ class ConfigFacts:
     attention_backend: str | None = None
     tp_size: int = 1
     enable_prefill_cp: bool = False
+    attn_cp_size: int = 1
+    enable_cp_decode_attn_tp: bool = False
     device: str = "cuda"
 
 
@@ -133,9 +139,11 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     ``--prefill-max-requests 1`` (one staged prompt) and, on CUDA, prefill CUDA graphs off
     (``--cuda-graph-backend-prefill disabled``; decode graphs are supported); with the host
     prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size; with cache
-    sharding, a shard group that divides the TP ranks holding one K/V head, and without an
-    offload also no speculative decoding, attention DP, prefill CP, PD disaggregation, upstream
-    HiSparse, mixed chunks or prefill CUDA graphs. With double sparsity: ``--attention-backend
+    sharding, a shard group that divides the TP ranks holding one K/V head (every TP rank under
+    SGLang's prefill CP over the TP group), and without an offload also no speculative decoding,
+    attention DP, PD disaggregation, upstream HiSparse, mixed chunks or prefill CUDA graphs; with
+    prefill CP and the offload or sharding, CUDA and decode with every head on every rank
+    (``--enable-cp-decode-attn-tp`` off). With double sparsity: ``--attention-backend
     qsa_ds`` on a GQA model without QSA layers that the channel file fits; with DS-Offload also
     the serving and offload rules above.
 
@@ -194,6 +202,10 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_offload(facts)
     if switches.prefix_cache_mb > 0:
         _check_prefix_cache(facts)
+    if facts.enable_prefill_cp and (
+        switches.hisparse is HiSparseMode.P2_OFFLOAD or switches.cache_sharding > 1
+    ):
+        _check_context_parallel(facts)
     if switches.cache_sharding > 1:
         _check_cache_sharding(facts, profile, switches.cache_sharding)
     if switches.resident_sharding:
@@ -384,14 +396,6 @@ def _check_offload(facts: ConfigFacts) -> None:
             "1",
             "one prompt at a time is staged on the GPU before its K/V moves to the host",
         )
-    if facts.enable_prefill_cp:
-        raise _reject(
-            "--enable-prefill-cp",
-            True,
-            "off",
-            "context-parallel prefill is not wired into the offload: each rank would stage only "
-            "its zigzag share of the prompt",
-        )
     if facts.prefill_graph_backend != "disabled":
         raise _reject(
             "--cuda-graph-backend-prefill",
@@ -421,14 +425,6 @@ def _check_resident_sharding(facts: ConfigFacts) -> None:
             facts.attn_dp_size,
             "1",
             "the ranks of a shard group must run the same batch through every collective",
-        )
-    if facts.enable_prefill_cp:
-        raise _reject(
-            "--enable-prefill-cp",
-            True,
-            "off",
-            "context-parallel prefill is not wired into the sharded store: each rank would write "
-            "only its zigzag share of the prompt",
         )
     if facts.disaggregation_mode != "null":
         raise _reject(
@@ -460,6 +456,25 @@ def _check_resident_sharding(facts: ConfigFacts) -> None:
         )
 
 
+def _check_context_parallel(facts: ConfigFacts) -> None:
+    """SGLang's QSA prefill CP, as the offload and the sharded store serve it."""
+    if facts.device != "cuda":
+        raise _reject(
+            "--enable-prefill-cp",
+            True,
+            f"off on --device={facts.device!r}; on with CUDA",
+            "SGLang's QSA prefill CP overlaps its K/V gather on a CUDA side stream",
+        )
+    if facts.enable_cp_decode_attn_tp:
+        raise _reject(
+            "--enable-cp-decode-attn-tp",
+            True,
+            "off",
+            "decode would slice the attention heads over the CP ranks, while the plugin's store "
+            "holds every head's K/V from prefill",
+        )
+
+
 def _check_cache_sharding(facts: ConfigFacts, profile: QSAProfile, sharding: int) -> None:
     kv_heads, tp = profile.num_kv_heads, facts.tp_size
     if facts.device == "cpu" and sharding != 1 and kv_heads % tp:
@@ -472,7 +487,7 @@ def _check_cache_sharding(facts: ConfigFacts, profile: QSAProfile, sharding: int
         )
         raise ConfigurationError(msg)
     try:
-        ShardPlacement.for_tp(profile, facts.tp_size, sharding)
+        ShardPlacement.for_tp(profile, facts.tp_size, sharding, attn_cp_size=facts.attn_cp_size)
     except (PlacementError, QSAConfigError) as exc:
         msg = (
             f"{ENV_CACHE_SHARDING}={sharding!r} does not fit --tp-size={facts.tp_size!r} with "
@@ -565,6 +580,8 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         attention_backend=None if cfg.attention_backend is None else str(cfg.attention_backend),
         tp_size=int(cfg.tp_size),
         enable_prefill_cp=bool(cfg.enable_prefill_cp),
+        attn_cp_size=int(getattr(cfg, "attn_cp_size", 1) or 1),
+        enable_cp_decode_attn_tp=bool(getattr(cfg, "enable_cp_decode_attn_tp", False)),
         device=str(cfg.device),
     )
 

@@ -117,6 +117,9 @@ HOOKS: tuple[HookSpec, ...] = (
         relies_on=(
             "sglang.srt.layers.attention.qwen_sparse_attn_backend",
             "sglang.srt.mem_cache.qsa_kv_pool",
+            # prefill CP: the strategy, its metadata's fields, the row gather and sharding
+            "sglang.srt.layers.cp.utils",
+            "sglang.srt.layers.cp.zigzag",
         ),
     ),
     HookSpec(

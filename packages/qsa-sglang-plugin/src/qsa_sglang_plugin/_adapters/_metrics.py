@@ -2,7 +2,8 @@
 
 Every series of the plugin carries a ``tp_rank`` label; gauges are summed over the live processes
 (``multiprocess_mode="livesum"``: SGLang serves ``/metrics`` from another process than the
-schedulers that set them).
+schedulers that set them). A family is registered once per process and shared by every object
+that reports to it (two runtimes of one process, say, each with its own ``tp_rank``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ from typing import Any, TypeVar
 __all__ = ("RankMetrics",)
 
 _Label = TypeVar("_Label", bound=enum.Enum)
+
+#: Families this process registered, by name.
+_FAMILIES: dict[str, Any] = {}
+
+
+def _family(kind: type[Any], name: str, doc: str, labels: tuple[str, ...], **options: Any) -> Any:
+    family = _FAMILIES.get(name)
+    if family is None:
+        family = _FAMILIES[name] = kind(name, doc, labelnames=labels, **options)
+    return family
 
 
 class RankMetrics:
@@ -29,15 +40,14 @@ class RankMetrics:
         """A counter of this rank."""
         from prometheus_client import Counter
 
-        return Counter(name, doc, labelnames=("tp_rank",)).labels(tp_rank=self._rank)
+        return _family(Counter, name, doc, ("tp_rank",)).labels(tp_rank=self._rank)
 
     def gauge(self, name: str, doc: str) -> Any:
         """A gauge of this rank, summed over live processes."""
         from prometheus_client import Gauge
 
-        return Gauge(name, doc, labelnames=("tp_rank",), multiprocess_mode="livesum").labels(
-            tp_rank=self._rank
-        )
+        family = _family(Gauge, name, doc, ("tp_rank",), multiprocess_mode="livesum")
+        return family.labels(tp_rank=self._rank)
 
     def counters_by(
         self, name: str, doc: str, label: str, values: Iterable[_Label]
@@ -45,5 +55,5 @@ class RankMetrics:
         """One counter of this rank per member of ``values``, labelled ``label=member.value``."""
         from prometheus_client import Counter
 
-        family = Counter(name, doc, labelnames=("tp_rank", label))
+        family = _family(Counter, name, doc, ("tp_rank", label))
         return {v: family.labels(tp_rank=self._rank, **{label: v.value}) for v in values}

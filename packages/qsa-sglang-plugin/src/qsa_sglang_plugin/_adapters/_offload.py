@@ -40,6 +40,13 @@ fp32 partials with an LSE merge gives each rank its own heads (``gather_group_qu
 ``merge_owner_partials`` of :mod:`qsa_kernels.sharded`, through one set of transport buffers
 allocated once and shared by every layer).
 
+Under SGLang's QSA prefill CP (``--enable-prefill-cp``, zigzag over the TP group) each rank
+computes its two zigzag blocks of a chunk; the chunk's K/V is gathered in token order as upstream
+gathers it, every rank stages the whole chunk and attends its own rows over the staging area
+(:func:`._qsa_common.attend_context`), so every rank holds, hands off and offloads the whole
+prompt. Attention TP is 1 there: every rank holds every head, a shard group may be any run of TP
+ranks, and its decode exchange runs with every head on every rank (``HeadLayout.REPLICATED``).
+
 With ``SGLANG_QSA_HISPARSE_VERIFY=1`` the runtime also keeps a resident copy of every token's K/V
 on the GPU (what SGLang's pool would have held) and, when a request gives its row back, compares
 the host arena and tail with it byte for byte (``qsa_hisparse_offload_verified_bytes_total``,
@@ -73,9 +80,12 @@ from qsa_kernels.sharded import (
 )
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
+    attend_context,
     complete_blocks,
+    group_head_layout,
     plugin_backend_base,
     qsa_profile_of,
+    shard_buffers,
     shard_group,
 )
 from qsa_sglang_plugin._config_check import ds_config, ds_geometry
@@ -151,7 +161,10 @@ class OffloadRuntime:
         tp_rank: the TP rank, for the metrics' labels.
         verify: keep a resident copy of every row's K/V and compare the row with it on release.
         q_heads: query heads of this rank's attention layers; with a shard group in ``kv``
-            (``kv.shard``), the transport buffers are sized for the group's ``N x q_heads``.
+            (``kv.shard``), the transport buffers are sized for the group's heads.
+        head_layout: how the shard group holds its query heads: SHARDED (the TP head split,
+            ``N x q_heads`` in the group) or REPLICATED (SGLang's CP over the TP group: every
+            rank all ``q_heads``).
     """
 
     def __init__(
@@ -163,6 +176,7 @@ class OffloadRuntime:
         *,
         verify: bool = False,
         q_heads: int | None = None,
+        head_layout: HeadLayout = HeadLayout.SHARDED,
     ) -> None:
         self.kv = kv
         g = kv.geometry
@@ -171,13 +185,13 @@ class OffloadRuntime:
             if q_heads is None or block_topk is None:
                 msg = "a sharded offload needs the rank's query heads and the QSA block top-k"
                 raise OffloadRuntimeError(msg)
-            self._exchange = ShardedDecodeBuffers.allocate(
-                world_size=kv.shard.world_size,
+            self._exchange = shard_buffers(
+                kv.shard.world_size,
+                head_layout,
                 max_rows=g.rows,
-                topk=block_topk,
-                q_heads=kv.shard.world_size * q_heads,
+                block_topk=block_topk,
+                q_heads=q_heads,
                 head_dim=g.head_dim,
-                layout=HeadLayout.SHARDED,
                 device=kv.device,
             )
         # One prompt's K/V of every QSA layer, by token position: [L, T_max, Hkv, D].
@@ -794,6 +808,7 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
         int(parallel.tp_rank),
         verify=verify,
         q_heads=int(runner.model_config.get_num_attention_heads(parallel.attn_tp_size)),
+        head_layout=group_head_layout(),
     )
     if shard is not None:
         logger.info(
@@ -882,42 +897,38 @@ def offload_backend_class() -> type[Any]:
         ) -> torch.Tensor:
             """Upstream's prefill attention, over the staging area instead of the KV pool."""
             staged_k, staged_v, prefix = self.qsa_runtime.stage(layer.layer_id, k, v, forward_batch)
-            valid_rows = q.shape[0]
-            tokens = int(staged_k.shape[0])
-            if not q.is_cuda:
-                # The staging area is indexed by token position: logical index = slot.
-                inside = (topk_indices >= 0) & (topk_indices < tokens)
-                slots = torch.where(inside, topk_indices, -1).to(torch.int32)
-                out: torch.Tensor = upstream.qsa_sparse_attention(
-                    q, staged_k, staged_v, slots, layer.scaling
-                )
-                return out
-            topk = topk_indices.to(torch.int32).contiguous()
-            cu_q = torch.tensor([0, valid_rows], dtype=torch.int32, device=q.device)
-            if prefix == 0:  # the chunk is the whole prompt so far: upstream's no-prefix kernel
-                out = upstream.sparse_gqa_fwd_interface_triton(
+            if prefix == 0 and q.is_cuda:  # the chunk is the whole prompt: the no-prefix kernel
+                rows = q.shape[0]
+                cu_q = torch.tensor([0, rows], dtype=torch.int32, device=q.device)
+                out: torch.Tensor = upstream.sparse_gqa_fwd_interface_triton(
                     q.contiguous(),
-                    k[:valid_rows].contiguous(),
-                    v[:valid_rows].contiguous(),
-                    tokens,
-                    topk,
+                    k[:rows].contiguous(),
+                    v[:rows].contiguous(),
+                    int(staged_k.shape[0]),
+                    topk_indices.to(torch.int32).contiguous(),
                     cu_q,
                     layer.scaling,
                 )
                 return out
-            lens = torch.tensor([tokens], dtype=torch.int32, device=q.device)
-            cu_k = torch.tensor([0, tokens], dtype=torch.int32, device=q.device)
-            out = upstream.sparse_gqa_fwd_interface_triton_ck(
-                q.contiguous(),
-                staged_k.to(q.dtype),
-                staged_v.to(q.dtype),
-                topk,
-                cu_q,
-                cu_k,
-                lens,
-                layer.scaling,
+            return attend_context(q, staged_k, staged_v, topk_indices, layer.scaling)
+
+        def _attend_extend_cp(  # noqa: PLR0917
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layer: Any,
+            forward_batch: Any,
+            topk_indices: torch.Tensor,
+        ) -> torch.Tensor:
+            """Prefill CP: stage the whole gathered chunk, attend this rank's zigzag rows.
+
+            Every rank so holds the whole prompt, and the hand-off is the same on every rank.
+            """
+            staged_k, staged_v, _ = self.qsa_runtime.stage(layer.layer_id, k, v, forward_batch)
+            return attend_context(
+                q, staged_k, staged_v, topk_indices, layer.scaling, forward_batch.attn_cp_metadata
             )
-            return out
 
         def _attend_decode(  # noqa: PLR0917
             self,

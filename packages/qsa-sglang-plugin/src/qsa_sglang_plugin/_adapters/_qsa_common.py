@@ -2,8 +2,9 @@
 
 The offload backend (:mod:`._offload`) and the sharded one (:mod:`._sharded_kv`) both subclass
 :func:`plugin_backend_base`, read the indexer's selection as complete blocks
-(:func:`complete_blocks`), and, with cache sharding, join the shard group of their TP rank
-(:func:`shard_group`).
+(:func:`complete_blocks`), attend prefill rows over one request's contiguous context with
+upstream's kernels (:func:`attend_context`, also for context-parallel rows), and, with cache
+sharding, join the shard group of their TP rank (:func:`shard_group`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ import torch
 
 from qsa_core import QSAProfile, ShardPlacement
 from qsa_kernels import BLOCK_TOKENS
-from qsa_kernels.sharded import ShardGroup
+from qsa_kernels.sharded import HeadLayout, ShardedDecodeBuffers, ShardGroup
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 
-__all__ = ("complete_blocks", "plugin_backend_base", "qsa_profile_of", "shard_group")
+__all__ = (
+    "attend_context",
+    "complete_blocks",
+    "group_head_layout",
+    "plugin_backend_base",
+    "qsa_profile_of",
+    "shard_buffers",
+    "shard_group",
+)
 
 
 def complete_blocks(indices: torch.Tensor, closed: torch.Tensor, block_topk: int) -> torch.Tensor:
@@ -55,6 +64,63 @@ def complete_blocks(indices: torch.Tensor, closed: torch.Tensor, block_topk: int
     raise OffloadRuntimeError(msg)
 
 
+def attend_context(  # noqa: PLR0917 (upstream's kernel order)
+    q: torch.Tensor,
+    context_k: torch.Tensor,
+    context_v: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    cp_metadata: Any = None,
+) -> torch.Tensor:
+    """Prefill rows of one request over its context, with upstream's QSA prefill kernels.
+
+    Args:
+        q: ``[T, Hq, D]`` query rows. Without ``cp_metadata`` they are the context's last ``T``
+            tokens; with it, this rank's two zigzag blocks of the chunk, in that order.
+        context_k: ``[S, Hkv, D]`` keys of the request's first ``S`` tokens, row ``t`` token
+            ``t`` (the offload's staging area, or a whole prompt gathered over CP ranks).
+        context_v: its values.
+        indices: ``[T, W]`` the indexer's selection per row: token positions, ``-1`` padded.
+        scale: softmax scale.
+        cp_metadata: SGLang's ``ZigzagContextParallelMetadata`` of a one-request chunk, or None.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q``'s dtype.
+    """
+    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
+
+    tokens = int(context_k.shape[0])
+    if not q.is_cuda:  # upstream's CPU branch, with the context as the pool: slot = position
+        inside = (indices >= 0) & (indices < tokens)
+        slots = torch.where(inside, indices, -1).to(torch.int32)
+        out: torch.Tensor = upstream.qsa_sparse_attention(q, context_k, context_v, slots, scale)
+        return out
+    topk = indices.to(torch.int32).contiguous()
+    if cp_metadata is None:  # one entry: the last T rows, causal from the bottom right
+        device = q.device
+        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        ends = torch.tensor([tokens], dtype=torch.int32, device=device)
+        max_q = None
+    else:  # one entry per zigzag block; the kernel reads cu_k[e] as the request's base row
+        cu_q = cp_metadata.cu_seqlens_q_combined_tensor
+        cu_k = torch.zeros(2, dtype=torch.int32, device=q.device)
+        ends = cp_metadata.kv_len_combined_tensor
+        max_q = int(cp_metadata.max_seqlen_q_combined)
+    out = upstream.sparse_gqa_fwd_interface_triton_ck(
+        q.contiguous(),
+        context_k.to(q.dtype),
+        context_v.to(q.dtype),
+        topk,
+        cu_q,
+        cu_k,
+        ends,
+        scale,
+        max_q=max_q,
+    )
+    return out
+
+
 def qsa_profile_of(model_config: Any) -> Any:
     """SGLang's QSA profile of a model (its indexer's block top-k, budget, compress ratio).
 
@@ -85,20 +151,23 @@ def shard_group(runner: Any, sharding: int) -> ShardGroup | None:
 
     Every TP rank creates every group, in the order :meth:`ShardPlacement.tp_groups` lists them
     (``torch.distributed.new_group`` is collective over the default group), with the default
-    group's backend.
+    group's backend. Under SGLang's prefill CP over the TP group every rank holds every K/V head,
+    so the groups are runs of any TP ranks (:func:`group_head_layout`).
     """
     if sharding == 1:
         return None
     import torch.distributed as dist
     from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.runtime_context import get_parallel
 
     tp = get_tp_group()
     profile = QSAProfile.from_text_config(
         runner.model_config.hf_text_config.to_dict(), page_size=int(runner.server_args.page_size)
     )
-    placement = ShardPlacement.for_tp(profile, tp.world_size, sharding)
+    cp = int(get_parallel().attn_cp_size)
+    placement = ShardPlacement.for_tp(profile, tp.world_size, sharding, attn_cp_size=cp)
     mine: ShardGroup | None = None
-    for members in ShardPlacement.tp_groups(profile, tp.world_size, sharding):
+    for members in ShardPlacement.tp_groups(profile, tp.world_size, sharding, attn_cp_size=cp):
         group = dist.new_group([tp.ranks[i] for i in members])
         if tp.rank_in_group in members and isinstance(group, dist.ProcessGroup):
             mine = ShardGroup(placement, members.index(tp.rank_in_group), group)
@@ -108,18 +177,72 @@ def shard_group(runner: Any, sharding: int) -> ShardGroup | None:
     return mine
 
 
+def group_head_layout() -> HeadLayout:
+    """How a shard group's ranks hold the query heads of their K/V heads, in this process.
+
+    SHARDED with the heads split over TP (each rank its share of the group's heads);
+    REPLICATED under SGLang's attention CP over the TP group, where attention TP is 1 and every
+    rank holds every head of every row in decode (``--enable-cp-decode-attn-tp`` is refused).
+    """
+    from sglang.srt.runtime_context import get_parallel
+
+    return HeadLayout.REPLICATED if int(get_parallel().attn_cp_size) > 1 else HeadLayout.SHARDED
+
+
+def shard_buffers(
+    world_size: int,
+    layout: HeadLayout,
+    *,
+    max_rows: int,
+    block_topk: int,
+    q_heads: int,
+    head_dim: int,
+    device: torch.device | str,
+) -> ShardedDecodeBuffers:
+    """The transport buffers of one shard-group exchange (``device="meta"`` to size them).
+
+    Args:
+        world_size: ranks of the shard group.
+        layout: how the group holds its query heads (:func:`group_head_layout`).
+        max_rows: most query rows of one exchange.
+        block_topk: the QSA indexer's block selection width.
+        q_heads: query heads of this rank's attention layers (the group attends ``world_size x
+            q_heads`` when SHARDED, ``q_heads`` when REPLICATED).
+        head_dim: head dim ``D``.
+        device: where they live.
+    """
+    group_heads = q_heads * world_size if layout is HeadLayout.SHARDED else q_heads
+    return ShardedDecodeBuffers.allocate(
+        world_size=world_size,
+        max_rows=max_rows,
+        topk=block_topk,
+        q_heads=group_heads,
+        head_dim=head_dim,
+        layout=layout,
+        device=device,
+    )
+
+
 @functools.cache
 def plugin_backend_base() -> type[Any]:
     """The base of the plugin's QSA backends: upstream's, with its attention entries narrowed.
 
     Decode takes the indexer's block ids as they are (the block expansion is deferred), both
-    entries require the indexer's selection, prefill refuses context-parallel batches, and the
-    extend output is padded to the query rows as upstream pads it. A subclass implements
+    entries require the indexer's selection, a context-parallel prefill gathers the chunk's K/V
+    as upstream does and hands the subclass this rank's rows (``_attend_extend_cp``, refused
+    unless the subclass serves CP), and the extend output is padded to the query rows as
+    upstream pads it. A subclass implements
     ``_attend_extend(q [T, Hq, D], k, v, layer, forward_batch, topk_indices) -> [T, Hq * D]``
     over the ``T`` rows the indexer selected for, and ``_attend_decode(q, k, v, layer,
     forward_batch, topk_indices) -> [B, Hq * D]``; ``feature`` names it in refusals.
     """
     from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
+    from sglang.srt.layers.cp.utils import (
+        ContextParallelStrategyKind,
+        get_cp_strategy,
+        is_cp_active,
+    )
+    from sglang.srt.runtime_context import get_stream
 
     class PluginQSABackend(upstream.QwenSparseAttnBackend):  # type: ignore[misc]
         feature = "the plugin's QSA backend"
@@ -142,13 +265,82 @@ def plugin_backend_base() -> type[Any]:
             if topk_indices is None:
                 msg = "QSA sparse attention requires topk_indices"
                 raise ValueError(msg)
-            if getattr(forward_batch, "attn_cp_metadata", None) is not None:
-                msg = f"context-parallel prefill is not wired with {self.feature}"
-                raise OffloadRuntimeError(msg)
+            if getattr(forward_batch, "attn_cp_metadata", None) is not None and is_cp_active(
+                forward_batch
+            ):
+                return self._forward_extend_cp(
+                    q, k, v, layer, forward_batch, topk_indices, save_kv_cache=False
+                )
             q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
             rows, valid = q.shape[0], topk_indices.shape[0]  # DP attention may pad q
             out = self._attend_extend(q[:valid], k, v, layer, forward_batch, topk_indices)
             return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
+
+        def _forward_extend_cp(  # noqa: PLR0917 (upstream's signature)
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layer: Any,
+            forward_batch: Any,
+            topk_indices: torch.Tensor,
+            save_kv_cache: bool,
+        ) -> torch.Tensor:
+            """Prefill CP (SGLang's zigzag CP over the TP group), for this rank's rows.
+
+            This rank holds the query, K/V and selection rows of its two zigzag blocks of the
+            chunk. The chunk's new K/V is all-gathered into token order (or joined from the gather
+            ``prefetch_cp_kv`` started on its side stream), and the subclass stores all of it
+            and attends this rank's rows (``_attend_extend_cp``), as upstream writes the whole
+            chunk into every rank's pool.
+            """
+            del save_kv_cache
+            strategy = get_cp_strategy()
+            if strategy is None or strategy.kind != ContextParallelStrategyKind.ZIGZAG:
+                name = strategy.name if strategy is not None else "none"
+                msg = f"--cp-strategy={name!r}; {self.feature} serves QSA prefill CP as zigzag"
+                raise OffloadRuntimeError(msg)
+            meta = forward_batch.attn_cp_metadata
+            q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
+            rows = q.shape[0]
+            local = int(meta.total_q_prev_tokens + meta.total_q_next_tokens)
+            pending: tuple[int, torch.Tensor, torch.Tensor] | None = self._cp_kv_pending  # type: ignore[has-type]
+            self._cp_kv_pending = None
+            if pending is not None:
+                torch.cuda.current_stream().wait_stream(get_stream("qsa_cp_kv"))
+                layer_id, k_full, v_full = pending
+                if layer_id != layer.layer_id:
+                    msg = (
+                        f"layer {layer.layer_id!r} joins the CP K/V gather that layer "
+                        f"{layer_id!r} started"
+                    )
+                    raise OffloadRuntimeError(msg)
+            else:
+                k_full, v_full = upstream._gather_cp_kv(layer, k, v, forward_batch)
+            out = self._attend_extend_cp(
+                q[:local], k_full, v_full, layer, forward_batch, topk_indices[:local]
+            )
+            if pending is not None:  # the gathered K/V's memory is the side stream's
+                get_stream("qsa_cp_kv").wait_stream(torch.cuda.current_stream())
+            return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
+
+        def _attend_extend_cp(  # noqa: PLR0917
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layer: Any,
+            forward_batch: Any,
+            topk_indices: torch.Tensor,
+        ) -> torch.Tensor:
+            """``[T, Hq, D]``: this rank's zigzag rows over the chunk's gathered K/V.
+
+            ``k``/``v`` are ``[N, Hkv, D]`` in token order; a subclass that serves CP implements
+            it.
+            """
+            del q, k, v, layer, forward_batch, topk_indices
+            msg = f"context-parallel prefill is not wired with {self.feature}"
+            raise OffloadRuntimeError(msg)
 
         def forward_decode(  # noqa: PLR0917 (upstream's signature)
             self,

@@ -22,6 +22,11 @@ replicated in SGLang's QSA pool); the raw K/V of the QSA layers is stored once p
   tokens it owns (compacted to ``owned_token_bound`` columns), and an all-to-all of the fp32
   partials with an LSE merge gives each rank its own heads. One set of transport buffers,
   allocated once, serves every layer; no host read under CUDA graphs.
+- **Prefill CP** (SGLang's zigzag CP over the TP group, :meth:`ShardedKVRuntime.extend_cp`): the
+  gathered chunk's owned slots go to the store; one request with no prefix attends this rank's
+  rows over the gathered chunk, otherwise the rows are gathered back into token order, attended
+  as without CP, and each rank keeps its own. Attention TP is 1 there, so the group's ranks hold
+  every head (``HeadLayout.REPLICATED``: the partials all-gathered, every rank merges every head).
 
 Operators see ``qsa_hisparse_sharded_kv_bytes`` (this rank's raw K/V store) on SGLang's
 Prometheus endpoint and a start-up log line with the per-rank and unsharded bytes.
@@ -49,9 +54,12 @@ from qsa_kernels.sharded import (
 )
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
+    attend_context,
     complete_blocks,
+    group_head_layout,
     plugin_backend_base,
     qsa_profile_of,
+    shard_buffers,
     shard_group,
 )
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
@@ -83,12 +91,14 @@ class ShardedKVRuntime:
         kv_heads: K/V heads of this rank's attention layers.
         head_dim: head dim ``D``.
         dtype: the K/V dtype (bf16 or FP8 E4M3).
-        q_heads: query heads of this rank (the group attends ``N x q_heads``).
+        q_heads: query heads of this rank (the group attends ``N x q_heads`` when SHARDED).
         block_topk: the QSA indexer's block selection width.
         max_rows: most decode rows of one step (SGLang's running requests).
         device: where the store and the transport buffers live.
         tp_rank: the TP rank, for the metrics' labels.
         path: kernels or torch references (:attr:`KernelPath.AUTO`: Triton on CUDA).
+        head_layout: how the group holds its query heads (:func:`._qsa_common.group_head_layout`:
+            SHARDED with the TP head split, REPLICATED under SGLang's CP over the TP group).
     """
 
     def __init__(
@@ -106,6 +116,7 @@ class ShardedKVRuntime:
         device: torch.device,
         tp_rank: int = 0,
         path: KernelPath = KernelPath.AUTO,
+        head_layout: HeadLayout = HeadLayout.SHARDED,
     ) -> None:
         self.shard = shard
         self.path = path
@@ -119,13 +130,13 @@ class ShardedKVRuntime:
         self._width = owned_token_bound(placement, block_topk)
 
         def buffers(rows: int) -> ShardedDecodeBuffers:
-            return ShardedDecodeBuffers.allocate(
-                world_size=shard.world_size,
+            return shard_buffers(
+                shard.world_size,
+                head_layout,
                 max_rows=rows,
-                topk=block_topk,
-                q_heads=shard.world_size * q_heads,
+                block_topk=block_topk,
+                q_heads=q_heads,
                 head_dim=head_dim,
-                layout=HeadLayout.SHARDED,
                 device=device,
             )
 
@@ -219,6 +230,64 @@ class ShardedKVRuntime:
             parts.append(part)
             start += count
         return torch.cat(parts).to(q.dtype)
+
+    def extend_cp(  # noqa: PLR0917 (the attention call's own order)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        indices: torch.Tensor,
+        forward_batch: Any,
+        req_to_token: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One QSA layer of a context-parallel extend batch (SGLang's zigzag CP over the group).
+
+        The gathered chunk's owned rows go to the store. One request with no prefix attends its
+        zigzag rows over the chunk, which every rank holds whole (:func:`._qsa_common.
+        attend_context`). Otherwise the rows are gathered back into token order and every rank
+        attends the whole chunk as without CP (:meth:`extend`; owner-side after a prefix, the
+        group's ranks then holding the same rows) and keeps its own rows: CP still splits every
+        other layer's work, and the raw K/V is still stored once per group.
+
+        Args:
+            layer_id: SGLang's layer id.
+            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's zigzag rows, every head.
+            k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``) the chunk's gathered keys, token order.
+            v: its values.
+            indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per row.
+            forward_batch: SGLang's ``ForwardBatch`` with its ``attn_cp_metadata``.
+            req_to_token: SGLang's ``[R, S]`` slot table.
+            scale: softmax scale.
+
+        Returns:
+            ``[T, Hq * D]`` in ``q``'s dtype.
+        """
+        from sglang.srt.layers.cp.utils import get_cp_strategy
+
+        meta = forward_batch.attn_cp_metadata
+        rows, tokens = int(indices.shape[0]), int(k.shape[0])
+        bs = int(meta.bs)
+        lengths = [int(n) for n in forward_batch.seq_lens_cpu[:bs]]
+        extend = [int(n) for n in forward_batch.extend_seq_lens_cpu[:bs]]
+        if bs == 1 and lengths == extend:
+            self.write(layer_id, k, v, forward_batch.out_cache_loc[:tokens])
+            shape = (tokens, self._kv_heads, self._head_dim)
+            heads = q.reshape(rows, -1, self._head_dim)
+            out = attend_context(heads, k.reshape(shape), v.reshape(shape), indices, scale, meta)
+            return out.reshape(rows, -1).to(q.dtype)
+        strategy = get_cp_strategy()
+        if strategy is None:
+            msg = "a context-parallel batch without SGLang's CP strategy"
+            raise OffloadRuntimeError(msg)
+        whole_q = strategy.gather_hidden_states(q.reshape(rows, -1), forward_batch)
+        whole_indices = strategy.gather_hidden_states(indices, forward_batch)
+        out = self.extend(
+            layer_id, whole_q, k, v, whole_indices, forward_batch, req_to_token, scale
+        )
+        mine: torch.Tensor = strategy.shard_hidden_states(out, forward_batch)[:rows]
+        return mine
 
     def decode(  # noqa: PLR0917 (the attention call's own order)
         self,
@@ -349,17 +418,23 @@ def _chunk_attention(  # noqa: PLR0917
 
 
 def transport_bytes(
-    *, world_size: int, max_rows: int, block_topk: int, q_heads: int, head_dim: int
+    *,
+    world_size: int,
+    max_rows: int,
+    block_topk: int,
+    q_heads: int,
+    head_dim: int,
+    layout: HeadLayout = HeadLayout.SHARDED,
 ) -> int:
     """Device bytes of one rank's transport buffers (decode and prefill), without allocating."""
     return sum(
-        ShardedDecodeBuffers.allocate(
-            world_size=world_size,
+        shard_buffers(
+            world_size,
+            layout,
             max_rows=rows,
-            topk=block_topk,
-            q_heads=world_size * q_heads,
+            block_topk=block_topk,
+            q_heads=q_heads,
             head_dim=head_dim,
-            layout=HeadLayout.SHARDED,
             device="meta",
         ).nbytes
         for rows in (max_rows, PREFILL_GROUP_ROWS)
@@ -391,6 +466,7 @@ def _build_runtime(runner: Any) -> ShardedKVRuntime:
         max_rows=int(runner.req_to_token_pool.size),
         device=device,
         tp_rank=int(parallel.tp_rank),
+        head_layout=group_head_layout(),
     )
     logger.info(
         "cache sharding (resident): rank %d of a group of %d stores %s of the QSA layers' raw "
@@ -442,6 +518,7 @@ def price_sharded_pool(configurator: Any, kvc: Any) -> None:
         block_topk=int(qsa_profile_of(model_config).block_topk),
         q_heads=int(model_config.get_num_attention_heads(get_parallel().attn_tp_size)),
         head_dim=int(model_config.head_dim),
+        layout=group_head_layout(),
     )
     configurator._cell_size = cell
     configurator._fixed_overhead_bytes += fixed
@@ -494,6 +571,27 @@ def sharded_backend_class() -> type[Any]:
         ) -> torch.Tensor:
             """The chunk's owned rows to the store, then upstream's or the owners' attention."""
             return self.qsa_sharded.extend(
+                layer.layer_id,
+                q,
+                k,
+                v,
+                topk_indices,
+                forward_batch,
+                self.req_to_token,
+                float(layer.scaling),
+            )
+
+        def _attend_extend_cp(  # noqa: PLR0917
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            layer: Any,
+            forward_batch: Any,
+            topk_indices: torch.Tensor,
+        ) -> torch.Tensor:
+            """The gathered chunk's owned rows to the store, then this rank's zigzag rows."""
+            return self.qsa_sharded.extend_cp(
                 layer.layer_id,
                 q,
                 k,

@@ -1,0 +1,104 @@
+"""``attend_context`` on the GPU: upstream's CUDA prefill kernel against its CPU reference path.
+
+The offload backend attends a prefill chunk over its staging area with upstream's chunk-prefill
+Triton kernel, one entry for a plain chunk after a prefix, and with context-parallel prefill one
+entry per zigzag block of this rank (``cu_q`` from SGLang's zigzag metadata, each block ending at
+its absolute position, every entry based at the request's row 0). On the CPU both go through
+upstream's per-row torch reference, which the CP gloo test (``test_cp_prefill.py``) runs; this
+test checks the kernel's entries against that reference on the GPU, for every rank of 2 and 4 CP
+ranks, with and without a prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from qsa_testing import Platform, current_platform
+
+pytestmark = [
+    pytest.mark.skipif(
+        current_platform() is not Platform.CUDA or not torch.cuda.is_available(),
+        reason="upstream's CUDA prefill kernel; the CPU path runs in test_cp_prefill.py",
+    ),
+    # Importing SGLang's QSA backend in this process compiles a MoE runner whose torch import
+    # warns (an engine imports it in its own processes).
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+HQ, HKV, D = 16, 2, 128
+TOPK = 64
+SCALE = D**-0.5
+SEED = 20261203
+
+
+def _selection(start: int, end: int, gen: torch.Generator) -> torch.Tensor:
+    """``[end - start, 4 TOPK + 3]``: random complete blocks per row, as the indexer returns
+    them in prefill (expanded to token positions, then the row's open block; ``-1`` padded)."""
+    from qsa_kernels.expand import expand_blocks_reference
+
+    lengths = torch.arange(start, end) + 1
+    blocks = torch.full((end - start, TOPK), -1, dtype=torch.int32)
+    for i, length in enumerate(lengths.tolist()):
+        pick = torch.randperm(length // 4, generator=gen)[:TOPK]
+        blocks[i, : pick.numel()] = pick.to(torch.int32)
+    return expand_blocks_reference(blocks, lengths, ratio=4, token_topk=4 * TOPK)
+
+
+def _zigzag(world: int, rank: int, prefix: int, size: int) -> tuple[Any, Any]:
+    """SGLang's zigzag strategy and metadata of ``rank`` for one request's chunk."""
+    from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    end = prefix + size
+    strategy = ZigzagCPStrategy(cp_size=world)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.zeros(size, dtype=torch.int64),
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([end]),
+        out_cache_loc=torch.zeros(size, dtype=torch.int64),
+        seq_lens_sum=end,
+        seq_lens_cpu=torch.tensor([end]),
+        extend_seq_lens_cpu=[size],
+    )
+    batch.attn_cp_metadata = strategy.build_metadata(size, [end], [size])
+    return strategy, batch
+
+
+@pytest.mark.parametrize("prefix", [0, 1000])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_kernel_attends_each_ranks_zigzag_rows_as_the_reference(
+    world: int, prefix: int
+) -> None:
+    """Every rank's rows (the whole chunk at one rank, no CP metadata) equal the CPU reference
+    within one bf16 step."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from qsa_sglang_plugin._adapters._qsa_common import attend_context
+
+    size = 777
+    gen = torch.Generator().manual_seed(SEED + world + prefix)
+    end = prefix + size
+    k = torch.randn((end, HKV, D), generator=gen).to(torch.bfloat16)
+    v = torch.randn((end, HKV, D), generator=gen).to(torch.bfloat16)
+    q = torch.randn((size, HQ, D), generator=gen).to(torch.bfloat16)
+    picks = _selection(prefix, end, gen)
+    cuda = torch.device("cuda")
+    for rank in range(world):
+        if world == 1:
+            rows_q, rows_picks, meta = q, picks, None
+        else:
+            with get_parallel().override(attn_cp_size=world, attn_cp_rank=rank):
+                strategy, batch = _zigzag(world, rank, prefix, size)
+            meta = batch.attn_cp_metadata
+            rows_q = strategy.shard_hidden_states(q, batch)
+            rows_picks = strategy.shard_hidden_states(picks, batch)
+        want = attend_context(rows_q, k, v, rows_picks, SCALE)
+        got = attend_context(
+            rows_q.to(cuda), k.to(cuda), v.to(cuda), rows_picks.to(cuda), SCALE, meta
+        )
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=2e-3)

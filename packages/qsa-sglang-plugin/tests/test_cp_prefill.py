@@ -1,0 +1,394 @@
+"""Context-parallel prefill through the plugin's QSA backends, on 2 and 4 gloo ranks, against one.
+
+SGLang's own CP machinery runs for real on the CPU: its ``GroupCoordinator`` over gloo as the
+attention-CP group (the TP group, as SGLang's QSA prefill CP requires), its zigzag strategy
+(``prepare_cp_forward`` builds the metadata, padding each rank's rows to the physical length),
+its row sharding and its K/V gather in token order (``_gather_cp_kv``, as upstream's QSA backend
+calls it). Every rank computes the same prompt (611 tokens: a 512-token chunk, then a 99-token
+chunk after it), shards each QSA layer's queries, K/V and selected token positions into its two
+zigzag blocks as the model would, and runs the backend's ``forward_extend`` on them; gathered
+back into token order, the outputs must equal one rank prefilling the same chunks without CP
+through the unsharded offload backend (verified against upstream in real engines). Seven decode
+steps follow. Three stores:
+
+- ``offload``: every rank stages the whole gathered chunk; prefill and decode equal one rank bit
+  for bit (the CPU attention is upstream's per-row torch reference), the staging area holds the
+  whole prompt byte for byte, and the host arena row verifies byte for byte on release.
+- ``offload_sharded`` (cache sharding with the offload): the same staging, the hand-off keeping
+  each rank's pages; decode attends owner-side with every head on every rank (REPLICATED: CP
+  leaves attention TP at 1) and merges the group's partials; the ranks' arenas together verify
+  every token once.
+- ``resident_sharded`` (cache sharding alone): each rank stores the gathered chunk's owned slots;
+  the no-prefix chunk attends the rank's rows over the gathered chunk, the chunk after a prefix
+  attends owner-side on rows gathered back into token order; each store equals its shard of the
+  prompt's K/V byte for byte. Owner-side results equal one rank within bf16.
+
+The backends' constructors need a whole model runner; the test builds each instance without it
+and gives it the attributes its prefill and decode read (its runtime, upstream's pending CP
+gather, None, and for the resident store the slot table). The overlap of the gather on a CUDA
+side stream (``prefetch_cp_kv``) and the CUDA kernel's zigzag entries need a GPU
+(``test_context_attention.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qsa_testing import Platform, current_platform, run_on_gloo_ranks
+
+pytestmark = pytest.mark.skipif(
+    current_platform() is not Platform.CPU,
+    reason="gloo ranks with SGLang's CPU collectives; test_context_attention.py runs the kernel "
+    "path on the GPU",
+)
+
+LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
+HQ, HKV, D = 4, 1, 64  # CP over the TP group: every rank holds every head
+ROWS, HOT, MAX_BLOCKS, TOPK = 2, 16, 300, 16
+SLOT, ROW = 5, 1
+CHUNKS = (512, 99)
+PAGE = 64
+RTOL, ATOL = 2**-7, 2e-3
+
+
+class Store(enum.Enum):
+    OFFLOAD = "offload"
+    OFFLOAD_SHARDED = "offload_sharded"
+    RESIDENT_SHARDED = "resident_sharded"
+
+
+def _slot_table() -> torch.Tensor:
+    """``[8, 16 * PAGE]`` slot table; request :data:`SLOT` on scattered pages of a 24-page pool."""
+    table = torch.zeros((8, 16 * PAGE), dtype=torch.int32)
+    pages = torch.randperm(24, generator=torch.Generator().manual_seed(SEED))[:16]
+    table[SLOT] = (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).int()
+    return table
+
+
+STEPS = 7
+SEED = 20261203
+SCALE = D**-0.5
+
+
+def _extend_batch(start: int, end: int) -> Any:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    n = end - start
+    loc = _slot_table()[SLOT, start:end].long()
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        req_pool_indices=torch.tensor([SLOT]),
+        seq_lens=torch.tensor([end]),
+        out_cache_loc=loc,
+        seq_lens_sum=end,
+        seq_lens_cpu=torch.tensor([end]),
+        extend_seq_lens_cpu=[n],
+    )
+
+
+def _decode_batch(seq_len: int) -> Any:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=1,
+        input_ids=torch.zeros(1, dtype=torch.int64),
+        req_pool_indices=torch.tensor([SLOT]),
+        seq_lens=torch.tensor([seq_len]),
+        out_cache_loc=_slot_table()[SLOT, seq_len - 1 : seq_len].long(),
+        seq_lens_sum=seq_len,
+        seq_lens_cpu=torch.tensor([seq_len]),
+    )
+
+
+def _selection(start: int, end: int, gen: torch.Generator) -> torch.Tensor:
+    """``[end - start, 4 TOPK + 3]``: random complete blocks per row, as the indexer returns
+    them in prefill (expanded to token positions, then the row's open block; ``-1`` padded)."""
+    from qsa_kernels.expand import expand_blocks_reference
+
+    lengths = torch.arange(start, end) + 1
+    blocks = torch.full((end - start, TOPK), -1, dtype=torch.int32)
+    for i, length in enumerate(lengths.tolist()):
+        pick = torch.randperm(length // 4, generator=gen)[:TOPK]
+        blocks[i, : pick.numel()] = pick.to(torch.int32)
+    return expand_blocks_reference(blocks, lengths, ratio=4, token_topk=4 * TOPK)
+
+
+def _offload_backend(runtime: Any) -> Any:
+    from qsa_sglang_plugin._adapters._offload import offload_backend_class
+
+    backend = object.__new__(offload_backend_class())
+    backend.qsa_runtime = runtime
+    backend._cp_kv_pending = None  # upstream's constructor sets it
+    return backend
+
+
+def _offload_runtime(label: int, shard: Any = None) -> Any:
+    """A runtime of one row bound to :data:`SLOT`; ``label`` is its metrics' ``tp_rank``."""
+    from qsa_kernels import KernelPath
+    from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+    from qsa_kernels.sharded import HeadLayout
+    from qsa_sglang_plugin._adapters._offload import OffloadRuntime
+
+    geometry = OffloadGeometry(len(LAYER_IDS), ROWS, HOT, MAX_BLOCKS, HKV, D, torch.bfloat16)
+    kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE, shard=shard)
+    runtime = OffloadRuntime(
+        kv, LAYER_IDS, TOPK, label, verify=True, q_heads=HQ, head_layout=HeadLayout.REPLICATED
+    )
+    runtime.bind(SLOT, ROW)
+    return runtime
+
+
+def _resident_backend(shard: Any, label: int) -> Any:
+    from qsa_kernels import KernelPath
+    from qsa_kernels.sharded import HeadLayout
+    from qsa_sglang_plugin._adapters._sharded_kv import ShardedKVRuntime, sharded_backend_class
+
+    backend = object.__new__(sharded_backend_class())
+    backend.qsa_sharded = ShardedKVRuntime(
+        shard,
+        LAYER_IDS,
+        slots=24 * PAGE,
+        kv_heads=HKV,
+        head_dim=D,
+        dtype=torch.bfloat16,
+        q_heads=HQ,
+        block_topk=TOPK,
+        max_rows=ROWS,
+        device=torch.device("cpu"),
+        tp_rank=label,
+        path=KernelPath.REFERENCE,
+        head_layout=HeadLayout.REPLICATED,
+    )
+    backend.req_to_token = _slot_table()
+    backend._decode_slots = backend.req_to_token[[SLOT]]  # init_forward_metadata's table
+    backend._cp_kv_pending = None
+    return backend
+
+
+def _run(store: Store, rank: int, world: int) -> dict[str, Any]:
+    from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, install_from_environment
+
+    # SGLang's CPU collectives and the sgl_kernel CPU ops they import, as in a CPU engine.
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
+    install_from_environment()
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.runtime_context import get_parallel
+
+    group = GroupCoordinator(
+        group_ranks=[list(range(world))],
+        local_rank=rank,
+        torch_distributed_backend="gloo",
+        use_pynccl=False,
+        use_mscclpp=False,
+        use_custom_allreduce=False,
+        use_torch_symm_mem_all_reduce=False,
+        use_hpu_communicator=False,
+        use_xpu_communicator=False,
+        group_name="attn_cp",
+    )
+    with get_parallel().override(
+        tp_size=world,
+        tp_rank=rank,
+        attn_tp_size=1,
+        attn_tp_rank=0,
+        attn_dp_size=1,
+        attn_dp_rank=0,
+        attn_cp_size=world,
+        attn_cp_rank=rank,
+        attn_cp_group=group,
+        enable_prefill_cp=True,
+        enable_cp_tp_group_sharing=True,
+        cp_strategy="zigzag",
+    ):
+        return _scenario(store, rank, world)
+
+
+def _shard_group(rank: int, world: int) -> Any:
+    from qsa_core import QWEN38_FLASH_NEXT, ShardPlacement
+    from qsa_kernels.sharded import ShardGroup
+
+    placement = ShardPlacement.for_tp(QWEN38_FLASH_NEXT, world, world, attn_cp_size=world)
+    group = dist.new_group(list(range(world)))
+    assert isinstance(group, dist.ProcessGroup)
+    return ShardGroup(placement, rank, group)
+
+
+def _compare(
+    failures: list[str], what: str, got: torch.Tensor, want: torch.Tensor, exact: bool
+) -> None:
+    if exact and torch.equal(got, want):
+        return
+    try:
+        torch.testing.assert_close(got.float(), want.float(), rtol=RTOL, atol=ATOL)
+        if exact:
+            failures.append(f"{what}: not bit for bit")
+    except AssertionError as exc:
+        failures.append(f"{what}: {str(exc)[:300]}")
+
+
+def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
+    from prometheus_client import REGISTRY
+    from sglang.srt.layers.cp.utils import get_cp_strategy, prepare_cp_forward
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    strategy = get_cp_strategy()
+    assert strategy is not None
+    layers = {i: RadixAttention(HQ, D, SCALE, HKV, layer_id=i) for i in LAYER_IDS}
+    shard = None if store is Store.OFFLOAD else _shard_group(rank, world)
+    if store is Store.RESIDENT_SHARDED:
+        cp = _resident_backend(shard, rank)
+    else:
+        cp = _offload_backend(_offload_runtime(rank, shard))
+    one = _offload_backend(_offload_runtime(world + rank))  # metrics apart from the CP runtime's
+    exact = store is Store.OFFLOAD
+    gen = torch.Generator().manual_seed(SEED)
+    total = sum(CHUNKS) + STEPS
+    kv = torch.randn((2, len(LAYER_IDS), total, HKV * D), generator=gen).to(torch.bfloat16)
+    failures: list[str] = []
+    local_rows: list[int] = []
+    start = 0
+    for size in CHUNKS:
+        end = start + size
+        batch = _extend_batch(start, end)
+        prepare_cp_forward(batch)  # SGLang's zigzag metadata for this rank
+        meta = batch.attn_cp_metadata
+        local_rows.append(int(meta.total_q_prev_tokens + meta.total_q_next_tokens))
+        for layer_id, ordinal in LAYER_IDS.items():
+            q = torch.randn((size, HQ * D), generator=gen).to(torch.bfloat16)
+            k, v = kv[0, ordinal, start:end], kv[1, ordinal, start:end]
+            picks = _selection(start, end, gen)
+            mine = [strategy.shard_hidden_states(t, batch) for t in (q, k, v, picks)]
+            out = cp.forward_extend(*mine[:3], layers[layer_id], batch, topk_indices=mine[3])
+            got = strategy.gather_hidden_states(out, batch)
+            want = one.forward_extend(
+                q, k, v, layers[layer_id], _extend_batch(start, end), topk_indices=picks
+            )
+            _compare(failures, f"chunk [{start}, {end}) layer {layer_id}", got, want, exact)
+        start = end
+    staged_equal = None
+    if store is not Store.RESIDENT_SHARDED:
+        staged_k, staged_v = cp.qsa_runtime.staged_layers(ROW, start)
+        staged_equal = all(
+            torch.equal(staged_k[o].reshape(start, -1), kv[0, o, :start])
+            and torch.equal(staged_v[o].reshape(start, -1), kv[1, o, :start])
+            for o in LAYER_IDS.values()
+        )
+    for _ in range(STEPS):
+        batch = _decode_batch(start + 1)
+        for backend in (cp, one):
+            runtime = getattr(backend, "qsa_runtime", None)
+            if runtime is not None:
+                runtime.begin_decode(batch)
+        for layer_id, ordinal in LAYER_IDS.items():
+            q = torch.randn((1, HQ * D), generator=gen).to(torch.bfloat16)
+            k, v = kv[0, ordinal, start : start + 1], kv[1, ordinal, start : start + 1]
+            blocks = torch.randperm((start + 1) // 4, generator=gen)[:TOPK].to(torch.int32)
+            got, want = (
+                b.forward_decode(q, k, v, layers[layer_id], batch, topk_indices=blocks[None])
+                for b in (cp, one)
+            )
+            _compare(failures, f"decode at {start} layer {layer_id}", got, want, exact)
+        start += 1
+    result: dict[str, Any] = {
+        "failures": failures,
+        "local_rows": local_rows,
+        "staged_equal": staged_equal,
+        "tokens": start,
+    }
+    if store is Store.RESIDENT_SHARDED:
+        result["store_equal"] = _store_equals_shard(cp.qsa_sharded, kv[:, :, :start], rank, world)
+        return result
+    runtime = cp.qsa_runtime
+    runtime.release(ROW)
+    labels = {"tp_rank": str(rank)}
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    g = runtime.kv.geometry
+    tail = start % 4 * len(LAYER_IDS) * g.record_bytes // 4
+    return {
+        **result,
+        "verified": sample("qsa_hisparse_offload_verified_bytes_total"),
+        "differing": sample("qsa_hisparse_offload_differing_bytes_total"),
+        "closed_bytes": start // 4 * len(LAYER_IDS) * g.record_bytes,
+        "tail_bytes": tail,
+        "rows_in_use": runtime.rows_in_use,
+    }
+
+
+def _store_equals_shard(runtime: Any, kv: torch.Tensor, rank: int, world: int) -> bool:
+    """Each of the prompt's tokens this rank owns is in its store at its local slot, as
+    written; the store holds nothing else."""
+    slots = _slot_table()[SLOT, : kv.shape[2]].long()
+    expected = torch.zeros_like(runtime.kv)  # [L, records, 2, 4, Hkv, D]
+    mine = slots % world == rank
+    local = slots[mine] // world
+    for layer_id, ordinal in LAYER_IDS.items():
+        records = expected[ordinal].view(-1, 2, 4, HKV, D)
+        for side in (0, 1):
+            values = kv[side, ordinal][mine].view(-1, HKV, D)
+            records[local // 4, side, local % 4] = values
+        del layer_id
+    return bool(torch.equal(runtime.kv, expected))
+
+
+_SCENARIOS = {store: functools.partial(_run, store) for store in Store}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(store, world) for store in Store for world in (2, 4)],
+    ids=lambda p: f"{p[0].value}-{p[1]}ranks",
+)
+def ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Store, list[Any]]:
+    store, world = request.param
+    out = tmp_path_factory.mktemp(f"cp-{store.value}-{world}")
+    return store, run_on_gloo_ranks(_SCENARIOS[store], world, out)
+
+
+def test_each_rank_prefills_only_its_zigzag_rows(ranks: tuple[Store, list[Any]]) -> None:
+    """The ranks' query rows partition every chunk (two zigzag blocks each)."""
+    _, results = ranks
+    for chunk, size in enumerate(CHUNKS):
+        rows = [r["local_rows"][chunk] for r in results]
+        assert sum(rows) == size, rows
+        assert max(rows) < size, rows
+
+
+def test_cp_prefill_and_decode_equal_one_rank(ranks: tuple[Store, list[Any]]) -> None:
+    """Gathered back into token order, every chunk and layer equals the prefill without CP (bit
+    for bit when nothing is sharded), and so do the decode steps after it."""
+    _, results = ranks
+    for rank, result in enumerate(results):
+        assert result["failures"] == [], rank
+
+
+def test_every_rank_keeps_the_prompt_it_should(ranks: tuple[Store, list[Any]]) -> None:
+    """The gathered K/V went whole to each rank's staging area; after the hand-off and decode
+    the host arenas hold every token once per group (once per rank unsharded), byte for byte;
+    a resident store holds exactly its owned slots."""
+    store, results = ranks
+    if store is Store.RESIDENT_SHARDED:
+        assert all(r["store_equal"] for r in results)
+        return
+    assert all(r["staged_equal"] for r in results)
+    assert all(r["differing"] == 0 and r["rows_in_use"] == 0 for r in results)
+    closed, tail = results[0]["closed_bytes"], results[0]["tail_bytes"]
+    if store is Store.OFFLOAD:
+        assert all(r["verified"] == closed + tail for r in results)
+    else:  # each closed block on its owner, the open block's tail on every rank
+        assert sum(r["verified"] for r in results) == closed + len(results) * tail
