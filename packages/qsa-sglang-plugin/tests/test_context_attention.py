@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from qsa_testing import Platform, current_platform
+from qsa_testing import Platform, current_platform, random_block_selection
 
 pytestmark = [
     pytest.mark.skipif(
@@ -35,16 +35,10 @@ SEED = 20261203
 
 
 def _selection(start: int, end: int, gen: torch.Generator) -> torch.Tensor:
-    """``[end - start, 4 TOPK + 3]``: random complete blocks per row, as the indexer returns
-    them in prefill (expanded to token positions, then the row's open block; ``-1`` padded)."""
-    from qsa_kernels.expand import expand_blocks_reference
-
-    lengths = torch.arange(start, end) + 1
-    blocks = torch.full((end - start, TOPK), -1, dtype=torch.int32)
-    for i, length in enumerate(lengths.tolist()):
-        pick = torch.randperm(length // 4, generator=gen)[:TOPK]
-        blocks[i, : pick.numel()] = pick.to(torch.int32)
-    return expand_blocks_reference(blocks, lengths, ratio=4, token_topk=4 * TOPK)
+    """``[end - start, 4 TOPK + 3]`` the indexer's prefill token positions of rows ``[start,
+    end)``: random complete blocks, then each row's open block."""
+    _, positions = random_block_selection(torch.arange(start, end) + 1, TOPK, gen)
+    return positions
 
 
 def _zigzag(world: int, rank: int, prefix: int, size: int) -> tuple[Any, Any]:

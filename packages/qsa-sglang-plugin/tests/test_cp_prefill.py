@@ -41,7 +41,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qsa_testing import Platform, current_platform, run_on_gloo_ranks
+from qsa_testing import Platform, current_platform, random_block_selection, run_on_gloo_ranks
 
 pytestmark = pytest.mark.skipif(
     current_platform() is not Platform.CPU,
@@ -111,16 +111,10 @@ def _decode_batch(seq_len: int) -> Any:
 
 
 def _selection(start: int, end: int, gen: torch.Generator) -> torch.Tensor:
-    """``[end - start, 4 TOPK + 3]``: random complete blocks per row, as the indexer returns
-    them in prefill (expanded to token positions, then the row's open block; ``-1`` padded)."""
-    from qsa_kernels.expand import expand_blocks_reference
-
-    lengths = torch.arange(start, end) + 1
-    blocks = torch.full((end - start, TOPK), -1, dtype=torch.int32)
-    for i, length in enumerate(lengths.tolist()):
-        pick = torch.randperm(length // 4, generator=gen)[:TOPK]
-        blocks[i, : pick.numel()] = pick.to(torch.int32)
-    return expand_blocks_reference(blocks, lengths, ratio=4, token_topk=4 * TOPK)
+    """``[end - start, 4 TOPK + 3]`` the indexer's prefill token positions of rows ``[start,
+    end)``: random complete blocks, then each row's open block."""
+    _, positions = random_block_selection(torch.arange(start, end) + 1, TOPK, gen)
+    return positions
 
 
 def _offload_backend(runtime: Any) -> Any:

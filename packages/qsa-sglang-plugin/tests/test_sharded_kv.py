@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qsa_testing import run_on_gloo_ranks
+from qsa_testing import random_block_selection, run_on_gloo_ranks
 
 LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
 TOPK, HQ, D, PAGE = 16, 4, 64, 64
@@ -60,7 +60,6 @@ def _extend_batch(parts: list[tuple[int, int, int]], out_cache_loc: torch.Tensor
 def _run(rank: int, world: int) -> dict[str, Any]:
     from qsa_core import QWEN38_FLASH_NEXT, ShardPlacement
     from qsa_kernels import KernelPath
-    from qsa_kernels.expand import expand_blocks_reference
     from qsa_kernels.sharded import ShardGroup, shard_raw_kv
     from qsa_kernels.sparse_decode import sparse_decode_reference
     from qsa_sglang_plugin._adapters._sharded_kv import ShardedKVRuntime, transport_bytes
@@ -107,11 +106,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
 
     def select(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Random complete blocks per query (``[T, TOPK]``), and as upstream's positions."""
-        blocks = torch.full((lengths.numel(), TOPK), -1, dtype=torch.int32)
-        for t, length in enumerate(lengths.tolist()):
-            pick = torch.randperm(length // 4, generator=gen)[:TOPK]
-            blocks[t, : pick.numel()] = pick.to(torch.int32)
-        return blocks, expand_blocks_reference(blocks, lengths, ratio=4, token_topk=4 * TOPK)
+        return random_block_selection(lengths, TOPK, gen)
 
     def new_kv(layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = torch.randn((slot_ids.numel(), D), generator=gen).to(torch.bfloat16)

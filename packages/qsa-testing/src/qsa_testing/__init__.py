@@ -3,7 +3,8 @@
 Tiny dummy models written at test time (:func:`tiny_qwen4_exp`, :func:`tiny_llama`; for
 benchmarks :func:`full_depth_qwen4_exp` and :func:`llama_8b_shaped`), named
 stand-ins for what a machine cannot run as is (:mod:`qsa_testing.standins`), scenarios on several
-gloo ranks of one machine (:func:`run_on_gloo_ranks`), and real SGLang
+gloo ranks of one machine (:func:`run_on_gloo_ranks`), QSA-shaped selections
+(:func:`random_block_selection`), and real SGLang
 0.5.23 servers for tests (:func:`start_engine`, :class:`EnginePool`, and the ``engines`` fixture
 of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens.
 """
@@ -38,6 +39,7 @@ from qsa_testing._models import (
     tiny_qwen4_exp,
 )
 from qsa_testing._pool import EnginePool, EngineStart
+from qsa_testing._selection import random_block_selection
 from qsa_testing._version import __version__
 from qsa_testing._vision import tiny_image
 
@@ -70,6 +72,8 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # distributed scenarios on one machine
     "Scenario",
     "run_on_gloo_ranks",
+    # QSA-shaped inputs
+    "random_block_selection",
     # errors
     "EngineConfigError",
     "EngineRequestError",
