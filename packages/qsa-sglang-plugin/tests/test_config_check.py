@@ -261,6 +261,10 @@ def test_double_sparsity_passes_on_a_gqa_model_with_a_fitting_channel_file(tmp_p
             {"speculative_algorithm": "EAGLE"},
             ["--speculative-algorithm='EAGLE'", "supported: unset"],
         ),
+        (
+            {"enable_prefill_cp": True, "tp_size": 2, "attn_cp_size": 2},
+            ["--enable-prefill-cp=True", "no context-parallel path", "supported: off"],
+        ),
     ],
 )
 def test_double_sparsity_refuses_what_it_cannot_serve(

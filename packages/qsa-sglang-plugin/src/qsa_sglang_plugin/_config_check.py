@@ -240,6 +240,14 @@ def _check_double_sparsity(facts: ConfigFacts, ds: DoubleSparsitySwitches) -> No
             "unset",
             "the double-sparsity backend decodes one token per request and step",
         )
+    if facts.enable_prefill_cp:
+        raise _reject(
+            "--enable-prefill-cp",
+            True,
+            "off",
+            "the double-sparsity backend writes the labels of the prompt's keys where its dense "
+            "prefill writes them, and has no context-parallel path",
+        )
     _, _, kv_heads, _ = ds_geometry(facts.text_config)
     if facts.device == "cpu" and kv_heads % facts.tp_size:
         raise _reject(
