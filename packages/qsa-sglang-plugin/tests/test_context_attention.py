@@ -31,6 +31,10 @@ pytestmark = [
 HQ, HKV, D = 16, 2, 128
 TOPK = 64
 SCALE = D**-0.5
+#: The kernel multiplies bf16 probabilities by V (2^-8 relative) where the reference keeps them
+#: fp32; with values of |V| up to 4 that is 1.6e-2 (5.9e-3 measured on rows that attend a few
+#: tokens). A row attending another zigzag block's keys is off by O(1).
+ATOL = 1.6e-2
 SEED = 20261203
 
 
@@ -69,7 +73,7 @@ def test_the_kernel_attends_each_ranks_zigzag_rows_as_the_reference(
     world: int, prefix: int
 ) -> None:
     """Every rank's rows (the whole chunk at one rank, no CP metadata) equal the CPU reference
-    within one bf16 step."""
+    within the kernel's bf16 precision."""
     from sglang.srt.runtime_context import get_parallel
 
     from qsa_sglang_plugin._adapters._qsa_common import attend_context
@@ -95,4 +99,4 @@ def test_the_kernel_attends_each_ranks_zigzag_rows_as_the_reference(
         got = attend_context(
             rows_q.to(cuda), k.to(cuda), v.to(cuda), rows_picks.to(cuda), SCALE, meta
         )
-        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=2e-3)
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=ATOL)
