@@ -299,6 +299,7 @@ def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
         "local_rows": local_rows,
         "staged_equal": staged_equal,
         "tokens": start,
+        "two_requests": _two_request_refusal(strategy),
     }
     if store is Store.RESIDENT_SHARDED:
         result["store_equal"] = _store_equals_shard(cp.qsa_sharded, kv[:, :, :start], rank, world)
@@ -322,6 +323,23 @@ def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _two_request_refusal(strategy: Any) -> str:
+    """What ``attend_context`` says to zigzag metadata of two requests (one context expected)."""
+    from qsa_sglang_plugin._adapters._qsa_common import attend_context
+    from qsa_sglang_plugin._errors import OffloadRuntimeError
+
+    meta = strategy.build_metadata(30, [40, 30], [20, 10])
+    rows = int(meta.total_q_prev_tokens + meta.total_q_next_tokens)
+    q = torch.zeros((rows, HQ, D), dtype=torch.bfloat16)
+    kv = torch.zeros((70, HKV, D), dtype=torch.bfloat16)
+    picks = torch.full((rows, 4 * TOPK + 3), -1, dtype=torch.int32)
+    try:
+        attend_context(q, kv, kv, picks, SCALE, meta)
+    except OffloadRuntimeError as exc:
+        return str(exc)
+    return "attended"
+
+
 def _store_equals_shard(runtime: Any, kv: torch.Tensor, rank: int, world: int) -> bool:
     """Each of the prompt's tokens this rank owns is in its store at its local slot, as
     written; the store holds nothing else."""
@@ -329,12 +347,11 @@ def _store_equals_shard(runtime: Any, kv: torch.Tensor, rank: int, world: int) -
     expected = torch.zeros_like(runtime.kv)  # [L, records, 2, 4, Hkv, D]
     mine = slots % world == rank
     local = slots[mine] // world
-    for layer_id, ordinal in LAYER_IDS.items():
+    for ordinal in LAYER_IDS.values():
         records = expected[ordinal].view(-1, 2, 4, HKV, D)
         for side in (0, 1):
             values = kv[side, ordinal][mine].view(-1, HKV, D)
             records[local // 4, side, local % 4] = values
-        del layer_id
     return bool(torch.equal(runtime.kv, expected))
 
 
@@ -386,3 +403,14 @@ def test_every_rank_keeps_the_prompt_it_should(ranks: tuple[Store, list[Any]]) -
         assert all(r["verified"] == closed + tail for r in results)
     else:  # each closed block on its owner, the open block's tail on every rank
         assert sum(r["verified"] for r in results) == closed + len(results) * tail
+
+
+def test_context_attention_refuses_a_cp_batch_of_several_requests(
+    ranks: tuple[Store, list[Any]],
+) -> None:
+    """``attend_context`` attends one request's contiguous context: SGLang's zigzag metadata of
+    two requests is refused by name, before any kernel runs."""
+    _, results = ranks
+    for result in results:
+        assert "batch of 2 requests" in result["two_requests"]
+        assert "allowed: 1" in result["two_requests"]

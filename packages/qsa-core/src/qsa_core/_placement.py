@@ -109,7 +109,7 @@ class ShardPlacement:
             PlacementError: ``attn_cp_size`` is neither 1 nor ``tp_size``.
             QSAConfigError: ``tp_size`` does not split the KV heads.
         """
-        if attn_cp_size not in (1, tp_size) or not is_int(attn_cp_size):
+        if not is_int(attn_cp_size) or attn_cp_size not in (1, tp_size):
             msg = (
                 f"attn_cp_size={attn_cp_size!r} is not allowed at tp_size={tp_size!r}; allowed: "
                 f"1 or {tp_size!r} (attention CP over the whole TP group)"

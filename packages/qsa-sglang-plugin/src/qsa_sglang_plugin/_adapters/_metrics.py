@@ -16,15 +16,26 @@ __all__ = ("RankMetrics",)
 
 _Label = TypeVar("_Label", bound=enum.Enum)
 
-#: Families this process registered, by name.
-_FAMILIES: dict[str, Any] = {}
+#: Families this process registered, by name: (kind, label names, family).
+_FAMILIES: dict[str, tuple[type[Any], tuple[str, ...], Any]] = {}
 
 
 def _family(kind: type[Any], name: str, doc: str, labels: tuple[str, ...], **options: Any) -> Any:
-    family = _FAMILIES.get(name)
-    if family is None:
-        family = _FAMILIES[name] = kind(name, doc, labelnames=labels, **options)
-    return family
+    """The family ``name``: registered on first use, the same object after.
+
+    Raises:
+        ValueError: ``name`` was registered as another kind or with other labels.
+    """
+    known = _FAMILIES.get(name)
+    if known is None:
+        known = _FAMILIES[name] = (kind, labels, kind(name, doc, labelnames=labels, **options))
+    elif known[:2] != (kind, labels):
+        msg = (
+            f"metric {name!r} is a {known[0].__name__} labelled {known[1]!r}; asked for a "
+            f"{kind.__name__} labelled {labels!r}"
+        )
+        raise ValueError(msg)
+    return known[2]
 
 
 class RankMetrics:

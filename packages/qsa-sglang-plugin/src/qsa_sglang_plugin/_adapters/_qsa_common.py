@@ -86,7 +86,17 @@ def attend_context(  # noqa: PLR0917 (upstream's kernel order)
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype.
+
+    Raises:
+        OffloadRuntimeError: ``cp_metadata`` of a batch of several requests (their contexts are
+            not one contiguous context).
     """
+    if cp_metadata is not None and int(cp_metadata.bs) != 1:
+        msg = (
+            f"a context-parallel batch of {int(cp_metadata.bs)!r} requests attends over one "
+            "request's context here; allowed: 1"
+        )
+        raise OffloadRuntimeError(msg)
     from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
 
     tokens = int(context_k.shape[0])

@@ -1,0 +1,25 @@
+"""The plugin's Prometheus series: one family per name and process, one series per TP rank."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from qsa_sglang_plugin._adapters._metrics import RankMetrics
+
+
+def test_two_ranks_in_one_process_share_a_family_and_keep_their_series() -> None:
+    name = "qsa_test_shared_family_bytes"
+    RankMetrics(0).gauge(name, "test").set(3)
+    RankMetrics(1).gauge(name, "test").set(5)
+    RankMetrics(0).gauge(name, "test").inc(1)  # the same rank again: the same series
+    assert REGISTRY.get_sample_value(name, {"tp_rank": "0"}) == 4
+    assert REGISTRY.get_sample_value(name, {"tp_rank": "1"}) == 5
+
+
+def test_a_name_asked_for_as_another_kind_is_refused_naming_both() -> None:
+    name = "qsa_test_kind_clash"
+    RankMetrics(0).counter(name, "test").inc()
+    with pytest.raises(ValueError, match=r"'qsa_test_kind_clash' is a Counter .* for a Gauge"):
+        RankMetrics(0).gauge(name, "test")
+    assert REGISTRY.get_sample_value(f"{name}_total", {"tp_rank": "0"}) == 1
