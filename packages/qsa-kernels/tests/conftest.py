@@ -22,9 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,8 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import settings
+
+from qsa_pytest.processes import run_together
 
 pytest_plugins = ("qsa_pytest.gpu",)
 
@@ -134,44 +134,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn_workers(script: str, world: int, out_dir: Path, timeout_s: float) -> None:
+def _spawn_workers(script: str, world: int, out_dir: Path) -> None:
     """Run ``python script RANK PORT OUT_DIR`` for every rank at once and wait for all of them.
 
     The ranks share a fresh TCP port on 127.0.0.1 (gloo over loopback, one OpenMP thread each).
-    A rank still running ``timeout_s`` seconds after the start is killed; if any rank was killed
-    or exited non-zero the test fails with every rank's exit code and combined stdout/stderr.
+    Only a hang fails them for time (:func:`qsa_pytest.processes.run_together`'s guard, which
+    stops a stuck rank with its threads' tracebacks); if any rank hung or exited non-zero the
+    test fails with every rank's exit status and output.
     """
     port = _free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(rank), str(port), str(out_dir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-        )
-        for rank in range(world)
-    ]
-    deadline = time.monotonic() + timeout_s
-    logs: list[str] = []
-    failed = False
-    for proc in procs:
-        try:
-            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
-            failed = True
-        logs.append(log)
-        failed = failed or proc.returncode != 0
-    if failed:
-        codes = [p.returncode for p in procs]
-        pytest.fail(f"workers of {script!r} failed, exit codes {codes!r}:\n" + "\n---\n".join(logs))
+    ranks = run_together(
+        [[sys.executable, script, str(rank), str(port), str(out_dir)] for rank in range(world)],
+        env=env,
+    )
+    if not all(rank.ok for rank in ranks):
+        states = [
+            f"rank {r}: {'hung' if f.hung else f'exit {f.returncode}'}" for r, f in enumerate(ranks)
+        ]
+        logs = "\n---\n".join(f.output for f in ranks)
+        pytest.fail(f"workers of {script!r} failed ({', '.join(states)}):\n{logs}")
 
 
 @pytest.fixture(scope="session")
-def spawn_workers() -> Callable[[str, int, Path, float], None]:
-    """``spawn_workers(script, world, out_dir, timeout_s)``: run every rank, fail on any failure."""
+def spawn_workers() -> Callable[[str, int, Path], None]:
+    """``spawn_workers(script, world, out_dir)``: run every rank, fail on any failure."""
     return _spawn_workers

@@ -37,7 +37,6 @@ CASES = ("shorter-than-blocks", "one-long", "three-mixed", "five-with-ones")
 HQ, HKV, D = 6, 2, 12
 TOPK_BLOCKS = 3
 WIDTH = 4 * TOPK_BLOCKS + 3 + 1  # expanded blocks, the incomplete-group tail, one future entry
-WORKER_TIMEOUT_S = 180
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,11 +157,11 @@ def _worker(rank: int, port: int, out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def gloo_results(
     tmp_path_factory: pytest.TempPathFactory,
-    spawn_workers: Callable[[str, int, Path, float], None],
+    spawn_workers: Callable[[str, int, Path], None],
 ) -> dict[str, torch.Tensor]:
     """Start the worker processes once, wait for them, and merge what every rank saved."""
     out_dir = tmp_path_factory.mktemp("cp_gloo")
-    spawn_workers(__file__, WORLD, out_dir, WORKER_TIMEOUT_S)
+    spawn_workers(__file__, WORLD, out_dir)
     merged: dict[str, torch.Tensor] = {}
     for rank in range(WORLD):
         merged.update(torch.load(out_dir / f"rank{rank}.pt"))
