@@ -26,6 +26,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from qsa_pytest.processes import hang_guard_s
 from qsa_testing import StandInError
 from qsa_testing.standins import CUDA_STANDINS, STANDINS, StandIn
 from qsa_testing.standins._cuda import (
@@ -630,7 +631,7 @@ def test_dual_gemm_standin_serves_upstreams_import_when_cutlass_is_absent(tmp_pa
         text=True,
         env=env,
         cwd=tmp_path,
-        timeout=300,
+        timeout=hang_guard_s(),
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]

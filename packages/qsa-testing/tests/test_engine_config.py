@@ -16,7 +16,7 @@ from qsa_testing import (
     tiny_llama,
     tiny_qwen4_exp,
 )
-from qsa_testing._engine import _cpu_tp_environment, _environment, _server_args, sum_samples
+from qsa_testing._engine import _cpu_environment, _environment, _server_args, sum_samples
 from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, StandIn, boot_directory
 
 
@@ -122,18 +122,33 @@ def test_a_cpu_engine_of_several_tp_ranks_splits_the_cores_and_loads_no_nccl(
     assert set.union(*ranks) == os.sched_getaffinity(0)
     assert not ranks[0] & ranks[1]
     # Runs in core order, the first ranks one core longer where the cores do not divide.
-    bind = _cpu_tp_environment(3, tmp_path, cores={6, 0, 1, 2, 3, 4, 5})
+    bind = _cpu_environment(3, tmp_path, cores={6, 0, 1, 2, 3, 4, 5})
     assert bind["SGLANG_CPU_OMP_THREADS_BIND"] == "0,1,2|3,4|5,6"
-    # One rank, or a CUDA engine, changes nothing.
-    assert _cpu_tp_environment(1, tmp_path) == {}
+    # One rank on every core (SGLang's own default), or a CUDA engine, changes nothing.
+    assert _cpu_environment(1, tmp_path) == {}
     cuda = _environment(config, Platform.CUDA, tmp_path)
     assert "SGLANG_NCCL_SO_PATH" not in cuda
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in cuda
 
 
+def test_each_xdist_workers_engines_keep_to_its_own_cores(tmp_path: Path) -> None:
+    """Two workers' engines never share a core for their OpenMP threads; an engine with more
+    ranks than its worker's share spreads them over the machine instead."""
+    two = {0, 1}
+    bind = "SGLANG_CPU_OMP_THREADS_BIND"
+    assert _cpu_environment(1, tmp_path, cores=two, worker=(0, 2))[bind] == "0"
+    assert _cpu_environment(1, tmp_path, cores=two, worker=(1, 2))[bind] == "1"
+    assert _cpu_environment(2, tmp_path, cores=two, worker=(1, 2))[bind] == "0|1"
+    four = {0, 1, 2, 3}
+    assert _cpu_environment(2, tmp_path, cores=four, worker=(1, 2))[bind] == "1|3"
+    assert _cpu_environment(1, tmp_path, cores=four, worker=(0, 1)) == {}
+    # More workers than cores: every worker's engines use every core.
+    assert _cpu_environment(1, tmp_path, cores=two, worker=(2, 3)) == {}
+
+
 def test_more_tp_ranks_than_cores_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(EngineConfigError, match=r"tp_size=3 is not allowed on this CPU: 2 cores"):
-        _cpu_tp_environment(3, tmp_path, cores={0, 1})
+        _cpu_environment(3, tmp_path, cores={0, 1})
 
 
 def test_labels_are_filesystem_safe_and_tell_configurations_apart() -> None:

@@ -67,7 +67,7 @@ def test_a_server_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path:
         EngineStartError,
         match=r"(?s)exited with status 1 .*Unexpected keyword argument 'no_such_server_arg'",
     ):
-        start_engine(config, tmp_path, timeout=300)
+        start_engine(config, tmp_path)
     assert (tmp_path / "server.log").is_file()
     launch = str(tmp_path / "launch.json")
     assert _pids_with_argument(launch) == [], "a server process outlived the start"

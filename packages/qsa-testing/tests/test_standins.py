@@ -18,6 +18,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from qsa_pytest.processes import hang_guard_s
 from qsa_testing import StandInError
 from qsa_testing.standins import (
     APPLIED_MARKER,
@@ -229,7 +230,7 @@ def test_cpu_sgl_kernel_loads_the_real_python_layer_and_torch_cpu_ops() -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=hang_guard_s(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "wrapper sgl_kernel.mamba" in done.stdout

@@ -9,7 +9,7 @@ gloo ranks of one machine (:func:`run_on_gloo_ranks`), QSA-shaped selections
 of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens.
 """
 
-from qsa_testing._compare import assert_same_generation, logprob_gap
+from qsa_testing._compare import BF16_LOGIT_STEP, assert_same_generation, logprob_gap
 from qsa_testing._engine import (
     Engine,
     EngineConfig,
@@ -67,6 +67,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "running_engine",
     "start_engine",
     # comparisons
+    "BF16_LOGIT_STEP",
     "assert_same_generation",
     "logprob_gap",
     # distributed scenarios on one machine

@@ -8,10 +8,21 @@ step differed and by how much.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 from qsa_testing._engine import Generation
 
-__all__ = ("assert_same_generation", "logprob_gap")
+__all__ = ("BF16_LOGIT_STEP", "assert_same_generation", "logprob_gap")
+
+#: One bf16 step of a logit in [4, 8): the tolerance of a comparison between two paths that
+#: compute the same logits through different bf16 kernels (decode against prefill, offloaded
+#: against resident, a dense row of a mixed batch). Such paths round some intermediate sum the
+#: other way, the chosen logit then lands one bf16 step away, and its logprob moves by up to that
+#: step. How often depends on the machine's arithmetic, not on the code: decode against prefill
+#: moved a logprob by 3.7e-4 on one CPU and 7.4e-3 (one step of a logit in [1, 2)) on another,
+#: and offloaded against resident by 7.8e-3 and 1.55e-2 on the H200. The bound is the dtype's,
+#: so it holds on any machine; a wrong K/V read that changes a token still fails.
+BF16_LOGIT_STEP: Final = 2.0**-5
 
 
 def logprob_gap(expected: Generation, actual: Generation) -> float:

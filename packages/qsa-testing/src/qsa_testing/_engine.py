@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -27,9 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from qsa_pytest.processes import hang_guard_s
 from qsa_sglang_plugin import ENV_ACTIVATION_DIR, ENV_SGLANG_PLUGINS, PLUGIN_NAME, SWITCH_PREFIX
 from qsa_testing._errors import EngineConfigError, EngineRequestError, EngineStartError
 from qsa_testing._models import TinyModel, TinyModelKind
+from qsa_testing._starts import StartRecord, record_start
 from qsa_testing.standins import (
     APPLIED_MARKER,
     CPU_STANDINS,
@@ -391,7 +396,8 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def _call(self, path: str, body: Mapping[str, Any] | None, timeout: float) -> bytes:
+    def _call(self, path: str, body: Mapping[str, Any] | None, timeout: float | None) -> bytes:
+        timeout = hang_guard_s() if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.address + path,
@@ -415,25 +421,29 @@ class Engine:
             )
             raise EngineRequestError(msg) from None
 
-    def get_text(self, path: str, *, timeout: float = 60.0) -> str:
+    def get_text(self, path: str, *, timeout: float | None = None) -> str:
         """``GET path`` and its reply as text (e.g. ``/metrics``)."""
         return self._call(path, None, timeout).decode("utf-8", errors="replace")
 
-    def post(self, path: str, body: Mapping[str, Any], *, timeout: float = 600.0) -> bytes:
-        """``POST path`` with a JSON body; the reply's raw bytes (some routes answer no JSON)."""
+    def post(self, path: str, body: Mapping[str, Any], *, timeout: float | None = None) -> bytes:
+        """``POST path`` with a JSON body; the reply's raw bytes (some routes answer no JSON).
+
+        ``timeout``: seconds to wait for the reply, default the hang guard.
+        """
         return self._call(path, body, timeout)
 
-    def get_json(self, path: str, *, timeout: float = 60.0) -> Any:
+    def get_json(self, path: str, *, timeout: float | None = None) -> Any:
         """``GET path`` and its JSON reply."""
         return json.loads(self._call(path, None, timeout))
 
-    def post_json(self, path: str, body: Mapping[str, Any], *, timeout: float = 600.0) -> Any:
-        """``POST path`` with a JSON body and its JSON reply."""
+    def post_json(self, path: str, body: Mapping[str, Any], *, timeout: float | None = None) -> Any:
+        """``POST path`` with a JSON body and its JSON reply (``timeout``: as :meth:`post`)."""
         return json.loads(self._call(path, body, timeout))
 
-    def generate(self, request: GenerateRequest, *, timeout: float = 600.0) -> Generation:
-        """One greedy generation."""
-        return Generation.from_reply(self.post_json("/generate", request.body(), timeout=timeout))
+    def generate(self, request: GenerateRequest, *, timeout: float | None = None) -> Generation:
+        """One greedy generation (``timeout``: default the hang guard)."""
+        reply = self.post_json("/generate", request.body(), timeout=timeout)
+        return Generation.from_reply(reply)
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of Prometheus series ``name`` on ``/metrics``, summed over its label sets.
@@ -446,7 +456,7 @@ class Engine:
 
     def flush_cache(self) -> None:
         """``POST /flush_cache``; raises when SGLang refuses it."""
-        self._call("/flush_cache", {}, 60.0)
+        self._call("/flush_cache", {}, None)
 
     # ---- logs -----------------------------------------------------------------------------------
 
@@ -539,30 +549,49 @@ def _server_args(
 _NO_NCCL: Final = "no-nccl-on-cpu/libnccl.so.2"
 
 
-def _cpu_tp_environment(
-    tp_size: int, workdir: Path, cores: AbstractSet[int] | None = None
-) -> dict[str, str]:
-    """What a CPU engine of ``tp_size`` TP ranks needs in its environment (nothing at one rank).
+def _xdist_worker() -> tuple[int, int] | None:
+    """``(index, count)`` of this pytest-xdist worker, or None outside xdist."""
+    name, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not name or not count or not name.startswith("gw") or not name[2:].isdigit():
+        return None
+    if not count.isdigit() or int(name[2:]) >= int(count):
+        return None
+    return int(name[2:]), int(count)
 
-    - ``SGLANG_NCCL_SO_PATH`` at a file that does not exist. SGLang 0.5.23 turns PyNccl on for
-      every TP group whatever the device, and on a machine with PyPI's CUDA torch the NCCL
-      library loads and ``PyNcclCommunicator`` then refuses the CPU device. Where the library
-      does not load, PyNccl disables itself, and the CPU all-reduce and all-gather run through
-      the group's gloo backend (``torch.distributed``), as on a machine without NCCL. Without
-      AMX, SGLang never takes its shared-memory all-reduce (an ``sgl_kernel`` CPU op).
-    - ``SGLANG_CPU_OMP_THREADS_BIND``: this process's cores split into ``tp_size`` runs, one
-      per rank, in order (SGLang otherwise wants a NUMA node per rank).
+
+def _cpu_environment(
+    tp_size: int,
+    workdir: Path,
+    cores: AbstractSet[int] | None = None,
+    worker: tuple[int, int] | None = None,
+) -> dict[str, str]:
+    """Where a CPU engine's ranks run, and what several ranks need (nothing for one rank alone).
+
+    - ``SGLANG_CPU_OMP_THREADS_BIND``: the cores given to the engine, split into ``tp_size``
+      runs, one per rank, in order (SGLang otherwise wants a NUMA node per rank). Under
+      pytest-xdist each worker's engines get that worker's share of the cores (``cores[k::n]``
+      for worker ``k`` of ``n``), so two workers' engines never run their OpenMP threads on one
+      core, where each would spin waiting for the other; an engine with more ranks than its
+      worker's share spreads them over every core instead. One rank on every core of the
+      machine is SGLang's own default, and is left to it.
+    - ``SGLANG_NCCL_SO_PATH`` at a file that does not exist, for several ranks. SGLang 0.5.23
+      turns PyNccl on for every TP group whatever the device, and on a machine with PyPI's CUDA
+      torch the NCCL library loads and ``PyNcclCommunicator`` then refuses the CPU device.
+      Where the library does not load, PyNccl disables itself, and the CPU all-reduce and
+      all-gather run through the group's gloo backend (``torch.distributed``), as on a machine
+      without NCCL. Without AMX, SGLang never takes its shared-memory all-reduce (an
+      ``sgl_kernel`` CPU op).
 
     Args:
         tp_size: ``--tp-size``.
         workdir: the engine's directory (the missing library is named under it).
-        cores: the CPU ids to split; default the cores this process may run on.
+        cores: the machine's CPU ids; default the cores this process may run on.
+        worker: ``(index, count)`` of the pytest-xdist worker starting the engine, None for
+            none (:func:`_xdist_worker` tells).
 
     Raises:
         EngineConfigError: fewer cores than ranks.
     """
-    if tp_size == 1:
-        return {}
     ids = sorted(os.sched_getaffinity(0) if cores is None else cores)
     if tp_size < 1 or len(ids) < tp_size:
         msg = (
@@ -570,23 +599,59 @@ def _cpu_tp_environment(
             f"allowed: 1 to {len(ids)}"
         )
         raise EngineConfigError(msg)
-    per_rank, extra = divmod(len(ids), tp_size)
-    runs, start = [], 0
-    for rank in range(tp_size):
-        size = per_rank + (rank < extra)
-        runs.append(",".join(str(i) for i in ids[start : start + size]))
-        start += size
-    return {
-        "SGLANG_NCCL_SO_PATH": str(workdir / _NO_NCCL),
-        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(runs),
-    }
+    share = ids[worker[0] :: worker[1]] if worker is not None and worker[1] <= len(ids) else ids
+    pool = share if len(share) >= tp_size else ids
+    env = {}
+    if tp_size > 1:
+        env["SGLANG_NCCL_SO_PATH"] = str(workdir / _NO_NCCL)
+    if tp_size > 1 or pool != ids:
+        per_rank, extra = divmod(len(pool), tp_size)
+        runs, start = [], 0
+        for rank in range(tp_size):
+            size = per_rank + (rank < extra)
+            runs.append(",".join(str(i) for i in pool[start : start + size]))
+            start += size
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(runs)
+    return env
+
+
+#: The module of SGLang's ``sglang.srt.models`` that defines each tiny model's architecture.
+_MODEL_MODULES: Final[Mapping[TinyModelKind, str]] = {
+    TinyModelKind.QWEN4_EXP: "qwen4_exp",
+    TinyModelKind.LLAMA: "llama",
+}
+
+
+@functools.cache
+def _sglang_model_modules() -> frozenset[str]:
+    """The module names of SGLang's model directory, found without importing SGLang."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        msg = "sglang is not importable here; an engine cannot start"
+        raise EngineConfigError(msg)
+    models = Path(next(iter(spec.submodule_search_locations))) / "srt" / "models"
+    return frozenset(p.stem for p in models.glob("*.py") if not p.stem.startswith("_"))
+
+
+def _disabled_model_archs(kind: TinyModelKind) -> str:
+    """``SGLANG_DISABLED_MODEL_ARCHS`` for an engine of ``kind``: every other model module.
+
+    SGLang's model registry imports each module of ``sglang.srt.models`` (about 250) in every
+    scheduler process, some 10 s of CPU on the 2-core machine, to find the class of one
+    architecture; its own switch skips the modules an engine does not serve. The model's module
+    and the registry itself are imported as before.
+    """
+    keep = {_MODEL_MODULES[kind], "registry"}
+    return ",".join(sorted(_sglang_model_modules() - keep))
 
 
 def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(SWITCH_PREFIX)}
     env.update(_PLATFORM_ENV[platform])
+    env["SGLANG_DISABLED_MODEL_ARCHS"] = _disabled_model_archs(config.model.kind)
     if platform is Platform.CPU:
-        env.update(_cpu_tp_environment(int(config.server_args.get("tp_size", 1)), workdir))
+        tp_size = int(config.server_args.get("tp_size", 1))
+        env.update(_cpu_environment(tp_size, workdir, worker=_xdist_worker()))
     env.update(dict(config.switches))
     env[ENV_SGLANG_PLUGINS] = PLUGIN_NAME if config.plugin else _NO_PLUGINS
     if config.plugin:
@@ -606,7 +671,7 @@ PORT_ATTEMPTS: Final = 3
 
 
 def start_engine(
-    config: EngineConfig, workdir: Path, *, timeout: float = 900.0, poll: float = 1.0
+    config: EngineConfig, workdir: Path, *, timeout: float | None = None, poll: float = 1.0
 ) -> Engine:
     """Write the model, start the server in a new process group and wait until it is healthy.
 
@@ -618,7 +683,8 @@ def start_engine(
     Args:
         config: the engine.
         workdir: a directory for the model, the log (``server.log``) and the launch record.
-        timeout: seconds to wait for ``/health`` to answer 200, per start.
+        timeout: seconds to wait for ``/health`` to answer 200, per start; default the hang
+            guard (:func:`qsa_pytest.processes.hang_guard_s`): a slow start never fails.
         poll: seconds between health checks.
 
     Raises:
@@ -626,6 +692,7 @@ def start_engine(
             the log path and its tail. Nothing of the engine is left running.
     """
     platform = current_platform()
+    timeout = hang_guard_s() if timeout is None else timeout
     workdir.mkdir(parents=True, exist_ok=True)
     model_path = config.model.write(workdir / "models")
     env = _environment(config, platform, workdir)
@@ -636,32 +703,69 @@ def start_engine(
         port = _free_port()
         args = _server_args(config, platform, model_path, port)
         launch = workdir / "launch.json"
-        launch.write_text(json.dumps({"label": config.label, "server_args": args}, indent=1))
-        started = time.monotonic()
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "qsa_testing._host", str(launch)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=workdir,
-                start_new_session=True,
-            )
-        engine = Engine(config, process, port, log_path)
-        try:
-            _wait_healthy(engine, process, timeout, poll)
-        except EngineStartError:
-            engine.close(grace=5.0)
-            if attempt == PORT_ATTEMPTS or not _port_was_taken(log_path, port):
+        record = {
+            "label": config.label,
+            "server_args": args,
+            "fork_server": platform is Platform.CPU,
+        }
+        launch.write_text(json.dumps(record, indent=1))
+        # An engine that sizes its pools from the free memory it measures must not start beside
+        # another one: the other's imports and pools would look like its own weights.
+        with _start_lock(exclusive=args.get("max_total_tokens") is None):
+            started = time.monotonic()
+            with log_path.open("wb") as log:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "qsa_testing._host", str(launch)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    cwd=workdir,
+                    start_new_session=True,
+                )
+            engine = Engine(config, process, port, log_path)
+            try:
+                _wait_healthy(engine, process, timeout, poll)
+            except EngineStartError:
+                seconds = time.monotonic() - started
+                record_start(StartRecord(config.label, seconds, "stopped", str(log_path)))
+                engine.close(grace=5.0)
+                if attempt == PORT_ATTEMPTS or not _port_was_taken(log_path, port):
+                    raise
+                log_path.rename(workdir / f"server-port-taken-{attempt}.log")
+                continue
+            except BaseException:
+                engine.close(grace=5.0)
                 raise
-            log_path.rename(workdir / f"server-port-taken-{attempt}.log")
-            continue
-        except BaseException:
-            engine.close(grace=5.0)
-            raise
         engine.start_seconds = time.monotonic() - started
+        record_start(StartRecord(config.label, engine.start_seconds, "healthy", str(log_path)))
         return engine
+
+
+#: One lock for every engine start on this machine (all pytest processes, all workers), and the
+#: turnstile that keeps a waiting exclusive start from being overtaken by new shared ones.
+_START_LOCK: Final = Path(tempfile.gettempdir()) / "qsa-testing-engine-starts.lock"
+_START_TURNSTILE: Final = Path(tempfile.gettempdir()) / "qsa-testing-engine-starts.turnstile"
+
+
+@contextlib.contextmanager
+def _start_lock(*, exclusive: bool) -> Iterator[None]:
+    """Hold the machine's engine-start lock, shared or ``exclusive``.
+
+    Ordinary starts share it; a start that sizes its pools from the free memory it measures
+    (SGLang's ``mem_fraction_static`` with no ``max_total_tokens``) holds it alone, so that no
+    other engine starts while it measures.
+    """
+    with _START_TURNSTILE.open("a") as turnstile, _START_LOCK.open("a") as handle:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _port_was_taken(log_path: Path, port: int) -> bool:

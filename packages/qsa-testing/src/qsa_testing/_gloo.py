@@ -4,13 +4,20 @@ The scenario is a module-level function ``(rank, world) -> dict`` (the spawned p
 it by name); each rank joins a default gloo group on ``127.0.0.1`` with one CPU thread, runs it,
 and writes its JSON result, which :func:`run_on_gloo_ranks` returns in rank order. What the NCCL
 runs on several GPUs check, the CPU tests check here first.
+
+Only a hang fails the ranks for time: past :func:`qsa_pytest.processes.hang_guard_s` every rank
+still running gets ``SIGABRT``, and ``faulthandler`` writes where each of its threads was.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import os
+import signal
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
+
+from qsa_pytest.processes import hang_guard_s
 
 __all__ = ("Scenario", "run_on_gloo_ranks")
 
@@ -33,6 +42,7 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, scenario: Scenario, world: int, port: int, out_dir: str) -> None:
+    faulthandler.enable()  # a rank the hang guard aborts reports where it was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -44,7 +54,20 @@ def _rank(rank: int, scenario: Scenario, world: int, port: int, out_dir: str) ->
 
 
 def run_on_gloo_ranks(scenario: Scenario, world: int, out_dir: Path) -> list[dict[str, Any]]:
-    """``scenario(rank, world)`` on ``world`` processes; their results, rank 0 first."""
+    """``scenario(rank, world)`` on ``world`` processes; their results, rank 0 first.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included).
+        torch.multiprocessing.ProcessExitedException: a rank died, or hung and was aborted by
+            the hang guard (then its threads' tracebacks are in this process's stderr).
+    """
     args = (scenario, world, _free_port(), str(out_dir))
-    spawn(_rank, args=args, nprocs=world, join=True)  # type: ignore[no-untyped-call]
+    context = spawn(_rank, args=args, nprocs=world, join=False)  # type: ignore[no-untyped-call]
+    deadline = time.monotonic() + hang_guard_s()
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive() and process.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(process.pid, signal.SIGABRT)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]

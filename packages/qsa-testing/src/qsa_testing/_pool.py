@@ -62,6 +62,7 @@ class EnginePool:
         ] = {}
         self.starts: list[EngineStart] = []
         self.last_used: Engine | None = None
+        self._latest: dict[EngineConfig, Engine] = {}
 
     def _directory(self, config: EngineConfig) -> Path:
         """A fresh directory per start, so a restarted engine keeps its earlier log."""
@@ -89,8 +90,18 @@ class EnginePool:
         engine = start_engine(config, self._directory(config))
         self.starts.append(EngineStart(config.label, engine.start_seconds, engine.log_path))
         self._live[config] = engine
+        self._latest[config] = engine
         self.last_used = engine
         return engine
+
+    def log_path(self, config: EngineConfig) -> Path:
+        """The server log of ``config``'s latest start, running or stopped since.
+
+        Reading what an engine logged at start-up (its pool sizing, its backends) needs no
+        running engine: only a configuration never started here is started for it.
+        """
+        latest = self._latest.get(config)
+        return latest.log_path if latest is not None else self.engine(config).log_path
 
     def generate(self, config: EngineConfig, request: GenerateRequest) -> Generation:
         """``request`` served by ``config``'s engine, once per session."""
@@ -123,12 +134,20 @@ class EnginePool:
                 self._results.setdefault((config, request), result)
         return self._together[key]
 
+    def stop_running(self) -> None:
+        """Stop every running engine; their answers stay remembered.
+
+        An idle engine is not free: a CPU engine of several ranks keeps its schedulers busy
+        exchanging empty batches, on the cores other tests need.
+        """
+        while self._live:
+            _, engine = self._live.popitem(last=False)
+            engine.close()
+
     def close(self) -> None:
         """Stop every running engine and write ``report.json`` (see :meth:`write_report`)."""
         try:
-            while self._live:
-                _, engine = self._live.popitem(last=False)
-                engine.close()
+            self.stop_running()
         finally:
             self.write_report(self.report_path)
 
