@@ -20,6 +20,7 @@ from qsa_mm_prefix import (
     ProcessorFingerprint,
     build_prompt_identity,
 )
+from qsa_pytest.processes import hang_guard_s
 
 
 def scenario() -> dict[str, list[str]]:
@@ -78,7 +79,7 @@ def test_identical_inputs_give_identical_keys_across_processes() -> None:
             capture_output=True,
             text=True,
             check=True,
-            timeout=120,
+            timeout=hang_guard_s(),
         )
         assert json.loads(done.stdout) == here
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from qsa_pytest.processes import hang_guard_s
+
 SCENARIO = Path(__file__).with_name("sglang_scenario.py")
 SWITCH_VARS = (
     "SGLANG_QSA_MODEL_COMPAT",
@@ -62,7 +64,7 @@ def _sglang_dir() -> Path:
 
 
 def _collect(proc: subprocess.Popen[str], name: str) -> dict[str, Any]:
-    out, err = proc.communicate(timeout=600)
+    out, err = proc.communicate(timeout=hang_guard_s())
     lines = [line for line in out.splitlines() if line.strip()]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"scenario {name} failed (rc {proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")

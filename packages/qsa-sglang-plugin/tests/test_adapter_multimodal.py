@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from qsa_mm_prefix import Modality, ProcessorFingerprint, PromptIdentity, content_digest
+from qsa_pytest.processes import hang_guard_s
 from qsa_sglang_plugin import (
     AdapterError,
     SGLangBypass,
@@ -280,7 +281,7 @@ def test_same_inputs_in_a_fresh_process_give_the_same_page_identities(sgl: Modul
         text=True,
         check=True,
         env=env,
-        timeout=120,
+        timeout=hang_guard_s(),
     ).stdout
     assert json.loads(out.strip().splitlines()[-1]) == [p.hex() for p in here.page_identities]
 

@@ -33,7 +33,6 @@ side stream (``prefetch_cp_kv``) and the CUDA kernel's zigzag entries need a GPU
 from __future__ import annotations
 
 import enum
-import functools
 import os
 from typing import Any
 
@@ -45,8 +44,8 @@ from qsa_testing import Platform, current_platform, random_block_selection, run_
 
 pytestmark = pytest.mark.skipif(
     current_platform() is not Platform.CPU,
-    reason="gloo ranks with SGLang's CPU collectives; test_context_attention.py runs the kernel "
-    "path on the GPU",
+    reason="gloo ranks with SGLang's CPU collectives; test_context_attention.py runs the "
+    "kernel path on the GPU",
 )
 
 LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
@@ -355,20 +354,29 @@ def _store_equals_shard(runtime: Any, kv: torch.Tensor, rank: int, world: int) -
     return bool(torch.equal(runtime.kv, expected))
 
 
-_SCENARIOS = {store: functools.partial(_run, store) for store in Store}
+def _run_every_store(rank: int, world: int) -> dict[str, Any]:
+    """Each store's scenario in turn on one set of ranks: SGLang is imported once per rank."""
+    return {store.value: _run(store, rank, world) for store in Store}
+
+
+@pytest.fixture(scope="module")
+def every_store(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
+    """Per world size, every rank's results of every store (one gloo run per size)."""
+    return {
+        world: run_on_gloo_ranks(_run_every_store, world, tmp_path_factory.mktemp(f"cp-{world}"))
+        for world in (2, 4)
+    }
 
 
 @pytest.fixture(
-    scope="module",
     params=[(store, world) for store in Store for world in (2, 4)],
     ids=lambda p: f"{p[0].value}-{p[1]}ranks",
 )
 def ranks(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, every_store: dict[int, list[dict[str, Any]]]
 ) -> tuple[Store, list[Any]]:
     store, world = request.param
-    out = tmp_path_factory.mktemp(f"cp-{store.value}-{world}")
-    return store, run_on_gloo_ranks(_SCENARIOS[store], world, out)
+    return store, [result[store.value] for result in every_store[world]]
 
 
 def test_each_rank_prefills_only_its_zigzag_rows(ranks: tuple[Store, list[Any]]) -> None:

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import pytest
 
+from qsa_pytest.processes import wait_until
 from qsa_testing import (
+    BF16_LOGIT_STEP,
     EngineConfig,
     EnginePool,
     EngineStartError,
@@ -81,7 +83,7 @@ DS_OFFLOAD = EngineConfig(
     },
 )
 #: Within one bf16 logit step: a dense row of a mixed batch attends through another kernel.
-BF16_STEP = 2e-2
+BF16_STEP = BF16_LOGIT_STEP
 
 SHORT = (
     GenerateRequest(LLAMA.prompt(500, seed=4), max_new_tokens=8),
@@ -125,7 +127,8 @@ def _steps(engines: EnginePool) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def served(engines: EnginePool) -> _Served:
-    """Every request on the dense engine, then on the DS one: each engine starts once."""
+    """Every request on the dense engine, then on the DS one: each engine starts once (a module
+    fixture of :data:`REFERENCES`, taken before the module's other engines start)."""
     dense = engines.generate_all(DENSE, (*SHORT, LONG, *MIXED))
     before = _rows(engines)
     short = engines.generate_all(DS, SHORT)
@@ -143,6 +146,11 @@ def served(engines: EnginePool) -> _Served:
         mixed_rows={p: last[p] - after[p] for p in PATHS},
         long_steps={m: steps_after[m] - steps_before[m] for m in MODES},
     )
+
+
+#: The module fixtures of reference answers, taken before the tests that use them (see
+#: ``qsa_testing.pytest_plugin``).
+REFERENCES = ("served",)
 
 
 def test_below_the_threshold_double_sparsity_answers_as_the_dense_backend(
@@ -191,7 +199,7 @@ def test_a_malformed_channel_file_stops_the_engine_at_start_up(tmp_path: Path) -
         server_args={"attention_backend": "qsa_ds"},
     )
     with pytest.raises(EngineStartError) as caught:
-        start_engine(config, tmp_path / "engine", timeout=300.0).close()
+        start_engine(config, tmp_path / "engine").close()
     text = str(caught.value)
     for fragment in (str(bad), "model.layers.1.self_attn.qk_proj", "head 0", "channel 16"):
         assert fragment in text, text
@@ -207,7 +215,7 @@ def test_the_pool_sizing_charges_each_tokens_labels(engines: EnginePool) -> None
     )
     kv = layers * 2 * kv_heads * head_dim * 2  # K and V, bf16
     labels = layers * kv_heads * int(SWITCHES["SGLANG_QSA_DS_HEAVY_CHANNELS"]) * 2
-    log = engines.engine(DS).log_path.read_text(encoding="utf-8", errors="replace")
+    log = engines.log_path(DS).read_text(encoding="utf-8", errors="replace")
     line = f"qsa_ds: pool sizing charges {kv + labels} B per token ({kv} B of K/V and {labels} B"
     assert line in log
 
@@ -231,6 +239,7 @@ def _kv_bytes_per_token() -> int:
     )
 
 
+@pytest.mark.engine(DS_ALL_HEAVY)
 def test_heavy_tokens_covering_the_context_answer_as_the_dense_backend(
     served: _Served, engines: EnginePool
 ) -> None:
@@ -247,6 +256,7 @@ def test_heavy_tokens_covering_the_context_answer_as_the_dense_backend(
     assert rows == {"dense": LONG.max_new_tokens - 1, "sparse": 0}
 
 
+@pytest.mark.engine(DS_OFFLOAD)
 def test_ds_offload_answers_as_resident_double_sparsity(
     served: _Served, engines: EnginePool
 ) -> None:
@@ -290,6 +300,7 @@ def test_ds_offload_answers_as_resident_double_sparsity(
     assert "DS-Offload: K/V in the host arena" in log
 
 
+@pytest.mark.engine(DS_OFFLOAD)
 def test_ds_offload_decides_dense_and_sparse_per_row_in_one_batch(
     served: _Served, engines: EnginePool
 ) -> None:
@@ -308,6 +319,7 @@ def test_ds_offload_decides_dense_and_sparse_per_row_in_one_batch(
         assert_same_generation(want, got, atol=BF16_STEP, what=f"mixed request {i}")
 
 
+@pytest.mark.engine(DS_OFFLOAD)
 def test_ds_offload_holds_every_token_on_the_host_and_gives_every_lease_back(
     engines: EnginePool,
 ) -> None:
@@ -316,16 +328,20 @@ def test_ds_offload_holds_every_token_on_the_host_and_gives_every_lease_back(
     verified = "qsa_hisparse_offload_verified_bytes_total"
     before = _offloaded(engines, verified)
     prompt, new = 1203, 9  # two chunks; 300 complete blocks and 3 tokens, then 8 decode tokens
-    engines.generate(DS_OFFLOAD, GenerateRequest(LLAMA.prompt(prompt, seed=50), new))
+    engines.engine(DS_OFFLOAD).generate(GenerateRequest(LLAMA.prompt(prompt, seed=50), new))
     # The last generated token is never fed back, so the row holds prompt + new - 1 tokens.
     expected = (prompt + new - 1) * _kv_bytes_per_token()
-    assert _offloaded(engines, verified) - before == expected
+    wait_until(
+        "the released row's verification",
+        lambda: _offloaded(engines, verified) - before == expected,
+    )
     assert _offloaded(engines, "qsa_hisparse_offload_differing_bytes_total") == 0
     assert _offloaded(engines, "qsa_hisparse_live_leases") == 0
     assert _offloaded(engines, "qsa_hisparse_offload_rows_in_use") == 0
     assert _offloaded(engines, "qsa_hisparse_host_arena_bytes") > 0
 
 
+@pytest.mark.engine(DS_OFFLOAD)
 def test_ds_offload_prices_a_token_at_its_labels_alone(engines: EnginePool) -> None:
     """SGLang's pool holds no K/V: a token slot costs its label rows, the offload's device
     buffers are fixed overhead."""

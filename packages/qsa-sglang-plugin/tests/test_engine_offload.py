@@ -13,14 +13,15 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from qsa_pytest.processes import wait_until
 from qsa_testing import (
+    BF16_LOGIT_STEP,
     Engine,
     EngineConfig,
     EnginePool,
@@ -62,7 +63,10 @@ RETRACTING = EngineConfig(
     switches=VERIFIED_SWITCHES,
     server_args={**OFFLOAD_ARGS, "context_length": 1024, "max_total_tokens": 1536},
 )
-#: Upstream with the same prefill chunks as LIFECYCLE (chunking moves prefill logprobs on CUDA).
+#: Pools sized by SGLang from its memory budget (no --max-total-tokens), as an operator runs them.
+SIZED_BY_MEMORY = {"max_total_tokens": None, "mem_fraction_static": 0.02}
+#: Upstream with the same prefill chunks as LIFECYCLE (chunking moves prefill logprobs on CUDA),
+#: its pools sized from the memory budget: the capacity the offloaded engine is compared with.
 UPSTREAM_SAME_CHUNKS = EngineConfig(
     QWEN,
     plugin=False,
@@ -71,17 +75,8 @@ UPSTREAM_SAME_CHUNKS = EngineConfig(
         "max_running_requests": 4,
         "context_length": 8192,
         "cuda_graph_backend_prefill": "disabled",
+        **SIZED_BY_MEMORY,
     },
-)
-#: Pools sized by SGLang from its memory budget (no --max-total-tokens), as an operator runs them.
-SIZED_BY_MEMORY = {"max_total_tokens": None, "mem_fraction_static": 0.02}
-UPSTREAM_SIZED = EngineConfig(
-    QWEN,
-    plugin=False,
-    server_args={**UPSTREAM_SAME_CHUNKS.server_args, **SIZED_BY_MEMORY},
-)
-OFFLOAD_SIZED = EngineConfig(  # no resident copy: sized as an operator's engine
-    QWEN, switches=OFFLOAD_SWITCHES, server_args={**LIFECYCLE.server_args, **SIZED_BY_MEMORY}
 )
 #: Prompts above 2,051 tokens (sparse selection), neither a multiple of 4 (open tails), one
 #: below the chunk size; 64 greedy tokens cross 16 block boundaries.
@@ -96,14 +91,45 @@ REPEATED_PROMPT = GenerateRequest(QWEN.prompt(3000, seed=60), max_new_tokens=16)
 CONCURRENT = tuple(
     GenerateRequest(QWEN.prompt(700 + s, seed=s), max_new_tokens=16) for s in (10, 11, 12)
 )
-#: Largest logprob difference allowed between the offloaded and the resident decode: one bf16
-#: step of a logit in [4, 8). The two attend over the same tokens but split the softmax in two
-#: parts merged by their LSE; most steps then differ by about 1e-4, and a step whose chosen
-#: logit rounds the other way differs by one bf16 step of it (measured on the H200: 2^-7 and
-#: 2^-6, logits in [1, 4); on CPU at most 2.3e-5).
-BF16_NOISE = 2**-5
+#: Largest logprob difference allowed between the offloaded and the resident decode. The two
+#: attend over the same tokens but split the softmax in two parts merged by their LSE; most steps
+#: then differ by about 1e-4, and a step whose chosen logit rounds the other way differs by one
+#: bf16 step of it (measured on the H200: 2^-7 and 2^-6, logits in [1, 4); on CPU at most 2.3e-5).
+BF16_NOISE = BF16_LOGIT_STEP
 
 _MAX_TOKENS = re.compile(r"max_total_num_tokens=(\d+)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class References:
+    """What upstream answered to the text prompts (a module fixture of :data:`REFERENCES`, so
+    taken before any other engine of the module starts).
+
+    Attributes:
+        text: :data:`UPSTREAM_SAME_CHUNKS`'s answers, by request.
+        resident_tokens: the token capacity :data:`UPSTREAM_SAME_CHUNKS` sized from its budget.
+    """
+
+    text: dict[GenerateRequest, Generation]
+    resident_tokens: int
+
+
+@pytest.fixture(scope="module")
+def references(engines: EnginePool) -> References:
+    requests = (*SPARSE_PROMPTS, *CONCURRENT, REPEATED_PROMPT)
+    text = dict(zip(requests, engines.generate_all(UPSTREAM_SAME_CHUNKS, requests), strict=True))
+    return References(text, _max_total_tokens(engines.engine(UPSTREAM_SAME_CHUNKS)))
+
+
+@pytest.fixture(scope="module")
+def image_reference(engines: EnginePool) -> Generation:
+    """The upstream vision engine's answer to :data:`IMAGE_REQUEST`."""
+    return engines.generate(UPSTREAM_VL, IMAGE_REQUEST)
+
+
+#: The module fixtures of reference answers, taken before the tests that use them (see
+#: ``qsa_testing.pytest_plugin``).
+REFERENCES = ("references", "image_reference")
 
 
 def _live_leases(engine: Engine) -> float:
@@ -129,9 +155,9 @@ class _Background:
         except EngineRequestError as exc:  # an aborted request may answer with an error
             self.error = exc
 
-    def join(self, seconds: float) -> None:
-        self._thread.join(timeout=seconds)
-        assert not self._thread.is_alive(), f"/generate still running after {seconds} s"
+    def join(self) -> None:
+        """Wait for the reply (a hang fails past the hang guard)."""
+        wait_until("/generate's reply", lambda: not self._thread.is_alive())
 
     @property
     def completion_tokens(self) -> int:
@@ -141,57 +167,52 @@ class _Background:
         return int(meta["completion_tokens"])
 
 
-def _wait_for(condition: Callable[[], bool], seconds: float = 120.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"condition not met within {seconds} s")
+def _wait_for(condition: Callable[[], bool], what: str = "the engine's gauges") -> None:
+    wait_until(what, condition, poll_s=0.01)
 
 
 def _value(engine: Engine, metric: str) -> float:
     return engine.metric(metric)
 
 
+@pytest.mark.engine(LIFECYCLE)
 def test_offloaded_decode_chooses_upstreams_tokens_within_bf16_noise(
-    engines: EnginePool,
+    engines: EnginePool, references: References
 ) -> None:
-    # The concurrent requests' and the prefix cache's upstream runs are taken here too, while
-    # this engine is up.
-    upstream = engines.generate_all(
-        UPSTREAM_SAME_CHUNKS, SPARSE_PROMPTS + CONCURRENT + (REPEATED_PROMPT,)
-    )
-    upstream = upstream[: len(SPARSE_PROMPTS)]
-    offloaded = engines.generate_all(LIFECYCLE, SPARSE_PROMPTS)
-    for request, want, got in zip(SPARSE_PROMPTS, upstream, offloaded, strict=True):
+    engine = engines.engine(LIFECYCLE)
+    steps_before = _value(engine, "qsa_hisparse_offload_decode_steps_total")
+    fetched_before = _value(engine, "qsa_hisparse_fetched_blocks_total")
+    offloaded = [engine.generate(request) for request in SPARSE_PROMPTS]
+    for request, got in zip(SPARSE_PROMPTS, offloaded, strict=True):
+        want = references.text[request]
         assert_same_generation(
             want, got, atol=BF16_NOISE, what=f"{len(request.input_ids)}-token prompt"
         )
-    engine = engines.engine(LIFECYCLE)
     log = engine.log_path.read_text(encoding="utf-8", errors="replace")
     tree_cache = "Tree cache initialized: source=registered('qsa_hisparse') impl=HiSparseRadixCache"
     assert tree_cache in log
     assert "the QSA layers attend through HiSparseOffloadBackend" in log
     # Every decode step went through the host arena: 63 per request (the first token comes from
     # the prefill), and the sparse prompts' first steps fetched their selected blocks from host.
-    assert _value(engine, "qsa_hisparse_offload_decode_steps_total") >= 3 * 63
+    steps = _value(engine, "qsa_hisparse_offload_decode_steps_total") - steps_before
+    assert steps >= 3 * 63
     assert _value(engine, "qsa_hisparse_selected_blocks_total") > 0
-    assert _value(engine, "qsa_hisparse_fetched_blocks_total") >= 512
+    assert _value(engine, "qsa_hisparse_fetched_blocks_total") - fetched_before >= 512
     assert _value(engine, "qsa_hisparse_host_arena_bytes") > 0
     assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
     assert _live_leases(engine) == 0
 
 
+@pytest.mark.engine(LIFECYCLE)
 def test_concurrent_requests_decode_together_and_give_every_lease_back(
-    engines: EnginePool,
+    engines: EnginePool, references: References
 ) -> None:
-    want = [engines.generate(UPSTREAM_SAME_CHUNKS, request) for request in CONCURRENT]
+    want = [references.text[request] for request in CONCURRENT]
     engine = engines.engine(LIFECYCLE)
     finished_before = _released(engine, "finished")
     calls = [_Background(engine, request.body()) for request in CONCURRENT]
     for call in calls:
-        call.join(600)
+        call.join()
         assert call.completion_tokens == 16
     for request, expected, call in zip(CONCURRENT, want, calls, strict=True):
         assert call.reply is not None
@@ -213,6 +234,7 @@ def _resident_bytes_per_token() -> int:
     return layers * 2 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * 2
 
 
+@pytest.mark.engine(LIFECYCLE)
 def test_the_host_holds_every_token_byte_for_byte_as_sglangs_pool_would(
     engines: EnginePool,
 ) -> None:
@@ -222,17 +244,18 @@ def test_the_host_holds_every_token_byte_for_byte_as_sglangs_pool_would(
     before = _value(engine, verified)
     prompt, new = 1203, 9  # 300 complete blocks and 3 tokens, then 8 decode tokens
     call = _Background(engine, GenerateRequest(QWEN.prompt(prompt, seed=50), new).body())
-    call.join(600)
+    call.join()
     assert call.completion_tokens == new
     # The last generated token is never fed back, so the row holds prompt + new - 1 tokens.
     expected = (prompt + new - 1) * _resident_bytes_per_token()
-    _wait_for(lambda: _value(engine, verified) - before == expected, seconds=30)
+    _wait_for(lambda: _value(engine, verified) - before == expected, "the row's verification")
     # Nothing any test sent to this engine (finished, aborted, concurrent) differed.
     assert _value(engine, "qsa_hisparse_offload_differing_bytes_total") == 0
     log = engine.log_path.read_text(encoding="utf-8", errors="replace")
     assert f"{prompt + new - 1} tokens, {expected} K/V bytes on the host equal" in log
 
 
+@pytest.mark.engine(LIFECYCLE)
 def test_a_prompt_longer_than_the_context_is_refused_and_takes_nothing(
     engines: EnginePool,
 ) -> None:
@@ -246,17 +269,18 @@ def test_a_prompt_longer_than_the_context_is_refused_and_takes_nothing(
     assert released == released_before  # no lease was taken for it
 
 
-def _abort_while_running(engine: Engine, request: GenerateRequest, wait: float) -> _Background:
-    """Send ``request``, abort it ``wait`` seconds after it took its lease, and check that the
+def _abort_while_running(
+    engine: Engine, request: GenerateRequest, until: Callable[[], bool] = lambda: True
+) -> _Background:
+    """Send ``request``, abort it once it holds its lease and ``until()`` holds, and check that the
     lease comes back as aborted; return the finished call."""
     aborted_before = _released(engine, "aborted")
     rid = uuid.uuid4().hex
     call = _Background(engine, {**request.body(), "rid": rid})
-    _wait_for(lambda: _live_leases(engine) == 1, seconds=60)
-    time.sleep(wait)
+    _wait_for(lambda: _live_leases(engine) == 1 and until(), "the request to be running")
     engine.post("/abort_request", {"rid": rid})
-    call.join(120)
-    _wait_for(lambda: _live_leases(engine) == 0)
+    call.join()
+    _wait_for(lambda: _live_leases(engine) == 0, "the aborted request's lease to come back")
     assert _released(engine, "aborted") == aborted_before + 1
     return call
 
@@ -275,26 +299,33 @@ def test_cache_sharding_beyond_one_kv_heads_ranks_stops_the_engine_at_start_up(
         server_args=OFFLOAD_ARGS if offloaded else {},
     )
     with pytest.raises(EngineStartError) as caught:
-        start_engine(config, tmp_path / "engine", timeout=300.0).close()
+        start_engine(config, tmp_path / "engine").close()
     text = str(caught.value)
     for fragment in ("SGLANG_QSA_CACHE_SHARDING=2 does not fit --tp-size=1", "allowed: [1]"):
         assert fragment in text, text
 
 
+@pytest.mark.engine(LIFECYCLE)
 def test_abort_during_decode_gives_the_lease_back(engines: EnginePool) -> None:
-    # 3 s is well into decode: the 200-token prefill takes well under a second.
+    engine = engines.engine(LIFECYCLE)
     request = GenerateRequest(QWEN.prompt(200, seed=20), max_new_tokens=3000)
-    call = _abort_while_running(engines.engine(LIFECYCLE), request, wait=3.0)
+    steps = "qsa_hisparse_offload_decode_steps_total"
+    before = _value(engine, steps)
+    # Aborted once it has decoded a few steps, however slow the machine is.
+    call = _abort_while_running(engine, request, until=lambda: _value(engine, steps) > before + 2)
     assert 0 < call.completion_tokens < 3000
 
 
+@pytest.mark.engine(LIFECYCLE)
 def test_abort_during_chunked_prefill_gives_the_lease_back(engines: EnginePool) -> None:
-    # 3,900 tokens prefill in four 1,024-token chunks; the abort lands while they run.
-    request = GenerateRequest(QWEN.prompt(3900, seed=21), max_new_tokens=4)
-    call = _abort_while_running(engines.engine(LIFECYCLE), request, wait=0.0)
+    # 7,900 tokens prefill in eight 1,024-token chunks; the abort, sent as soon as the request
+    # holds its lease (its first chunk), reaches the scheduler while the other seven run.
+    request = GenerateRequest(QWEN.prompt(7900, seed=21), max_new_tokens=4)
+    call = _abort_while_running(engines.engine(LIFECYCLE), request)
     assert call.completion_tokens == 0  # aborted before its prompt was fully prefilled
 
 
+@pytest.mark.engine(LIFECYCLE)
 def test_flush_succeeds_once_every_lease_is_back(engines: EnginePool) -> None:
     engine = engines.engine(LIFECYCLE)
     _wait_for(lambda: _live_leases(engine) == 0)
@@ -304,6 +335,7 @@ def test_flush_succeeds_once_every_lease_is_back(engines: EnginePool) -> None:
     )
 
 
+@pytest.mark.engine(RETRACTING)
 def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
     engines: EnginePool,
 ) -> None:
@@ -313,7 +345,7 @@ def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
         for s in (30, 31, 32)
     ]
     for call in calls:
-        call.join(600)
+        call.join()
         assert call.completion_tokens == 500
     retractions = 0
     for call in calls:
@@ -336,34 +368,37 @@ def _max_total_tokens(engine: Engine) -> int:
     return int(found[-1])
 
 
+# ---- the host prefix cache -----------------------------------------------------------------------
+
+#: Checkpoints of the tiny model take about 0.6 MB per 1,024 tokens (512 B of K/V and 64 B of
+#: index per token, and the recurrent state) in 1 MiB blocks: 6 MiB hold a few prompts' worth,
+#: so the tests below also evict. No resident copy (no VERIFY) and pools sized by SGLang from its
+#: memory budget, as an operator's engine: the capacity test above runs on it too.
+PREFIX_CACHE = EngineConfig(
+    QWEN,
+    switches={**OFFLOAD_SWITCHES, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "6"},
+    server_args={**LIFECYCLE.server_args, **SIZED_BY_MEMORY, "enable_cache_report": True},
+)
+
+
+@pytest.mark.engine(PREFIX_CACHE)
 def test_the_same_memory_budget_holds_more_tokens_and_serves_them_alike(
-    engines: EnginePool,
+    engines: EnginePool, references: References
 ) -> None:
     """Priced at its compressed index alone, a token costs a ninth of the resident price here."""
     request = SPARSE_PROMPTS[0]
-    want = engines.generate(UPSTREAM_SIZED, request)
-    resident = _max_total_tokens(engines.engine(UPSTREAM_SIZED))
-    got = engines.generate(OFFLOAD_SIZED, request)
-    engine = engines.engine(OFFLOAD_SIZED)
+    engine = engines.engine(PREFIX_CACHE)
+    got = engine.generate(dataclasses.replace(request, cache_salt=uuid.uuid4().hex))
     offloaded = _max_total_tokens(engine)
     log = engine.log_path.read_text(encoding="utf-8", errors="replace")
     assert "offload: pool sizing charges" in log
     # The tiny model's QSA layer: 512 B of K/V and 64 B of index per token; staging, hot caches,
     # tails and tables are a fixed few MiB.
-    assert offloaded > 5 * resident, (offloaded, resident)
-    assert_same_generation(want, got, atol=BF16_NOISE, what="sized by memory")
+    assert offloaded > 5 * references.resident_tokens, (offloaded, references.resident_tokens)
+    assert got.cached_tokens == 0
+    assert_same_generation(references.text[request], got, atol=BF16_NOISE, what="sized by memory")
 
 
-# ---- the host prefix cache -----------------------------------------------------------------------
-
-#: Checkpoints of the tiny model take about 0.6 MB per 1,024 tokens (512 B of K/V and 64 B of
-#: index per token, and the recurrent state) in 1 MiB blocks: 6 MiB hold a few prompts' worth,
-#: so the tests below also evict.
-PREFIX_CACHE = EngineConfig(
-    QWEN,
-    switches={**OFFLOAD_SWITCHES, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "6"},
-    server_args={**LIFECYCLE.server_args, "enable_cache_report": True},
-)
 #: Checkpoints land where a 1,024-token prefill chunk ends (1,024 and 2,048 of a 3,000-token
 #: prompt): its prompt end is not a whole number of 64-token pages.
 CHUNK = 1024
@@ -378,10 +413,11 @@ def _prefix_stat(engine: Engine, name: str) -> float:
     return _value(engine, f"qsa_hisparse_prefix_cache_{name}")
 
 
+@pytest.mark.engine(PREFIX_CACHE)
 def test_the_same_prompt_twice_reuses_its_checkpoint_and_answers_alike(
-    engines: EnginePool,
+    engines: EnginePool, references: References
 ) -> None:
-    want = engines.generate(UPSTREAM_SAME_CHUNKS, REPEATED_PROMPT)  # plugin off
+    want = references.text[REPEATED_PROMPT]  # plugin off
     engine = engines.engine(PREFIX_CACHE)
     request = REPEATED_PROMPT
     loads_before = _prefix_stat(engine, "loads_total")
@@ -401,6 +437,7 @@ def test_the_same_prompt_twice_reuses_its_checkpoint_and_answers_alike(
     assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
 
 
+@pytest.mark.engine(PREFIX_CACHE)
 def test_the_cache_report_credits_the_host_tier(engines: EnginePool) -> None:
     """With ``--enable-cache-report`` the reply splits the cached tokens by tier: all host.
 
@@ -417,6 +454,7 @@ def test_the_cache_report_credits_the_host_tier(engines: EnginePool) -> None:
     assert warm["output_ids"] == cold["output_ids"]
 
 
+@pytest.mark.engine(PREFIX_CACHE)
 def test_a_multi_turn_chat_reuses_each_earlier_turn(engines: EnginePool) -> None:
     engine = engines.engine(PREFIX_CACHE)
     history: tuple[int, ...] = ()
@@ -431,6 +469,7 @@ def test_a_multi_turn_chat_reuses_each_earlier_turn(engines: EnginePool) -> None
     assert cached == [0, CHUNK, 2 * CHUNK], cached
 
 
+@pytest.mark.engine(PREFIX_CACHE)
 def test_another_cache_salt_shares_nothing(engines: EnginePool) -> None:
     engine = engines.engine(PREFIX_CACHE)
     prompt = QWEN.prompt(2100, seed=62)
@@ -446,6 +485,7 @@ def test_another_cache_salt_shares_nothing(engines: EnginePool) -> None:
     )
 
 
+@pytest.mark.engine(PREFIX_CACHE)
 def test_eviction_under_a_small_budget_never_returns_a_wrong_prefix(
     engines: EnginePool,
 ) -> None:
@@ -466,6 +506,7 @@ def test_eviction_under_a_small_budget_never_returns_a_wrong_prefix(
     assert _prefix_stat(engine, "publish_errors_total") == 0  # refused for room, never failed
 
 
+@pytest.mark.engine(PREFIX_CACHE)
 def test_a_request_that_ends_with_its_prompt_keeps_only_its_earlier_chunk_ends(
     engines: EnginePool,
 ) -> None:
@@ -481,6 +522,7 @@ def test_a_request_that_ends_with_its_prompt_keeps_only_its_earlier_chunk_ends(
     assert _live_leases(engine) == 0
 
 
+@pytest.mark.engine(PREFIX_CACHE)
 def test_a_flush_drops_every_checkpoint(engines: EnginePool) -> None:
     engine = engines.engine(PREFIX_CACHE)
     request = GenerateRequest(QWEN.prompt(2100, seed=63), max_new_tokens=4)
@@ -491,6 +533,7 @@ def test_a_flush_drops_every_checkpoint(engines: EnginePool) -> None:
     assert engine.generate(request).cached_tokens == 0
 
 
+@pytest.mark.engine(PREFIX_CACHE)
 def test_an_ignore_eos_request_computes_its_prompt_and_answers_alike(
     engines: EnginePool,
 ) -> None:
@@ -508,6 +551,7 @@ def test_an_ignore_eos_request_computes_its_prompt_and_answers_alike(
     assert _live_leases(engine) == 0
 
 
+@pytest.mark.engine(PREFIX_CACHE)
 def test_a_new_weights_version_drops_every_checkpoint_without_a_flush(
     engines: EnginePool,
 ) -> None:
@@ -549,16 +593,21 @@ def _with_image(
     return GenerateRequest(ids, max_new_tokens, image_data=(tiny_image(image_seed),))
 
 
+#: A 2,994-token text prompt with one picture after its first 100 tokens: 3,000 prompt tokens.
+IMAGE_REQUEST = _with_image(QWEN_VL.prompt(2994, seed=90), 100, image_seed=1, max_new_tokens=16)
+
+
 def _expanded(text_tokens: int) -> int:
     """Prompt tokens SGLang counts for ``text_tokens`` ids and one expanded image placeholder."""
     return text_tokens + len(QWEN_VL.image_placeholder) - 1 + IMAGE_TOKENS
 
 
+@pytest.mark.engine(IMAGE_PREFIX_CACHE)
 def test_the_same_image_prompt_twice_reuses_its_checkpoint_and_answers_alike(
-    engines: EnginePool,
+    engines: EnginePool, image_reference: Generation
 ) -> None:
-    request = _with_image(QWEN_VL.prompt(2994, seed=90), 100, image_seed=1, max_new_tokens=16)
-    want = engines.generate(UPSTREAM_VL, request)  # plugin off
+    request = IMAGE_REQUEST
+    want = image_reference  # plugin off
     engine = engines.engine(IMAGE_PREFIX_CACHE)
     cold = engine.generate(request)
     warm = engine.generate(request)
@@ -570,6 +619,7 @@ def test_the_same_image_prompt_twice_reuses_its_checkpoint_and_answers_alike(
     assert _live_leases(engine) == 0
 
 
+@pytest.mark.engine(IMAGE_PREFIX_CACHE)
 def test_the_same_token_ids_with_another_image_share_nothing(engines: EnginePool) -> None:
     """Both requests name one caller hash (``mm_hashes``), so SGLang pads both images with the
     same ids: the prompts are the same token ids; only the pictures' content tells them apart."""
@@ -588,6 +638,7 @@ def test_the_same_token_ids_with_another_image_share_nothing(engines: EnginePool
     assert _prefix_stat(engine, "bypassed_total") == bypassed  # keyed, not bypassed
 
 
+@pytest.mark.engine(IMAGE_PREFIX_CACHE)
 def test_a_checkpoint_inside_an_image_resumes_in_the_middle_of_it(engines: EnginePool) -> None:
     """The 1,024-token chunk ends between the image's pads: the warm run embeds the rest of it."""
     engine = engines.engine(IMAGE_PREFIX_CACHE)
@@ -601,6 +652,7 @@ def test_a_checkpoint_inside_an_image_resumes_in_the_middle_of_it(engines: Engin
     )
 
 
+@pytest.mark.engine(IMAGE_PREFIX_CACHE)
 def test_text_before_an_image_reuses_the_text_prompts_checkpoints(engines: EnginePool) -> None:
     """Pages without an image key as the same tokens of a text prompt do."""
     engine = engines.engine(IMAGE_PREFIX_CACHE)
@@ -615,6 +667,7 @@ def test_text_before_an_image_reuses_the_text_prompts_checkpoints(engines: Engin
     )
 
 
+@pytest.mark.engine(IMAGE_PREFIX_CACHE)
 def test_a_text_prompt_never_matches_an_image_checkpoint(engines: EnginePool) -> None:
     """The same ids as an image prompt, pads included, without the picture: computed anew.
 

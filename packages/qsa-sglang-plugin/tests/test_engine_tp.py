@@ -26,18 +26,22 @@ to a multiple of the TP size instead of replicating them, so no two ranks share 
 
 from __future__ import annotations
 
+import functools
 import re
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from qsa_pytest.processes import wait_until
 from qsa_testing import (
+    BF16_LOGIT_STEP,
     Engine,
     EngineConfig,
     EnginePool,
     EngineStartError,
     GenerateRequest,
+    Generation,
     Platform,
     assert_same_generation,
     current_platform,
@@ -93,7 +97,7 @@ VERIFIED = GenerateRequest(QWEN.prompt(1203, seed=50), max_new_tokens=9)
 REPEATED = GenerateRequest(QWEN.prompt(3000, seed=60), max_new_tokens=16)
 CHUNK = 1024
 #: One bf16 step of a logit in [4, 8), as in the one-rank offload tests.
-BF16_NOISE = 2**-5
+BF16_NOISE = BF16_LOGIT_STEP
 
 
 def _kv_bytes_per_token() -> int:
@@ -103,72 +107,121 @@ def _kv_bytes_per_token() -> int:
     return layers * 2 * int(text["num_key_value_heads"]) * int(text["head_dim"]) * 2
 
 
-def _rank_lines(engine: Engine, pattern: str) -> dict[int, list[re.Match[str]]]:
-    """Each TP rank's log lines matching ``pattern``, by rank."""
-    text = engine.log_path.read_text(encoding="utf-8", errors="replace")
+def _rank_lines(log: Path, pattern: str) -> dict[int, list[re.Match[str]]]:
+    """Each TP rank's lines of the server log ``log`` matching ``pattern``, by rank."""
+    text = log.read_text(encoding="utf-8", errors="replace")
     lines: dict[int, list[re.Match[str]]] = {}
     for match in re.finditer(r"^\[[^\]]* TP(?P<rank>\d+)\] " + pattern, text, re.M):
         lines.setdefault(int(match["rank"]), []).append(match)
     return lines
 
 
-def _nothing_held(engine: Engine, seconds: float = 30.0) -> None:
+def _nothing_held(engine: Engine) -> None:
     """Wait until no rank holds a lease or an arena row.
 
     Rank 0 answers when its scheduler finishes a request; another rank may release its lease a
     step later, so the gauges summed over the ranks reach zero shortly after the last reply.
     """
-    deadline = time.monotonic() + seconds
-    while True:
-        held = {
-            name: engine.metric(name)
-            for name in ("qsa_hisparse_live_leases", "qsa_hisparse_offload_rows_in_use")
-        }
-        if not any(held.values()):
-            return
-        assert time.monotonic() < deadline, f"still held after {seconds} s: {held}"
-        time.sleep(0.5)
+    names = ("qsa_hisparse_live_leases", "qsa_hisparse_offload_rows_in_use")
+    wait_until(
+        "every rank's leases and rows back", lambda: not any(engine.metric(n) for n in names)
+    )
 
 
-def test_two_offloading_ranks_answer_as_upstream_at_two_ranks(engines: EnginePool) -> None:
-    want = engines.generate_all(UPSTREAM, SPARSE_PROMPTS)
-    want_together = engines.generate_together(UPSTREAM, CONCURRENT)
-    engines.generate(UPSTREAM, REPEATED)  # the prefix cache test's, while this engine is up
-    got = engines.generate_all(OFFLOADED, SPARSE_PROMPTS)
+@dataclass(frozen=True, slots=True)
+class References:
+    """What the engines the tests compare with answered: upstream at two ranks, the dense Llama at
+    two ranks, and resident double sparsity at two ranks with the decode rows each prompt counted
+    (a module fixture of :data:`REFERENCES`, taken before the module's other engines start).
+
+    Attributes:
+        upstream: upstream's answers at two ranks, by request (:data:`CONCURRENT` together).
+        dense: the dense Llama's answers to :data:`DS_SHORT` and :data:`DS_LONG`.
+        ds: double sparsity's answers to the same two.
+        ds_rows: per prompt, the decode rows double sparsity counted by path, over the ranks.
+    """
+
+    upstream: dict[GenerateRequest, Generation]
+    dense: dict[GenerateRequest, Generation]
+    ds: dict[GenerateRequest, Generation]
+    ds_rows: dict[GenerateRequest, dict[str, float]]
+
+
+@pytest.fixture(scope="module")
+def references(engines: EnginePool) -> References:
+    upstream = dict(
+        zip(SPARSE_PROMPTS, engines.generate_all(UPSTREAM, SPARSE_PROMPTS), strict=True)
+    )
+    upstream |= zip(CONCURRENT, engines.generate_together(UPSTREAM, CONCURRENT), strict=True)
+    upstream[REPEATED] = engines.generate(UPSTREAM, REPEATED)
+    prompts = (DS_SHORT, DS_LONG)
+    dense = dict(zip(prompts, engines.generate_all(DENSE_LLAMA, prompts), strict=True))
+    engine = engines.engine(DS)
+    ds, ds_rows = {}, {}
+    for request in prompts:
+        before = _ds_rows(engine)
+        ds[request] = engine.generate(request)
+        wait_until(
+            "every rank's decode rows",
+            functools.partial(_settled_rows, engine, request, before),
+        )
+        ds_rows[request] = {p: n - before[p] for p, n in _ds_rows(engine).items()}
+    return References(upstream, dense, ds, ds_rows)
+
+
+#: The module fixtures of reference answers, taken before the tests that use them (see
+#: ``qsa_testing.pytest_plugin``).
+REFERENCES = ("references",)
+
+
+@pytest.mark.engine(OFFLOADED)
+def test_two_offloading_ranks_answer_as_upstream_at_two_ranks(
+    engines: EnginePool, references: References
+) -> None:
+    engine = engines.engine(OFFLOADED)
+    steps_before = engine.metric("qsa_hisparse_offload_decode_steps_total")
+    got = tuple(engine.generate(request) for request in SPARSE_PROMPTS)
     got_together = engines.generate_together(OFFLOADED, CONCURRENT)
+    want = tuple(references.upstream[request] for request in SPARSE_PROMPTS + CONCURRENT)
     for request, expected, served in zip(
-        SPARSE_PROMPTS + CONCURRENT, want + want_together, got + got_together, strict=True
+        SPARSE_PROMPTS + CONCURRENT, want, got + got_together, strict=True
     ):
         assert_same_generation(
             expected, served, atol=BF16_NOISE, what=f"{len(request.input_ids)}-token prompt"
         )
-    engine = engines.engine(OFFLOADED)
-    backends = _rank_lines(engine, r"the QSA layers attend through HiSparseOffloadBackend")
+    backends = _rank_lines(engine.log_path, r"the QSA layers attend through HiSparseOffloadBackend")
     assert sorted(backends) == list(range(TP))
-    assert engine.metric("qsa_hisparse_offload_decode_steps_total") > 0
+    assert engine.metric("qsa_hisparse_offload_decode_steps_total") > steps_before
     _nothing_held(engine)
 
 
+@pytest.mark.engine(OFFLOADED)
 def test_each_rank_holds_its_own_k_v_heads_bytes_on_the_host(engines: EnginePool) -> None:
     """Each rank's arena row equals its resident copy: one K/V head, half of a token's bytes."""
     engine = engines.engine(OFFLOADED)
     tokens = len(VERIFIED.input_ids) + VERIFIED.max_new_tokens - 1  # the last is never fed back
     per_rank = tokens * _kv_bytes_per_token() // TP
     pattern = rf"offload: row \d+: {tokens} tokens, (?P<bytes>\d+) K/V bytes on the host equal"
-    engines.generate(OFFLOADED, VERIFIED)
-    deadline = time.monotonic() + 30.0  # each rank checks its row when it releases the lease
-    while sorted(verified := _rank_lines(engine, pattern)) != list(range(TP)):
-        assert time.monotonic() < deadline, f"ranks that checked a {tokens}-token row: {verified}"
-        time.sleep(0.5)
+    engine.generate(VERIFIED)
+    # Each rank checks its row when it releases the lease.
+    wait_until(
+        f"every rank's check of its {tokens}-token row",
+        lambda: sorted(_rank_lines(engine.log_path, pattern)) == list(range(TP)),
+        poll_s=0.5,
+    )
+    verified = _rank_lines(engine.log_path, pattern)
     assert {int(m["bytes"]) for lines in verified.values() for m in lines} == {per_rank}
     assert engine.metric("qsa_hisparse_offload_differing_bytes_total") == 0
     _nothing_held(engine)
 
 
-def test_the_same_prompt_twice_resumes_from_each_ranks_host_cache(engines: EnginePool) -> None:
+@pytest.mark.engine(OFFLOADED)
+def test_the_same_prompt_twice_resumes_from_each_ranks_host_cache(
+    engines: EnginePool, references: References
+) -> None:
     """Both ranks find the same checkpoint and restore their own head's part of it: the warm run
     reports 2,048 cached tokens and answers as the cold one, bit for bit."""
-    want = engines.generate(UPSTREAM, REPEATED)
+    want = references.upstream[REPEATED]
     engine = engines.engine(OFFLOADED)
     loaded = "qsa_hisparse_prefix_cache_loaded_tokens_total"
     before = engine.metric(loaded)
@@ -219,18 +272,19 @@ def _ds_rows(engine: Engine) -> dict[str, float]:
     }
 
 
+def _settled_rows(engine: Engine, request: GenerateRequest, before: dict[str, float]) -> bool:
+    """Whether every rank has counted each of ``request``'s decode steps (a rank may count its
+    step a moment after rank 0 answered)."""
+    counted = sum(_ds_rows(engine).values()) - sum(before.values())
+    return counted >= TP * (request.max_new_tokens - 1)
+
+
 def test_double_sparsity_at_two_ranks_answers_as_the_dense_engine_below_the_threshold(
-    engines: EnginePool,
+    references: References,
 ) -> None:
-    want = engines.generate(DENSE_LLAMA, DS_SHORT)
-    engines.generate(DENSE_LLAMA, DS_LONG)  # the next test's, while this engine is up
-    engine = engines.engine(DS)
-    before = _ds_rows(engine)
-    got = engines.generate(DS, DS_SHORT)
-    after = _ds_rows(engine)
-    assert_same_generation(want, got)
+    assert_same_generation(references.dense[DS_SHORT], references.ds[DS_SHORT])
     steps = DS_SHORT.max_new_tokens - 1
-    assert {p: after[p] - before[p] for p in after} == {"dense": TP * steps, "sparse": 0}
+    assert references.ds_rows[DS_SHORT] == {"dense": TP * steps, "sparse": 0}
 
 
 def test_each_rank_prices_a_token_at_its_own_heads_k_v_and_labels(engines: EnginePool) -> None:
@@ -240,26 +294,29 @@ def test_each_rank_prices_a_token_at_its_own_heads_k_v_and_labels(engines: Engin
     kv = layers * 2 * heads * head_dim * 2  # K and V, bf16
     labels = layers * heads * int(DS_SWITCHES["SGLANG_QSA_DS_HEAVY_CHANNELS"]) * 2
     line = rf"qsa_ds: pool sizing charges {kv + labels} B per token \({kv} B of K/V and {labels} B"
-    assert sorted(_rank_lines(engines.engine(DS), line)) == list(range(TP))
+    assert sorted(_rank_lines(engines.log_path(DS), line)) == list(range(TP))
 
 
 def test_double_sparsity_at_two_ranks_attends_each_ranks_heavy_tokens(
-    engines: EnginePool,
+    references: References,
 ) -> None:
-    """Above the threshold every rank decodes its K/V head's heavy tokens; DS-Offload at two
-    ranks answers as resident double sparsity at two ranks."""
-    dense = engines.generate(DENSE_LLAMA, DS_LONG)
-    engine = engines.engine(DS)
-    before = _ds_rows(engine)
-    got = engines.generate(DS, DS_LONG)
-    after = _ds_rows(engine)
+    """Above the threshold every rank decodes its K/V head's heavy tokens."""
+    dense, got = references.dense[DS_LONG], references.ds[DS_LONG]
     steps = DS_LONG.max_new_tokens - 1
-    assert {p: after[p] - before[p] for p in after} == {"dense": 0, "sparse": TP * steps}
+    assert references.ds_rows[DS_LONG] == {"dense": 0, "sparse": TP * steps}
     assert got.output_ids[0] == dense.output_ids[0]  # the prefill is dense
     assert got.logprobs[1:] != dense.logprobs[1:]
-    offloaded = engines.generate(DS_OFFLOAD, DS_LONG)
-    assert_same_generation(got, offloaded, atol=BF16_NOISE, what="DS-Offload against DS")
+
+
+@pytest.mark.engine(DS_OFFLOAD)
+def test_ds_offload_at_two_ranks_answers_as_double_sparsity_at_two_ranks(
+    engines: EnginePool, references: References
+) -> None:
     engine = engines.engine(DS_OFFLOAD)
+    offloaded = engine.generate(DS_LONG)
+    assert_same_generation(
+        references.ds[DS_LONG], offloaded, atol=BF16_NOISE, what="DS-Offload against DS"
+    )
     assert engine.metric("qsa_hisparse_offload_differing_bytes_total") == 0
     _nothing_held(engine)
 
@@ -279,7 +336,7 @@ def test_cache_sharding_at_two_cpu_ranks_stops_the_engine_at_start_up(
         server_args=OFFLOADED.server_args if offloaded else COMMON_ARGS,
     )
     with pytest.raises(EngineStartError) as caught:
-        start_engine(config, tmp_path / "engine", timeout=300.0).close()
+        start_engine(config, tmp_path / "engine").close()
     text = str(caught.value)
     for fragment in (
         "SGLANG_QSA_CACHE_SHARDING=2 does not fit --tp-size=2 on the CPU",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from qsa_pytest.processes import hang_guard_s, wait_until
 from qsa_sglang_plugin import launch
 
 STANDIN = """
@@ -245,15 +246,12 @@ def test_ready_then_sigterm_is_forwarded_and_group_stops(standin: Path, tmp_path
         child = _child_pid(tmp_path)
         assert _alive(child)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        deadline = time.monotonic() + 5
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(child)
+        assert proc.wait(timeout=hang_guard_s()) == 0
+        wait_until("the launcher's server to stop", lambda: not _alive(child))
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate(timeout=30)
+        proc.communicate(timeout=hang_guard_s())
 
 
 @pytest.mark.parametrize(
@@ -277,12 +275,14 @@ def test_refuses_server_flags_the_plugin_would_refuse_before_starting_anything(
     server: list[str],
     fragment: str,
 ) -> None:
-    """Refused in well under a second, naming the flag and the allowed values; nothing starts."""
+    """Refused in well under a second of work, naming the flag and the allowed values; nothing
+    starts. (This process's CPU time, which a busy machine does not stretch as it does the wall
+    clock.)"""
     monkeypatch.setenv("STANDIN_MODE", "ok")
     monkeypatch.setattr(launch, "_NVIDIA_DRIVER_PATHS", (tmp_path / "no-driver",))
-    started = time.monotonic()
+    started = time.process_time()
     assert launch.main(_argv(standin, tmp_path, *server)) == 1  # the last flag given wins
-    assert time.monotonic() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert fragment in capsys.readouterr().err
     assert not (tmp_path / "child.pid").exists()
 
