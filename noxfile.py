@@ -18,7 +18,9 @@ and triton but no network, so nothing may be installed there.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
 import os
 import pathlib
 import re
@@ -31,6 +33,7 @@ import threading
 import time
 import tomllib
 from typing import IO, Final
+from xml.etree import ElementTree
 
 import nox
 
@@ -79,14 +82,203 @@ def _uv_sync(session: nox.Session, *args: str) -> None:
 # ==== Testing =====================================================================================
 
 
+#: The generated record of the last full ``nox -s tests`` run: per session its time, test counts
+#: and engine starts. README, testing.md, development.md and STATUS quote it.
+TEST_RECORD = ROOT / "docs" / "test-suite.md"
+#: Where each CPU engine start of a session is recorded (read by :func:`_record_session`); the
+#: name is ``qsa_testing.ENV_ENGINE_STARTS``, which the noxfile cannot import.
+_ENV_ENGINE_STARTS = "QSA_TESTING_ENGINE_STARTS"
+#: pytest-xdist workers per session: one per core, at most 4 (each real engine holds about
+#: 4 GiB of host memory, and a worker runs one at a time).
+_MAX_TEST_WORKERS = 4
+
+
+def _test_workers() -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), _MAX_TEST_WORKERS))
+
+
 @nox.session(python=PYTHON)
 @nox.parametrize("name", [p.value for p in Package], ids=[p.value for p in Package])
 def tests(session: nox.Session, name: str) -> None:
-    """CPU tests of one package, installed alone with its declared dependencies."""
+    """CPU tests of one package, installed alone with its declared dependencies.
+
+    Tests run on one pytest-xdist worker per core, a module at a time on one worker
+    (``--dist loadscope``: its module fixtures and engines start once; the modules in the order
+    collection gives them, which puts those with real engines first), in the random order of
+    pytest-randomly (the seed is printed; ``-- --randomly-seed=N`` repeats an order,
+    ``-- -p no:randomly`` keeps the written one). Arguments after ``--`` go to pytest; without
+    any, the session's time, counts and engine starts are written to ``docs/test-suite.md``.
+    """
     package = Package(name)
     _uv_sync(session, "--package", package.value, "--group", "test")
+    record_dir = pathlib.Path(session.create_tmp()).resolve() / "record"
+    shutil.rmtree(record_dir, ignore_errors=True)
+    record_dir.mkdir(parents=True)
+    junit, starts = record_dir / "junit.xml", record_dir / "engine-starts.jsonl"
+    workers = _test_workers()
     session.chdir(_package_dir(package))
-    session.run("python", "-m", "pytest", *session.posargs)
+    started = time.monotonic()
+    try:
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            f"--numprocesses={workers}",
+            "--dist=loadscope",
+            "--no-loadscope-reorder",
+            f"--junitxml={junit}",
+            *session.posargs,
+            # Each worker's own torch ops on its share of the cores: OpenMP threads of two
+            # workers on one core spin waiting for each other.
+            env={
+                _ENV_ENGINE_STARTS: str(starts),
+                "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // workers)),
+            },
+        )
+    finally:
+        if not session.posargs and junit.is_file():
+            _record_session(package, time.monotonic() - started, workers, junit, starts)
+
+
+def _record_session(
+    package: Package, seconds: float, workers: int, junit: pathlib.Path, starts: pathlib.Path
+) -> None:
+    """Write this session's row of :data:`TEST_RECORD`, keeping the other sessions' rows."""
+    suite = ElementTree.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    assert suite is not None, f"{junit} holds no testsuite"
+    count = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
+    records = (
+        [json.loads(line) for line in starts.read_text().splitlines()] if starts.is_file() else []
+    )
+    row = _RecordRow(
+        package=package.value,
+        seconds=round(seconds),
+        passed=count["tests"] - count["failures"] - count["errors"] - count["skipped"],
+        failed=count["failures"] + count["errors"],
+        skipped=count["skipped"],
+        workers=workers,
+        commit=_git_commit(),
+        day=time.strftime("%Y-%m-%d", time.gmtime()),
+        engines=tuple(_EngineStart(e["label"], e["outcome"], float(e["seconds"])) for e in records),
+    )
+    rows = {r.package: r for r in _read_record(TEST_RECORD)}
+    rows[row.package] = row
+    TEST_RECORD.write_text(_render_record([rows[p.value] for p in Package if p.value in rows]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _EngineStart:
+    """One engine start of a session, as ``qsa_testing`` records it."""
+
+    label: str
+    outcome: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _RecordRow:
+    """One session's rows of :data:`TEST_RECORD`: its totals and its engine starts."""
+
+    package: str
+    seconds: int
+    passed: int
+    failed: int
+    skipped: int
+    workers: int
+    commit: str
+    day: str
+    engines: tuple[_EngineStart, ...] = ()
+
+
+_SESSION_HEADER = (
+    "| session | seconds | passed | failed | skipped | engine starts | engine start seconds "
+    "| workers | commit | day |"
+)
+_ENGINE_HEADER = "| session | engine | outcome | seconds to healthy or stopped |"
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+
+
+def _read_record(path: pathlib.Path) -> list[_RecordRow]:
+    """The sessions of an existing record (none if there is no file)."""
+    if not path.is_file():
+        return []
+    rows: dict[str, _RecordRow] = {}
+    engines: dict[str, list[_EngineStart]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        cells = _cells(line)
+        if not cells[0].startswith("qsa-"):
+            continue
+        if len(cells) == 10:
+            n = [int(c) for c in cells[1:8]]
+            rows[cells[0]] = _RecordRow(cells[0], *n[:4], n[6], cells[8], cells[9])
+        elif len(cells) == 4:
+            engines.setdefault(cells[0], []).append(
+                _EngineStart(cells[1], cells[2], float(cells[3]))
+            )
+    return [dataclasses.replace(r, engines=tuple(engines.get(p, ()))) for p, r in rows.items()]
+
+
+def _render_record(rows: list[_RecordRow]) -> str:
+    lines = [
+        "# The test suite, as its last run measured it",
+        "",
+        "Generated by `nox -s tests`: each session rewrites its own rows after a full run of its "
+        "package, on the machine that ran it, and the file is committed after a run. The "
+        "figures about the suite elsewhere in these docs are quoted from here. Seconds are the "
+        "wall time of the session's pytest run, installs excluded. An engine start is one real "
+        "SGLang server started by the tests, to its first healthy answer or to its refusal at "
+        "start-up; the xdist workers start theirs side by side, so the starts' seconds add up to "
+        "more than the session's. Why each engine exists: "
+        "[testing.md](testing.md#the-engines-and-what-they-cost).",
+        "",
+        _SESSION_HEADER,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.package} | {r.seconds} | {r.passed} | {r.failed} | {r.skipped} "
+            f"| {len(r.engines)} | {round(sum(e.seconds for e in r.engines))} | {r.workers} "
+            f"| `{r.commit}` | {r.day} |"
+        )
+    lines.append(
+        f"| all | {sum(r.seconds for r in rows)} | {sum(r.passed for r in rows)} "
+        f"| {sum(r.failed for r in rows)} | {sum(r.skipped for r in rows)} "
+        f"| {sum(len(r.engines) for r in rows)} "
+        f"| {round(sum(e.seconds for r in rows for e in r.engines))} | | | |"
+    )
+    lines += ["", "## Engine starts", "", _ENGINE_HEADER, "| --- | --- | --- | ---: |"]
+    for r in rows:
+        for e in r.engines:
+            lines.append(f"| {r.package} | `{e.label}` | {e.outcome} | {e.seconds:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _git_commit() -> str:
+    """The checkout's commit (short), with ``+`` when the tree has changes; ``?`` without git."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return "?"
+    if head.returncode != 0:
+        return "?"
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def _src_path() -> str:
