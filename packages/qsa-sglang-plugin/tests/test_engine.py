@@ -208,11 +208,20 @@ def test_plugin_loaded_without_switches_equals_upstream(
 
 @pytest.mark.engine(PLUGIN_IDLE)
 def test_engine_applies_exactly_the_platform_standins(engines: EnginePool) -> None:
+    """Every stand-in of the platform edits the engine, and only modules it declares.
+
+    A stand-in declared for several modules edits those the engine loads: the test engines load
+    only the tiny model's own module of SGLang's models (``SGLANG_DISABLED_MODEL_ARCHS``), and
+    ``gated_rmsnorm_cpu_op``'s second module (``fla.fused_norm_gate``) is imported by other
+    models only; ``test_standins.py`` edits each declared module on its own.
+    """
     engines.generate(PLUGIN_IDLE, LONG)  # some stand-ins edit modules that load on first use
     applied = engines.engine(PLUGIN_IDLE).standins_applied()
     assert {name for name, _ in applied} == platform_standins(current_platform())
     for name in platform_standins(current_platform()):
-        assert {module for n, module in applied if n is name} == set(STANDINS[name].modules)
+        modules = {module for n, module in applied if n is name}
+        assert modules, name
+        assert modules <= set(STANDINS[name].modules), (name, modules)
 
 
 @pytest.mark.engine(LLAMA_TWIN)
