@@ -235,6 +235,18 @@ def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
     from sglang.srt.layers.cp.utils import get_cp_strategy, prepare_cp_forward
     from sglang.srt.layers.radix_attention import RadixAttention
 
+    labels = {"tp_rank": str(rank)}
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    # The rank's counters before this store's run: the stores run one after another in one
+    # process, and a counter family is one per process.
+    counters = (
+        "qsa_hisparse_offload_verified_bytes_total",
+        "qsa_hisparse_offload_differing_bytes_total",
+    )
+    before = {name: sample(name) for name in counters}
     strategy = get_cp_strategy()
     assert strategy is not None
     layers = {i: RadixAttention(HQ, D, SCALE, HKV, layer_id=i) for i in LAYER_IDS}
@@ -305,17 +317,13 @@ def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
         return result
     runtime = cp.qsa_runtime
     runtime.release(ROW)
-    labels = {"tp_rank": str(rank)}
-
-    def sample(name: str) -> float:
-        return REGISTRY.get_sample_value(name, labels) or 0.0
-
+    verified, differing = (sample(name) - before[name] for name in counters)
     g = runtime.kv.geometry
     tail = start % 4 * len(LAYER_IDS) * g.record_bytes // 4
     return {
         **result,
-        "verified": sample("qsa_hisparse_offload_verified_bytes_total"),
-        "differing": sample("qsa_hisparse_offload_differing_bytes_total"),
+        "verified": verified,
+        "differing": differing,
         "closed_bytes": start // 4 * len(LAYER_IDS) * g.record_bytes,
         "tail_bytes": tail,
         "rows_in_use": runtime.rows_in_use,
