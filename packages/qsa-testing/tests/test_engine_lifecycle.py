@@ -26,17 +26,17 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
-def _pids_with_argument(argument: str) -> list[int]:
-    """Live processes whose command line contains ``argument`` (read from /proc)."""
+def _pids_working_in(directory: Path) -> list[int]:
+    """Live processes whose working directory is ``directory`` (an engine's run in its own)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
+            cwd = (entry / "cwd").resolve(strict=True)
         except OSError:
             continue
-        if argument.encode() in args:
+        if cwd == directory.resolve():
             found.append(int(entry.name))
     return found
 
@@ -47,6 +47,7 @@ def test_engine_serves_a_request_and_close_stops_every_process(tmp_path: Path) -
     try:
         assert engine.running
         assert engine.start_seconds > 0
+        assert engine.process_group in _pids_working_in(tmp_path)
         request = GenerateRequest(model.prompt(40, seed=9), max_new_tokens=4, top_logprobs=3)
         generation = engine.generate(request)
         assert generation.prompt_tokens == 40
@@ -58,6 +59,7 @@ def test_engine_serves_a_request_and_close_stops_every_process(tmp_path: Path) -
     finally:
         engine.close()
     assert _group_gone(engine.process_group), "close() left a process of the group"
+    assert _pids_working_in(tmp_path) == [], "close() left a process of the engine"
     assert "[qsa-testing] stand-in applied: dummy_weight_range" in engine.log_tail(10_000)
 
 
@@ -69,8 +71,7 @@ def test_a_server_that_cannot_start_reports_its_log_and_leaves_nothing(tmp_path:
     ):
         start_engine(config, tmp_path)
     assert (tmp_path / "server.log").is_file()
-    launch = str(tmp_path / "launch.json")
-    assert _pids_with_argument(launch) == [], "a server process outlived the start"
+    assert _pids_working_in(tmp_path) == [], "a server process outlived the start"
 
 
 def test_a_server_whose_port_was_taken_starts_again_on_another(

@@ -2,7 +2,9 @@
 
 :func:`start_engine` writes the tiny model, starts ``python -m qsa_testing._host`` (SGLang's own
 plugin loading, ``ServerArgs`` and HTTP server, nothing replaced) with the stand-ins the machine
-needs, and waits until ``/health`` answers. :class:`Engine` sends requests over loopback and stops
+needs, and waits until ``/health`` answers. A CPU engine's server is forked from an engine host
+that has imported SGLang once (:mod:`qsa_testing._forkhost`); a CUDA engine's is a fresh
+interpreter. :class:`Engine` sends requests over loopback and stops
 the whole process group when closed, so no scheduler or detokenizer outlives a test session.
 """
 
@@ -28,11 +30,13 @@ from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from qsa_pytest.processes import hang_guard_s
 from qsa_sglang_plugin import ENV_ACTIVATION_DIR, ENV_SGLANG_PLUGINS, PLUGIN_NAME, SWITCH_PREFIX
 from qsa_testing._errors import EngineConfigError, EngineRequestError, EngineStartError
+from qsa_testing._forkhost import HostKey, fork_host
+from qsa_testing._host import Children
 from qsa_testing._models import TinyModel, TinyModelKind
 from qsa_testing._starts import StartRecord, record_start
 from qsa_testing.standins import (
@@ -373,6 +377,16 @@ def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+class ServerProcess(Protocol):
+    """The server's main process: a ``subprocess.Popen`` or a fork of an engine host."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class Engine:
     """A running SGLang server: requests over loopback, logs in a file, one process group.
 
@@ -380,7 +394,7 @@ class Engine:
     """
 
     def __init__(
-        self, config: EngineConfig, process: subprocess.Popen[bytes], port: int, log_path: Path
+        self, config: EngineConfig, process: ServerProcess, port: int, log_path: Path
     ) -> None:
         self.config = config
         self.address = f"http://127.0.0.1:{port}"
@@ -633,37 +647,105 @@ def _sglang_model_modules() -> frozenset[str]:
     return frozenset(p.stem for p in models.glob("*.py") if not p.stem.startswith("_"))
 
 
-def _disabled_model_archs(kind: TinyModelKind) -> str:
-    """``SGLANG_DISABLED_MODEL_ARCHS`` for an engine of ``kind``: every other model module.
+def _disabled_model_archs() -> str:
+    """``SGLANG_DISABLED_MODEL_ARCHS`` for every engine: the model modules no tiny model needs.
 
     SGLang's model registry imports each module of ``sglang.srt.models`` (about 250) in every
     scheduler process, some 10 s of CPU on the 2-core machine, to find the class of one
-    architecture; its own switch skips the modules an engine does not serve. The model's module
-    and the registry itself are imported as before.
+    architecture; its own switch skips the modules no engine here serves. The tiny models'
+    modules and the registry itself are imported as before. One list for every kind of model
+    keeps one engine host (:mod:`qsa_testing._forkhost`) serving them all.
     """
-    keep = {_MODEL_MODULES[kind], "registry"}
+    keep = {*_MODEL_MODULES.values(), "registry"}
     return ",".join(sorted(_sglang_model_modules() - keep))
 
 
-def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dict[str, str]:
+#: What an engine host imports: everything SGLang's server, scheduler and detokenizer import on
+#: their way to serving.
+HOST_PRELOAD: Final = (
+    "qsa_testing._host",
+    "sglang.launch_server",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+)
+#: prometheus_client chooses at import whether its values live in files shared by processes
+#: (``PROMETHEUS_MULTIPROC_DIR`` set) or in one process; SGLang needs the former.
+_METRICS_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"
+
+
+@functools.cache
+def _host_metrics_directory() -> str:
+    return tempfile.mkdtemp(prefix="qsa-engine-host-metrics-")
+
+
+def _import_environment(platform: Platform, standins: AbstractSet[StandIn]) -> dict[str, str]:
+    """What an engine's processes may read at import.
+
+    This process's environment without the plugin's switches, with the platform's settings, the
+    stand-ins and the model modules.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(SWITCH_PREFIX)}
     env.update(_PLATFORM_ENV[platform])
-    env["SGLANG_DISABLED_MODEL_ARCHS"] = _disabled_model_archs(config.model.kind)
+    env["SGLANG_DISABLED_MODEL_ARCHS"] = _disabled_model_archs()
+    env[ENV_STANDINS] = ",".join(sorted(s.value for s in standins))
+    paths = [str(boot_directory()), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dict[str, str]:
+    """An engine's whole environment.
+
+    :func:`_import_environment` and what its server reads when it starts: the plugin's entry
+    point, switches and activation directory; on the CPU the cores of each rank and the
+    metrics directory.
+    """
+    env = _import_environment(platform, platform_standins(platform) | config.standins)
     if platform is Platform.CPU:
         tp_size = int(config.server_args.get("tp_size", 1))
         env.update(_cpu_environment(tp_size, workdir, worker=_xdist_worker()))
+        metrics = workdir / "metrics"
+        metrics.mkdir(exist_ok=True)
+        env[_METRICS_DIR] = str(metrics)
     env.update(dict(config.switches))
     env[ENV_SGLANG_PLUGINS] = PLUGIN_NAME if config.plugin else _NO_PLUGINS
     if config.plugin:
         activation = workdir / "activation"
         activation.mkdir(exist_ok=True)
         env[ENV_ACTIVATION_DIR] = str(activation)
-    standins = platform_standins(platform) | config.standins
-    env[ENV_STANDINS] = ",".join(sorted(s.value for s in standins))
-    paths = [str(boot_directory()), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def _host_key(config: EngineConfig, platform: Platform) -> HostKey:
+    """The engine host a CPU engine of ``config`` forks from (one per import-time environment)."""
+    env = _import_environment(platform, platform_standins(platform) | config.standins)
+    env.pop("PYTEST_CURRENT_TEST", None)  # the one variable pytest changes from test to test
+    env[_METRICS_DIR] = _host_metrics_directory()
+    return HostKey.of(HOST_PRELOAD, env)
+
+
+def _start_server(
+    config: EngineConfig, platform: Platform, launch: Path, env: Mapping[str, str], log_path: Path
+) -> ServerProcess:
+    """Start ``python -m qsa_testing._host LAUNCH`` in a new session whose group holds the engine.
+
+    On the CPU the server is forked from an engine host, on CUDA it is a fresh interpreter.
+    """
+    if platform is Platform.CPU:
+        host = fork_host(_host_key(config, platform))
+        return host.spawn("qsa_testing._host", [str(launch)], env, launch.parent, log_path)
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "qsa_testing._host", str(launch)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=launch.parent,
+            start_new_session=True,
+        )
 
 
 #: Starts of one engine whose HTTP port another process took between its choice and the bind.
@@ -706,23 +788,15 @@ def start_engine(
         record = {
             "label": config.label,
             "server_args": args,
-            "fork_server": platform is Platform.CPU,
+            "children": (Children.FORK if platform is Platform.CPU else Children.SPAWN).value,
         }
         launch.write_text(json.dumps(record, indent=1))
         # An engine that sizes its pools from the free memory it measures must not start beside
         # another one: the other's imports and pools would look like its own weights.
         with _start_lock(exclusive=args.get("max_total_tokens") is None):
             started = time.monotonic()
-            with log_path.open("wb") as log:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "qsa_testing._host", str(launch)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    cwd=workdir,
-                    start_new_session=True,
-                )
+            log_path.write_bytes(b"")
+            process = _start_server(config, platform, launch, env, log_path)
             engine = Engine(config, process, port, log_path)
             try:
                 _wait_healthy(engine, process, timeout, poll)
@@ -774,9 +848,7 @@ def _port_was_taken(log_path: Path, port: int) -> bool:
     return taken in log_path.read_text(encoding="utf-8", errors="replace")
 
 
-def _wait_healthy(
-    engine: Engine, process: subprocess.Popen[bytes], timeout: float, poll: float
-) -> None:
+def _wait_healthy(engine: Engine, process: ServerProcess, timeout: float, poll: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         code = process.poll()

@@ -5,57 +5,68 @@
 arguments come as ``ServerArgs`` fields from a JSON file: a few fields the tests need, such as
 ``enable_multimodal=False``, have no command-line form.
 
-With ``"fork_server": true`` in the launch file (the harness sets it for CPU engines), SGLang's
-processes start from a fork server instead of as fresh interpreters: SGLang asks for the
-``spawn`` start method, and here it gets ``forkserver``, whose server process imports SGLang's
-scheduler and detokenizer modules once. Each child still runs SGLang's own target, which calls
-``load_plugins()`` in that process as under ``spawn``; what it no longer does is import SGLang
-again (20 to 30 s of CPU per process on the two-core machine). The server starts when SGLang
-starts its first child, after SGLang has set the environment its children inherit, so they see
-the same environment as under ``spawn``. CUDA engines keep ``spawn``: a process must not fork
-once CUDA may have been touched.
+``"children"`` in the launch file says how SGLang's scheduler and detokenizer processes start:
+
+- ``"spawn"`` (the default, and CUDA's): as SGLang asks, each a fresh interpreter that imports
+  SGLang again. A process must not fork once CUDA may have been touched.
+- ``"fork"`` (CPU engines, whose server is a fork of an engine host that has imported every module
+  those processes import, :mod:`qsa_testing._forkhost`): SGLang's ``spawn`` becomes ``fork``, so
+  each child starts from the server as it is when SGLang starts it, its imports done. Each child
+  still runs SGLang's own target, which calls ``load_plugins()`` in that process as under
+  ``spawn``. SGLang starts them before the server has a second thread; a fork beside another
+  thread could inherit a lock that thread held, so the server refuses to fork then.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import multiprocessing
 import os
 import sys
+import threading
+from multiprocessing import context
 from pathlib import Path
-from typing import Final
-
-#: What the fork server imports before it forks SGLang's processes: every module the scheduler
-#: and the detokenizer import on their way to their targets.
-FORK_SERVER_PRELOAD: Final = (
-    "sglang.srt.managers.scheduler",
-    "sglang.srt.managers.detokenizer_manager",
-)
-#: Printed to the server log when the fork server is in use.
-FORK_SERVER_MARKER: Final = "[qsa-testing] SGLang's processes start from a fork server"
+from typing import Any
 
 
-def _start_children_from_a_fork_server() -> None:
-    """Turn SGLang's ``multiprocessing.set_start_method("spawn")`` into ``forkserver``."""
+class Children(enum.StrEnum):
+    """How SGLang's scheduler and detokenizer start (``"children"`` in the launch file)."""
+
+    SPAWN = "spawn"
+    FORK = "fork"
+
+
+def _only_thread() -> None:
+    threads = [thread.name for thread in threading.enumerate()]
+    if len(threads) > 1:
+        msg = (
+            f"children={Children.FORK.value!r}: the server has threads {threads!r} as SGLang "
+            "starts a process; allowed: the main thread alone"
+        )
+        raise RuntimeError(msg)
+
+
+def _fork_children() -> None:
+    """Turn SGLang's ``set_start_method("spawn")`` into ``fork``; fork only from one thread."""
     set_start_method = multiprocessing.set_start_method
 
-    def start_from_a_fork_server(method: str | None, force: bool = False) -> None:
-        if method == "spawn":
-            multiprocessing.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
-            method = "forkserver"
-            sys.stdout.write(
-                f"{FORK_SERVER_MARKER} (preloaded: {', '.join(FORK_SERVER_PRELOAD)})\n"
-            )
-        set_start_method(method, force=force)
+    def fork_instead(method: str | None, force: bool = False) -> None:
+        set_start_method("fork" if method == "spawn" else method, force=force)
 
-    multiprocessing.set_start_method = start_from_a_fork_server
+    def popen_alone(process_obj: Any, _popen: Any = context.ForkProcess._Popen) -> Any:
+        _only_thread()
+        return _popen(process_obj)
+
+    multiprocessing.set_start_method = fork_instead
+    context.ForkProcess._Popen = staticmethod(popen_alone)  # type: ignore[method-assign]
 
 
 def main(argv: list[str]) -> None:
     """Serve the configuration in ``argv[0]`` until terminated."""
     launch = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    if launch.get("fork_server", False):
-        _start_children_from_a_fork_server()
+    if Children(launch.get("children", Children.SPAWN)) is Children.FORK:
+        _fork_children()
     from sglang.srt.plugins import load_plugins
 
     load_plugins()

@@ -22,6 +22,7 @@ from qsa_testing.standins._patches import (
     StandInSpec,
     install,
 )
+from qsa_testing.standins._spec import announced
 
 __all__ = (
     "APPLIED_MARKER",
@@ -33,6 +34,7 @@ __all__ = (
     "STANDINS",
     "StandIn",
     "StandInSpec",
+    "announced",
     "boot_directory",
     "install_from_environment",
     "parse_standins",

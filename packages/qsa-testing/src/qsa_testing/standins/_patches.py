@@ -314,13 +314,21 @@ STANDINS: Final[dict[StandIn, StandInSpec]] = {
 }
 
 
+_INSTALLED: set[StandIn] = set()
+
+
 def install(names: frozenset[StandIn]) -> None:
-    """Install the named stand-ins in this process (each edits its modules once they run)."""
+    """Install the named stand-ins in this process (each edits its modules once they run).
+
+    A stand-in already installed here is not installed again (a process forked from one that
+    installed it, as an engine host's children are, has its edits already).
+    """
     missing = sorted(name.value for name in names if name not in STANDINS)
     if missing:
         msg = f"stand-ins {missing!r} are declared but not implemented"
         raise StandInError(msg)
-    for name in sorted(names):
+    for name in sorted(names - _INSTALLED):
+        _INSTALLED.add(name)
         spec = STANDINS[name]
         for module in spec.modules:
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Final
 
-__all__ = ("APPLIED_MARKER", "StandIn", "StandInSpec", "announce", "logger")
+__all__ = ("APPLIED_MARKER", "StandIn", "StandInSpec", "announce", "announced", "logger")
 
 #: Prefix of the log line each applied stand-in writes; :mod:`qsa_testing._engine` reads it back.
 APPLIED_MARKER: Final = "[qsa-testing] stand-in applied:"
@@ -55,5 +55,16 @@ class StandInSpec:
     reason: str
 
 
+_ANNOUNCED: list[str] = []
+
+
 def announce(spec: StandInSpec, module: ModuleType) -> None:
-    logger.info("%s %s on %s (%s)", APPLIED_MARKER, spec.name.value, module.__name__, spec.reason)
+    """Log that ``spec`` edited ``module`` (one line starting with :data:`APPLIED_MARKER`)."""
+    line = f"{APPLIED_MARKER} {spec.name.value} on {module.__name__} ({spec.reason})"
+    _ANNOUNCED.append(line)
+    logger.info("%s", line)
+
+
+def announced() -> tuple[str, ...]:
+    """Every line :func:`announce` logged in this process, in order."""
+    return tuple(_ANNOUNCED)
