@@ -499,16 +499,22 @@ class Engine:
         """True while the server's main process lives."""
         return self._process.poll() is None
 
-    def close(self, grace: float = 30.0) -> None:
-        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace`` seconds.
+    def close(self, grace: float = 0.0) -> None:
+        """Stop the whole process group.
+
+        By default the group is killed at once: a test engine holds nothing a drain would save,
+        and SGLang's graceful shutdown costs some 5 s (a drain, or a pause before its crash
+        diagnostics when its scheduler goes first). With ``grace`` > 0 the group gets SIGTERM
+        and that many seconds before SIGKILL.
 
         Raises:
             EngineStartError: a process of the group survived SIGKILL.
         """
         pgid = self._process.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        if not _wait_group_gone(pgid, grace):
+        if grace > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+        if grace <= 0 or not _wait_group_gone(pgid, grace):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             if not _wait_group_gone(pgid, 10.0):
@@ -803,13 +809,13 @@ def start_engine(
             except EngineStartError:
                 seconds = time.monotonic() - started
                 record_start(StartRecord(config.label, seconds, "stopped", str(log_path)))
-                engine.close(grace=5.0)
+                engine.close()
                 if attempt == PORT_ATTEMPTS or not _port_was_taken(log_path, port):
                     raise
                 log_path.rename(workdir / f"server-port-taken-{attempt}.log")
                 continue
             except BaseException:
-                engine.close(grace=5.0)
+                engine.close()
                 raise
         engine.start_seconds = time.monotonic() - started
         record_start(StartRecord(config.label, engine.start_seconds, "healthy", str(log_path)))

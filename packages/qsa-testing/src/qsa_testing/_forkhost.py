@@ -264,13 +264,20 @@ def _write(out: IO[str], message: Mapping[str, Any]) -> None:
     out.flush()
 
 
-def _child(request: Mapping[str, Any], channel: Sequence[int], host_log: Path) -> None:
-    """In the forked child: become the engine's process, run its module and exit."""
+def _child(
+    request: Mapping[str, Any], channel: Sequence[int], host_log: Path, session_w: int
+) -> None:
+    """In the forked child: become the engine's process, run its module and exit.
+
+    ``session_w`` is closed once the child leads its own session, so that the host replies with
+    the pid only when the pid names the child's process group.
+    """
     code = 1
     try:
         for fd in channel:
             os.close(fd)
         os.setsid()
+        os.close(session_w)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -352,14 +359,21 @@ def serve(preload: Sequence[str]) -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
+                session_r, session_w = os.pipe()
                 try:
                     pid = os.fork()
                 except OSError as exc:
+                    os.close(session_r)
+                    os.close(session_w)
                     _write(out, {"error": f"fork failed: {exc}"})
                     continue
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
-                    _child(request, (out.fileno(), wake_r, wake_w), host_log)
+                    os.close(session_r)
+                    _child(request, (out.fileno(), wake_r, wake_w), host_log, session_w)
+                os.close(session_w)
+                os.read(session_r, 1)  # the child leads its own session (or has died) now
+                os.close(session_r)
                 children.add(pid)
                 _write(out, {"pid": pid})
     finally:

@@ -82,7 +82,7 @@ class EnginePool:
             return engine
         if engine is not None:
             self._live.pop(config)
-            engine.close(grace=5.0)
+            engine.close()
         while len(self._live) >= self._max_live:
             _, oldest = self._live.popitem(last=False)
             oldest.close()
