@@ -24,6 +24,7 @@ from qsa_core import (
     ShardPlacement,
     ZigzagLayout,
     candidate_sort_key,
+    check_prompt,
     merge_topk,
     plan_capacity,
     plan_residency_step,
@@ -82,6 +83,12 @@ CASES: tuple[Case, ...] = (
         {"block": 1, "step": 0, "num_blocks": 10},
     ),
     ("candidate_sort_key", candidate_sort_key, {"score": 0.5, "global_id": 3}),
+    ("check_prompt", check_prompt, {"input_ids": [0, 9], "vocab_size": 10}),
+    (
+        "check_prompt's token",
+        lambda **kw: check_prompt([5, kw["token"]], kw["vocab_size"]),
+        {"token": 9, "vocab_size": 10},
+    ),
     (
         "merge_topk",
         lambda **kw: merge_topk([[(kw["score"], kw["gid"])]], kw["k"]),

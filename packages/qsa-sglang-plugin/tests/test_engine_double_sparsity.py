@@ -32,6 +32,7 @@ from qsa_testing import (
     BF16_LOGIT_STEP,
     EngineConfig,
     EnginePool,
+    EngineRequestError,
     EngineStartError,
     GenerateRequest,
     Generation,
@@ -254,6 +255,20 @@ def test_heavy_tokens_covering_the_context_answer_as_the_dense_backend(
     assert_same_generation(served.dense[len(SHORT)], got)
     rows = {p: after[p] - before[p] for p in PATHS}
     assert rows == {"dense": LONG.max_new_tokens - 1, "sparse": 0}
+
+
+@pytest.mark.engine(DS)
+@pytest.mark.parametrize("bad_id", [-3, LLAMA.vocab_size], ids=["negative", "past-vocab"])
+def test_an_id_outside_the_vocabulary_is_answered_400_and_the_server_serves_on(
+    engines: EnginePool, bad_id: int
+) -> None:
+    engine = engines.engine(DS)
+    bad = GenerateRequest((1, 2, bad_id), max_new_tokens=2)
+    named = rf"answered 400: .*prompt token 2 has id {bad_id}"
+    with pytest.raises(EngineRequestError, match=named):
+        engine.post_json("/generate", bad.body())
+    assert engine.running
+    assert len(engine.generate(GenerateRequest(LLAMA.prompt(40, seed=43), 2)).output_ids) == 2
 
 
 @pytest.mark.engine(DS_OFFLOAD)

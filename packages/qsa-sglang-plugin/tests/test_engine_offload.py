@@ -279,6 +279,31 @@ def test_a_prompt_longer_than_the_context_is_refused_and_takes_nothing(
     assert released == released_before  # no lease was taken for it
 
 
+#: Prompts the model cannot serve. Without the plugin's check each stops SGLang's scheduler (an
+#: id outside the vocabulary fails the forward pass) and with it the server.
+UNSERVABLE_PROMPTS = (
+    pytest.param((5, -1, 7), "prompt token 1 has id -1", id="negative-id"),
+    pytest.param((QWEN.vocab_size, 5), f"prompt token 0 has id {QWEN.vocab_size}", id="past-vocab"),
+)
+
+
+@pytest.mark.engine(LIFECYCLE)
+@pytest.mark.parametrize(("input_ids", "named"), UNSERVABLE_PROMPTS)
+def test_a_prompt_the_model_cannot_serve_is_answered_400_and_the_server_serves_on(
+    engines: EnginePool, input_ids: tuple[int, ...], named: str
+) -> None:
+    engine = engines.engine(LIFECYCLE)
+    released_before = sum(_released(engine, o) for o in ("finished", "aborted", "retracted"))
+    bad = GenerateRequest(input_ids, max_new_tokens=2)
+    with pytest.raises(EngineRequestError, match=rf"answered 400: .*{named}.*allowed: \[0, "):
+        engine.post_json("/generate", bad.body())
+    assert engine.running
+    released = sum(_released(engine, o) for o in ("finished", "aborted", "retracted"))
+    assert released == released_before  # nothing reached the scheduler
+    assert len(engine.generate(GenerateRequest(QWEN.prompt(40, seed=41), 2)).output_ids) == 2
+    assert _live_leases(engine) == 0
+
+
 def _abort_while_running(
     engine: Engine, request: GenerateRequest, until: Callable[[], bool] = lambda: True
 ) -> _Background:
@@ -613,6 +638,21 @@ IMAGE_REQUEST = _with_image(QWEN_VL.prompt(2994, seed=90), 100, image_seed=1, ma
 def _expanded(text_tokens: int) -> int:
     """Prompt tokens SGLang counts for ``text_tokens`` ids and one expanded image placeholder."""
     return text_tokens + len(QWEN_VL.image_placeholder) - 1 + IMAGE_TOKENS
+
+
+@pytest.mark.engine(IMAGE_PREFIX_CACHE)
+def test_an_empty_text_prompt_is_answered_400_and_the_server_serves_on(
+    engines: EnginePool,
+) -> None:
+    """The image engine has a tokenizer: text that tokenizes to nothing reaches the check."""
+    engine = engines.engine(IMAGE_PREFIX_CACHE)
+    body = {"text": "", "sampling_params": {"max_new_tokens": 2}}
+    with pytest.raises(EngineRequestError, match=r"answered 400: .*the prompt has 0 tokens"):
+        engine.post_json("/generate", body)
+    assert engine.running
+    reply = engine.generate(GenerateRequest(QWEN_VL.prompt(40, seed=42), max_new_tokens=2))
+    assert len(reply.output_ids) == 2
+    assert _live_leases(engine) == 0
 
 
 @pytest.mark.engine(IMAGE_PREFIX_CACHE)

@@ -23,6 +23,7 @@ from qsa_core._errors import (
     LeaseError,
     MergeError,
     PlacementError,
+    PromptError,
     QSAConfigError,
     ResidencyError,
 )
@@ -36,6 +37,7 @@ from qsa_core._profile import (
     KVDType,
     QSAProfile,
 )
+from qsa_core._prompt import check_prompt
 from qsa_core._render import format_bytes, render_plan
 from qsa_core._residency import (
     HotCacheState,
@@ -85,12 +87,15 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "hot_cache_slots",
     "plan_capacity",
     "render_plan",
+    # requests
+    "check_prompt",
     # errors
     "CapacityError",
     "LayoutError",
     "LeaseError",
     "MergeError",
     "PlacementError",
+    "PromptError",
     "QSAConfigError",
     "ResidencyError",
 )

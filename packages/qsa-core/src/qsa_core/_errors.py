@@ -29,3 +29,7 @@ class MergeError(ValueError):
 
 class CapacityError(ValueError):
     """A capacity-plan input (TP size, budget, length, request count) is out of range."""
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot serve: no token, or a token id outside the vocabulary."""

@@ -90,6 +90,18 @@ HOOKS: tuple[HookSpec, ...] = (
         ),
     ),
     HookSpec(
+        module="sglang.srt.managers.tokenizer_manager",
+        qualname="TokenizerManager._validate_one_request",
+        kind=HookKind.BEFORE,
+        feature=Feature.FRAMEWORK,
+        hook="qsa_sglang_plugin._adapters._prompts:before_validate_one_request",
+        reason=(
+            "Refuse with HTTP 400 a prompt the model cannot serve (no token, or an id outside "
+            "the vocabulary), which SGLang passes to the scheduler, where its forward pass fails "
+            "and stops the server. No registry validates requests."
+        ),
+    ),
+    HookSpec(
         module="sglang.srt.managers.scheduler",
         qualname="configure_scheduler_process",
         kind=HookKind.AFTER,

@@ -1,0 +1,34 @@
+"""A prompt the model cannot serve is refused at the front end, not by a dead scheduler.
+
+SGLang 0.5.23 passes an empty prompt (text that tokenizes to nothing) and token ids outside the
+vocabulary (negative, or at or past ``vocab_size``) to the scheduler, whose forward pass then
+fails and takes the server down. One BEFORE hook on ``TokenizerManager._validate_one_request``
+(where SGLang itself refuses a prompt longer than the context) applies
+:func:`qsa_core.check_prompt`; its ``ValueError`` is answered with HTTP 400 naming the bad value,
+and nothing reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from qsa_core import check_prompt
+
+__all__ = ("before_validate_one_request",)
+
+
+def before_validate_one_request(
+    manager: Any, obj: Any, input_ids: Sequence[int] | None = None, *args: object, **kwargs: object
+) -> None:
+    """BEFORE hook on ``TokenizerManager._validate_one_request(obj, input_ids)``.
+
+    Raises:
+        qsa_core.PromptError: no token, or an id outside ``[0, vocab_size)``. A request by
+            embeddings (``input_ids`` None) is SGLang's to check.
+    """
+    del obj, args
+    ids = kwargs.get("input_ids", input_ids)
+    if ids is None:
+        return
+    check_prompt(ids, int(manager.model_config.vocab_size))
