@@ -18,7 +18,8 @@ def test_a_prompt_of_in_vocabulary_ids_passes(ids: list[int]) -> None:
 
 
 def test_an_empty_prompt_is_refused_naming_the_minimum() -> None:
-    with pytest.raises(PromptError, match=r"the prompt has 0 tokens \(\[\]\); allowed: 1 token or more"):
+    named = r"the prompt has 0 tokens \(\[\]\); allowed: 1 token or more"
+    with pytest.raises(PromptError, match=named):
         check_prompt([], VOCAB)
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ sys.exit(int(sys.argv[2]))
 
 
 @pytest.fixture
-def host(tmp_path: Path) -> ForkHost:
+def host(tmp_path: Path) -> Iterator[ForkHost]:
     code = tmp_path / "code"
     code.mkdir()
     (code / "preloaded_probe.py").write_text(textwrap.dedent(PRELOADED))

@@ -17,6 +17,10 @@ from qsa_core._errors import PromptError
 __all__ = ("check_prompt",)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_prompt(input_ids: Sequence[int], vocab_size: int) -> None:
     """Refuse an empty prompt or a token id outside ``[0, vocab_size)``.
 
@@ -29,7 +33,7 @@ def check_prompt(input_ids: Sequence[int], vocab_size: int) -> None:
             message names the position, the value and the allowed range); or arguments of the
             wrong kind.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+    if not _is_int(vocab_size) or vocab_size < 1:
         msg = f"vocab_size={vocab_size!r} is not allowed; allowed: an integer of 1 or more"
         raise PromptError(msg)
     if isinstance(input_ids, str | bytes) or not isinstance(input_ids, Sequence):
@@ -42,7 +46,7 @@ def check_prompt(input_ids: Sequence[int], vocab_size: int) -> None:
         msg = f"the prompt has 0 tokens ({input_ids!r}); allowed: 1 token or more"
         raise PromptError(msg)
     for position, token in enumerate(input_ids):
-        if isinstance(token, bool) or not isinstance(token, int):
+        if not _is_int(token):
             msg = (
                 f"prompt token {position} is {token!r} ({type(token).__name__}); "
                 f"allowed: an integer id in [0, {vocab_size})"

@@ -42,7 +42,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, Final, NoReturn
 
 from qsa_pytest.processes import hang_guard_s
 from qsa_testing._errors import EngineStartError
@@ -223,7 +223,7 @@ class ForkHost:
                 self._fail("the engine host exited")
             return self._replies.pop(0)
 
-    def _fail(self, what: str) -> Any:
+    def _fail(self, what: str) -> NoReturn:
         tail = self.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
         msg = f"{what}; host log {self.log_path}, tail:\n{tail}"
         raise EngineStartError(msg)

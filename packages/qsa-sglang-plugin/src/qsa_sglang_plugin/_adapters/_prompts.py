@@ -19,7 +19,7 @@ __all__ = ("before_validate_one_request",)
 
 
 def before_validate_one_request(
-    manager: Any, obj: Any, input_ids: Sequence[int] | None = None, *args: object, **kwargs: object
+    manager: Any, obj: Any, input_ids: Sequence[int] | None = None, *args: object, **kwargs: Any
 ) -> None:
     """BEFORE hook on ``TokenizerManager._validate_one_request(obj, input_ids)``.
 
@@ -28,7 +28,7 @@ def before_validate_one_request(
             embeddings (``input_ids`` None) is SGLang's to check.
     """
     del obj, args
-    ids = kwargs.get("input_ids", input_ids)
+    ids: Sequence[int] | None = kwargs.get("input_ids", input_ids)
     if ids is None:
         return
     check_prompt(ids, int(manager.model_config.vocab_size))
