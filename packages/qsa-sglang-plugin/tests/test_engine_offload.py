@@ -320,6 +320,21 @@ def _abort_while_running(
     return call
 
 
+def test_a_switch_of_thousands_of_digits_stops_the_engine_at_start_up(tmp_path: Path) -> None:
+    """Not an engine that serves without the plugin: the parser names the switch, and activation
+    stops the process whatever the error (SGLang's load_plugins() logs an Exception and goes
+    on)."""
+    hot_blocks = "SGLANG_QSA_HISPARSE_HOT_BLOCKS"
+    config = EngineConfig(
+        QWEN, switches={**OFFLOAD_SWITCHES, hot_blocks: "9" * 5000}, server_args=OFFLOAD_ARGS
+    )
+    with pytest.raises(EngineStartError) as caught:
+        start_engine(config, tmp_path / "engine").close()
+    assert f"{hot_blocks}='99999999999999999999...9999999999 (5000 characters)'" in str(
+        caught.value
+    )
+
+
 @pytest.mark.parametrize("offloaded", [True, False], ids=["offloaded", "resident"])
 def test_cache_sharding_beyond_one_kv_heads_ranks_stops_the_engine_at_start_up(
     tmp_path: Path, offloaded: bool

@@ -184,6 +184,45 @@ def test_switch_error_escapes_exception_handlers() -> None:
     assert not issubclass(SwitchError, Exception)
 
 
+@pytest.mark.parametrize(
+    "name", ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB", "SGLANG_QSA_HISPARSE_HOT_BLOCKS"]
+)
+def test_an_integer_switch_of_thousands_of_digits_is_refused_by_name(name: str) -> None:
+    """CPython's int() refuses more than 4,300 digits with a ValueError, which SGLang's
+    load_plugins() would log and serve on without the plugin: the parser counts first."""
+    with pytest.raises(SwitchError, match=rf"{name}='9999.*\(5000 characters\)' is not allowed"):
+        parse_switches({**ON, name: "9" * 5000})
+    assert (
+        parse_switches(
+            {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "0" * 5000 + "7"}
+        ).prefix_cache_mb
+        == 7
+    )
+
+
+def test_any_error_while_activating_stops_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected Exception inside activation leaves as an ActivationError (a BaseException
+    that SGLang's load_plugins() does not swallow), naming the original."""
+    from qsa_sglang_plugin import _activation
+    from qsa_sglang_plugin._errors import ActivationError
+
+    def broken(*args: object, **kwargs: object) -> None:
+        msg = "a defect on the way"
+        raise KeyError(msg)
+
+    monkeypatch.setattr(_activation, "verify_fingerprints", broken)
+    for name, value in ON.items():
+        monkeypatch.setenv(name, value)
+    current_switches.cache_clear()
+    try:
+        with pytest.raises(
+            ActivationError, match="could not activate: KeyError: 'a defect on the way'"
+        ):
+            activate()
+    finally:
+        current_switches.cache_clear()
+
+
 def test_activate_with_malformed_switch_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     """The entry point itself stops on a malformed switch, before importing SGLang."""
     monkeypatch.setenv("SGLANG_QSA_MODEL_COMPAT", "true")

@@ -133,12 +133,24 @@ def _foreign_entries(
 def activate() -> None:
     """Entry point of group ``sglang.srt.plugins``, name ``qsa_hisparse``.
 
-    Idempotent per process. With every switch off it does nothing.
+    Idempotent per process. With every switch off it does nothing. It fails closed: SGLang's
+    ``load_plugins()`` logs an ``Exception`` and serves on without the plugin, so any error
+    while activating, expected or not, leaves as an :class:`ActivationError` (a
+    ``BaseException``) that stops the process.
 
     Raises:
         ActivationError: a malformed switch, SGLang version or fingerprint drift, a foreign
-            hook on a target, or a hook that did not apply.
+            hook on a target, a hook that did not apply, or any other error on the way (its
+            type and message kept).
     """
+    try:
+        _activate()
+    except Exception as exc:
+        msg = f"{PLUGIN_NAME} could not activate: {type(exc).__name__}: {exc}"
+        raise ActivationError(msg) from exc
+
+
+def _activate() -> None:
     global _STATE  # noqa: PLW0603 (one activation per process, by design)
     switches = current_switches()
     if not switches.any_on:

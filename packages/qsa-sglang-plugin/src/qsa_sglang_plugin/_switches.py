@@ -240,14 +240,15 @@ def _positive_int(name: str, raw: str, *, zero_allowed: bool, maximum: int) -> i
         if zero_allowed
         else f"a positive integer up to {maximum}"
     )
-    if (
-        not (text.isascii() and text.isdigit())
-        or (int(text) == 0 and not zero_allowed)
-        or int(text) > maximum
-    ):
-        msg = f"{name}={raw!r} is not allowed; allowed: unset, or {allowed}"
+    # Leading zeros stripped and the digits counted before int(): CPython refuses to convert
+    # more than 4,300 digits with a ValueError, which would not name the switch.
+    digits = text.lstrip("0") if text.isascii() and text.isdigit() else None
+    value = int(digits or "0") if digits is not None and len(digits) <= len(str(maximum)) else -1
+    if value < 0 or (value == 0 and not zero_allowed) or value > maximum:
+        shown = raw if len(raw) <= 40 else f"{raw[:20]}...{raw[-10:]} ({len(raw)} characters)"
+        msg = f"{name}={shown!r} is not allowed; allowed: unset, or {allowed}"
         raise SwitchError(msg)
-    return int(text)
+    return value
 
 
 def _require_offload(what: str, hisparse: HiSparseMode | None, raw_mode: str) -> None:
