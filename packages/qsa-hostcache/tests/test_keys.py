@@ -232,3 +232,14 @@ def test_a_key_shared_by_threads_keeps_the_chain_of_a_private_key() -> None:
             assert page_keys(shared) == want
     finally:
         sys.setswitchinterval(switch)
+
+
+@pytest.mark.parametrize("field", ["model", "dtype", "config_digest", "salt"])
+@pytest.mark.parametrize("value", ["\ud800", 7, b"m"], ids=["lone-surrogate", "int", "bytes"])
+def test_a_namespace_field_that_cannot_be_encoded_is_refused_when_built(
+    field: str, value: object
+) -> None:
+    """Refused at construction, naming the field: built, every later key of it would raise."""
+    args = {"model": "m", "dtype": "bf16", "tp_size": 1, "tp_rank": 0, "config_digest": "c"}
+    with pytest.raises(InvalidKeyError, match=rf"^{field} must be"):
+        CacheNamespace(**{**args, field: value})  # type: ignore[arg-type]

@@ -33,7 +33,12 @@ PAGE, BLOCK = 4, 1024
 
 #: ``(name, call taking keyword arguments, valid keyword arguments)``.
 CASES: tuple[Case, ...] = (
-    ("CacheNamespace", CacheNamespace, NS_ARGS),
+    # Built and encoded: a namespace that builds must also give its key material.
+    (
+        "CacheNamespace",
+        lambda **kw: CacheNamespace(**kw).material(),
+        {**NS_ARGS, "salt": "adapter-1"},
+    ),
     (
         "PrefixKey",
         lambda **kw: PrefixKey(NS, kw["tokens"], page_size=kw["page_size"]),

@@ -90,6 +90,22 @@ class CacheNamespace:
     salt: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("model", "dtype", "config_digest", "salt"):
+            value = getattr(self, name)
+            if value is None and name == "salt":
+                continue
+            if not isinstance(value, str):
+                raise InvalidKeyError(f"{name} must be a string, got {value!r}")
+            try:
+                encoded = value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidKeyError(
+                    f"{name} must be UTF-8 encodable (no lone surrogates), got {value!r}"
+                ) from None
+            if len(encoded) >= 2**32 - 1:  # a 4-byte length prefix; all ones marks None
+                raise InvalidKeyError(
+                    f"{name} must encode to fewer than 2**32 - 1 bytes, got {len(encoded)}"
+                )
         if not self.model:
             raise InvalidKeyError(f"model must be a non-empty string, got {self.model!r}")
         if not self.dtype:
