@@ -232,3 +232,18 @@ def test_a_dtype_spelled_as_a_string_is_refused_by_name(field: str) -> None:
     """A flag string where a KVDType belongs used to fail with an AttributeError."""
     with pytest.raises(CapacityError, match=rf"{field}='fp8_e4m3' is not allowed.*KVDType.parse"):
         _plan(**{field: "fp8_e4m3"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "1e300", "-1", "1048577", "lots"])
+def test_plan_refuses_a_budget_that_is_not_a_finite_gib_count_naming_the_flag(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A budget outside [0, 1 PiB] (inf and 1e300 overflowed int(), nan was a float error)."""
+    from qsa_core import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", "--gpu-budget-gib", text])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --gpu-budget-gib: {text!r} is" in err
+    assert "allowed: a number of GiB from 0 to 1048576" in err

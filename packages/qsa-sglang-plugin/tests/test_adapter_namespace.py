@@ -263,3 +263,15 @@ def test_doctor_prints_the_plan_of_the_operators_flags(
     assert "give --gpu-budget-gib, --host-budget-gib, --max-running-requests" in (
         capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "1e300"])
+def test_doctor_refuses_a_budget_that_is_not_a_finite_gib_count_naming_the_flag(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qsa_sglang_plugin import doctor
+
+    with pytest.raises(SystemExit) as exited:
+        doctor.main(["--model-path", "m", "--host-budget-gib", text])
+    assert exited.value.code == 2
+    assert f"argument --host-budget-gib: {text!r} is not allowed" in capsys.readouterr().err

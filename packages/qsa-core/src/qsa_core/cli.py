@@ -22,19 +22,30 @@ from qsa_core._profile import (
 )
 from qsa_core._render import render_plan
 
-__all__ = ("build_parser", "main")
+__all__ = ("MAX_BUDGET_GIB", "build_parser", "gib_bytes", "main")
 
 _GIB = 1 << 30
 
 
-def _gib(text: str) -> int:
+#: The largest budget a GiB argument takes (1 PiB): a larger one is a mistake, not a machine.
+MAX_BUDGET_GIB = 1 << 20
+
+
+def gib_bytes(text: str) -> int:
+    """A ``--*-budget-gib`` argument as bytes: a finite number of GiB in [0, 1,048,576].
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, not finite, negative or above the maximum (the
+            message names the text and the allowed range; argparse adds the flag).
+    """
+    allowed = f"allowed: a number of GiB from 0 to {MAX_BUDGET_GIB}"
     try:
         value = float(text)
-    except ValueError as exc:
-        msg = f"{text!r} is not a number of GiB"
-        raise argparse.ArgumentTypeError(msg) from exc
-    if value < 0:
-        msg = f"{text!r} is negative; a budget must be >= 0 GiB"
+    except ValueError:
+        msg = f"{text!r} is not a number of GiB; {allowed}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not 0 <= value <= MAX_BUDGET_GIB:  # also refuses nan and inf
+        msg = f"{text!r} is not allowed; {allowed}"
         raise argparse.ArgumentTypeError(msg)
     return int(value * _GIB)
 
@@ -73,8 +84,8 @@ def build_parser(prog: str = "qsa-plan") -> argparse.ArgumentParser:
     plan.add_argument(
         "--index-dtype", type=_dtype, default=KVDType.BF16.value, metavar=dtypes, help="index dtype"
     )
-    plan.add_argument("--gpu-budget-gib", type=_gib, default="9", help="GPU GiB per rank")
-    plan.add_argument("--host-budget-gib", type=_gib, default="12", help="host GiB per rank")
+    plan.add_argument("--gpu-budget-gib", type=gib_bytes, default="9", help="GPU GiB per rank")
+    plan.add_argument("--host-budget-gib", type=gib_bytes, default="12", help="host GiB per rank")
     plan.add_argument("--context-len", type=int, default=262144, help="tokens per request")
     plan.add_argument("--requests", type=int, default=8, help="concurrent requests")
     plan.add_argument(

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Final
 
 from qsa_core import CapacityError, PlacementError, render_plan
+from qsa_core.cli import gib_bytes
 from qsa_sglang_plugin._adapters import capacity_plan_from_sglang
 from qsa_sglang_plugin._errors import ActivationError, AdapterError, SwitchError
 from qsa_sglang_plugin._fingerprints import pinned_modules, verify_fingerprints
@@ -231,8 +232,8 @@ def plan_check(
         plan = capacity_plan_from_sglang(
             server_args,
             config,
-            int(flags.gpu_budget_gib * (1 << 30)),
-            int(flags.host_budget_gib * (1 << 30)),
+            flags.gpu_budget_gib,  # bytes: gib_bytes parsed the GiB
+            flags.host_budget_gib,
             sharding_size=sharding,
             hot_slots=hot_blocks,
         )
@@ -365,8 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto", help="as for SGLang (default auto)")
     parser.add_argument("--context-length", type=int, help="tokens per request (default: config)")
     parser.add_argument("--max-running-requests", type=int, help="requests to plan for")
-    parser.add_argument("--gpu-budget-gib", type=float, help="GPU GiB for KV and state, per rank")
-    parser.add_argument("--host-budget-gib", type=float, help="pinned host GiB, per rank")
+    parser.add_argument(
+        "--gpu-budget-gib", type=gib_bytes, help="GPU GiB for KV and state, per rank"
+    )
+    parser.add_argument("--host-budget-gib", type=gib_bytes, help="pinned host GiB, per rank")
     opts = parser.parse_args(argv)
     if opts.tp_size < 1:
         parser.error(f"--tp-size={opts.tp_size!r} is not allowed; allowed: a positive integer")
