@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import spawn
+from torch.multiprocessing.spawn import ProcessRaisedException, spawn
 
 from qsa_pytest.processes import hang_guard_s
+from qsa_testing._engine import PORT_ATTEMPTS
 
 __all__ = ("Scenario", "run_on_gloo_ranks")
 
@@ -56,11 +57,31 @@ def _rank(rank: int, scenario: Scenario, world: int, port: int, out_dir: str) ->
 def run_on_gloo_ranks(scenario: Scenario, world: int, out_dir: Path) -> list[dict[str, Any]]:
     """``scenario(rank, world)`` on ``world`` processes; their results, rank 0 first.
 
+    The rendezvous port is chosen free, but another process (an engine's, picking its own ports)
+    may bind it before rank 0 does: a launch whose rank 0 could not listen on it (``EADDRINUSE``
+    while creating the store, before the scenario ran) is started again on another port, up to
+    :data:`PORT_ATTEMPTS` times.
+
     Raises:
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback included).
         torch.multiprocessing.ProcessExitedException: a rank died, or hung and was aborted by
             the hang guard (then its threads' tracebacks are in this process's stderr).
     """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _launch(scenario, world, out_dir)
+        except ProcessRaisedException as exc:
+            if attempt == PORT_ATTEMPTS or not _port_was_taken(str(exc)):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _port_was_taken(trace: str) -> bool:
+    """Whether a rank's traceback says the store's port was in use when rank 0 bound it."""
+    return "_create_c10d_store" in trace and "EADDRINUSE" in trace
+
+
+def _launch(scenario: Scenario, world: int, out_dir: Path) -> list[dict[str, Any]]:
     args = (scenario, world, _free_port(), str(out_dir))
     context = spawn(_rank, args=args, nprocs=world, join=False)  # type: ignore[no-untyped-call]
     deadline = time.monotonic() + hang_guard_s()
