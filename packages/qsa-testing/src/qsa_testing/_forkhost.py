@@ -111,7 +111,6 @@ class ForkHost:
         self._changed = threading.Condition()
         self._request_lock = threading.Lock()
         self._reader: threading.Thread | None = None
-        self.import_seconds = 0.0
 
     def start(self) -> None:
         """Start the host and wait until its imports are done.
@@ -136,7 +135,6 @@ class ForkHost:
         ready = self._next_reply(hang_guard_s())
         if "ready" not in ready:
             self._fail(f"the engine host did not start: {ready}")
-        self.import_seconds = float(ready["ready"])
 
     def spawn(
         self, module: str, args: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path

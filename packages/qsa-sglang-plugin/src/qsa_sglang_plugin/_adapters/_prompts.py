@@ -19,7 +19,7 @@ __all__ = ("before_validate_one_request",)
 
 
 def before_validate_one_request(
-    manager: Any, obj: Any, input_ids: Sequence[int] | None = None, *args: object, **kwargs: Any
+    manager: Any, obj: Any, input_ids: Sequence[int] | None = None, *args: object, **kwargs: object
 ) -> None:
     """BEFORE hook on ``TokenizerManager._validate_one_request(obj, input_ids)``.
 
@@ -27,8 +27,7 @@ def before_validate_one_request(
         qsa_core.PromptError: no token, or an id outside ``[0, vocab_size)``. A request by
             embeddings (``input_ids`` None) is SGLang's to check.
     """
-    del obj, args
-    ids: Sequence[int] | None = kwargs.get("input_ids", input_ids)
-    if ids is None:
+    del obj, args, kwargs
+    if input_ids is None:
         return
-    check_prompt(ids, int(manager.model_config.vocab_size))
+    check_prompt(input_ids, int(manager.model_config.vocab_size))
