@@ -62,16 +62,14 @@ class CopyFence:
 def byte_view(tensor: torch.Tensor, *, writable: bool) -> torch.Tensor:
     """``tensor``'s bytes as a flat ``[nbytes]`` uint8 tensor sharing its storage.
 
-    A non-contiguous source is first copied to a contiguous one; a destination must be contiguous.
+    A source is first materialised (a conjugate or negative view resolved, a non-contiguous one
+    copied); a destination must be contiguous and plain (:meth:`HostArena.check` refuses others).
     """
-    if not tensor.is_contiguous():
-        if writable:
-            raise SegmentError(
-                f"restore targets must be contiguous; got shape {tuple(tensor.shape)!r} with "
-                f"strides {tensor.stride()!r}"
-            )
-        tensor = tensor.contiguous()
-    return tensor.reshape(-1).view(torch.uint8)
+    if not writable:
+        tensor = tensor.resolve_conj().resolve_neg().contiguous()
+    # A contiguous tensor's elements are dense from its offset, but a size-1 dimension may keep
+    # any stride, which ``view(dtype)`` refuses: flatten through explicit unit strides.
+    return tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8)
 
 
 class HostArena:
@@ -141,20 +139,45 @@ class HostArena:
         """The arena tensor itself (``[capacity_bytes]`` uint8); for tests and diagnostics."""
         return self._buf
 
-    def check_source(self, tensor: torch.Tensor) -> None:
-        """Raise unless :meth:`write` can copy ``tensor`` (dense, on CPU or the arena's device).
+    def check(self, tensor: object, *, target: bool) -> bool:
+        """Raise unless this arena can copy ``tensor``'s bytes; True when it is on the CUDA device.
+
+        Every copy entry point calls this for all its tensors before it reserves, evicts or copies
+        anything, so a refused tensor leaves the cache as it was.
+
+        Args:
+            tensor: A segment's source (``target=False``) or a restore target (``target=True``).
+            target: A target must also be contiguous and not a conjugate or negative view (the
+                bytes are written through it as they are).
 
         Raises:
-            SegmentError: A sparse or otherwise non-strided tensor.
-            DeviceError: A tensor on another device.
+            SegmentError: Not a tensor, nested, quantized, sparse or another non-strided layout,
+                or a target that is not plain and contiguous.
+            DeviceError: A tensor on a device other than CPU or the arena's CUDA device.
         """
         if not isinstance(tensor, torch.Tensor):
-            raise SegmentError(f"a segment must be a torch.Tensor; got {tensor!r}")
+            raise SegmentError(f"a segment must be a torch.Tensor; got {type(tensor).__name__}")
+        if tensor.is_nested:
+            raise SegmentError(
+                "nested tensors have no single byte layout; pass each component as its own segment"
+            )
         if tensor.layout is not torch.strided:
             raise SegmentError(
                 f"segment tensors must be dense (torch.strided); got layout {tensor.layout!r}"
             )
-        self._check_device(tensor)
+        if tensor.is_quantized:
+            raise SegmentError(
+                f"quantized tensors (dtype {tensor.dtype!r}) have no plain byte view; pass "
+                "tensor.int_repr() and its quantization parameters as segments"
+            )
+        on_device = self._check_device(tensor)
+        if target and (tensor.is_conj() or tensor.is_neg() or not tensor.is_contiguous()):
+            raise SegmentError(
+                f"restore targets must be plain contiguous tensors; got shape "
+                f"{tuple(tensor.shape)!r}, strides {tensor.stride()!r}, conjugate view "
+                f"{tensor.is_conj()!r}, negative view {tensor.is_neg()!r}"
+            )
+        return on_device
 
     def _check_device(self, tensor: torch.Tensor) -> bool:
         """True for a CUDA tensor on the arena's device, False for a CPU tensor; else raise."""
@@ -162,8 +185,9 @@ class HostArena:
             return False
         if tensor.device.type == "cuda" and tensor.device == self._device:
             return True
+        allowed = "'cpu'" if self._device is None else f"'cpu' and {str(self._device)!r}"
         raise DeviceError(
-            f"tensor on {tensor.device!r}; this arena copies to and from 'cpu' and {self._device!r}"
+            f"tensor on {str(tensor.device)!r}; this arena copies to and from {allowed} only"
         )
 
     def write(

@@ -188,7 +188,9 @@ class PublishTicket:
             raise TicketStateError(
                 f"write needs a 'reserved' ticket; entry {self.entry_id!r} is {self._state.value!r}"
             )
-        items = _placed(self._entry.layout, segments, self._written)
+        items = _placed(
+            self._entry.layout, segments, self._cache._arena, target=False, written=self._written
+        )
         fence = self._cache._arena.write(self._entry.blocks, items)
         self._fences.append(fence)
         self._written.update(segments)
@@ -272,18 +274,26 @@ class PublishTicket:
 def _placed(
     layout: CheckpointLayout,
     tensors: Mapping[str, torch.Tensor],
+    arena: HostArena,
+    *,
+    target: bool,
     written: set[str] | frozenset[str] = frozenset(),
 ) -> list[tuple[int, torch.Tensor]]:
-    """``(stream offset, tensor)`` for each named tensor, after checking it fits its segment.
+    """``(stream offset, tensor)`` for each named tensor; copies nothing.
+
+    Each tensor is checked first: the arena can copy it, and it fits its segment.
 
     Raises:
-        SegmentError: An unknown name, a name in ``written``, or a tensor that does not fit.
+        SegmentError: An unknown name, a name in ``written``, a tensor the arena cannot copy
+            (:meth:`HostArena.check`), or one that does not fit.
+        DeviceError: A tensor on a device the arena does not copy.
     """
     items = []
     for name, tensor in tensors.items():
         i = layout.index(name)
         if name in written:
             raise SegmentError(f"segment {name!r} was already written")
+        arena.check(tensor, target=target)
         _check_fits(layout.segments[i], tensor)
         items.append((layout.offsets[i], tensor))
     return items
@@ -444,14 +454,15 @@ class HostPrefixCache:
 
         Raises:
             DeviceError: A tensor on a device other than CPU or the arena's CUDA device.
-            SegmentError: A tensor that is not dense (sparse or another non-strided layout).
+            SegmentError: A tensor the arena cannot copy (nested, quantized, sparse or another
+                non-strided layout; see :meth:`HostArena.check`).
             Both before anything is reserved or evicted.
         """
         # Every tensor is checked before the reservation, which may evict checkpoints: a publish
         # that cannot copy its tensors must leave the cache as it was.
         self._check_key(key)
         for tensor in segments.values():
-            self._arena.check_source(tensor)
+            self._arena.check(tensor, target=False)
         specs = [SegmentSpec.like(name, tensor) for name, tensor in segments.items()]
         ticket = self.reserve(key, specs)
         if ticket is None:
@@ -543,12 +554,14 @@ class HostPrefixCache:
 
         Raises:
             LeaseError: The lease was released.
-            SegmentError: Unknown name, or a tensor that does not fit its spec.
+            SegmentError: Unknown name, a tensor that does not fit its spec, or a target that is
+                not plain and contiguous (see :meth:`HostArena.check`).
+            DeviceError: A target on a device other than CPU or the arena's CUDA device.
         """
         if not lease.active or lease._cache is not self:
             raise LeaseError(f"restore needs an active lease of this cache, got {lease.match!r}")
         entry = lease._entry
-        items = _placed(entry.layout, into)
+        items = _placed(entry.layout, into, self._arena, target=True)
         nbytes = sum(t.numel() * t.element_size() for _, t in items)  # each equals its spec's
         fence = self._arena.read(entry.blocks, items)
         with self._lock:
