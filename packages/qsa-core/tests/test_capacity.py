@@ -7,7 +7,7 @@ import pathlib
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qsa_core import (
@@ -25,6 +25,7 @@ from qsa_core import (
     render_plan,
 )
 from qsa_core.cli import main
+from qsa_pytest.refusals import malformed_json
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -247,3 +248,17 @@ def test_plan_refuses_a_budget_that_is_not_a_finite_gib_count_naming_the_flag(
     err = capsys.readouterr().err
     assert f"argument --gpu-budget-gib: {text!r} is" in err
     assert "allowed: a number of GiB from 0 to 1048576" in err
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=malformed_json())
+def test_plan_refuses_a_malformed_config_file_naming_the_flag_and_file(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], content: bytes
+) -> None:
+    """Non-UTF-8 bytes, huge integers and deep nesting (a traceback each) exit 2 with one line."""
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(content)
+    assert main(["plan", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"qsa-plan plan: error: --config {str(cfg)!r}")
+    assert err.count("\n") == 1

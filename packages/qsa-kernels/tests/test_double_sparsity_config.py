@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.double_sparsity import (
+    CHANNEL_CONFIG_MAX_BYTES,
     ChannelConfig,
     ChannelConfigError,
     DSConfig,
@@ -21,6 +22,7 @@ from qsa_kernels.double_sparsity import (
     layer_key,
     reduce_group_channels,
 )
+from qsa_pytest.refusals import malformed_json
 
 D = 16
 
@@ -159,22 +161,47 @@ def test_load_reads_the_json_file(tmp_path: Path) -> None:
     assert tuple(cfg.channels.shape) == (2, 2, 5)
 
 
+_LOAD_KWARGS: dict[str, Any] = {
+    "config": DSConfig(),
+    "layers": [0],
+    "num_q_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+}
+
+
 def test_unreadable_and_non_json_files_name_the_file(tmp_path: Path) -> None:
-    """A missing file and a non-JSON file raise ChannelConfigError naming the path."""
-    kwargs: dict[str, Any] = {
-        "config": DSConfig(),
-        "layers": [0],
-        "num_q_heads": 4,
-        "num_kv_heads": 2,
-        "head_dim": 64,
-    }
-    missing = tmp_path / "nope.json"
-    with pytest.raises(ChannelConfigError, match=r"nope\.json"):
-        ChannelConfig.load(missing, **kwargs)
+    """A missing file, a directory and a non-JSON file raise ChannelConfigError naming the path."""
+    with pytest.raises(ChannelConfigError, match=r"nope\.json'?: no such file"):
+        ChannelConfig.load(tmp_path / "nope.json", **_LOAD_KWARGS)
+    with pytest.raises(ChannelConfigError, match="is a directory"):
+        ChannelConfig.load(tmp_path, **_LOAD_KWARGS)
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(ChannelConfigError, match=r"bad\.json.*not valid JSON"):
-        ChannelConfig.load(bad, **kwargs)
+    with pytest.raises(ChannelConfigError, match=r"bad\.json' is not JSON"):
+        ChannelConfig.load(bad, **_LOAD_KWARGS)
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=malformed_json())
+def test_a_malformed_file_is_refused_naming_it_not_with_a_parser_error(
+    tmp_path: Path, content: bytes
+) -> None:
+    """Non-UTF-8 bytes, 6,000-digit integers, 200,000 levels of nesting, NaN, truncation: each
+    is one ChannelConfigError that names the file (was UnicodeDecodeError, CPython's digit-limit
+    ValueError or RecursionError)."""
+    path = tmp_path / "channels.json"
+    path.write_bytes(content)
+    with pytest.raises(ChannelConfigError, match=r"channel config '.*channels\.json'"):
+        ChannelConfig.load(path, **_LOAD_KWARGS)
+
+
+def test_a_file_over_the_size_bound_is_refused_before_parsing(tmp_path: Path) -> None:
+    path = tmp_path / "huge.json"
+    with path.open("wb") as f:
+        f.truncate(CHANNEL_CONFIG_MAX_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(ChannelConfigError, match=f"larger than {CHANNEL_CONFIG_MAX_BYTES} bytes"):
+        ChannelConfig.load(path, **_LOAD_KWARGS)
 
 
 def _mutated(layer: int, head: int, row: object) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from qsa_core._capacity import (
 from qsa_core._cp import MAX_CP_SIZE, MAX_SEQ_LEN, ZigzagLayout
 from qsa_core._errors import (
     CapacityError,
+    JSONFileError,
     LayoutError,
     LeaseError,
     MergeError,
@@ -26,6 +27,12 @@ from qsa_core._errors import (
     PromptError,
     QSAConfigError,
     ResidencyError,
+)
+from qsa_core._jsonfile import (
+    CONFIG_JSON_MAX_BYTES,
+    JSON_MAX_DEPTH,
+    JSON_MAX_INT_DIGITS,
+    read_json_file,
 )
 from qsa_core._lease import LeaseHandle, LeaseState, LeaseTable
 from qsa_core._merge import TopKCandidate, candidate_sort_key, merge_topk, topk_reference
@@ -89,8 +96,14 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "render_plan",
     # requests
     "check_prompt",
+    # files users name
+    "CONFIG_JSON_MAX_BYTES",
+    "JSON_MAX_DEPTH",
+    "JSON_MAX_INT_DIGITS",
+    "read_json_file",
     # errors
     "CapacityError",
+    "JSONFileError",
     "LayoutError",
     "LeaseError",
     "MergeError",

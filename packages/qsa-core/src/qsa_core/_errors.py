@@ -33,3 +33,7 @@ class CapacityError(ValueError):
 
 class PromptError(ValueError):
     """A prompt the model cannot serve: no token, or a token id outside the vocabulary."""
+
+
+class JSONFileError(ValueError):
+    """A JSON file a user named cannot be read, is not bounded JSON, or is too large or deep."""

@@ -7,13 +7,13 @@ setup of 8 requests × 262,144 tokens. ``--config`` reads an HF config (JSON) in
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 from collections.abc import Sequence
 
 from qsa_core._capacity import plan_capacity
-from qsa_core._errors import CapacityError, QSAConfigError
+from qsa_core._errors import CapacityError, JSONFileError, QSAConfigError
+from qsa_core._jsonfile import CONFIG_JSON_MAX_BYTES, read_json_file
 from qsa_core._profile import (
     QWEN38_FLASH_NEXT,
     QWEN38_FLASH_NEXT_TEXT_CONFIG,
@@ -98,20 +98,6 @@ def build_parser(prog: str = "qsa-plan") -> argparse.ArgumentParser:
     return parser
 
 
-def _read_config(path: pathlib.Path) -> object:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        msg = f"--config {str(path)!r}: no such file"
-        raise QSAConfigError(msg) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        msg = f"--config {str(path)!r} cannot be read: {exc}"
-        raise QSAConfigError(msg) from None
-    except json.JSONDecodeError as exc:
-        msg = f"--config {str(path)!r} is not JSON: {exc}"
-        raise QSAConfigError(msg) from None
-
-
 def main(argv: Sequence[str] | None = None, *, prog: str = "qsa-plan") -> int:
     """Run the plan command; returns the exit status (0 ok, 2 bad input)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -127,7 +113,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "qsa-plan") -> int:
                     QWEN38_FLASH_NEXT_TEXT_CONFIG, page_size=args.page_size
                 )
         else:
-            config = _read_config(args.config)
+            config = read_json_file(args.config, what="--config", max_bytes=CONFIG_JSON_MAX_BYTES)
             if not isinstance(config, dict):
                 msg = (
                     f"--config {str(args.config)!r} holds a {type(config).__name__}, not an object"
@@ -147,7 +133,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "qsa-plan") -> int:
             reserved_hot_slots=args.reserved_hot_slots,
             state_slots=args.state_slots,
         )
-    except (QSAConfigError, CapacityError) as exc:
+    except (QSAConfigError, CapacityError, JSONFileError) as exc:
         sys.stderr.write(f"{prog} plan: error: {exc}\n")
         return 2
     sys.stdout.write(render_plan(plan))

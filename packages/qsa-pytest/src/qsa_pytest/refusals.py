@@ -16,7 +16,15 @@ from typing import Any
 import pytest
 from hypothesis import strategies as st
 
-__all__ = ("Case", "any_value", "check_refusal", "each_argument", "refusal", "shows")
+__all__ = (
+    "Case",
+    "any_value",
+    "check_refusal",
+    "each_argument",
+    "malformed_json",
+    "refusal",
+    "shows",
+)
 
 #: ``(name, call taking keyword arguments, valid keyword arguments)``: one entry point.
 Case = tuple[str, Callable[..., object], Mapping[str, Any]]
@@ -41,6 +49,27 @@ def any_value(*, max_int: int = 2**20, extra: Sequence[object] = ()) -> st.Searc
         st.floats(allow_nan=True, allow_infinity=True),
         st.text(max_size=4),
         st.sampled_from([(), [], b"x", object(), *extra]),
+    )
+
+
+def malformed_json() -> st.SearchStrategy[bytes]:
+    """Contents of a file that a bounded JSON reader must refuse by name, not crash on.
+
+    Bytes that are not UTF-8, integers beyond int64 and beyond CPython's 4,300-digit conversion
+    limit, nesting past any sane depth and past the interpreter's recursion limit, the non-JSON
+    constants, floats that overflow, truncated and empty documents.
+    """
+    digits = st.integers(min_value=20, max_value=6000)
+    depth = st.integers(min_value=65, max_value=200_000)
+    return st.one_of(
+        st.binary(min_size=1, max_size=16).map(lambda b: b'{"k": "' + b"\xff" + b + b'"}'),
+        st.sampled_from([b"\xc3\x28", b"\xed\xa0\x80", b"\x80"]).map(lambda b: b"[" + b + b"]"),
+        digits.map(lambda n: b'{"n": ' + b"9" * n + b"}"),
+        digits.map(lambda n: b"[-" + b"1" * n + b"]"),
+        depth.map(lambda n: b"[" * n + b"]" * n),
+        depth.map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
+        st.sampled_from([b"[NaN]", b'{"x": Infinity}', b"-Infinity", b"[1e999]", b"[-1e400]"]),
+        st.sampled_from([b"", b" ", b"{", b'{"a": [1, 2', b'{"a": 1,}', b"\x00", b"nul"]),
     )
 
 

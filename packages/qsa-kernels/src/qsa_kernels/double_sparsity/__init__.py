@@ -20,6 +20,7 @@ and attends exactly over those. This subpackage holds:
 
 from qsa_kernels.double_sparsity._calibrate import calibrate_channels
 from qsa_kernels.double_sparsity._config import (
+    CHANNEL_CONFIG_MAX_BYTES,
     ChannelConfig,
     DSConfig,
     HeavyChannelType,
@@ -46,6 +47,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ChannelConfigError",
     "DSConfigError",
     # -- Options and calibration --
+    "CHANNEL_CONFIG_MAX_BYTES",
     "ChannelConfig",
     "DSConfig",
     "HeavyChannelType",

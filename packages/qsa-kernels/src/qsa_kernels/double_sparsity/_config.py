@@ -13,7 +13,6 @@ row per query head (reduced to its KV head, see :func:`reduce_group_channels`).
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -22,10 +21,12 @@ from typing import Any
 
 import torch
 
+from qsa_core import JSONFileError, read_json_file
 from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels.double_sparsity._errors import ChannelConfigError, DSConfigError
 
 __all__ = (
+    "CHANNEL_CONFIG_MAX_BYTES",
     "ChannelConfig",
     "DSConfig",
     "HeavyChannelType",
@@ -34,6 +35,10 @@ __all__ = (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Most bytes of a channel file: a full ranking of 256 channels for 128 query heads of 96 layers
+#: (3.1 M integers) written with one space of indent per level takes about 25 MiB.
+CHANNEL_CONFIG_MAX_BYTES = 64 << 20
 
 
 class HeavyChannelType(enum.Enum):
@@ -214,19 +219,18 @@ class ChannelConfig:
     ) -> ChannelConfig:
         """Read and validate a calibration file (see :meth:`from_mapping`).
 
+        The file is read with :func:`qsa_core.read_json_file`'s bounds: at most
+        :data:`CHANNEL_CONFIG_MAX_BYTES`, UTF-8, integers of at most 19 digits, nesting of at most
+        64 levels.
+
         Raises:
-            ChannelConfigError: the file cannot be read, is not JSON, or fails validation.
+            ChannelConfigError: the file cannot be read, is not bounded JSON, or fails validation.
         """
         source = os.fspath(path)
         try:
-            with open(source, encoding="utf-8") as f:
-                data = json.load(f)
-        except OSError as exc:
-            msg = f"{source!r}: cannot read the channel config: {exc}"
-            raise ChannelConfigError(msg) from exc
-        except json.JSONDecodeError as exc:
-            msg = f"{source!r}: not valid JSON ({exc}); expected an object of per-layer keys"
-            raise ChannelConfigError(msg) from exc
+            data = read_json_file(source, what="channel config", max_bytes=CHANNEL_CONFIG_MAX_BYTES)
+        except JSONFileError as exc:
+            raise ChannelConfigError(str(exc)) from None
         return cls.from_mapping(
             data,
             source=source,
