@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qsa_core import QWEN38_FLASH_NEXT_TEXT_CONFIG
+from qsa_pytest.refusals import any_value, refusal
 from qsa_sglang_plugin import ConfigurationError, parse_switches
 from qsa_sglang_plugin._config_check import ConfigFacts, _prefill_graph_backend, check_configuration
 
@@ -277,6 +281,71 @@ def test_double_sparsity_refuses_what_it_cannot_serve(
         assert fragment in str(caught.value)
 
 
+GEOMETRY = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+)
+#: Double sparsity over a channel file that fits ``LLAMA`` (2 layers, 2 KV heads, head dim 16).
+DS_SWITCHES = parse_switches(
+    {
+        "SGLANG_QSA_DS_CHANNEL_CONFIG": str(
+            Path(__file__).with_name("data") / "tiny-llama-channels.json"
+        ),
+        "SGLANG_QSA_DS_HEAVY_CHANNELS": "4",
+    }
+)
+DROP = object()  # the field left out of the config
+
+
+@settings(max_examples=80)
+@given(
+    field=st.sampled_from(GEOMETRY),
+    value=any_value(extra=[{"n": 1}, [4], "4", 4.0]) | st.just(DROP),
+)
+def test_a_model_config_without_usable_head_counts_is_refused_naming_the_field(
+    field: str, value: object
+) -> None:
+    """Missing, null, zero, negative, float, string or nested head counts (a bare KeyError or
+    ValueError escaped the check): refused naming the field, or served when the value is one
+    the geometry accepts (a positive int; null for the optional two)."""
+    text = {k: v for k, v in LLAMA.text_config.items() if k != field}
+    if field == "hidden_size":
+        del text["head_dim"]  # else hidden_size is not read
+    if value is not DROP:
+        text[field] = value
+    facts = dataclasses.replace(LLAMA, text_config=text)
+    usable = (isinstance(value, int) and not isinstance(value, bool) and value >= 1) or (
+        field in {"num_key_value_heads", "head_dim"} and value in (DROP, None)
+    )
+    refused = refusal(
+        check_configuration, {"facts": facts, "switches": DS_SWITCHES}, ConfigurationError
+    )
+    if not usable:
+        assert refused is not None, f"{field}={value!r} was accepted"
+        assert f"--model-path {field}" in str(refused), str(refused)
+
+
+def test_a_model_config_whose_heads_do_not_divide_is_refused_naming_both_fields() -> None:
+    for change, fragments in (
+        (
+            {"num_key_value_heads": 3},
+            ["num_key_value_heads=3", "a divisor of num_attention_heads=4"],
+        ),
+        (
+            {"head_dim": None, "hidden_size": 66},
+            ["hidden_size=66", "a multiple of num_attention_heads=4"],
+        ),
+    ):
+        facts = dataclasses.replace(LLAMA, text_config={**LLAMA.text_config, **change})
+        with pytest.raises(ConfigurationError) as caught:
+            check_configuration(facts, DS_SWITCHES)
+        for fragment in fragments:
+            assert fragment in str(caught.value)
+
+
 def test_a_malformed_channel_file_is_refused_with_its_path_and_field(tmp_path: Any) -> None:
     switches, path = _ds(tmp_path, [list(range(16)), [0, 1, 2, 99]])
     with pytest.raises(ConfigurationError) as caught:
@@ -306,6 +375,8 @@ def test_ds_offload_passes_with_the_offload_flags(tmp_path: Any) -> None:
             ["--radix-cache-backend=None", "'qsa_hisparse'", "one lease per request"],
         ),
         ({"max_running_requests": None}, ["--max-running-requests=None", "host arena"]),
+        ({"max_running_requests": 0}, ["--max-running-requests=0", "a positive integer"]),
+        ({"max_running_requests": -1}, ["--max-running-requests=-1", "a positive integer"]),
         ({"prefill_max_requests": 4}, ["--prefill-max-requests=4", "supported: 1"]),
         ({"disable_overlap_schedule": False}, ["--disable-overlap-schedule=False"]),
         ({"prefill_graph_backend": "full"}, ["--cuda-graph-backend-prefill='full'"]),

@@ -8,7 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
+from qsa_pytest.refusals import malformed_json
 from qsa_sglang_plugin import doctor
 from qsa_sglang_plugin._switches import MAX_PREFIX_CACHE_MB
 from qsa_sglang_plugin.doctor import Status, run_checks
@@ -126,3 +128,62 @@ def test_double_sparsity_without_a_model_path_is_a_warning() -> None:
     ds = {c.name: c for c in run_checks(_ds_env(CHANNELS))}["double sparsity"]
     assert ds.status is Status.WARN
     assert "give --model-path" in ds.detail
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=malformed_json())
+def test_a_malformed_model_config_is_a_warning_naming_it_in_each_check(
+    tmp_path: Path, content: bytes
+) -> None:
+    """Non-UTF-8 bytes, 6,000-digit integers or deep nesting in config.json (a traceback, or
+    CPython's words) is one warning line per check that reads it, naming the file."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_bytes(content)
+    budgets = ["--gpu-budget-gib", "1", "--host-budget-gib", "1", "--max-running-requests", "2"]
+    flags = doctor.build_parser().parse_args(["--model-path", str(model), *budgets])
+    plan, table = doctor.plan_check(flags, {})
+    checks = {c.name: c for c in run_checks(_ds_env(CHANNELS), model_path=str(model))}
+    for check in (plan, checks["double sparsity"]):
+        assert check.status is Status.WARN, check
+        assert check.detail.startswith(f"--model-path config {str(model / 'config.json')!r}")
+    assert table is None
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=malformed_json())
+def test_a_malformed_channel_file_fails_the_doctor_naming_it(
+    tmp_path: Path, content: bytes
+) -> None:
+    model = tiny_llama().write(tmp_path / "model")
+    bad = tmp_path / "channels.json"
+    bad.write_bytes(content)
+    ds = {c.name: c for c in run_checks(_ds_env(bad), model_path=str(model))}["double sparsity"]
+    assert ds.status is Status.FAIL
+    assert f"channel config {str(bad)!r}" in ds.detail, ds.detail
+
+
+def test_a_model_config_without_head_counts_fails_the_double_sparsity_check_by_name(
+    tmp_path: Path,
+) -> None:
+    model = tiny_llama().write(tmp_path / "model")
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    del config["num_attention_heads"]
+    (model / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    ds = {c.name: c for c in run_checks(_ds_env(CHANNELS), model_path=str(model))}[
+        "double sparsity"
+    ]
+    assert ds.status is Status.FAIL
+    assert "--model-path num_attention_heads is missing" in ds.detail
+
+
+def test_a_kv_cache_dtype_outside_the_supported_ones_is_refused_without_a_model_path(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It was ignored unless --model-path was given."""
+    with pytest.raises(SystemExit) as exited:
+        doctor.main(["--kv-cache-dtype", "bogus"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --kv-cache-dtype: invalid choice: 'bogus'" in err
+    assert "'fp8_e4m3'" in err

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib.metadata
-import json
 import os
 import resource
 import shutil
@@ -33,10 +32,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from qsa_core import CapacityError, PlacementError, render_plan
+from qsa_core import (
+    CONFIG_JSON_MAX_BYTES,
+    CapacityError,
+    JSONFileError,
+    PlacementError,
+    read_json_file,
+    render_plan,
+)
 from qsa_core.cli import gib_bytes
 from qsa_sglang_plugin._adapters import capacity_plan_from_sglang
-from qsa_sglang_plugin._errors import ActivationError, AdapterError, SwitchError
+from qsa_sglang_plugin._config_check import SUPPORTED_KV_CACHE_DTYPES
+from qsa_sglang_plugin._errors import (
+    ActivationError,
+    AdapterError,
+    ConfigurationError,
+    SwitchError,
+)
 from qsa_sglang_plugin._fingerprints import pinned_modules, verify_fingerprints
 from qsa_sglang_plugin._hooks import HOOKS, REGISTRATIONS
 from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
@@ -193,6 +205,20 @@ def _check_numa(root: Path = Path("/sys/devices/system/node")) -> Check:
     return Check("numa", Status.OK, f"{len(nodes)} node(s); " + "; ".join(parts))
 
 
+def _model_config(model_path: str) -> dict[str, object]:
+    """The checkpoint's ``config.json``, read within :func:`qsa_core.read_json_file`'s bounds.
+
+    Raises:
+        JSONFileError: unreadable, not bounded JSON, or not a JSON object (naming the file).
+    """
+    path = Path(model_path) / "config.json"
+    config = read_json_file(path, what="--model-path config", max_bytes=CONFIG_JSON_MAX_BYTES)
+    if not isinstance(config, dict):
+        msg = f"--model-path config {str(path)!r} holds a {type(config).__name__}, not an object"
+        raise JSONFileError(msg)
+    return config
+
+
 def plan_check(
     flags: argparse.Namespace, environ: Mapping[str, str] = os.environ
 ) -> tuple[Check, str | None]:
@@ -204,11 +230,10 @@ def plan_check(
     ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` sizes the hot caches (a malformed switch is the switches
     check's to report; the plan then assumes the defaults).
     """
-    config_path = Path(flags.model_path) / "config.json"
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return Check("capacity plan", Status.WARN, f"{config_path} not readable: {exc}"), None
+        config = _model_config(flags.model_path)
+    except JSONFileError as exc:
+        return Check("capacity plan", Status.WARN, str(exc)), None
     missing = [
         f"--{name.replace('_', '-')}"
         for name in ("gpu_budget_gib", "host_budget_gib", "max_running_requests")
@@ -264,22 +289,22 @@ def _check_double_sparsity(
     named = f"{ENV_DS_CHANNEL_CONFIG}={ds.channel_config!r}"
     if model_path is None:
         return Check(name, Status.WARN, f"{named} not checked: give --model-path")
-    config_path = Path(model_path) / "config.json"
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return Check(name, Status.WARN, f"{config_path} not readable: {exc}")
+        config = _model_config(model_path)
+    except JSONFileError as exc:
+        return Check(name, Status.WARN, str(exc))
     import torch
 
     from qsa_kernels.double_sparsity import DSConfigError
     from qsa_sglang_plugin._adapters._double_sparsity import label_bytes_per_token
     from qsa_sglang_plugin._config_check import ds_channels, ds_geometry
 
-    text = config.get("text_config") or config
+    nested = config.get("text_config")
+    text = nested if isinstance(nested, dict) and nested else config
     try:
         layers, _, kv_heads, head_dim = ds_geometry(text)
-    except (KeyError, TypeError, ValueError) as exc:
-        return Check(name, Status.FAIL, f"{config_path} has no GQA geometry: {exc!r}")
+    except ConfigurationError as exc:
+        return Check(name, Status.FAIL, str(exc))
     try:
         rank_heads = int(ds_channels(ds, text).for_tp_rank(tp_size, 0).channels.shape[1])
     except DSConfigError as exc:
@@ -352,8 +377,8 @@ def run_checks(
     return tuple(checks)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Print the report; 1 when any check fails, else 0."""
+def build_parser() -> argparse.ArgumentParser:
+    """The doctor's arguments; every value is checked here, before any check runs."""
     parser = argparse.ArgumentParser(
         prog="qsa-hisparse doctor", description="Check this machine before serving."
     )
@@ -363,13 +388,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model-path", help="local checkpoint directory; its config.json is priced (optional)"
     )
-    parser.add_argument("--kv-cache-dtype", default="auto", help="as for SGLang (default auto)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=SUPPORTED_KV_CACHE_DTYPES,
+        help="as for SGLang (default auto)",
+    )
     parser.add_argument("--context-length", type=int, help="tokens per request (default: config)")
     parser.add_argument("--max-running-requests", type=int, help="requests to plan for")
     parser.add_argument(
         "--gpu-budget-gib", type=gib_bytes, help="GPU GiB for KV and state, per rank"
     )
     parser.add_argument("--host-budget-gib", type=gib_bytes, help="pinned host GiB, per rank")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the report; 1 when any check fails, else 0."""
+    parser = build_parser()
     opts = parser.parse_args(argv)
     if opts.tp_size < 1:
         parser.error(f"--tp-size={opts.tp_size!r} is not allowed; allowed: a positive integer")
