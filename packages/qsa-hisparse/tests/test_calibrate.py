@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from qsa_hisparse import main
 from qsa_kernels.double_sparsity import ChannelConfig, DSConfig, HeavyChannelType, layer_key
+from qsa_pytest.refusals import malformed_json
 from qsa_testing import tiny_llama
 
 LLAMA = tiny_llama()
@@ -62,26 +66,112 @@ def test_the_same_seed_and_tokens_give_the_same_file(
     assert files[0] == files[1]
 
 
+def _refusal(argv: list[str]) -> tuple[int, str, bool]:
+    """Run ``calibrate argv`` in a fresh interpreter: exit status, stderr, and whether torch had
+    been imported by then (a refusal that needs no device comes before torch and the model)."""
+    script = (
+        "import sys\n"
+        "from qsa_hisparse import main\n"
+        "try:\n"
+        f"    main(['calibrate', *{argv!r}])\n"
+        "except SystemExit as exc:\n"
+        "    print('torch' in sys.modules, 'transformers' in sys.modules)\n"
+        "    raise\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    return done.returncode, done.stderr, done.stdout.strip() != "False False"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--seq-len", "0"], "--seq-len 0 is not allowed"),
         (["--channel-type", "v"], "invalid choice: 'v'"),
         (["--text", "/nonexistent.txt"], "is not a readable file"),
-        (["--device", "tpu:9"], "--device 'tpu:9' is not a torch device"),
+        (["--device", "tpu:9"], "--device 'tpu:9' is not allowed; allowed: cpu, cuda, cuda:N"),
+        (["--device", "meta"], "--device 'meta' is not allowed"),
+        (["--random-weights", "-1"], "--random-weights -1 is not allowed; allowed: 0 to 1844"),
+        (["--random-weights", str(2**64)], f"--random-weights {2**64} is not allowed"),
+        (["--out-dir"], "is a directory; give the path of the file to write"),
+        (["--ids", "[[1, 2, 1000000]]"], "sequence 0: prompt token 2 has id 1000000"),
+        (["--ids", "[[1], [-3]]"], "sequence 1: prompt token 0 has id -3"),
+        (["--ids", "[[1], []]"], "sequence 1: the prompt has 0 tokens"),
+        (["--ids", '[[1], {"a": 1}]'], "sequence 1 is a dict; allowed: a list of token ids"),
+        (["--ids", "[[1, 2.5]]"], "prompt token 1 is 2.5 (float)"),
+        (["--ids", "[]"], "expected a non-empty JSON list"),
     ],
 )
-def test_bad_arguments_are_refused_by_name_before_any_model_loads(
+def test_bad_arguments_are_refused_by_name_before_torch_or_the_model_loads(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path, extra: list[str], message: str
+) -> None:
+    """Token ids past the vocabulary, the seed and the device were checked only after the model
+    had loaded (or by torch's own error), and ``--out`` a directory left a ``*.tmp`` file."""
+    out = tmp_path / "never.json"
+    ids = _token_ids(tmp_path / "t.json")
+    if extra[0] == "--ids":
+        ids.write_text(extra[1])
+        extra = []
+    elif extra == ["--out-dir"]:
+        out, extra = tmp_path / "a-directory", []
+        out.mkdir()
+    source = [] if "--text" in extra else ["--token-ids", str(ids)]
+    status, err, imported = _refusal([str(model_dir), "--out", str(out), *source, *extra])
+    assert status == 2, err
+    assert message in err, err
+    assert not imported, "torch or transformers was imported before the refusal"
+    assert not out.is_file()
+    assert list(tmp_path.glob("*.tmp")) == list(tmp_path.glob(".*.tmp")) == []
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused_before_the_model_loads(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out = tmp_path / "never.json"
+    argv = [str(model_dir), "--out", str(out), "--token-ids", str(_token_ids(tmp_path / "t.json"))]
+    with pytest.raises(SystemExit) as exited:
+        main(["calibrate", *argv, "--device", f"cuda:{count}"])
+    assert exited.value.code == 2
+    assert f"--device 'cuda:{count}': this machine has {count} CUDA devices" in (
+        capsys.readouterr().err
+    )
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=malformed_json())
+def test_a_malformed_token_id_file_is_refused_naming_it(
     model_dir: pathlib.Path,
     tmp_path: pathlib.Path,
     capsys: pytest.CaptureFixture[str],
-    extra: list[str],
-    message: str,
+    content: bytes,
 ) -> None:
-    out = tmp_path / "never.json"
-    source = [] if "--text" in extra else ["--token-ids", str(_token_ids(tmp_path / "t.json"))]
-    with pytest.raises(SystemExit) as excinfo:
-        main(["calibrate", str(model_dir), "--out", str(out), *source, *extra])
-    assert excinfo.value.code == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists()
+    ids = tmp_path / "ids.json"
+    ids.write_bytes(content)
+    with pytest.raises(SystemExit) as exited:
+        main(
+            [
+                "calibrate",
+                str(model_dir),
+                "--out",
+                str(tmp_path / "o.json"),
+                "--token-ids",
+                str(ids),
+            ]
+        )
+    assert exited.value.code == 2
+    assert f"error: --token-ids {str(ids)!r}" in capsys.readouterr().err
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path: pathlib.Path) -> None:
+    from qsa_hisparse._calibrate import _write_atomically
+
+    target = tmp_path / "taken"
+    target.mkdir()
+    (target / "child").write_text("keeps the directory non-empty")
+    with pytest.raises(IsADirectoryError):  # os.replace onto a directory
+        _write_atomically(target, "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]

@@ -3,22 +3,42 @@
 Runs a Hugging Face decoder (Llama, Qwen2/3, Mistral) over a few sequences of a text file (or of
 token ids), ranks every head's query or key channels (:func:`qsa_kernels.double_sparsity.
 calibrate_channels`) and writes the JSON that :class:`qsa_kernels.double_sparsity.ChannelConfig`
-loads. Arguments are checked before torch or the model loads; the model loads on CPU in float32
-unless told otherwise. Needs the ``calibrate`` extra (transformers, tqdm).
+loads. Every argument is checked before the model loads, and all but the CUDA device's presence
+before torch is imported: the model's ``config.json``, token ids against its vocabulary, the seed,
+the device's spelling, the output path. The model loads on CPU in float32 unless told otherwise.
+Needs the ``calibrate`` extra (transformers, tqdm).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
+import re
 import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from qsa_core import (
+    CONFIG_JSON_MAX_BYTES,
+    JSONFileError,
+    PromptError,
+    check_prompt,
+    read_json_file,
+)
+
 _DTYPES = ("float32", "bfloat16", "float16")
+
+#: Most bytes of a ``--token-ids`` file (64 sequences of 1,024 ids take about 0.5 MiB).
+TOKEN_IDS_MAX_BYTES = 256 << 20
+
+#: ``torch.manual_seed`` takes seeds in [0, 2**64).
+_MAX_SEED = 2**64 - 1
+
+_DEVICE = re.compile(r"cpu|cuda(?::\d{1,4})?")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,40 +72,86 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if not (args.model / "config.json").is_file():
-        parser.error(f"model {str(args.model)!r} has no config.json; give a model directory")
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """Every check that needs no torch and no model; returns the model's config.
+
+    Exits with status 2 (``parser.error``) naming the flag, the value and what is allowed.
+    """
+    try:
+        config = read_json_file(
+            args.model / "config.json", what="model config", max_bytes=CONFIG_JSON_MAX_BYTES
+        )
+    except JSONFileError as exc:
+        parser.error(f"{exc}; give a Hugging Face model directory")
+    if not isinstance(config, dict):
+        parser.error(f"model {str(args.model)!r}: config.json holds no JSON object")
     for flag, path in (("--text", args.text), ("--token-ids", args.token_ids)):
         if path is not None and not path.is_file():
             parser.error(f"{flag} {str(path)!r} is not a readable file")
     for flag, value in (("--seq-len", args.seq_len), ("--max-sequences", args.max_sequences)):
         if value < 1:
             parser.error(f"{flag} {value!r} is not allowed; allowed: a positive integer")
+    seed = args.random_weights
+    if seed is not None and not 0 <= seed <= _MAX_SEED:
+        parser.error(f"--random-weights {seed!r} is not allowed; allowed: 0 to {_MAX_SEED}")
+    if not _DEVICE.fullmatch(args.device):
+        parser.error(f"--device {args.device!r} is not allowed; allowed: cpu, cuda, cuda:N")
+    if args.out.is_dir():
+        parser.error(f"--out {str(args.out)!r} is a directory; give the path of the file to write")
     parent = args.out.resolve().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         parser.error(f"--out {str(args.out)!r}: directory {str(parent)!r} is not writable")
+    return config
 
 
-def _sequences(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[list[int]]:
-    if args.token_ids is not None:
-        try:
-            data = json.loads(args.token_ids.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            parser.error(f"--token-ids {str(args.token_ids)!r} is not JSON: {exc}")
-        ok = isinstance(data, list) and all(
-            isinstance(seq, list) and seq and all(isinstance(t, int) and t >= 0 for t in seq)
-            for seq in data
+def _vocab_size(config: dict[str, Any]) -> int | None:
+    """The model's vocabulary size from its config (or its ``text_config``), if it names one."""
+    text = config.get("text_config")
+    for source in (config, text if isinstance(text, dict) else {}):
+        size = source.get("vocab_size")
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return None
+
+
+def _token_id_sequences(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, config: dict[str, Any]
+) -> list[list[int]]:
+    """The ``--token-ids`` sequences, each a prompt the model can run (:func:`check_prompt`)."""
+    try:
+        data = read_json_file(args.token_ids, what="--token-ids", max_bytes=TOKEN_IDS_MAX_BYTES)
+    except JSONFileError as exc:
+        parser.error(str(exc))
+    if not isinstance(data, list) or not data:
+        parser.error(
+            f"--token-ids {str(args.token_ids)!r}: expected a non-empty JSON list of "
+            "non-empty lists of token ids"
         )
-        if not ok or not data:
-            parser.error(
-                f"--token-ids {str(args.token_ids)!r}: expected a non-empty JSON list of "
-                "non-empty lists of non-negative ints"
-            )
-        return [seq[: args.seq_len] for seq in data[: args.max_sequences]]
+    vocab = _vocab_size(config)
+    if vocab is None:
+        parser.error(f"model {str(args.model)!r}: config.json names no vocab_size")
+    sequences = []
+    for i, seq in enumerate(data[: args.max_sequences]):
+        named = f"--token-ids {str(args.token_ids)!r}, sequence {i}"
+        if not isinstance(seq, list):
+            parser.error(f"{named} is a {type(seq).__name__}; allowed: a list of token ids")
+        try:
+            check_prompt(seq[: args.seq_len], vocab)
+        except PromptError as exc:
+            parser.error(f"{named}: {exc}")
+        sequences.append(seq[: args.seq_len])
+    return sequences
+
+
+def _text_sequences(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[list[int]]:
     from transformers import AutoTokenizer
 
+    try:
+        text = args.text.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"--text {str(args.text)!r} is not readable UTF-8 text: {exc}")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    ids: list[int] = tokenizer(args.text.read_text(encoding="utf-8"))["input_ids"]
+    ids: list[int] = tokenizer(text)["input_ids"]
     if not ids:
         parser.error(f"--text {str(args.text)!r} holds no tokens")
     chunks = [ids[i : i + args.seq_len] for i in range(0, len(ids), args.seq_len)]
@@ -107,41 +173,45 @@ def _load_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
-    """Refuse a device torch cannot name or this machine lacks, before the model loads."""
+    """Refuse a CUDA device this machine lacks, before the model loads (:func:`_check` spells)."""
     import torch
 
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        parser.error(f"--device {device!r} is not a torch device; allowed: cpu, cuda, cuda:N")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {device!r}: this machine has no CUDA device; allowed: cpu")
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.partition(":")[2] or 0)
+        if index >= count:
+            allowed = "cpu" if count == 0 else f"cpu, cuda, cuda:0 to cuda:{count - 1}"
+            parser.error(
+                f"--device {device!r}: this machine has {count} CUDA devices; allowed: {allowed}"
+            )
 
 
 def _write_atomically(path: pathlib.Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it: whole or not at all."""
-    with tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=path.parent, suffix=".tmp", delete=False
-    ) as tmp:
-        try:
-            tmp.write(text)
-        except BaseException:
-            tmp.close()
-            os.unlink(tmp.name)
-            raise
-    os.replace(tmp.name, path)
+    """Write ``text`` to ``path`` through a temporary file beside it: whole or not at all.
+
+    The temporary file is removed when anything fails, the final rename included.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the calibration; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
-    _check(parser, args)
-    sequences = _sequences(args, parser)
+    config = _check(parser, args)
+    given = None if args.token_ids is None else _token_id_sequences(args, parser, config)
+    _check_device(parser, args.device)
+    sequences = _text_sequences(args, parser) if given is None else given
     import torch
     from tqdm import tqdm  # type: ignore[import-untyped]
-
-    _check_device(parser, args.device)
 
     from qsa_kernels.double_sparsity import calibrate_channels
 
