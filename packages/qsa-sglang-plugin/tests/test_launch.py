@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -315,3 +316,50 @@ def test_a_failed_launch_leaves_no_temporary_activation_directory(
     del argv[at : at + 2]  # the launcher makes its own temporary directory
     _launch_fails("exit-early", argv, tmp_path, monkeypatch, capsys)
     assert list(temp.iterdir()) == []
+
+
+def test_a_refused_sglang_plugins_list_makes_no_temporary_activation_directory(
+    standin: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The refusal came after the directory was made, and left it behind."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
+    argv = _argv(standin, tmp_path)
+    at = argv.index("--activation-dir")
+    del argv[at : at + 2]
+    assert launch.main(argv) == 1
+    assert "SGLANG_PLUGINS='someone_else' excludes 'qsa_hisparse'" in capsys.readouterr().err
+    assert list(temp.iterdir()) == []
+    assert not (tmp_path / "child.pid").exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p.write_text("x"), "is a file; give an empty or new directory"),
+        (lambda p: (p.write_text("x"), p.joinpath("sub"))[1], "cannot be used as a directory"),
+        (lambda p: (p.mkdir(), p.joinpath("record").write_text("{}")), "is not empty"),
+    ],
+    ids=["a-file", "under-a-file", "not-empty"],
+)
+def test_an_activation_dir_that_cannot_be_an_empty_directory_is_refused_by_name(
+    standin: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    make: Callable[[Path], object],
+    message: str,
+) -> None:
+    """A file there raised FileExistsError with a traceback."""
+    target = tmp_path / "activation"
+    made = make(target)
+    given = made if isinstance(made, Path) else target
+    argv = _argv(standin, tmp_path)
+    argv[argv.index("--activation-dir") + 1] = str(given)
+    assert launch.main(argv) == 1
+    assert f"failed: --activation-dir {str(given)!r} {message}" in capsys.readouterr().err
+    assert not (tmp_path / "child.pid").exists()

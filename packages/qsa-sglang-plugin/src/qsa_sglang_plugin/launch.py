@@ -116,7 +116,34 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _server_env(base: dict[str, str], activation_dir: Path) -> dict[str, str]:
+def _empty_directory(path: Path) -> Path:
+    """``path`` as an empty directory, made (with its parents) if missing.
+
+    Raises:
+        LaunchError: the path is a file, lies under one, cannot be made or read, or is not empty.
+    """
+    named = f"--activation-dir {str(path)!r}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        empty = not any(path.iterdir())
+    except FileExistsError:
+        msg = f"{named} is a file; give an empty or new directory"
+        raise LaunchError(msg) from None
+    except OSError as exc:
+        msg = f"{named} cannot be used as a directory: {exc.strerror or exc}"
+        raise LaunchError(msg) from None
+    if not empty:
+        msg = f"{named} is not empty"
+        raise LaunchError(msg)
+    return path
+
+
+def _server_env(base: dict[str, str]) -> dict[str, str]:
+    """The server's environment: ``SGLANG_PLUGINS`` lets the plugin load (set when unset).
+
+    Raises:
+        LaunchError: ``SGLANG_PLUGINS`` is a list without the plugin.
+    """
     env = dict(base)
     allowed = [x.strip() for x in env.get(ENV_SGLANG_PLUGINS, "").split(",") if x.strip()]
     if not allowed:
@@ -127,7 +154,6 @@ def _server_env(base: dict[str, str], activation_dir: Path) -> dict[str, str]:
             f"unset, or a list that contains {PLUGIN_NAME!r}"
         )
         raise LaunchError(msg)
-    env[ENV_ACTIVATION_DIR] = str(activation_dir)
     return env
 
 
@@ -220,16 +246,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         topo = server_topology(server_args)
         _check_serving_flags(server_args)
         _check_installation()
+        env = _server_env(dict(os.environ))  # refuses before any directory is made
         if opts.activation_dir is None:
             activation_dir = Path(tempfile.mkdtemp(prefix="qsa-hisparse-activation-"))
             created = activation_dir
         else:
-            activation_dir = opts.activation_dir
-            activation_dir.mkdir(parents=True, exist_ok=True)
-            if any(activation_dir.iterdir()):
-                msg = f"--activation-dir {str(activation_dir)!r} is not empty"
-                raise LaunchError(msg)
-        env = _server_env(dict(os.environ), activation_dir)
+            activation_dir = _empty_directory(opts.activation_dir)
+        env[ENV_ACTIVATION_DIR] = str(activation_dir)
     except LaunchError as exc:
         return _fail(str(exc))
     status = _serve(opts, server_args, env, topo, switches, activation_dir)
