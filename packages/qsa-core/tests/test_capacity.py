@@ -25,7 +25,7 @@ from qsa_core import (
     render_plan,
 )
 from qsa_core.cli import main
-from qsa_pytest.refusals import malformed_json
+from qsa_pytest.refusals import malformed_json, refusal
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -262,3 +262,28 @@ def test_plan_refuses_a_malformed_config_file_naming_the_flag_and_file(
     err = capsys.readouterr().err
     assert err.startswith(f"qsa-plan plan: error: --config {str(cfg)!r}")
     assert err.count("\n") == 1
+
+
+@settings(max_examples=200)
+@given(
+    text=st.integers(min_value=-(10**30), max_value=10**30).map(str)
+    | st.text(max_size=12)
+    | st.integers(min_value=4300, max_value=6000).map(lambda n: "7" * n)
+)
+def test_an_integer_argument_is_in_its_range_or_refused_naming_the_text_and_range(
+    text: str,
+) -> None:
+    """Thousands of digits, floats, signs and words: refused with the argparse error that shows
+    the text (shortened) and the range, never CPython's conversion error."""
+    import argparse
+
+    from qsa_core.cli import int_in
+
+    parse = int_in(2048, 1 << 24)
+    refused = refusal(parse, {"text": text}, argparse.ArgumentTypeError)
+    if refused is not None:
+        assert "allowed: an integer from 2,048 to 16,777,216" in str(refused)
+        assert repr(text[:40])[:-1] in str(refused)
+    else:
+        assert 2048 <= parse(text) <= 1 << 24
+        assert parse(text) == int(text)

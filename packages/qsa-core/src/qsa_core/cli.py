@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from qsa_core._capacity import plan_capacity
 from qsa_core._errors import CapacityError, JSONFileError, QSAConfigError
@@ -22,7 +23,7 @@ from qsa_core._profile import (
 )
 from qsa_core._render import render_plan
 
-__all__ = ("MAX_BUDGET_GIB", "build_parser", "gib_bytes", "main")
+__all__ = ("MAX_BUDGET_GIB", "build_parser", "gib_bytes", "int_in", "main")
 
 _GIB = 1 << 30
 
@@ -48,6 +49,33 @@ def gib_bytes(text: str) -> int:
         msg = f"{text!r} is not allowed; {allowed}"
         raise argparse.ArgumentTypeError(msg)
     return int(value * _GIB)
+
+
+_DECIMAL = re.compile(r"[+-]?([0-9]+)")
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]``, written in decimal digits.
+
+    The digits are counted before conversion, so a value of thousands of digits is refused by
+    name instead of by CPython's conversion limit.
+    """
+    allowed = f"allowed: an integer from {low:,} to {high:,}"
+
+    def parse(text: str) -> int:
+        written = _DECIMAL.fullmatch(text.strip())
+        if written is None or len(written[1]) > len(str(high)) + 1:
+            shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+            msg = f"{shown!r} is not allowed; {allowed}"
+            raise argparse.ArgumentTypeError(msg)
+        value = int(written[0])
+        if not low <= value <= high:
+            msg = f"{text!r} is not allowed; {allowed}"
+            raise argparse.ArgumentTypeError(msg)
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in some messages
+    return parse
 
 
 def _dtype(text: str) -> KVDType:

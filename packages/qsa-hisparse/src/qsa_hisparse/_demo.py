@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from qsa_core import (
+    MAX_SEQ_LEN,
     QWEN38_FLASH_NEXT,
     CapacityError,
     HotCacheState,
@@ -37,16 +38,18 @@ from qsa_core import (
     plan_residency_step,
     render_plan,
 )
-from qsa_hostcache import CacheNamespace, HostPrefixCache, PrefixKey
-from qsa_mm_prefix import (
-    ContentKind,
-    Modality,
-    MultimodalItem,
-    ProcessorFingerprint,
-    build_prompt_identity,
-)
+from qsa_core.cli import int_in
+
+if TYPE_CHECKING:  # torch and the caches load after the arguments are checked
+    import torch
 
 _GIB = 1 << 30
+
+#: Bounds of the demo's arguments: a context the kernels address, and a step count and request
+#: count that finish in well under a minute (a synthetic step costs about 12 ms on one core).
+MAX_DEMO_STEPS = 1_000
+MAX_DEMO_REQUESTS = 4_096
+MAX_DEMO_NOISE = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,8 @@ def render_traces(profile: QSAProfile, tp_size: int, traces: Sequence[DecodeTrac
 
 def _checkpoint(profile: QSAProfile, tokens: int, tp_size: int) -> dict[str, torch.Tensor]:
     """Stand-in segments of one rank's checkpoint at ``tokens`` (real sizes, filler bytes)."""
+    import torch
+
     raw_kv = profile.raw_kv_bytes_per_token(KVDType.FP8_E4M3, tp_size) * tokens
     index = profile.index_bytes_per_token(KVDType.BF16) * tokens
     fill = tokens % 251
@@ -153,6 +158,15 @@ def _checkpoint(profile: QSAProfile, tokens: int, tp_size: int) -> dict[str, tor
 
 def prefix_cache_demo(profile: QSAProfile, *, turns: int, turn_tokens: int, seed: int) -> str:
     """A multi-turn chat and two image prompts through the host prefix cache; returns a report."""
+    from qsa_hostcache import CacheNamespace, HostPrefixCache, PrefixKey
+    from qsa_mm_prefix import (
+        ContentKind,
+        Modality,
+        MultimodalItem,
+        ProcessorFingerprint,
+        build_prompt_identity,
+    )
+
     rng = random.Random(seed)
     tp_size = 2
     page = profile.page_size
@@ -232,23 +246,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--context-len", type=int, default=262_144, help="tokens per request")
-    parser.add_argument("--requests", type=int, default=8, help="concurrent requests")
-    parser.add_argument("--steps", type=int, default=48, help="synthetic decode steps")
-    parser.add_argument("--noise", type=float, default=0.15, help="score noise per step")
-    parser.add_argument("--seed", type=int, default=20261129, help="random seed")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     profile = QWEN38_FLASH_NEXT
     smallest = profile.compress_ratio * profile.block_topk  # one full block selection
-    for flag, value, least in (
-        ("--context-len", args.context_len, smallest),
-        ("--requests", args.requests, 1),
-        ("--steps", args.steps, 1),
-    ):
-        if value < least:
-            parser.error(f"{flag} {value!r} is not allowed; allowed: an integer >= {least}")
-    if not 0.0 <= args.noise < float("inf"):
-        parser.error(f"--noise {args.noise!r} is not allowed; allowed: a finite number >= 0")
+    parser.add_argument(
+        "--context-len",
+        type=int_in(smallest, MAX_SEQ_LEN),
+        default=262_144,
+        help="tokens per request",
+    )
+    parser.add_argument(
+        "--requests", type=int_in(1, MAX_DEMO_REQUESTS), default=8, help="concurrent requests"
+    )
+    parser.add_argument(
+        "--steps", type=int_in(1, MAX_DEMO_STEPS), default=48, help="synthetic decode steps"
+    )
+    parser.add_argument("--noise", type=float, default=0.15, help="score noise per step")
+    parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=20261129, help="random seed")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not (math.isfinite(args.noise) and 0.0 <= args.noise <= MAX_DEMO_NOISE):
+        parser.error(
+            f"--noise {args.noise!r} is not allowed; allowed: a number from 0 to {MAX_DEMO_NOISE}"
+        )
 
     tp_size = 2
     try:
