@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -712,8 +713,11 @@ def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dic
     if platform is Platform.CPU:
         tp_size = int(config.server_args.get("tp_size", 1))
         env.update(_cpu_environment(tp_size, workdir, worker=_xdist_worker()))
+        # Emptied first: prometheus_client sums every file it finds there, so a directory kept
+        # from an earlier engine in the same workdir would add that engine's counts to this one's.
         metrics = workdir / "metrics"
-        metrics.mkdir(exist_ok=True)
+        shutil.rmtree(metrics, ignore_errors=True)
+        metrics.mkdir()
         env[_METRICS_DIR] = str(metrics)
     env.update(dict(config.switches))
     env[ENV_SGLANG_PLUGINS] = PLUGIN_NAME if config.plugin else _NO_PLUGINS
