@@ -466,13 +466,14 @@ ENGINE_BENCHMARKS: Final = {
     "prefix_cache": "engine_prefix_cache.py",  # warm against cold TTFT of the host prefix cache
     "double_sparsity": "engine_double_sparsity.py",  # qsa_ds against triton decode
     "capacity": "engine_capacity.py",  # most concurrent long requests at one GPU budget
+    "serving": "engine_serving.py",  # SGLang's own client against real HTTP servers
 }
 
 
 @nox.session(name="gpu-engine-bench", python=False)
 def gpu_engine_bench(session: nox.Session) -> None:
     """A benchmark in real engines on the GPU machine: ``offload`` (default), ``prefix_cache``,
-    ``double_sparsity``, ``capacity``.
+    ``double_sparsity``, ``capacity``, ``serving``.
 
     Installs the engine payload as ``gpu-engine`` does and runs the named script of
     ``packages/qsa-sglang-plugin/benchmarks/`` (:data:`ENGINE_BENCHMARKS`); the other arguments

@@ -104,6 +104,7 @@ class _Stream:
     hangup: Hangup
     chunks: int = 0
     finish_reason: str | None = None
+    completion_tokens: int | None = None
     error: BaseException | None = None
 
 
@@ -116,14 +117,22 @@ def _client(engine: Engine) -> Any:
 def _run(client: Any, model: str, stream: _Stream, max_tokens: int) -> None:
     try:
         reply = client.completions.create(
-            model=model, prompt=stream.prompt, max_tokens=max_tokens, temperature=0, stream=True
+            model=model,
+            prompt=stream.prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         if stream.hangup is Hangup.AT_ONCE:
             reply.close()
             return
         for chunk in reply:
             stream.chunks += 1
-            stream.finish_reason = chunk.choices[0].finish_reason or stream.finish_reason
+            if chunk.usage is not None:  # the last chunk; a chunk may carry several tokens
+                stream.completion_tokens = chunk.usage.completion_tokens
+            if chunk.choices:
+                stream.finish_reason = chunk.choices[0].finish_reason or stream.finish_reason
             if stream.hangup is Hangup.MIDWAY and stream.chunks == 3:
                 reply.close()
                 return
@@ -181,7 +190,7 @@ def test_streams_that_hang_up_and_bad_prompts_leave_nothing_held_and_answers_unc
     assert [s.error for s in streams] == [None] * len(streams)
     for stream in streams:
         if stream.hangup is Hangup.NEVER:
-            assert (stream.chunks, stream.finish_reason) == (48, "length"), stream
+            assert (stream.completion_tokens, stream.finish_reason) == (48, "length"), stream
 
     wait_until("the plugin to hold nothing", lambda: not any(_held(engine).values()), poll_s=0.05)
     assert _released(engine) == released_before + len(streams)

@@ -216,7 +216,9 @@ def tiny_qwen4_exp(
     return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config), vision=vision)
 
 
-def full_depth_qwen4_exp(*, max_position_embeddings: int = 262_144) -> TinyModel:
+def full_depth_qwen4_exp(
+    *, max_position_embeddings: int = 262_144, vision: bool = False
+) -> TinyModel:
     """Qwen3.8-Flash-Next's depth and the real width of its attention and GDN layers.
 
     48 layers of hidden size 2,560, every fourth a QSA layer (12): the QSA layers of the real
@@ -228,6 +230,8 @@ def full_depth_qwen4_exp(*, max_position_embeddings: int = 262_144) -> TinyModel
 
     Args:
         max_position_embeddings: the longest context the config allows.
+        vision: engines load its tokenizer and processor (as :func:`tiny_qwen4_exp`'s): a server
+            that streams text to a client needs them.
     """
     real = QWEN38_FLASH_NEXT
     text = QWEN38_FLASH_NEXT_TEXT_CONFIG
@@ -255,8 +259,8 @@ def full_depth_qwen4_exp(*, max_position_embeddings: int = 262_144) -> TinyModel
         max_position_embeddings=max_position_embeddings,
         widths=widths,
     )
-    name = f"qwen4exp-full-depth-ctx{max_position_embeddings}"
-    return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config))
+    name = f"qwen4exp-full-depth-ctx{max_position_embeddings}" + ("-vl" if vision else "")
+    return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config), vision=vision)
 
 
 def _qwen4_exp_config(
