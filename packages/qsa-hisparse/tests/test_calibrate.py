@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from qsa_hisparse import main
 from qsa_kernels.double_sparsity import ChannelConfig, DSConfig, HeavyChannelType, layer_key
-from qsa_pytest.refusals import malformed_json
+from qsa_pytest.refusals import malformed_json, refusal_in_fresh_interpreter
 from qsa_testing import tiny_llama
 
 LLAMA = tiny_llama()
@@ -66,24 +64,6 @@ def test_the_same_seed_and_tokens_give_the_same_file(
     assert files[0] == files[1]
 
 
-def _refusal(argv: list[str]) -> tuple[int, str, bool]:
-    """Run ``calibrate argv`` in a fresh interpreter: exit status, stderr, and whether torch had
-    been imported by then (a refusal that needs no device comes before torch and the model)."""
-    script = (
-        "import sys\n"
-        "from qsa_hisparse import main\n"
-        "try:\n"
-        f"    main(['calibrate', *{argv!r}])\n"
-        "except SystemExit as exc:\n"
-        "    print('torch' in sys.modules, 'transformers' in sys.modules)\n"
-        "    raise\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=False
-    )
-    return done.returncode, done.stderr, done.stdout.strip() != "False False"
-
-
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -117,10 +97,14 @@ def test_bad_arguments_are_refused_by_name_before_torch_or_the_model_loads(
         out, extra = tmp_path / "a-directory", []
         out.mkdir()
     source = [] if "--text" in extra else ["--token-ids", str(ids)]
-    status, err, imported = _refusal([str(model_dir), "--out", str(out), *source, *extra])
-    assert status == 2, err
-    assert message in err, err
-    assert not imported, "torch or transformers was imported before the refusal"
+    ended = refusal_in_fresh_interpreter(
+        "qsa_hisparse",
+        ["calibrate", str(model_dir), "--out", str(out), *source, *extra],
+        watched=("torch", "transformers"),
+    )
+    assert ended.returncode == 2, ended.stderr
+    assert message in ended.stderr, ended.stderr
+    assert ended.imported == frozenset(), "imported before the refusal"
     assert not out.is_file()
     assert list(tmp_path.glob("*.tmp")) == list(tmp_path.glob(".*.tmp")) == []
 

@@ -12,6 +12,7 @@ import pytest
 from qsa_core import QWEN38_FLASH_NEXT
 from qsa_hisparse import main
 from qsa_hisparse._demo import prefix_cache_demo, synthetic_selections, trace_decode
+from qsa_pytest.refusals import refusal_in_fresh_interpreter
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -112,23 +113,12 @@ def test_demo_refuses_values_it_cannot_run_naming_the_flag_before_torch_loads(
 ) -> None:
     """Exit status 2 and one line naming the flag and what is allowed, never a traceback, and
     before torch is imported (a refusal took 4.6 s; a 20-digit context ran out of memory)."""
-    script = (
-        "import sys\n"
-        "from qsa_hisparse import main\n"
-        "try:\n"
-        f"    main(['demo', *{argv!r}])\n"
-        "except SystemExit as exc:\n"
-        "    print('torch' in sys.modules)\n"
-        "    raise\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 2, done.stderr
-    assert fragment in done.stderr
-    assert "Traceback" not in done.stderr
-    assert done.stderr.splitlines()[-1].startswith("qsa-hisparse demo: error: ")
-    assert done.stdout.strip() == "False", "torch was imported before the refusal"
+    ended = refusal_in_fresh_interpreter("qsa_hisparse", ["demo", *argv])
+    assert ended.returncode == 2, ended.stderr
+    assert fragment in ended.stderr
+    assert "Traceback" not in ended.stderr
+    assert ended.stderr.splitlines()[-1].startswith("qsa-hisparse demo: error: ")
+    assert ended.imported == frozenset(), "torch was imported before the refusal"
 
 
 def test_plan_help_names_itself_and_shows_defaults_and_dtypes(

@@ -13,6 +13,7 @@ answer text, which SGLang cannot make with ``skip_tokenizer_init``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from dataclasses import dataclass
@@ -34,29 +35,13 @@ from qsa_testing import (
     current_platform,
     tiny_qwen4_exp,
 )
+from qsa_testing.demo import DEMO_ENGINE
 
 QWEN = tiny_qwen4_exp(vision=True)
 COMPAT = {"SGLANG_QSA_MODEL_COMPAT": "1"}
-#: Offload with the host prefix cache: every part that holds something per request.
-SERVED = EngineConfig(
-    QWEN,
-    switches={
-        **COMPAT,
-        "SGLANG_QSA_HISPARSE_V3": "p2-offload",
-        "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "32",
-    },
-    server_args={
-        "radix_cache_backend": "qsa_hisparse",
-        "disable_overlap_schedule": True,
-        "enable_metrics": True,
-        "enable_cache_report": True,
-        "max_running_requests": 4,
-        "prefill_max_requests": 1,
-        "context_length": 8192,
-        "chunked_prefill_size": 1024,
-        "cuda_graph_backend_prefill": "disabled",
-    },
-)
+#: Offload with the host prefix cache, every part that holds something per request: the serving
+#: configuration the demo shows operators, on the model with a tokenizer.
+SERVED = dataclasses.replace(DEMO_ENGINE, model=QWEN)
 #: The resident QSA path: upstream's kernels, the plugin's lifecycle and prompt check.
 RESIDENT = EngineConfig(
     QWEN,

@@ -302,18 +302,27 @@ def test_refuses_a_negative_or_endless_wait_by_name(
     assert not (tmp_path / "child.pid").exists()
 
 
+def _own_temporary_directory(
+    standin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[str], Path]:
+    """Launcher arguments without ``--activation-dir`` (it makes its own temporary directory),
+    and the empty directory it will make it in."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    argv = _argv(standin, tmp_path)
+    at = argv.index("--activation-dir")
+    del argv[at : at + 2]
+    return argv, temp
+
+
 def test_a_failed_launch_leaves_no_temporary_activation_directory(
     standin: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    temp = tmp_path / "temp"
-    temp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    argv = _argv(standin, tmp_path)
-    at = argv.index("--activation-dir")
-    del argv[at : at + 2]  # the launcher makes its own temporary directory
+    argv, temp = _own_temporary_directory(standin, tmp_path, monkeypatch)
     _launch_fails("exit-early", argv, tmp_path, monkeypatch, capsys)
     assert list(temp.iterdir()) == []
 
@@ -325,13 +334,8 @@ def test_a_refused_sglang_plugins_list_makes_no_temporary_activation_directory(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The refusal came after the directory was made, and left it behind."""
-    temp = tmp_path / "temp"
-    temp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    argv, temp = _own_temporary_directory(standin, tmp_path, monkeypatch)
     monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
-    argv = _argv(standin, tmp_path)
-    at = argv.index("--activation-dir")
-    del argv[at : at + 2]
     assert launch.main(argv) == 1
     assert "SGLANG_PLUGINS='someone_else' excludes 'qsa_hisparse'" in capsys.readouterr().err
     assert list(temp.iterdir()) == []

@@ -74,7 +74,6 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(msg)
         return value
 
-    parse.__name__ = "int"  # argparse names the type in some messages
     return parse
 
 

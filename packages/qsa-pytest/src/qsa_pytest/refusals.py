@@ -10,19 +10,26 @@ from __future__ import annotations
 import math
 import re
 import reprlib
+import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from hypothesis import strategies as st
 
+from qsa_pytest.processes import hang_guard_s
+
 __all__ = (
     "Case",
+    "FreshRefusal",
     "any_value",
     "check_refusal",
     "each_argument",
     "malformed_json",
     "refusal",
+    "refusal_in_fresh_interpreter",
     "shows",
 )
 
@@ -138,3 +145,52 @@ def each_argument(cases: Sequence[Case]) -> pytest.MarkDecorator:
             for arg in valid
         ],
     )
+
+
+#: Marks the line on which the fresh interpreter lists the watched modules it had imported.
+_IMPORTED = "#qsa-imported:"
+
+
+@dataclass(frozen=True, slots=True)
+class FreshRefusal:
+    """How a command-line entry point ended in a fresh interpreter.
+
+    Attributes:
+        returncode: its exit status (argparse refusals exit 2).
+        stderr: what it wrote to standard error.
+        imported: which of the watched modules had been imported when it exited.
+    """
+
+    returncode: int
+    stderr: str
+    imported: frozenset[str]
+
+
+def refusal_in_fresh_interpreter(
+    entry: str, argv: Sequence[str], *, watched: Sequence[str] = ("torch",)
+) -> FreshRefusal:
+    """Run ``main(argv)`` of module ``entry`` in a new Python process.
+
+    A refusal that needs no model or device must come before the slow imports: the result says
+    which of ``watched`` were loaded by the time ``main`` exited.
+    """
+    script = "\n".join(
+        (
+            "import sys",
+            f"from {entry} import main",
+            "try:",
+            f"    main({list(argv)!r})",
+            "finally:",
+            f"    loaded = [m for m in {list(watched)!r} if m in sys.modules]",
+            f"    print('\\n{_IMPORTED}', *loaded)",
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=hang_guard_s(),
+    )
+    report = done.stdout.rpartition(_IMPORTED)[2] if _IMPORTED in done.stdout else ""
+    return FreshRefusal(done.returncode, done.stderr, frozenset(report.split()))
