@@ -423,6 +423,16 @@ def test_copy_worker_and_scheduler_threads_agree() -> None:
     assert s.reserved_entries == 0
 
 
+def test_drain_has_nothing_to_wait_for_when_every_source_was_on_the_host() -> None:
+    """Host sources copy synchronously: commit publishes at once and drain lands nothing."""
+    cache = make_cache()
+    ticket = cache.publish(key(2), {"kv": torch.ones(BLOCK, dtype=torch.uint8)})
+    assert ticket is not None
+    assert ticket.state is TicketState.PUBLISHED
+    assert cache.drain() == 0
+    assert (cache.stats().reserved_entries, cache.stats().ready_entries) == (0, 1)
+
+
 @pytest.mark.parametrize(
     ("bad", "error", "message"),
     [

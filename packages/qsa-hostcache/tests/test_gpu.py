@@ -93,6 +93,22 @@ def test_checkpoint_is_invisible_until_device_copies_finish() -> None:
     assert bool(out.eq(3).all())
 
 
+def test_drain_lands_every_committing_checkpoint_and_empties_the_reserved_gauge() -> None:
+    """An idle drain waits for the copies in flight; nothing is left reserved or committing."""
+    cache = HostPrefixCache(64 * MIB, block_bytes=MIB)
+    busy_gpu()  # both checkpoints' copies wait behind the producer
+    tickets = [
+        cache.publish(key(n), {"kv": torch.full((8 * MIB,), n, dtype=torch.uint8, device="cuda")})
+        for n in (2, 3)
+    ]
+    assert [t.state for t in tickets if t is not None] == [TicketState.COMMITTING] * 2
+    assert cache.drain() == 2
+    assert [t.state for t in tickets if t is not None] == [TicketState.PUBLISHED] * 2
+    stats = cache.stats()
+    assert (stats.reserved_entries, stats.ready_entries) == (0, 2)
+    assert cache.drain() == 0
+
+
 def test_restore_is_ordered_after_pending_writes_to_the_target() -> None:
     """A fill queued on the current stream before restore cannot overwrite the restored bytes."""
     cache = HostPrefixCache(8 * MIB, block_bytes=MIB)

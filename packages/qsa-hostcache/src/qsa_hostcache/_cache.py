@@ -482,6 +482,22 @@ class HostPrefixCache:
         with self._lock:
             return self._poll_locked()
 
+    def drain(self) -> int:
+        """Wait for the copies of every committing checkpoint, then land their commits.
+
+        For an idle moment (the last request of a burst has gone): nothing is left ``COMMITTING``
+        and the occupancy gauges read what the arena holds. Blocks the calling thread until the
+        copies in flight finish; the device's other streams go on.
+
+        Returns:
+            How many commits landed (published, or stale after an invalidation).
+        """
+        with self._lock:
+            fences = [fence for ticket in self._committing for fence in ticket._fences]
+        for fence in fences:
+            fence.synchronize()
+        return self.poll()
+
     def _poll_locked(self) -> int:
         if not self._committing:
             return 0

@@ -168,6 +168,8 @@ def _cache_class() -> type[Any]:
             self.qsa_leases.release(handle)
             self._qsa_metrics.live.dec()
             self._qsa_metrics.released[outcome].inc()
+            if self.qsa_prefix is not None and not self._qsa_by_rid:
+                self.qsa_prefix.settle()
             logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
 
         def reset(self) -> None:

@@ -447,6 +447,11 @@ class PrefixCacheRuntime:
         if load is not None:
             load.lease.release()
 
+    def settle(self) -> None:
+        """No request holds a row: land every checkpoint still being copied, refresh the gauges."""
+        self.cache.drain()
+        self._sync_metrics()
+
     def invalidate(self) -> int:
         """Drop every checkpoint (a flush); returns how many were matchable."""
         for load in self._loads.values():
