@@ -10,19 +10,32 @@ same scheduler flags and decode CUDA graphs on:
 - ``offload``: ``p2-offload``;
 - ``offload-cache``: ``p2-offload`` and a host prefix cache of ``--cache-mb``.
 
-SGLang's client (``python -m sglang.benchmark.serving --backend sglang``) drives each in turn, as
-an operator would: ``--dataset-name random-ids --tokenize-prompt`` (prompts of random token ids,
-``--input-len`` × [1 − ``--range-ratio``, 1] tokens), ``--output-len`` tokens each with
-``ignore_eos``, at most ``--max-concurrency`` in flight, after one warm-up request and a cache
-flush. Reported per arm: requests, input and output tokens per second, TTFT, TPOT and ITL (mean
-and p99), each arm's request rate over the first arm's, and the plugin's own counters over the run
-(prefix-cache lookups, hits, hit tokens, checkpoints published, bytes copied in and out,
-evictions; decode steps served from the host arena).
+SGLang's client (``python -m sglang.benchmark.serving --backend sglang``) drives each server with
+every workload in turn, as an operator would, at most ``--max-concurrency`` requests in flight.
+Before each measured run the client runs ``--max-concurrency`` unmeasured requests of the same
+workload with another seed (so no arm pays for compiling a kernel) and flushes the server's
+caches:
 
-The client draws ids below its tokenizer's ``vocab_size``; the tiny model's own tokenizer lists
-its byte pieces above the model's 512 ids (which the server rightly refuses), so the client reads
-a word-level tokenizer of exactly the model's vocabulary, written beside the model. The server
-loads the model's own tokenizer: the client needs text in the stream.
+- ``random``: ``--dataset-name random-ids --tokenize-prompt``, prompts of random token ids,
+  ``--input-len`` × [1 − ``--range-ratio``, 1] tokens, ``--output-len`` tokens each with
+  ``ignore_eos``. No prefix repeats: what serving costs when nothing can be reused.
+- ``shared-prefix``: ``--dataset-name generated-shared-prefix --tokenize-prompt``, one system
+  prompt of ``--shared-prefix-len`` tokens before each request's own ``--question-len`` tokens,
+  ``--output-len`` tokens each. The requests carry ``min_new_tokens`` instead of ``ignore_eos``
+  (every request still generates its ``--output-len`` tokens): SGLang admits an ``ignore_eos``
+  request with the radix cache disabled on a path that never loads a host hit, and operators'
+  clients do not send ``ignore_eos``.
+
+Reported per arm and workload: requests, input and output tokens per second, TTFT, TPOT and ITL
+(mean and p99), the request rate and mean TTFT over the base arm's (``resident`` when it ran, else
+the first arm), and the plugin's own counters over the measured run (prefix-cache lookups, hits,
+loads, checkpoints published, bytes copied in and out, evictions), and what the plugin still held
+once the server was idle.
+
+The client reads a word-level tokenizer of exactly the model's vocabulary
+(:func:`qsa_testing.word_level_tokenizer`): it draws ids below its tokenizer's ``vocab_size``, and
+the tiny model's own tokenizer lists its byte pieces above the model's 512 ids. The server loads
+the model's own tokenizer: the client needs text in the stream.
 
 Writes ``<out>/engine_serving.md`` and ``.json``. Needs CUDA, SGLang and ``datasets`` (the client
 imports it): ``nox -s gpu-engine-bench -- serving ...`` runs it on the GPU machine with the engine
@@ -35,7 +48,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,38 +58,26 @@ from _engine_bench import SKIPPED, lacks_cuda, write_json
 _PAGE = 64
 _CHUNK = 8192
 ARMS = ("upstream", "resident", "offload", "offload-cache")
+WORKLOADS = ("random", "shared-prefix")
 #: The plugin's counters read before and after each run (a missing one reads 0).
 COUNTERS = (
     "qsa_hisparse_prefix_cache_lookups_total",
     "qsa_hisparse_prefix_cache_hits_total",
     "qsa_hisparse_prefix_cache_hit_tokens_total",
+    "qsa_hisparse_prefix_cache_loads_total",
+    "qsa_hisparse_prefix_cache_loaded_tokens_total",
     "qsa_hisparse_prefix_cache_publishes_total",
     "qsa_hisparse_prefix_cache_bytes_in_total",
     "qsa_hisparse_prefix_cache_bytes_out_total",
     "qsa_hisparse_prefix_cache_evictions_total",
     "qsa_hisparse_offload_decode_steps_total",
 )
-#: What the client reports, as its output file names it.
-METRICS = (
-    "completed",
-    "duration",
-    "request_throughput",
-    "input_throughput",
-    "output_throughput",
-    "mean_ttft_ms",
-    "p99_ttft_ms",
-    "mean_tpot_ms",
-    "p99_tpot_ms",
-    "mean_itl_ms",
-    "p99_itl_ms",
-)
-
-
 @dataclasses.dataclass
 class Run:
-    """One arm's run: the client's metrics and the plugin's counters over it."""
+    """One arm's measured run of one workload: the client's metrics and the plugin's counters."""
 
     arm: str
+    workload: str
     metrics: dict[str, float]
     counters: dict[str, float]
     held_after: dict[str, float]
@@ -86,24 +86,42 @@ class Run:
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--arms", default="upstream,offload,offload-cache", help="of " + ",".join(ARMS)
+        "--arms", default="resident,offload,offload-cache", help="of " + ",".join(ARMS)
+    )
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="of " + ",".join(WORKLOADS)
     )
     parser.add_argument("--model", choices=("shaped", "full-depth"), default="shaped")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=32768)
     parser.add_argument("--range-ratio", type=float, default=0.5)
     parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--shared-prefix-len", type=int, default=16384)
+    parser.add_argument("--question-len", type=int, default=1024)
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--cache-mb", type=int, default=32768, help="offload-cache's host cache")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-    args.arms = args.arms.split(",")
-    unknown = [a for a in args.arms if a not in ARMS]
-    if unknown or not args.arms:
-        parser.error(f"--arms {unknown!r} are not known; allowed: {', '.join(ARMS)}")
-    for flag in ("num_prompts", "input_len", "output_len", "max_concurrency", "cache_mb"):
+    for flag, allowed in (("arms", ARMS), ("workloads", WORKLOADS)):
+        names = getattr(args, flag).split(",")
+        unknown = [n for n in names if n not in allowed]
+        if unknown or len(set(names)) != len(names):
+            parser.error(
+                f"--{flag} {getattr(args, flag)!r} is not allowed; allowed: distinct names of "
+                f"{', '.join(allowed)}"
+            )
+        setattr(args, flag, names)
+    for flag in (
+        "num_prompts",
+        "input_len",
+        "output_len",
+        "max_concurrency",
+        "cache_mb",
+        "shared_prefix_len",
+        "question_len",
+    ):
         if getattr(args, flag) < 1:
             value = getattr(args, flag)
             parser.error(f"--{flag.replace('_', '-')} {value!r} is not allowed; allowed: >= 1")
@@ -115,7 +133,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
 def _configs(args: argparse.Namespace) -> dict[str, Any]:
     from qsa_testing import EngineConfig, full_depth_qwen4_exp, tiny_qwen4_exp
 
-    longest = args.input_len + args.output_len + _PAGE
+    prompt = max(args.input_len, args.shared_prefix_len + args.question_len)
+    longest = prompt + args.output_len + _PAGE
     if args.model == "full-depth":
         model = full_depth_qwen4_exp(max_position_embeddings=longest, vision=True)
     else:
@@ -153,19 +172,6 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
     return {arm: every[arm] for arm in args.arms}
 
 
-def client_tokenizer(directory: pathlib.Path, vocab_size: int) -> pathlib.Path:
-    """A word-level tokenizer of exactly ``vocab_size`` ids (``t0`` ...), for the client only."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, "t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    (directory / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
-    config = {"tokenizer_class": "TokenizersBackend", "model_max_length": 1 << 24}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    return directory
-
-
 def _counters(engine: Any) -> dict[str, float]:
     return {name: engine.metric(name) for name in COUNTERS}
 
@@ -179,102 +185,160 @@ def _held(engine: Any) -> dict[str, float]:
     return {name: engine.metric(name) for name in names}
 
 
+def workload_flags(args: argparse.Namespace, workload: str, prompts: int) -> list[str]:
+    """The client's dataset flags for ``prompts`` requests of ``workload`` (module docstring)."""
+    from qsa_testing import random_ids_flags, shared_prefix_flags
+
+    if workload == "random":
+        return random_ids_flags(
+            prompts,
+            input_len=args.input_len,
+            range_ratio=args.range_ratio,
+            output_len=args.output_len,
+        )
+    return shared_prefix_flags(
+        prompts,
+        prefix_len=args.shared_prefix_len,
+        question_len=args.question_len,
+        output_len=args.output_len,
+    )
+
+
 def serve(
-    engine: Any, args: argparse.Namespace, tokenizer: pathlib.Path, result: pathlib.Path
+    engine: Any,
+    args: argparse.Namespace,
+    workload: str,
+    tokenizer: pathlib.Path,
+    report: pathlib.Path,
+    *,
+    warm_up: bool = False,
 ) -> dict[str, float]:
-    """Run SGLang's client against ``engine``; its metrics, from the file it writes."""
-    command = [
-        sys.executable,
-        "-m",
-        "sglang.benchmark.serving",
-        "--backend", "sglang",
-        "--base-url", engine.address,
-        "--dataset-name", "random-ids",
-        "--tokenize-prompt",
-        "--tokenizer", str(tokenizer),
-        "--num-prompts", str(args.num_prompts),
-        "--random-input-len", str(args.input_len),
-        "--random-range-ratio", str(args.range_ratio),
-        "--random-output-len", str(args.output_len),
-        "--max-concurrency", str(args.max_concurrency),
-        "--seed", str(args.seed),
-        "--flush-cache",
-        "--disable-tqdm",
-        "--output-file", str(result),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    sys.stdout.write(done.stdout[-3000:])
-    if done.returncode != 0:
-        msg = f"the client exited {done.returncode}: {done.stderr[-3000:]}"
+    """Run SGLang's client with ``workload`` against ``engine``; what it measured.
+
+    With ``warm_up``, an unmeasured run of ``--max-concurrency`` requests (another seed) that
+    compiles and captures whatever the measured run will need. A measured run flushes the
+    server's caches first.
+    """
+    from qsa_testing import run_serving_client
+
+    prompts, seed = (
+        (args.max_concurrency, args.seed + 1) if warm_up else (args.num_prompts, args.seed)
+    )
+    measured = run_serving_client(
+        engine.address,
+        workload_flags(args, workload, prompts),
+        tokenizer=tokenizer,
+        max_concurrency=args.max_concurrency,
+        seed=seed,
+        flush_cache=not warm_up,
+        report=report,
+    )
+    if measured.completed != prompts:
+        msg = f"{workload}: {measured.completed} of {prompts} requests completed"
         raise RuntimeError(msg)
-    line = result.read_text(encoding="utf-8").splitlines()[-1]
-    reply = json.loads(line)
-    return {name: float(reply[name]) for name in METRICS}
+    return dataclasses.asdict(measured)
 
 
-def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None:
-    data = write_json(out, "engine_serving", {"runs": [dataclasses.asdict(r) for r in runs]})
-    base = runs[0]
+def _workload_line(args: argparse.Namespace, workload: str) -> str:
+    if workload == "random":
+        return (
+            f"`--dataset-name random-ids --tokenize-prompt --num-prompts {args.num_prompts} "
+            f"--random-input-len {args.input_len} --random-range-ratio {args.range_ratio} "
+            f"--random-output-len {args.output_len}` (no prefix repeats; `ignore_eos`)"
+        )
+    return (
+        f"`--dataset-name generated-shared-prefix --tokenize-prompt --gsp-num-groups 1 "
+        f"--gsp-prompts-per-group {args.num_prompts} --gsp-system-prompt-len "
+        f"{args.shared_prefix_len} --gsp-question-len {args.question_len} --gsp-output-len "
+        f"{args.output_len} --gsp-range-ratio 1.0` with `min_new_tokens` {args.output_len} "
+        "instead of `ignore_eos`"
+    )
+
+
+def _table(runs: list[Run]) -> list[str]:
+    """One workload's rows, with each arm's request rate and mean TTFT over the base arm's."""
+    base = next((r for r in runs if r.arm == "resident"), runs[0])
+    b = base.metrics
     lines = [
-        "# Serving under SGLang's own client: offload against resident, real SGLang 0.5.23 servers",
-        "",
-        f"GPU {data['machine']['gpu']}, torch {data['machine']['torch']}; the {args.model} dummy "
-        f"Qwen4Exp, decode CUDA graphs on, prefill chunks of {_CHUNK}, "
-        f"`--max-running-requests {args.max_concurrency}` in every arm. Client: "
-        f"`sglang.benchmark.serving --backend sglang --dataset-name random-ids --tokenize-prompt "
-        f"--num-prompts {args.num_prompts} --random-input-len {args.input_len} "
-        f"--random-range-ratio {args.range_ratio} --random-output-len {args.output_len} "
-        f"--max-concurrency {args.max_concurrency} --flush-cache`. "
-        f"`{data['command']}`; written by "
-        "`packages/qsa-sglang-plugin/benchmarks/engine_serving.py`. Arms ran one after another, "
-        "each server alone on the GPU.",
-        "",
-        f"| arm | req/s | / {base.arm} | input tok/s | output tok/s | TTFT mean / p99 (ms) "
-        "| TPOT mean / p99 (ms) | ITL mean / p99 (ms) | cache hits / lookups | checkpoints "
-        "| bytes in / out | held after |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        f"| arm | req/s | req/s / {base.arm} | mean TTFT / {base.arm} | input tok/s "
+        "| output tok/s | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) | ITL mean / p99 (ms) "
+        "| hits / lookups | loaded tokens | checkpoints | bytes in / out | held when idle |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | --- |",
     ]
     for run in runs:
         m, c = run.metrics, run.counters
-        ratio = m["request_throughput"] / base.metrics["request_throughput"]
         held = "none" if not any(run.held_after.values()) else json.dumps(run.held_after)
         lines.append(
-            f"| {run.arm} | {m['request_throughput']:.3f} | {ratio:.2f} "
+            f"| {run.arm} | {m['request_throughput']:.3f} "
+            f"| {m['request_throughput'] / b['request_throughput']:.2f} "
+            f"| {m['mean_ttft_ms'] / b['mean_ttft_ms']:.2f} "
             f"| {m['input_throughput']:,.0f} | {m['output_throughput']:,.0f} "
             f"| {m['mean_ttft_ms']:,.0f} / {m['p99_ttft_ms']:,.0f} "
             f"| {m['mean_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} "
             f"| {m['mean_itl_ms']:.1f} / {m['p99_itl_ms']:.1f} "
             f"| {c['qsa_hisparse_prefix_cache_hits_total']:.0f} / "
             f"{c['qsa_hisparse_prefix_cache_lookups_total']:.0f} "
+            f"| {c['qsa_hisparse_prefix_cache_loaded_tokens_total']:,.0f} "
             f"| {c['qsa_hisparse_prefix_cache_publishes_total']:.0f} "
             f"| {c['qsa_hisparse_prefix_cache_bytes_in_total'] / 2**30:.1f} / "
             f"{c['qsa_hisparse_prefix_cache_bytes_out_total'] / 2**30:.1f} GiB | {held} |"
         )
+    return lines
+
+
+def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None:
+    data = write_json(out, "engine_serving", {"runs": [dataclasses.asdict(r) for r in runs]})
+    lines = [
+        "# Serving under SGLang's own client: offload against resident, real SGLang 0.5.23 servers",
+        "",
+        f"GPU {data['machine']['gpu']}, torch {data['machine']['torch']}; the {args.model} dummy "
+        f"Qwen4Exp, decode CUDA graphs on, prefill chunks of {_CHUNK}, "
+        f"`--max-running-requests {args.max_concurrency}` in every arm. Client: "
+        f"`sglang.benchmark.serving --backend sglang --max-concurrency {args.max_concurrency} "
+        f"--flush-cache` and each workload's flags. "
+        f"`{data['command']}`; written by "
+        "`packages/qsa-sglang-plugin/benchmarks/engine_serving.py`. One server at a time, alone "
+        "on the GPU; each serves every workload in turn, each measured run after an unmeasured "
+        f"one of {args.max_concurrency} requests (another seed) and a cache flush. Counters are "
+        'the plugin\'s over the measured run; "held when idle" is '
+        "what the plugin's gauges read once the run ended.",
+    ]
+    for workload in args.workloads:
+        mine = [r for r in runs if r.workload == workload]
+        if mine:
+            lines += ["", f"## {workload}: {_workload_line(args, workload)}", "", *_table(mine)]
     (out / "engine_serving.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str]) -> int:
-    """Start every arm's server, drive each with SGLang's client in turn, write the report."""
+    """Start every arm's server, drive it with each workload in turn, write the report."""
     args = _parse_args(argv)
     if lacks_cuda("engine_serving"):
         return SKIPPED
-    from qsa_testing import start_engine
+    from qsa_testing import start_engine, word_level_tokenizer
 
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-serving-"))
     configs = _configs(args)
     model = next(iter(configs.values())).model
-    tokenizer = client_tokenizer(workdir / "client-tokenizer", model.vocab_size)
+    tokenizer = word_level_tokenizer(workdir / "client-tokenizer", model.vocab_size)
     runs: list[Run] = []
     for arm, config in configs.items():  # one server at a time: each has the GPU to itself
         started = time.monotonic()
         with start_engine(config, workdir / arm, timeout=900.0) as engine:
-            before = _counters(engine)
-            metrics = serve(engine, args, tokenizer, workdir / f"{arm}.jsonl")
-            after = _counters(engine)
-            gained = {name: after[name] - before[name] for name in COUNTERS}
-            runs.append(Run(arm, metrics, gained, _held(engine)))
-        print(f"{arm}: {metrics} ({time.monotonic() - started:.0f} s with the start)", flush=True)
-        _write(args.out, args, runs)
+            print(f"{arm}: up in {time.monotonic() - started:.0f} s", flush=True)
+            for workload in args.workloads:
+                began = time.monotonic()
+                warm = workdir / f"{arm}-{workload}-warm-up.jsonl"
+                serve(engine, args, workload, tokenizer, warm, warm_up=True)
+                before = _counters(engine)
+                result = workdir / f"{arm}-{workload}.jsonl"
+                metrics = serve(engine, args, workload, tokenizer, result)
+                after = _counters(engine)
+                gained = {name: after[name] - before[name] for name in COUNTERS}
+                runs.append(Run(arm, workload, metrics, gained, _held(engine)))
+                print(f"{arm} {workload}: {metrics} ({time.monotonic() - began:.0f} s)", flush=True)
+                _write(args.out, args, runs)
     return 0
 
 

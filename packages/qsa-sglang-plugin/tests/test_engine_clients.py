@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import pathlib
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,10 @@ from qsa_testing import (
     Platform,
     assert_same_generation,
     current_platform,
+    run_serving_client,
+    shared_prefix_flags,
     tiny_qwen4_exp,
+    word_level_tokenizer,
 )
 from qsa_testing.demo import DEMO_ENGINE
 
@@ -184,6 +188,39 @@ def test_streams_that_hang_up_and_bad_prompts_leave_nothing_held_and_answers_unc
     after = engine.generate(ORDINARY)
     assert_same_generation(before, after, atol=RERUN_NOISE, what="the ordinary request")
     assert not any(_held(engine).values()), _held(engine)
+
+
+@pytest.mark.engine(SERVED)
+def test_sglang_bench_client_loads_a_shared_prefix_for_every_request_after_the_first(
+    engines: EnginePool, tmp_path: pathlib.Path
+) -> None:
+    """SGLang's own serving client sends four prompts that share a 1,024-token system prompt (one
+    prefill chunk), two at a time, each asking for exactly 8 tokens through ``min_new_tokens``:
+    the first computes and checkpoints the shared prefix, each later one loads it from the host
+    cache and computes only its own 64 tokens, every request gets its 8 tokens, and nothing is
+    held once the run ends."""
+    engine = engines.engine(SERVED)
+    prompts, prefix, question, output = 4, 1024, 64, 8
+    loads = "qsa_hisparse_prefix_cache_loads_total"
+    loaded = "qsa_hisparse_prefix_cache_loaded_tokens_total"
+    before = (engine.metric(loads), engine.metric(loaded))
+    measured = run_serving_client(
+        engine.address,
+        shared_prefix_flags(prompts, prefix_len=prefix, question_len=question, output_len=output),
+        tokenizer=word_level_tokenizer(tmp_path / "tokenizer", QWEN.vocab_size),
+        max_concurrency=2,
+        seed=5,
+        flush_cache=True,
+        report=tmp_path / "report.jsonl",
+    )
+    assert (measured.completed, measured.total_input_tokens, measured.total_output_tokens) == (
+        prompts,
+        prompts * (prefix + question),
+        prompts * output,
+    )
+    gained = (engine.metric(loads) - before[0], engine.metric(loaded) - before[1])
+    assert gained == (prompts - 1, (prompts - 1) * prefix)
+    wait_until("the plugin to hold nothing", lambda: not any(_held(engine).values()), poll_s=0.05)
 
 
 @pytest.mark.engine(RESIDENT)

@@ -6,7 +6,8 @@ stand-ins for what a machine cannot run as is (:mod:`qsa_testing.standins`), sce
 gloo ranks of one machine (:func:`run_on_gloo_ranks`), QSA-shaped selections
 (:func:`random_block_selection`), and real SGLang
 0.5.23 servers for tests (:func:`start_engine`, :class:`EnginePool`, and the ``engines`` fixture
-of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens.
+of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens, and
+SGLang's own serving client against them (:func:`run_serving_client`).
 """
 
 from qsa_testing._compare import BF16_LOGIT_STEP, assert_same_generation, logprob_gap
@@ -40,6 +41,13 @@ from qsa_testing._models import (
 )
 from qsa_testing._pool import EnginePool, EngineStart
 from qsa_testing._selection import random_block_selection
+from qsa_testing._serving_client import (
+    ClientReport,
+    random_ids_flags,
+    run_serving_client,
+    shared_prefix_flags,
+    word_level_tokenizer,
+)
 from qsa_testing._version import __version__
 from qsa_testing._vision import tiny_image
 
@@ -66,6 +74,12 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "platform_standins",
     "running_engine",
     "start_engine",
+    # SGLang's own serving client
+    "ClientReport",
+    "random_ids_flags",
+    "run_serving_client",
+    "shared_prefix_flags",
+    "word_level_tokenizer",
     # comparisons
     "BF16_LOGIT_STEP",
     "assert_same_generation",
