@@ -223,6 +223,36 @@ def test_sglang_bench_client_loads_a_shared_prefix_for_every_request_after_the_f
     wait_until("the plugin to hold nothing", lambda: not any(_held(engine).values()), poll_s=0.05)
 
 
+@pytest.mark.engine(SERVED)
+def test_ignore_eos_requests_are_not_matched_since_sglang_would_not_load_them(
+    engines: EnginePool,
+) -> None:
+    """With the radix cache disabled SGLang admits an ``ignore_eos`` request on a path that never
+    loads a host hit: the plugin does not look such a request up (no hit counted that cannot be
+    served), counts it once, and serves it by computing its prompt; an ordinary request of the
+    same prompt still loads the checkpoint."""
+    engine = engines.engine(SERVED)
+    prompt = QWEN.prompt(1100, seed=61)  # checkpointed at 1,024 tokens by its first serve
+    names = (
+        "qsa_hisparse_prefix_cache_lookups_total",
+        "qsa_hisparse_prefix_cache_loads_total",
+        "qsa_hisparse_prefix_cache_unloadable_requests_total",
+    )
+
+    def counters() -> tuple[float, ...]:
+        return tuple(engine.metric(name) for name in names)
+
+    engine.generate(GenerateRequest(prompt, 4))
+    start = counters()
+    first = engine.generate(GenerateRequest(prompt, 4, ignore_eos=True))
+    second = engine.generate(GenerateRequest(prompt, 4, ignore_eos=True))
+    assert tuple(a - b for a, b in zip(counters(), start, strict=True)) == (0, 0, 2)
+    assert_same_generation(first, second, atol=RERUN_NOISE, what="an ignore_eos request")
+    engine.generate(GenerateRequest(prompt, 4))
+    lookups, loads, unloadable = (a - b for a, b in zip(counters(), start, strict=True))
+    assert (lookups >= 1, loads, unloadable) == (True, 1, 2)
+
+
 @pytest.mark.engine(RESIDENT)
 @pytest.mark.parametrize(("prompt", "named"), UNSERVABLE)
 def test_the_resident_path_answers_an_unservable_prompt_400_and_serves_on(

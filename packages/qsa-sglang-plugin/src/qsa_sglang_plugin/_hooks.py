@@ -222,6 +222,8 @@ REGISTRATIONS: tuple[RegistrySpec, ...] = (
             "sglang.srt.mem_cache.base_prefix_cache",
             "sglang.srt.mem_cache.common",
             "sglang.srt.mem_cache.allocation",
+            # the host prefix cache: which admissions load a hit (ignore_eos ones do not)
+            "sglang.srt.managers.schedule_policy",
         ),
     ),
     RegistrySpec(

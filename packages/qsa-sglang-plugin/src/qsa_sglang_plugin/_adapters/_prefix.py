@@ -201,6 +201,11 @@ class _Metrics:
             f"{METRIC_PREFIX}_load_back_failures",
             "Hits that could not be loaded back (the request recomputed its prompt).",
         )
+        self.unloadable = make.counter(
+            f"{METRIC_PREFIX}_unloadable_requests",
+            "Requests not matched because SGLang admits them without loading a host hit "
+            "(ignore_eos with the radix cache disabled); they are still checkpointed.",
+        )
         self.bypassed = make.counters_by(
             f"{METRIC_PREFIX}_bypassed",
             "Requests the prefix cache does not key (not matched, not published), by reason.",
@@ -237,6 +242,8 @@ class PrefixCacheRuntime:
         weight_version: the served weights' version now (SGLang's ``weight_version``); read
             before every lookup and publish.
         images: what image identities need (``None``: image prompts bypass, ``no-processor``).
+        ignore_eos_loads: whether SGLang loads a host hit for an ``ignore_eos`` request (only
+            with its radix cache enabled); when not, such requests are not matched.
     """
 
     def __init__(
@@ -252,6 +259,7 @@ class PrefixCacheRuntime:
         tp_rank: int = 0,
         weight_version: Callable[[], object] = lambda: None,
         images: ImageKeying | None = None,
+        ignore_eos_loads: bool = False,
     ) -> None:
         self.cache = cache
         self._images = images
@@ -260,6 +268,8 @@ class PrefixCacheRuntime:
         self._keyings: weakref.WeakKeyDictionary[Any, Mapping[int, bytes] | Bypass] = (
             weakref.WeakKeyDictionary()
         )
+        self._ignore_eos_loads = ignore_eos_loads
+        self._unloadables: weakref.WeakSet[Any] = weakref.WeakSet()
         self._weight_version = weight_version
         self._weights = weight_version()
         self._offload = offload
@@ -324,6 +334,8 @@ class PrefixCacheRuntime:
         self._check_weights()
         if self.bypass_reason(req) is not None:
             return self._agree(0)
+        if self._unloadable(req):
+            return 0  # the same answer on every rank: the request's own sampling parameters
         found = 0
         if len(tokens) >= self.cache.page_size:
             match = self.cache.match(self.key(req, tokens), max_tokens=len(tokens))
@@ -462,6 +474,23 @@ class PrefixCacheRuntime:
         return dropped
 
     # ---- internals -------------------------------------------------------------------------------
+
+    def _unloadable(self, req: Any) -> bool:
+        """Whether SGLang would admit ``req`` without loading a hit, so a lookup is wasted.
+
+        SGLang 0.5.23 admits an ``ignore_eos`` request through
+        ``PrefillAdder.add_one_req_ignore_eos`` whenever the radix cache is disabled (as the
+        offload requires): that path never calls ``init_load_back``. Counted once per request.
+        """
+        if self._ignore_eos_loads:
+            return False
+        if not getattr(getattr(req, "sampling_params", None), "ignore_eos", False):
+            return False
+        if req not in self._unloadables:
+            self._unloadables.add(req)
+            self._metrics.unloadable.inc()
+            logger.debug("prefix cache: %r is not matched (ignore_eos)", req.rid)
+        return True
 
     def _keying(self, req: Any) -> Mapping[int, bytes] | Bypass:
         """``req``'s page extras (``page -> image identity``), or why it bypasses; memoised."""
@@ -618,6 +647,7 @@ def build_prefix_cache(
         tp_rank=tp_rank,
         weight_version=lambda: get_serving().weight_version,
         images=images,
+        ignore_eos_loads=not getattr(tree_cache, "disable", True),
     )
     logger.info(
         "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens; %s",
