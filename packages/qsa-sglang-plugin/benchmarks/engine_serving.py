@@ -72,6 +72,8 @@ COUNTERS = (
     "qsa_hisparse_prefix_cache_evictions_total",
     "qsa_hisparse_offload_decode_steps_total",
 )
+
+
 @dataclasses.dataclass
 class Run:
     """One arm's measured run of one workload: the client's metrics and the plugin's counters."""

@@ -218,7 +218,7 @@ def test_sglang_bench_client_loads_a_shared_prefix_for_every_request_after_the_f
         prompts * (prefix + question),
         prompts * output,
     )
-    gained = (engine.metric(loads) - before[0], engine.metric(loaded) - before[1])
+    gained = (int(engine.metric(loads) - before[0]), int(engine.metric(loaded) - before[1]))
     assert gained == (prompts - 1, (prompts - 1) * prefix)
     wait_until("the plugin to hold nothing", lambda: not any(_held(engine).values()), poll_s=0.05)
 

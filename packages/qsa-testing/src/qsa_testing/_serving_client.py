@@ -8,7 +8,6 @@ vocabulary (:func:`word_level_tokenizer`); the server keeps the model's own toke
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import subprocess
@@ -162,12 +161,18 @@ def run_serving_client(
         msg = f"SGLang's client exited {done.returncode}; its stderr ends: {done.stderr[-3000:]}"
         raise EngineRequestError(msg)
     reply = json.loads(report.read_text(encoding="utf-8").splitlines()[-1])
-    counts = ("completed", "total_input_tokens", "total_output_tokens")
     return ClientReport(
-        **{name: int(reply[name]) for name in counts},
-        **{
-            f.name: float(reply[f.name])
-            for f in dataclasses.fields(ClientReport)
-            if f.name not in counts
-        },
+        completed=int(reply["completed"]),
+        total_input_tokens=int(reply["total_input_tokens"]),
+        total_output_tokens=int(reply["total_output_tokens"]),
+        duration=float(reply["duration"]),
+        request_throughput=float(reply["request_throughput"]),
+        input_throughput=float(reply["input_throughput"]),
+        output_throughput=float(reply["output_throughput"]),
+        mean_ttft_ms=float(reply["mean_ttft_ms"]),
+        p99_ttft_ms=float(reply["p99_ttft_ms"]),
+        mean_tpot_ms=float(reply["mean_tpot_ms"]),
+        p99_tpot_ms=float(reply["p99_tpot_ms"]),
+        mean_itl_ms=float(reply["mean_itl_ms"]),
+        p99_itl_ms=float(reply["p99_itl_ms"]),
     )
