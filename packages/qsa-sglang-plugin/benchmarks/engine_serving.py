@@ -242,19 +242,8 @@ def serve(
 
 
 def _workload_line(args: argparse.Namespace, workload: str) -> str:
-    if workload == "random":
-        return (
-            f"`--dataset-name random-ids --tokenize-prompt --num-prompts {args.num_prompts} "
-            f"--random-input-len {args.input_len} --random-range-ratio {args.range_ratio} "
-            f"--random-output-len {args.output_len}` (no prefix repeats; `ignore_eos`)"
-        )
-    return (
-        f"`--dataset-name generated-shared-prefix --tokenize-prompt --gsp-num-groups 1 "
-        f"--gsp-prompts-per-group {args.num_prompts} --gsp-system-prompt-len "
-        f"{args.shared_prefix_len} --gsp-question-len {args.question_len} --gsp-output-len "
-        f"{args.output_len} --gsp-range-ratio 1.0` with `min_new_tokens` {args.output_len} "
-        "instead of `ignore_eos`"
-    )
+    """The measured run's dataset flags, as the client got them."""
+    return f"`{' '.join(workload_flags(args, workload, args.num_prompts))}`"
 
 
 def _table(runs: list[Run]) -> list[str]:
@@ -297,8 +286,8 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
         f"GPU {data['machine']['gpu']}, torch {data['machine']['torch']}; the {args.model} dummy "
         f"Qwen4Exp, decode CUDA graphs on, prefill chunks of {_CHUNK}, "
         f"`--max-running-requests {args.max_concurrency}` in every arm. Client: "
-        f"`sglang.benchmark.serving --backend sglang --max-concurrency {args.max_concurrency} "
-        f"--flush-cache` and each workload's flags. "
+        "`sglang.benchmark.serving --backend sglang --tokenize-prompt --max-concurrency "
+        f"{args.max_concurrency} --flush-cache` and each workload's flags. "
         f"`{data['command']}`; written by "
         "`packages/qsa-sglang-plugin/benchmarks/engine_serving.py`. One server at a time, alone "
         "on the GPU; each serves every workload in turn, each measured run after an unmeasured "
