@@ -141,6 +141,64 @@ def test_device_read_completes_before_a_cpu_write_reuses_its_blocks() -> None:
     assert cache.stats().evictions == 1
 
 
+def test_device_read_completes_before_a_device_write_reuses_its_blocks() -> None:
+    """An evicted entry's blocks are overwritten by a device publish only after its restore read.
+
+    Reads and writes run on streams of their own; the write stream waits for the last read.
+    """
+    cache = HostPrefixCache(4 * MIB, block_bytes=4 * MIB)
+    cache.publish(key(1, 0), {"kv": torch.full((4 * MIB,), 1, dtype=torch.uint8)})
+    dst = torch.zeros(4 * MIB, dtype=torch.uint8, device="cuda")
+    lease = cache.acquire(key(1, 0))
+    assert lease is not None
+    busy_gpu()  # the restore's H2D copy is queued behind this
+    fence = cache.restore(lease, {"kv": dst})
+    lease.release()
+    producer = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # does not wait for the sleep
+    with torch.cuda.stream(producer):
+        src = torch.full((4 * MIB,), 2, dtype=torch.uint8, device="cuda")
+        ticket = cache.reserve(key(1, 9), [SegmentSpec.like("kv", src)])  # evicts the entry read
+        assert ticket is not None
+        ticket.write({"kv": src})
+        ticket.commit()
+    fence.synchronize()
+    assert bool(dst.eq(1).all().item())
+    assert cache.stats().evictions == 1
+    restored = torch.zeros(4 * MIB, dtype=torch.uint8, device="cuda")
+    lease = cache.acquire(key(1, 9))
+    assert lease is not None
+    cache.restore(lease, {"kv": restored}).synchronize()
+    lease.release()
+    assert bool(restored.eq(2).all().item())
+
+
+def test_a_restore_does_not_queue_behind_a_publish_in_flight() -> None:
+    """A device read completes while a device write issued before it is still held back."""
+    cache = HostPrefixCache(8 * MIB, block_bytes=MIB)
+    cache.publish(key(1, 0), {"kv": torch.full((MIB,), 3, dtype=torch.uint8)})
+    lease = cache.acquire(key(1, 0))
+    assert lease is not None
+    writer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    reader = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(writer):
+        for _ in range(4):  # ~2 s: the write below waits for its producer's stream
+            busy_gpu()
+        src = torch.ones(MIB, dtype=torch.uint8, device="cuda")
+        ticket = cache.reserve(key(1, 5), [SegmentSpec.like("kv", src)])
+        assert ticket is not None
+        write = ticket.write({"kv": src})
+    with torch.cuda.stream(reader):
+        dst = torch.zeros(MIB, dtype=torch.uint8, device="cuda")
+        read = cache.restore(lease, {"kv": dst})
+    read.synchronize()
+    assert not write.done()  # the read did not wait for the sleeping write
+    assert bool(dst.eq(3).all().item())
+    ticket.commit()
+    lease.release()
+    cache.drain()
+    assert cache.stats().entries == 2
+
+
 def test_abort_with_copies_in_flight_frees_the_space() -> None:
     """Aborting a ticket whose device copies are queued waits for them and frees its blocks."""
     cache = HostPrefixCache(16 * MIB, block_bytes=MIB)

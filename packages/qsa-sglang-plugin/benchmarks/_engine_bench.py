@@ -31,6 +31,7 @@ __all__ = (
     "measure",
     "pool_tokens",
     "profile_decode",
+    "profile_request",
     "send_together",
     "start_all",
     "warm_up",
@@ -217,14 +218,45 @@ def profile_decode(  # noqa: PLR0917 (measure's order, then the trace's)
     )
     for t in threads:
         t.join()
-    deadline = time.monotonic() + 120.0  # the scheduler writes the trace when the steps end
+    return _written_trace(out, prefix)
+
+
+def profile_request(engine: Any, request: Any, out: pathlib.Path, prefix: str) -> pathlib.Path:
+    """A torch profiler trace of the scheduler from just before ``request`` to its reply.
+
+    Everything the scheduler does in between is recorded (Python stacks, torch operators, CUDA
+    runtime calls and kernels): its scheduling rounds and the request's admission as well as its
+    forward steps. Profiled requests run slower: times come from unprofiled ones.
+
+    Returns:
+        The trace, ``out/<prefix>-*.trace.json.gz``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    engine.post(
+        "/start_profile",
+        {
+            "output_dir": str(out),
+            "activities": ["CPU", "GPU"],
+            "with_stack": True,
+            "record_shapes": False,
+            "profile_prefix": prefix,
+        },
+    )
+    try:
+        engine.generate(request, timeout=1800.0)
+    finally:
+        engine.post("/stop_profile", {})
+    return _written_trace(out, prefix)
+
+
+def _written_trace(out: pathlib.Path, prefix: str) -> pathlib.Path:
+    """The newest ``out/<prefix>-*.trace.json.gz``, once the scheduler has written it."""
+    deadline = time.monotonic() + 120.0  # the scheduler writes the trace when profiling ends
     while not (traces := sorted(out.glob(f"{prefix}-*.trace.json.gz"))):
         if time.monotonic() > deadline:
-            break
+            msg = f"no trace {prefix}-*.trace.json.gz in {out} 120 s after profiling ended"
+            raise RuntimeError(msg)
         time.sleep(0.5)
-    if not traces:
-        msg = f"{arm}: no trace {prefix}-*.trace.json.gz in {out}"
-        raise RuntimeError(msg)
     return traces[-1]
 
 

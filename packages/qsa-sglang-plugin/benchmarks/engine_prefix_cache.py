@@ -17,10 +17,15 @@ three small GDN layers, where the fixed costs of a request dominate. For each co
 Reported per context: the cold and warm time to first token as SGLang measures it
 (``first_token_latency``: from the server's receipt of the request to its prefill's end), their
 ratio, the TTFT of the same hit once more (every kernel compiled for the context's shapes by
-then), the client's wall time of each whole request (``--new-tokens`` greedy tokens over HTTP,
-which must agree), the checkpoint bytes restored and the bytes per second of the warm TTFT (a
-lower bound on the restore bandwidth; the library's own ``bench_hostcache.py`` measures the copy
-alone against a pinned host-to-device copy).
+then), the TTFT of the suffix alone as a prompt of its own (nothing cached: the floor of any
+request of that length), the client's wall time of each whole request (``--new-tokens`` greedy
+tokens over HTTP, which must agree), the checkpoint bytes restored and the bytes per second of
+the warm TTFT (a lower bound on the restore bandwidth; the library's own ``bench_hostcache.py``
+measures the copy alone against a pinned host-to-device copy).
+
+With ``--profile``, one more warm request per context runs under SGLang's torch profiler
+(``/start_profile`` to ``/stop_profile``: every scheduling round and step in between), summarised
+in ``<out>/profile-warm-<C>.txt`` (:mod:`_trace`), the trace under ``<out>/traces``.
 
 Writes ``<out>/engine_prefix_cache.md`` and ``.json`` after every context. Needs CUDA and SGLang:
 ``nox -s gpu-engine-bench -- prefix_cache ...`` runs it on the GPU machine with the engine
@@ -37,7 +42,8 @@ import tempfile
 import time
 from typing import Any
 
-from _engine_bench import SKIPPED, lacks_cuda, write_json
+from _engine_bench import SKIPPED, lacks_cuda, profile_request, write_json
+from _trace import summarize
 
 _PAGE = 64
 _MODELS = {
@@ -57,6 +63,7 @@ class Row:
     cold_ttft_s: float
     warm_ttft_s: float
     warm_again_ttft_s: float
+    alone_ttft_s: float
     cold_wall_s: float
     warm_wall_s: float
     cached_tokens: int
@@ -76,6 +83,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
     parser.add_argument("--budget-mb", type=int, default=32768, help="prefix cache MiB")
     parser.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace one more warm request per context (profile-warm-<context>.txt)",
+    )
     parser.add_argument(
         "--deadline", type=float, default=float("inf"), help="seconds; no context starts after it"
     )
@@ -158,6 +170,11 @@ def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
     restored = int(engine.metric("qsa_hisparse_prefix_cache_bytes_out_total") - before)
     # The same hit once more: kernels are compiled for this context's shapes by now.
     again = engine.generate(request(args.new_tokens, salt), timeout=1800.0)
+    # The suffix alone, nothing cached: what any request of that length costs.
+    alone = engine.generate(
+        GenerateRequest(turn2[context:], args.new_tokens, top_logprobs=0, cache_salt="alone"),
+        timeout=1800.0,
+    )
     if cold.cached_tokens != 0 or warm.cached_tokens != context or again.cached_tokens != context:
         msg = (
             f"{context}-token turn: cached tokens cold {cold.cached_tokens}, warm "
@@ -165,12 +182,18 @@ def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
         )
         raise RuntimeError(msg)
     step, gap = _divergence(cold, warm)
+    if args.profile:
+        trace = profile_request(engine, request(1, salt), args.out / "traces", f"warm-{context}")
+        summary = args.out / f"profile-warm-{context}.txt"
+        summary.write_text(summarize(trace, top=60), encoding="utf-8")
+        print(f"engine_prefix_cache: {context} warm request profiled: {summary}", flush=True)
     return Row(
         context,
         args.suffix,
         _server_seconds(cold),
         _server_seconds(warm),
         _server_seconds(again),
+        _server_seconds(alone),
         cold_wall,
         warm_wall,
         warm.cached_tokens,
@@ -217,16 +240,18 @@ def _write(out: pathlib.Path, model: str, new_tokens: int, rows: list[Row]) -> N
         "`packages/qsa-sglang-plugin/benchmarks/engine_prefix_cache.py`.",
         "",
         "| turn-1 tokens | new prompt tokens | cold TTFT s | warm TTFT s | cold / warm "
-        "| warm again TTFT s | cold / warm wall s | cached tokens | restored MiB "
+        "| warm again TTFT s | suffix alone TTFT s | cold / warm wall s | cached tokens "
+        "| restored MiB "
         "| restored MiB/s of warm TTFT | same greedy tokens (else: first differing step, the "
         "cold run's top-2 logprob gap there) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         mib = r.restored_bytes / (1 << 20)
         lines.append(
             f"| {r.context:,} | {r.suffix} | {r.cold_ttft_s:.3f} | {r.warm_ttft_s:.3f} | "
             f"{r.cold_ttft_s / r.warm_ttft_s:.1f} | {r.warm_again_ttft_s:.3f} | "
+            f"{r.alone_ttft_s:.3f} | "
             f"{r.cold_wall_s:.3f} / {r.warm_wall_s:.3f} | "
             f"{r.cached_tokens:,} | {mib:,.1f} | {mib / r.warm_ttft_s:,.0f} | "
             f"{_same(r)} |"

@@ -5,10 +5,13 @@ It is not the offload path's request K/V arena (``qsa_kernels.offload.OffloadedK
 one fixed row of raw K/V history per request).
 
 The arena knows block ids and byte offsets, never keys. On a machine with CUDA it is pinned and
-every copy to or from a CUDA tensor runs on one side stream, ordered after the caller's current
-stream and signalled by an event; copies to or from CPU tensors are synchronous. Because every
-device copy uses the same side stream, a later device write into blocks is ordered after an earlier
-device read of them; a CPU write first waits for the last device read.
+every copy to or from a CUDA tensor runs on a side stream, ordered after the caller's current
+stream and signalled by an event; copies to or from CPU tensors are synchronous. Writes (device to
+host) and reads (host to device) have a side stream each, so a restore never queues behind a
+publish's copies and both directions of the link carry at once. A device write first waits for the
+last device read, so blocks a released lease gave back are not overwritten while still being read;
+a CPU write waits for it on the host. A read needs no such order: a checkpoint is matchable only
+once its writes have completed.
 """
 
 from __future__ import annotations
@@ -94,7 +97,10 @@ class HostArena:
         if pin and not cuda:
             raise DeviceError("pin_memory=True needs CUDA, but torch.cuda.is_available() is False")
         self._device: torch.device | None = None
-        self._stream: torch.cuda.Stream | None = None
+        # One stream per direction: a restore (host to device) never queues behind a publish's
+        # copies (device to host), and the two use the link's two directions at once.
+        self._write_stream: torch.cuda.Stream | None = None
+        self._read_stream: torch.cuda.Stream | None = None
         if cuda:
             dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
             self._device = (
@@ -105,7 +111,8 @@ class HostArena:
             index: int | None = self._device.index  # None for "cuda": the current device
             if index is None:
                 self._device = torch.device("cuda", torch.cuda.current_device())
-            self._stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
+            self._write_stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
+            self._read_stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
         start = time.perf_counter()
         try:
             self._buf = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
@@ -202,9 +209,11 @@ class HostArena:
                     self._copy_in(blocks, offset, byte_view(tensor, writable=False), False)
         if not any(on_device):
             return CopyFence()
-        stream = self._stream
+        stream = self._write_stream
         assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self._device))
+        if self._last_read is not None:  # blocks a finished lease gave back may still be read
+            stream.wait_event(self._last_read)
         with torch.cuda.stream(stream):
             for (offset, tensor), dev in zip(items, on_device, strict=True):
                 if dev:
@@ -223,7 +232,8 @@ class HostArena:
                 self._copy_out(blocks, offset, view, False)
         if not any(on_device):
             return CopyFence()
-        stream = self._stream
+        # A checkpoint is matchable only once its writes completed: a read never waits for one.
+        stream = self._read_stream
         assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):

@@ -165,7 +165,7 @@ class PublishTicket:
         return self._state
 
     def write(self, segments: Mapping[str, torch.Tensor]) -> CopyFence:
-        """Copy segments in: from CPU tensors synchronously, from CUDA tensors on the side stream.
+        """Copy segments in: from CPU tensors synchronously, from CUDA tensors on the write stream.
 
         Each segment is written once; several calls may split the segments between them. A CUDA
         copy starts after the work already queued on the current stream (the producer); the

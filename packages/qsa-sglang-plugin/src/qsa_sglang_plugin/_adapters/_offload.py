@@ -202,6 +202,8 @@ class OffloadRuntime:
         self._staged_tokens = 0
         # Copies still reading the staged prompt (checkpoints on their way to the host).
         self._staging_readers: list[_Fence] = []
+        # Copies still writing a staged layer (a restored prefix on its way in), by ordinal.
+        self._staging_fills: dict[int, _Fence] = {}
         # The resident copy for verification: [R, L, T_max, Hkv, D] K and V, or None.
         self._resident: tuple[torch.Tensor, torch.Tensor] | None = None
         if verify:
@@ -265,6 +267,7 @@ class OffloadRuntime:
                 f"{self._staged_tokens!r} tokens of row {self._staged_row!r}"
             )
             raise OffloadRuntimeError(msg)
+        self._filled()
         return self._layer_views(tokens)
 
     def staging_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,13 +277,15 @@ class OffloadRuntime:
         K/V pool.
         """
         ordinal = self._ordinal_of(layer_id)
+        self._filled(ordinal)
         return self.staging_k[ordinal], self.staging_v[ordinal]
 
     def stage_prefix(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Give the staging area to ``row``, whose first ``tokens`` tokens come from elsewhere.
 
         For a prefix restored from the host prefix cache: the caller fills the returned views
-        (as :meth:`staged_layers`) before the row's first prefill chunk runs.
+        (as :meth:`staged_layers`) before the row's first prefill chunk runs, on the current
+        stream or by copies it names per layer with :meth:`fill_staging_until`.
 
         Raises:
             OffloadRuntimeError: the prefix does not fit the staging area.
@@ -299,6 +304,14 @@ class OffloadRuntime:
     def keep_staging_until(self, fence: _Fence) -> None:
         """Copies reading the staging area until ``fence``: the next prompt waits for them."""
         self._staging_readers.append(fence)
+
+    def fill_staging_until(self, ordinal: int, fence: _Fence) -> None:
+        """Copies write QSA layer ``ordinal``'s staged prefix until ``fence``.
+
+        The first reader of that layer orders the current stream after them, so a restore's
+        copies overlap the model's layers before it instead of holding up the whole step.
+        """
+        self._staging_fills[ordinal] = fence
 
     def release(self, row: int) -> None:
         """The request of lease row ``row`` gave its KV slot back (finish, abort, retraction)."""
@@ -391,6 +404,7 @@ class OffloadRuntime:
             raise OffloadRuntimeError(msg)
         if self._staged_row != row:
             self._claim_staging(row)
+        self._filled(ordinal)
         if prefix > self._staged_tokens:
             msg = (
                 f"row {row!r} prefills tokens [{prefix!r}, {end!r}) but the staging area holds "
@@ -539,10 +553,22 @@ class OffloadRuntime:
         held = self._staged_row
         if held is not None and self.kv.state(held) is RowState.FREE:
             self._hand_off(held, self._staged_tokens)
-        for fence in self._staging_readers:  # the next prompt overwrites what they still read
+        self._filled()  # the next prompt overwrites what they write and what the readers read
+        for fence in self._staging_readers:
             fence.wait()
         self._staging_readers.clear()
         self._staged_row, self._staged_tokens = row, 0
+
+    def _filled(self, ordinal: int | None = None) -> None:
+        """Order the current stream after the copies filling one staged layer (None: all)."""
+        if ordinal is None:
+            fences = list(self._staging_fills.values())
+            self._staging_fills.clear()
+        else:
+            fence = self._staging_fills.pop(ordinal, None)
+            fences = [] if fence is None else [fence]
+        for fence in fences:
+            fence.wait()
 
     def _hand_off(self, row: int, tokens: int) -> None:
         """The staged prompt of ``row`` (its first ``tokens`` tokens) into the row."""
@@ -552,6 +578,7 @@ class OffloadRuntime:
                 f"holds {self._staged_tokens!r} tokens of row {self._staged_row!r}"
             )
             raise OffloadRuntimeError(msg)
+        self._filled()
         self.kv.admit(row, self.staging_k[:, :tokens], self.staging_v[:, :tokens])
         if self._resident is not None:
             self._resident[0][row, :, :tokens] = self.staging_k[:, :tokens]

@@ -159,11 +159,14 @@ def agree_min(value: int, group: Any) -> int:
 
 
 def _kv_segments(
-    k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor]
+    k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor], *, first: int = 0
 ) -> dict[str, torch.Tensor]:
-    """The raw K/V segments of a checkpoint, ``k.<i>`` and ``v.<i>`` per QSA layer ``i``."""
-    segments = {f"k.{i}": t for i, t in enumerate(k_layers)}
-    segments.update({f"v.{i}": t for i, t in enumerate(v_layers)})
+    """The raw K/V segments of a checkpoint, ``k.<i>`` and ``v.<i>`` per QSA layer ``i``.
+
+    ``k_layers[j]`` is QSA layer ``first + j`` (a run of layers, e.g. one).
+    """
+    segments = {f"k.{i}": t for i, t in enumerate(k_layers, start=first)}
+    segments.update({f"v.{i}": t for i, t in enumerate(v_layers, start=first)})
     return segments
 
 
@@ -388,17 +391,25 @@ class PrefixCacheRuntime:
         return None if load is None else load.slots
 
     def restore_row(self, req: Any, row: int) -> None:
-        """Fill the loaded prefix's K/V and recurrent state into ``req``'s new row and slot."""
+        """Fill the loaded prefix's K/V and recurrent state into ``req``'s new row and slot.
+
+        The recurrent state first: SGLang's ``load_cpu_copy`` synchronizes the device, which must
+        not wait for the K/V. Then each QSA layer's K/V is restored by copies of its own, which
+        that layer's prefill waits for (:meth:`OffloadRuntime.fill_staging_until`): the copies
+        run while the layers before it compute.
+        """
         load = self._loads.pop(req.rid, None)
         if load is None:
             return
-        with load.lease:
+        with load.lease:  # released at once: the arena orders a later write after these reads
             match = load.lease.match
-            targets = _kv_segments(*self._offload.stage_prefix(row, match.num_tokens))
-            self.cache.restore(load.lease, targets).wait()
             if self._mamba is not None:
                 self._mamba.load_cpu_copy(self._restore_state(load.lease), self._state_slot(req))
                 req.kv.mamba_needs_clear = False  # SGLang would zero the restored state
+            k_layers, v_layers = self._offload.stage_prefix(row, match.num_tokens)
+            for ordinal, (k, v) in enumerate(zip(k_layers, v_layers, strict=True)):
+                fence = self.cache.restore(load.lease, _kv_segments([k], [v], first=ordinal))
+                self._offload.fill_staging_until(ordinal, fence)
         self._sync_metrics()
         logger.debug("prefix cache: %r resumes after %d cached tokens", req.rid, match.num_tokens)
 
@@ -585,14 +596,21 @@ class PrefixCacheRuntime:
         return slot
 
     def _restore_state(self, lease: Lease) -> Any:
-        """The leased checkpoint's recurrent state, in the structure ``load_cpu_copy`` takes."""
+        """The leased checkpoint's recurrent state, in the structure ``load_cpu_copy`` takes.
+
+        Its tensors are on the offload's device: straight from the pinned arena, where a CPU
+        copy would cost a host memcpy and a pageable upload (``load_cpu_copy`` moves each tensor
+        with ``.to(device)``, a no-op there).
+        """
         assert self._state_spec is not None
         targets: dict[str, torch.Tensor] = {}
         for j in range(sum(self._state_present)):
             spec = lease.match.segment(f"state.{j}")
             dtype = getattr(torch, str(spec.dtype).removeprefix("torch."))
-            targets[f"state.{j}"] = torch.empty(_shape(spec), dtype=dtype)
-        self.cache.restore(lease, targets)  # CPU targets: done on return
+            targets[f"state.{j}"] = torch.empty(
+                _shape(spec), dtype=dtype, device=self._offload.kv.device
+            )
+        self.cache.restore(lease, targets).wait()
         tensors = iter(targets.values())
         leaves = [next(tensors) if present else None for present in self._state_present]
         return pytree.tree_unflatten(leaves, self._state_spec)
