@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import platform
 import re
@@ -26,6 +27,7 @@ __all__ = (
     "Cell",
     "Served",
     "first_difference",
+    "host_facts",
     "lacks_cuda",
     "log_numbers",
     "measure",
@@ -325,6 +327,43 @@ def log_numbers(engine: Any, pattern: re.Pattern[str]) -> tuple[int, ...]:
     return tuple(int(x) for x in (last if isinstance(last, tuple) else (last,)))
 
 
+def host_facts() -> dict[str, Any]:
+    """What makes one machine's host-memory traffic differ from another's: the CPU model, its
+    logical CPUs, the NUMA nodes, the GPU's NUMA node (``None`` where the system does not say)
+    and the host memory, in GiB."""
+    import torch
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown",
+    )
+    nodes = len(list(pathlib.Path("/sys/devices/system/node").glob("node[0-9]*")))
+    gpu_node = None
+    if torch.cuda.is_available():
+        bus = torch.cuda.get_device_properties(0).pci_bus_id.lower()
+        text = _read(f"/sys/bus/pci/devices/{bus}/numa_node").strip()
+        gpu_node = int(text) if text.lstrip("-").isdigit() and int(text) >= 0 else None
+    mem = re.search(r"MemTotal:\s+(\d+) kB", _read("/proc/meminfo"))
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "numa_nodes": nodes,
+        "gpu_numa_node": gpu_node,
+        "memory_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None,
+    }
+
+
+def _read(path: str) -> str:
+    try:
+        return pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def write_json(out: pathlib.Path, name: str, fields: Mapping[str, Any]) -> dict[str, Any]:
     """Write ``<out>/<name>.json``: the machine, the command line, then ``fields``; return it."""
     import torch
@@ -332,7 +371,12 @@ def write_json(out: pathlib.Path, name: str, fields: Mapping[str, Any]) -> dict[
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     data = {
-        "machine": {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version()},
+        "machine": {
+            "gpu": gpu,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "host": host_facts(),
+        },
         "command": " ".join(sys.argv),
         **fields,
     }

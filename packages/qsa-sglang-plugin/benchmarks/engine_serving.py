@@ -37,6 +37,11 @@ The client reads a word-level tokenizer of exactly the model's vocabulary
 the tiny model's own tokenizer lists its byte pieces above the model's 512 ids. The server loads
 the model's own tokenizer: the client needs text in the stream.
 
+``--repeats N`` measures each workload N times on the same server (each run after a flush), one
+row per run and a table of each arm's median, range and the medians' ratios: what a ratio is
+worth on this machine. Servers on different machines differ by more than that (the offload
+arms by up to 30%: they read the host arena every step); the report's header names the host.
+
 Writes ``<out>/engine_serving.md`` and ``.json``. Needs CUDA, SGLang and ``datasets`` (the client
 imports it): ``nox -s gpu-engine-bench -- serving ...`` runs it on the GPU machine with the engine
 payload; exits with status 77 without CUDA.
@@ -48,6 +53,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import statistics
 import sys
 import tempfile
 import time
@@ -83,6 +89,7 @@ class Run:
     metrics: dict[str, float]
     counters: dict[str, float]
     held_after: dict[str, float]
+    repeat: int = 0  # which of the arm's ``--repeats`` measured runs of the workload
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -103,6 +110,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--cache-mb", type=int, default=32768, help="offload-cache's host cache")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="measured runs per arm and workload, one server"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -123,6 +133,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "cache_mb",
         "shared_prefix_len",
         "question_len",
+        "repeats",
     ):
         if getattr(args, flag) < 1:
             value = getattr(args, flag)
@@ -246,10 +257,16 @@ def _workload_line(args: argparse.Namespace, workload: str) -> str:
     return f"`{' '.join(workload_flags(args, workload, args.num_prompts))}`"
 
 
+def _median(runs: list[Run], arm: str, metric: str) -> float:
+    return statistics.median(r.metrics[metric] for r in runs if r.arm == arm)
+
+
 def _table(runs: list[Run]) -> list[str]:
-    """One workload's rows, with each arm's request rate and mean TTFT over the base arm's."""
+    """One workload's rows, with each run's request rate and mean TTFT over the base arm's
+    (its median over repeated runs)."""
     base = next((r for r in runs if r.arm == "resident"), runs[0])
-    b = base.metrics
+    b = {m: _median(runs, base.arm, m) for m in ("request_throughput", "mean_ttft_ms")}
+    repeated = any(r.repeat for r in runs)
     lines = [
         f"| arm | req/s | req/s / {base.arm} | mean TTFT / {base.arm} | input tok/s "
         "| output tok/s | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) | ITL mean / p99 (ms) "
@@ -260,8 +277,9 @@ def _table(runs: list[Run]) -> list[str]:
     for run in runs:
         m, c = run.metrics, run.counters
         held = "none" if not any(run.held_after.values()) else json.dumps(run.held_after)
+        label = f"{run.arm} #{run.repeat + 1}" if repeated else run.arm
         lines.append(
-            f"| {run.arm} | {m['request_throughput']:.3f} "
+            f"| {label} | {m['request_throughput']:.3f} "
             f"| {m['request_throughput'] / b['request_throughput']:.2f} "
             f"| {m['mean_ttft_ms'] / b['mean_ttft_ms']:.2f} "
             f"| {m['input_throughput']:,.0f} | {m['output_throughput']:,.0f} "
@@ -275,7 +293,38 @@ def _table(runs: list[Run]) -> list[str]:
             f"| {c['qsa_hisparse_prefix_cache_bytes_in_total'] / 2**30:.1f} / "
             f"{c['qsa_hisparse_prefix_cache_bytes_out_total'] / 2**30:.1f} GiB | {held} |"
         )
+    if repeated:
+        lines += _spread(runs, base.arm)
     return lines
+
+
+def _spread(runs: list[Run], base: str) -> list[str]:
+    """Per arm over its repeated runs: the median request rate and mean TTFT, their range, and
+    the medians' ratios to the base arm's."""
+    lines = [
+        "",
+        f"| arm | runs | req/s median (min – max) | spread | req/s / {base} (medians) "
+        f"| mean TTFT median (ms) | mean TTFT / {base} (medians) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for arm in dict.fromkeys(r.arm for r in runs):
+        rates = [r.metrics["request_throughput"] for r in runs if r.arm == arm]
+        rate, ttft = _median(runs, arm, "request_throughput"), _median(runs, arm, "mean_ttft_ms")
+        lines.append(
+            f"| {arm} | {len(rates)} | {rate:.3f} ({min(rates):.3f} – {max(rates):.3f}) "
+            f"| {max(rates) / min(rates) - 1:.0%} "
+            f"| {rate / _median(runs, base, 'request_throughput'):.2f} | {ttft:,.0f} "
+            f"| {ttft / _median(runs, base, 'mean_ttft_ms'):.2f} |"
+        )
+    return lines
+
+
+def _host_line(host: dict[str, Any]) -> str:
+    node = host["gpu_numa_node"]
+    return (
+        f"{host['cpu']}, {host['logical_cpus']} CPUs, NUMA nodes: {host['numa_nodes']} (the "
+        f"GPU's: {'not reported' if node is None else node}), {host['memory_gib']} GiB"
+    )
 
 
 def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None:
@@ -283,7 +332,8 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
     lines = [
         "# Serving under SGLang's own client: offload against resident, real SGLang 0.5.23 servers",
         "",
-        f"GPU {data['machine']['gpu']}, torch {data['machine']['torch']}; the {args.model} dummy "
+        f"GPU {data['machine']['gpu']}, torch {data['machine']['torch']}; host "
+        f"{_host_line(data['machine']['host'])}; the {args.model} dummy "
         f"Qwen4Exp, decode CUDA graphs on, prefill chunks of {_CHUNK}, "
         f"`--max-running-requests {args.max_concurrency}` in every arm. Client: "
         "`sglang.benchmark.serving --backend sglang --tokenize-prompt --max-concurrency "
@@ -322,14 +372,19 @@ def main(argv: list[str]) -> int:
                 began = time.monotonic()
                 warm = workdir / f"{arm}-{workload}-warm-up.jsonl"
                 serve(engine, args, workload, tokenizer, warm, warm_up=True)
-                before = _counters(engine)
-                result = workdir / f"{arm}-{workload}.jsonl"
-                metrics = serve(engine, args, workload, tokenizer, result)
-                after = _counters(engine)
-                gained = {name: after[name] - before[name] for name in COUNTERS}
-                runs.append(Run(arm, workload, metrics, gained, _held(engine)))
-                print(f"{arm} {workload}: {metrics} ({time.monotonic() - began:.0f} s)", flush=True)
-                _write(args.out, args, runs)
+                for repeat in range(args.repeats):
+                    before = _counters(engine)
+                    result = workdir / f"{arm}-{workload}-{repeat}.jsonl"
+                    metrics = serve(engine, args, workload, tokenizer, result)
+                    after = _counters(engine)
+                    gained = {name: after[name] - before[name] for name in COUNTERS}
+                    runs.append(Run(arm, workload, metrics, gained, _held(engine), repeat))
+                    print(
+                        f"{arm} {workload} #{repeat + 1}: {metrics} "
+                        f"({time.monotonic() - began:.0f} s)",
+                        flush=True,
+                    )
+                    _write(args.out, args, runs)
     return 0
 
 
