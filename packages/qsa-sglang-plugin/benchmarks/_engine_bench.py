@@ -31,6 +31,7 @@ __all__ = (
     "lacks_cuda",
     "log_numbers",
     "measure",
+    "mem_fraction",
     "pool_tokens",
     "profile_decode",
     "profile_request",
@@ -325,6 +326,26 @@ def log_numbers(engine: Any, pattern: re.Pattern[str]) -> tuple[int, ...]:
         raise RuntimeError(msg)
     last = found[-1]
     return tuple(int(x) for x in (last if isinstance(last, tuple) else (last,)))
+
+
+def mem_fraction(budget_gib: float) -> float:
+    """SGLang's ``--mem-fraction-static`` that is ``budget_gib`` of this GPU (a GPU budget:
+    SGLang's profiler sizes the pools from it, with no ``--max-total-tokens``).
+
+    Raises:
+        SystemExit: naming the budget and the GPU's memory, when it is not a fraction of it.
+    """
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = budget_gib * 2**30 / total
+    if not 0 < fraction < 1:
+        msg = (
+            f"--gpu-budget-gib {budget_gib!r} is not allowed on this GPU of "
+            f"{total / 2**30:.1f} GiB; allowed: more than 0 and less than that"
+        )
+        raise SystemExit(msg)
+    return round(fraction, 4)
 
 
 def host_facts() -> dict[str, Any]:

@@ -31,7 +31,15 @@ import tempfile
 import time
 from typing import Any
 
-from _engine_bench import SKIPPED, Served, lacks_cuda, pool_tokens, send_together, write_json
+from _engine_bench import (
+    SKIPPED,
+    Served,
+    lacks_cuda,
+    mem_fraction,
+    pool_tokens,
+    send_together,
+    write_json,
+)
 from engine_offload import engine_configs, tokens_while_all_decode
 
 _ARENA = re.compile(r"offload: host arena ([^;]+);")
@@ -90,21 +98,6 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     if not args.gpu_budget_gib > 0:
         parser.error(f"--gpu-budget-gib {args.gpu_budget_gib!r} is not allowed; allowed: > 0")
     return args
-
-
-def _mem_fraction(budget_gib: float) -> float:
-    """SGLang's ``--mem-fraction-static`` that is ``budget_gib`` of this GPU."""
-    import torch
-
-    total = torch.cuda.get_device_properties(0).total_memory
-    fraction = budget_gib * 2**30 / total
-    if not 0 < fraction < 1:
-        msg = (
-            f"--gpu-budget-gib {budget_gib!r} is not allowed on this GPU of "
-            f"{total / 2**30:.1f} GiB; allowed: more than 0 and less than that"
-        )
-        raise SystemExit(msg)
-    return round(fraction, 4)
 
 
 def _capacity(engine: Any, arm: str, served: Served, tokens: int, context: int) -> Capacity:
@@ -184,7 +177,7 @@ def main(argv: list[str]) -> int:
         return SKIPPED
     from qsa_testing import running_engine, tiny_qwen4_exp
 
-    fraction = _mem_fraction(args.gpu_budget_gib)
+    fraction = mem_fraction(args.gpu_budget_gib)
     tokens = tokens_while_all_decode(args.new_tokens, args.context, args.requests)
     longest = args.context + tokens + 64
     model = tiny_qwen4_exp(

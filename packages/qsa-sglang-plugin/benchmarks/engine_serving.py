@@ -17,7 +17,7 @@ workload with another seed (so no arm pays for compiling a kernel) and flushes t
 caches:
 
 - ``random``: ``--dataset-name random-ids --tokenize-prompt``, prompts of random token ids,
-  ``--input-len`` × [1 − ``--range-ratio``, 1] tokens, ``--output-len`` tokens each with
+  ``--input-len`` × [``--range-ratio``, 1] tokens, ``--output-len`` tokens each with
   ``ignore_eos``. No prefix repeats: what serving costs when nothing can be reused.
 - ``shared-prefix``: ``--dataset-name generated-shared-prefix --tokenize-prompt``, one system
   prompt of ``--shared-prefix-len`` tokens before each request's own ``--question-len`` tokens,
@@ -36,6 +36,13 @@ The client reads a word-level tokenizer of exactly the model's vocabulary
 (:func:`qsa_testing.word_level_tokenizer`): it draws ids below its tokenizer's ``vocab_size``, and
 the tiny model's own tokenizer lists its byte pieces above the model's 512 ids. The server loads
 the model's own tokenizer: the client needs text in the stream.
+
+``--gpu-budget-gib G`` gives every arm the same GPU memory budget (SGLang's
+``--mem-fraction-static``, no ``--max-total-tokens``), so each sizes its pool from the same bytes:
+the tight-GPU workload, e.g. ``--arms resident,offload --workloads random --input-len 131072
+--range-ratio 1 --num-prompts 8 --gpu-budget-gib 8``, where the resident pool holds two of the
+eight 128K requests (25,344 B a token for the 12 QSA layers' K/V) and the offload's all eight.
+Each arm's pool (``max_total_num_tokens``) is in the report.
 
 ``--repeats N`` measures each workload N times on the same server (each run after a flush), one
 row per run and a table of each arm's median, range and the medians' ratios: what a ratio is
@@ -59,7 +66,7 @@ import tempfile
 import time
 from typing import Any
 
-from _engine_bench import SKIPPED, lacks_cuda, write_json
+from _engine_bench import SKIPPED, lacks_cuda, mem_fraction, pool_tokens, write_json
 
 _PAGE = 64
 _CHUNK = 8192
@@ -90,6 +97,7 @@ class Run:
     counters: dict[str, float]
     held_after: dict[str, float]
     repeat: int = 0  # which of the arm's ``--repeats`` measured runs of the workload
+    pool_tokens: int = 0  # SGLang's max_total_num_tokens for this arm
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -110,6 +118,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--cache-mb", type=int, default=32768, help="offload-cache's host cache")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--gpu-budget-gib",
+        type=float,
+        default=None,
+        help="one GPU memory budget for every arm (default: a token cap fitting every request)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=1, help="measured runs per arm and workload, one server"
     )
@@ -138,6 +152,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, flag) < 1:
             value = getattr(args, flag)
             parser.error(f"--{flag.replace('_', '-')} {value!r} is not allowed; allowed: >= 1")
+    if args.gpu_budget_gib is not None and not args.gpu_budget_gib > 0:
+        parser.error(f"--gpu-budget-gib {args.gpu_budget_gib!r} is not allowed; allowed: > 0")
     if not 0.0 <= args.range_ratio <= 1.0:
         parser.error(f"--range-ratio {args.range_ratio!r} is not allowed; allowed: 0 to 1")
     return args
@@ -167,6 +183,11 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graph_max_bs_decode": args.max_concurrency,
         "enable_metrics": True,
     }
+    if args.gpu_budget_gib is not None:  # the budget alone sizes every arm's pool
+        common |= {
+            "mem_fraction_static": mem_fraction(args.gpu_budget_gib),
+            "max_total_tokens": None,
+        }
     plugin = {**common, "radix_cache_backend": "qsa_hisparse"}
     compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
     offload = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
@@ -269,9 +290,10 @@ def _table(runs: list[Run]) -> list[str]:
     repeated = any(r.repeat for r in runs)
     lines = [
         f"| arm | req/s | req/s / {base.arm} | mean TTFT / {base.arm} | input tok/s "
-        "| output tok/s | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) | ITL mean / p99 (ms) "
+        "| output tok/s | pool tokens | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) "
+        "| ITL mean / p99 (ms) "
         "| hits / lookups | loaded tokens | checkpoints | bytes in / out | held when idle |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
         "| ---: | --- |",
     ]
     for run in runs:
@@ -283,6 +305,7 @@ def _table(runs: list[Run]) -> list[str]:
             f"| {m['request_throughput'] / b['request_throughput']:.2f} "
             f"| {m['mean_ttft_ms'] / b['mean_ttft_ms']:.2f} "
             f"| {m['input_throughput']:,.0f} | {m['output_throughput']:,.0f} "
+            f"| {run.pool_tokens:,} "
             f"| {m['mean_ttft_ms']:,.0f} / {m['p99_ttft_ms']:,.0f} "
             f"| {m['mean_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} "
             f"| {m['mean_itl_ms']:.1f} / {m['p99_itl_ms']:.1f} "
@@ -378,7 +401,10 @@ def main(argv: list[str]) -> int:
                     metrics = serve(engine, args, workload, tokenizer, result)
                     after = _counters(engine)
                     gained = {name: after[name] - before[name] for name in COUNTERS}
-                    runs.append(Run(arm, workload, metrics, gained, _held(engine), repeat))
+                    held = _held(engine)
+                    runs.append(
+                        Run(arm, workload, metrics, gained, held, repeat, pool_tokens(engine))
+                    )
                     print(
                         f"{arm} {workload} #{repeat + 1}: {metrics} "
                         f"({time.monotonic() - began:.0f} s)",

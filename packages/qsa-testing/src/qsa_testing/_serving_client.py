@@ -80,7 +80,7 @@ def word_level_tokenizer(directory: pathlib.Path, vocab_size: int) -> pathlib.Pa
 def random_ids_flags(
     prompts: int, *, input_len: int, range_ratio: float, output_len: int
 ) -> list[str]:
-    """Prompts of random ids, ``input_len`` × [1 − ``range_ratio``, 1] tokens, no prefix repeats.
+    """Prompts of random ids, ``input_len`` × [``range_ratio``, 1] tokens, no prefix repeats.
 
     Each request asks for ``output_len`` tokens with ``ignore_eos`` (the client's default).
     """
