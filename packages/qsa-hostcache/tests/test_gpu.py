@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_hostcache import CacheNamespace, HostPrefixCache, PrefixKey, SegmentSpec, TicketState
+from qsa_hostcache import (
+    CacheNamespace,
+    CopyFence,
+    HostPrefixCache,
+    PrefixKey,
+    SegmentSpec,
+    TicketState,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -124,9 +131,9 @@ def test_restore_is_ordered_after_pending_writes_to_the_target() -> None:
     assert bool(dst.eq(5).all().item())
 
 
-def test_device_read_completes_before_a_cpu_write_reuses_its_blocks() -> None:
-    """An evicted entry's blocks are overwritten by a CPU publish only after its restore read."""
-    cache = HostPrefixCache(4 * MIB, block_bytes=4 * MIB)
+def restore_in_flight(cache: HostPrefixCache) -> tuple[torch.Tensor, CopyFence]:
+    """Publish 4 MiB of ones as ``key(1, 0)``, then restore it behind a busy GPU and release the
+    lease: the read is still queued when this returns, its blocks free for a write to reuse."""
     cache.publish(key(1, 0), {"kv": torch.full((4 * MIB,), 1, dtype=torch.uint8)})
     dst = torch.zeros(4 * MIB, dtype=torch.uint8, device="cuda")
     lease = cache.acquire(key(1, 0))
@@ -134,6 +141,13 @@ def test_device_read_completes_before_a_cpu_write_reuses_its_blocks() -> None:
     busy_gpu()  # the restore's H2D copy is queued behind this
     fence = cache.restore(lease, {"kv": dst})
     lease.release()
+    return dst, fence
+
+
+def test_device_read_completes_before_a_cpu_write_reuses_its_blocks() -> None:
+    """An evicted entry's blocks are overwritten by a CPU publish only after its restore read."""
+    cache = HostPrefixCache(4 * MIB, block_bytes=4 * MIB)
+    dst, fence = restore_in_flight(cache)
     # one block only: this evicts the entry just read and writes the same host bytes
     assert cache.publish(key(1, 9), {"kv": torch.full((4 * MIB,), 2, dtype=torch.uint8)})
     fence.synchronize()
@@ -147,13 +161,7 @@ def test_device_read_completes_before_a_device_write_reuses_its_blocks() -> None
     Reads and writes run on streams of their own; the write stream waits for the last read.
     """
     cache = HostPrefixCache(4 * MIB, block_bytes=4 * MIB)
-    cache.publish(key(1, 0), {"kv": torch.full((4 * MIB,), 1, dtype=torch.uint8)})
-    dst = torch.zeros(4 * MIB, dtype=torch.uint8, device="cuda")
-    lease = cache.acquire(key(1, 0))
-    assert lease is not None
-    busy_gpu()  # the restore's H2D copy is queued behind this
-    fence = cache.restore(lease, {"kv": dst})
-    lease.release()
+    dst, fence = restore_in_flight(cache)
     producer = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # does not wait for the sleep
     with torch.cuda.stream(producer):
         src = torch.full((4 * MIB,), 2, dtype=torch.uint8, device="cuda")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from qsa_testing import Platform, current_platform, random_block_selection
+from qsa_testing import Platform, current_platform, extend_batch, random_block_selection
 
 pytestmark = [
     pytest.mark.skipif(
@@ -48,21 +48,10 @@ def _selection(start: int, end: int, gen: torch.Generator) -> torch.Tensor:
 def _zigzag(world: int, rank: int, prefix: int, size: int) -> tuple[Any, Any]:
     """SGLang's zigzag strategy and metadata of ``rank`` for one request's chunk."""
     from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     end = prefix + size
     strategy = ZigzagCPStrategy(cp_size=world)
-    batch = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=1,
-        input_ids=torch.zeros(size, dtype=torch.int64),
-        req_pool_indices=torch.tensor([0]),
-        seq_lens=torch.tensor([end]),
-        out_cache_loc=torch.zeros(size, dtype=torch.int64),
-        seq_lens_sum=end,
-        seq_lens_cpu=torch.tensor([end]),
-        extend_seq_lens_cpu=[size],
-    )
+    batch = extend_batch([(0, prefix, end)])
     batch.attn_cp_metadata = strategy.build_metadata(size, [end], [size])
     return strategy, batch
 

@@ -40,7 +40,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qsa_testing import Platform, current_platform, random_block_selection, run_on_gloo_ranks
+from qsa_testing import (
+    Platform,
+    current_platform,
+    decode_batch,
+    extend_batch,
+    random_block_selection,
+    run_on_gloo_ranks,
+)
 
 pytestmark = pytest.mark.skipif(
     current_platform() is not Platform.CPU,
@@ -77,36 +84,11 @@ SCALE = D**-0.5
 
 
 def _extend_batch(start: int, end: int) -> Any:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    n = end - start
-    loc = _slot_table()[SLOT, start:end].long()
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=1,
-        input_ids=torch.zeros(n, dtype=torch.int64),
-        req_pool_indices=torch.tensor([SLOT]),
-        seq_lens=torch.tensor([end]),
-        out_cache_loc=loc,
-        seq_lens_sum=end,
-        seq_lens_cpu=torch.tensor([end]),
-        extend_seq_lens_cpu=[n],
-    )
+    return extend_batch([(SLOT, start, end)], _slot_table()[SLOT, start:end].long())
 
 
 def _decode_batch(seq_len: int) -> Any:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=1,
-        input_ids=torch.zeros(1, dtype=torch.int64),
-        req_pool_indices=torch.tensor([SLOT]),
-        seq_lens=torch.tensor([seq_len]),
-        out_cache_loc=_slot_table()[SLOT, seq_len - 1 : seq_len].long(),
-        seq_lens_sum=seq_len,
-        seq_lens_cpu=torch.tensor([seq_len]),
-    )
+    return decode_batch([SLOT], [seq_len], _slot_table()[SLOT, seq_len - 1 : seq_len].long())
 
 
 def _selection(start: int, end: int, gen: torch.Generator) -> torch.Tensor:

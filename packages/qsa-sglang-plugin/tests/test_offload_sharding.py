@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qsa_testing import run_on_gloo_ranks
+from qsa_testing import decode_batch, extend_batch, run_on_gloo_ranks
 
 LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
 ROWS, TOPK, MAX_BLOCKS, HQ, D = 4, 16, 300, 4, 64
@@ -31,38 +31,6 @@ REQUESTS = {5: (0, (512, 99)), 9: (2, (40,))}
 STEPS = 7
 SEED = 20261202
 SCALE = D**-0.5
-
-
-def _extend_batch(slot: int, start: int, end: int) -> Any:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    n = end - start
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=1,
-        input_ids=torch.zeros(n, dtype=torch.int64),
-        req_pool_indices=torch.tensor([slot]),
-        seq_lens=torch.tensor([end]),
-        out_cache_loc=torch.zeros(n, dtype=torch.int64),
-        seq_lens_sum=end,
-        seq_lens_cpu=torch.tensor([end]),
-        extend_seq_lens_cpu=[n],
-    )
-
-
-def _decode_batch(slots: list[int], seq_lens: list[int]) -> Any:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=len(slots),
-        input_ids=torch.zeros(len(slots), dtype=torch.int64),
-        req_pool_indices=torch.tensor(slots),
-        seq_lens=torch.tensor(seq_lens),
-        out_cache_loc=torch.zeros(len(slots), dtype=torch.int64),
-        seq_lens_sum=sum(seq_lens),
-        seq_lens_cpu=torch.tensor(seq_lens),
-    )
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
@@ -100,7 +68,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         runtime.bind(slot, row)
         start = 0
         for size in chunks:
-            batch = _extend_batch(slot, start, start + size)
+            batch = extend_batch([(slot, start, start + size)])
             for layer_id, ordinal in LAYER_IDS.items():
                 k = kv[0, row, ordinal, start : start + size].reshape(size, D)
                 v = kv[1, row, ordinal, start : start + size].reshape(size, D)
@@ -114,7 +82,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     failures: list[str] = []
     for step in range(STEPS):
         seq_lens = [lengths[s] + 1 for s in slots]
-        runtime.begin_decode(_decode_batch(slots, seq_lens))
+        runtime.begin_decode(decode_batch(slots, seq_lens))
         single.advance(rows)
         single.begin_step()
         for layer_id, ordinal in LAYER_IDS.items():

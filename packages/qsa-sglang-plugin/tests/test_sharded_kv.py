@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qsa_testing import random_block_selection, run_on_gloo_ranks
+from qsa_testing import extend_batch, random_block_selection, run_on_gloo_ranks
 
 LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
 TOPK, HQ, D, PAGE = 16, 4, 64, 64
@@ -36,25 +36,6 @@ POOL_PAGES = 40
 SEED = 20261203
 SCALE = D**-0.5
 RTOL, ATOL = 2**-7, 2e-3
-
-
-def _extend_batch(parts: list[tuple[int, int, int]], out_cache_loc: torch.Tensor) -> Any:
-    """A ``ForwardBatch`` of requests ``(slot, start, end)`` extended together."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    counts = [end - start for _, start, end in parts]
-    ends = [end for _, _, end in parts]
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=len(parts),
-        input_ids=torch.zeros(sum(counts), dtype=torch.int64),
-        req_pool_indices=torch.tensor([slot for slot, _, _ in parts]),
-        seq_lens=torch.tensor(ends),
-        out_cache_loc=out_cache_loc,
-        seq_lens_sum=sum(ends),
-        seq_lens_cpu=torch.tensor(ends),
-        extend_seq_lens_cpu=counts,
-    )
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
@@ -118,7 +99,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     extends = [[(5, 0, 512), (9, 0, 40)], [(5, 512, 611)]]
     for step, parts in enumerate(extends):
         loc = torch.cat([req_to_token[s, a:b].long() for s, a, b in parts])
-        batch = _extend_batch(parts, loc)
+        batch = extend_batch(parts, loc)
         lengths = torch.cat([torch.arange(a, b) + 1 for _, a, b in parts])
         owners = torch.cat([torch.full((b - a,), s) for s, a, b in parts])
         for layer_id, layer in LAYER_IDS.items():

@@ -9,13 +9,12 @@ return; the ordering itself is CUDA stream work, exercised by the GPU engine tes
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from qsa_kernels import KernelPath
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
 from qsa_sglang_plugin._adapters._offload import OffloadRuntime
+from qsa_testing import decode_batch, extend_batch
 
 LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
 SLOT, ROW, PREFIX, CHUNK, D = 5, 0, 64, 32, 64
@@ -39,23 +38,6 @@ def _runtime() -> OffloadRuntime:
     return runtime
 
 
-def _batch(start: int, end: int, *, decode: bool = False) -> Any:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    n = 1 if decode else end - start
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-        batch_size=1,
-        input_ids=torch.zeros(n, dtype=torch.int64),
-        req_pool_indices=torch.tensor([SLOT]),
-        seq_lens=torch.tensor([end]),
-        out_cache_loc=torch.zeros(n, dtype=torch.int64),
-        seq_lens_sum=end,
-        seq_lens_cpu=torch.tensor([end]),
-        extend_seq_lens_cpu=None if decode else [n],
-    )
-
-
 def _restore(runtime: OffloadRuntime) -> dict[int, RecordingFence]:
     """Stage a ``PREFIX``-token prefix as a restore does: views filled, one fence per layer."""
     k_layers, v_layers = runtime.stage_prefix(ROW, PREFIX)
@@ -71,7 +53,7 @@ def _restore(runtime: OffloadRuntime) -> dict[int, RecordingFence]:
 def test_a_layers_prefill_waits_for_its_own_restore_copies_only() -> None:
     runtime = _runtime()
     fences = _restore(runtime)
-    batch = _batch(PREFIX, PREFIX + CHUNK)
+    batch = extend_batch([(SLOT, PREFIX, PREFIX + CHUNK)])
     new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
     k, v, prefix = runtime.stage(3, new, new, batch)
     assert (fences[0].waits, fences[1].waits) == (1, 0)
@@ -86,7 +68,7 @@ def test_a_layers_prefill_waits_for_its_own_restore_copies_only() -> None:
 def test_the_hand_off_waits_for_every_layers_restore_copies() -> None:
     runtime = _runtime()
     fences = _restore(runtime)
-    runtime.begin_decode(_batch(PREFIX, PREFIX + 1, decode=True))
+    runtime.begin_decode(decode_batch([SLOT], [PREFIX + 1]))
     assert [f.waits for f in fences.values()] == [1, 1]
     assert runtime.kv.length(ROW) == PREFIX + 1  # the prefix and the step's new token
 

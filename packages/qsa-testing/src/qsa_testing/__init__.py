@@ -4,7 +4,8 @@ Tiny dummy models written at test time (:func:`tiny_qwen4_exp`, :func:`tiny_llam
 benchmarks :func:`full_depth_qwen4_exp` and :func:`llama_8b_shaped`), named
 stand-ins for what a machine cannot run as is (:mod:`qsa_testing.standins`), scenarios on several
 gloo ranks of one machine (:func:`run_on_gloo_ranks`), QSA-shaped selections
-(:func:`random_block_selection`), and real SGLang
+(:func:`random_block_selection`) and SGLang batches (:func:`extend_batch`, :func:`decode_batch`),
+and real SGLang
 0.5.23 servers for tests (:func:`start_engine`, :class:`EnginePool`, and the ``engines`` fixture
 of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens, and
 SGLang's own serving client against them (:func:`run_serving_client`).
@@ -40,7 +41,7 @@ from qsa_testing._models import (
     tiny_qwen4_exp,
 )
 from qsa_testing._pool import EnginePool, EngineStart
-from qsa_testing._selection import random_block_selection
+from qsa_testing._selection import decode_batch, extend_batch, random_block_selection
 from qsa_testing._serving_client import (
     ClientReport,
     random_ids_flags,
@@ -87,8 +88,10 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # distributed scenarios on one machine
     "Scenario",
     "run_on_gloo_ranks",
-    # QSA-shaped inputs
+    # QSA-shaped inputs and SGLang batches
     "random_block_selection",
+    "extend_batch",
+    "decode_batch",
     # errors
     "EngineConfigError",
     "EngineRequestError",

@@ -1,16 +1,77 @@
-"""QSA-shaped selections for tests that drive the attention paths without an indexer.
+"""QSA-shaped selections and SGLang batches for tests that drive the attention paths by hand.
 
 The QSA indexer picks complete 4-token blocks per query and, in prefill, hands attention their
 token positions followed by the query's open block (upstream's expansion). Tests that feed the
 backends or the sharded kernels by hand draw the same shapes here, from a seeded generator, so
-every rank of a gloo scenario draws the same selection.
+every rank of a gloo scenario draws the same selection. The batches are SGLang's own
+``ForwardBatch`` with what the backends read of an extend or a decode step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
-__all__ = ("random_block_selection",)
+__all__ = ("decode_batch", "extend_batch", "random_block_selection")
+
+
+def extend_batch(
+    parts: Sequence[tuple[int, int, int]], out_cache_loc: torch.Tensor | None = None
+) -> Any:
+    """SGLang's ``ForwardBatch`` of requests ``(slot, start, end)`` extended together.
+
+    Args:
+        parts: each request's KV slot (``req_pool_indices``) and the token range
+            ``[start, end)`` it prefills now (``start`` tokens come before it).
+        out_cache_loc: ``[sum(end - start)]`` int64 KV locations of the new tokens; zeros when
+            the backend under test does not write SGLang's pool.
+    """
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    counts = [end - start for _, start, end in parts]
+    ends = [end for _, _, end in parts]
+    tokens = sum(counts)
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(parts),
+        input_ids=torch.zeros(tokens, dtype=torch.int64),
+        req_pool_indices=torch.tensor([slot for slot, _, _ in parts]),
+        seq_lens=torch.tensor(ends),
+        out_cache_loc=(
+            torch.zeros(tokens, dtype=torch.int64) if out_cache_loc is None else out_cache_loc
+        ),
+        seq_lens_sum=sum(ends),
+        seq_lens_cpu=torch.tensor(ends),
+        extend_seq_lens_cpu=counts,
+    )
+
+
+def decode_batch(
+    slots: Sequence[int], seq_lens: Sequence[int], out_cache_loc: torch.Tensor | None = None
+) -> Any:
+    """SGLang's ``ForwardBatch`` of one decode step of the requests in KV slots ``slots``.
+
+    Args:
+        slots: each request's KV slot.
+        seq_lens: each request's length with the token this step adds.
+        out_cache_loc: ``[len(slots)]`` int64 KV locations of the new tokens; zeros by default.
+    """
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(slots),
+        input_ids=torch.zeros(len(slots), dtype=torch.int64),
+        req_pool_indices=torch.tensor(list(slots)),
+        seq_lens=torch.tensor(list(seq_lens)),
+        out_cache_loc=(
+            torch.zeros(len(slots), dtype=torch.int64) if out_cache_loc is None else out_cache_loc
+        ),
+        seq_lens_sum=sum(seq_lens),
+        seq_lens_cpu=torch.tensor(list(seq_lens)),
+    )
 
 
 def random_block_selection(

@@ -8,12 +8,14 @@ vocabulary (:func:`word_level_tokenizer`); the server keeps the model's own toke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from qsa_testing._errors import EngineRequestError
 
@@ -59,6 +61,19 @@ class ClientReport:
     p99_tpot_ms: float
     mean_itl_ms: float
     p99_itl_ms: float
+
+    @classmethod
+    def from_reply(cls, reply: Mapping[str, Any]) -> ClientReport:
+        """The report of one ``--output-file`` line, each field converted to its declared type.
+
+        Raises:
+            KeyError: naming a field the line lacks.
+        """
+        convert = {"int": int, "float": float}  # the annotations, as strings
+        values: dict[str, Any] = {
+            f.name: convert[str(f.type)](reply[f.name]) for f in dataclasses.fields(cls)
+        }
+        return cls(**values)
 
 
 def word_level_tokenizer(directory: pathlib.Path, vocab_size: int) -> pathlib.Path:
@@ -161,18 +176,4 @@ def run_serving_client(
         msg = f"SGLang's client exited {done.returncode}; its stderr ends: {done.stderr[-3000:]}"
         raise EngineRequestError(msg)
     reply = json.loads(report.read_text(encoding="utf-8").splitlines()[-1])
-    return ClientReport(
-        completed=int(reply["completed"]),
-        total_input_tokens=int(reply["total_input_tokens"]),
-        total_output_tokens=int(reply["total_output_tokens"]),
-        duration=float(reply["duration"]),
-        request_throughput=float(reply["request_throughput"]),
-        input_throughput=float(reply["input_throughput"]),
-        output_throughput=float(reply["output_throughput"]),
-        mean_ttft_ms=float(reply["mean_ttft_ms"]),
-        p99_ttft_ms=float(reply["p99_ttft_ms"]),
-        mean_tpot_ms=float(reply["mean_tpot_ms"]),
-        p99_tpot_ms=float(reply["p99_tpot_ms"]),
-        mean_itl_ms=float(reply["mean_itl_ms"]),
-        p99_itl_ms=float(reply["p99_itl_ms"]),
-    )
+    return ClientReport.from_reply(reply)
