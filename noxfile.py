@@ -476,7 +476,7 @@ def gpu_engine_bench(session: nox.Session) -> None:
     ``double_sparsity``, ``capacity``, ``serving``.
 
     Installs the engine payload as ``gpu-engine`` does and runs the named script of
-    ``packages/qsa-sglang-plugin/benchmarks/`` (:data:`ENGINE_BENCHMARKS`); the other arguments
+    ``benchmarks/engine/`` (:data:`ENGINE_BENCHMARKS`); the other arguments
     after ``--`` go to it (``--contexts``, ``--deadline``, ``--out``, default ``docs/bench``...).
     """
     args = list(session.posargs)
@@ -484,7 +484,7 @@ def gpu_engine_bench(session: nox.Session) -> None:
     if name not in ENGINE_BENCHMARKS:
         session.error(f"benchmark {name!r} is not known; allowed: {', '.join(ENGINE_BENCHMARKS)}")
     env = _engine_environment(session)
-    script = _package_dir(Package.SGLANG_PLUGIN) / "benchmarks" / ENGINE_BENCHMARKS[name]
+    script = ROOT / "benchmarks" / "engine" / ENGINE_BENCHMARKS[name]
     if "--out" not in args:
         args += ["--out", str(ROOT / "docs" / "bench")]
     if "--workdir" not in args:

@@ -248,7 +248,7 @@ def _write(
         f"GPU {device}, torch {torch_version}; the model-shaped tiny Qwen4Exp ({args.qsa_layers} "
         "QSA layers of the real geometry, each after 3 tiny GDN layers), decode CUDA graphs on "
         "in both engines, the same scheduler flags. "
-        f"`{data['command']}`; written by `packages/qsa-sglang-plugin/benchmarks/"
+        f"`{data['command']}`; written by `benchmarks/engine/"
         "engine_offload.py`.",
         "",
         "| context | batch | resident decode tok/s | offload decode tok/s | offload / resident "

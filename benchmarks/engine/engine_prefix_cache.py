@@ -237,7 +237,7 @@ def _write(out: pathlib.Path, model: str, new_tokens: int, rows: list[Row]) -> N
         "cache, decode CUDA graphs on. TTFT: SGLang's `first_token_latency` (from the server's "
         "receipt of the request to its prefill's end); wall: the client's time for the whole "
         f"request over HTTP ({new_tokens} greedy tokens, compared). `{command}`; written by "
-        "`packages/qsa-sglang-plugin/benchmarks/engine_prefix_cache.py`.",
+        "`benchmarks/engine/engine_prefix_cache.py`.",
         "",
         "| turn-1 tokens | new prompt tokens | cold TTFT s | warm TTFT s | cold / warm "
         "| warm again TTFT s | suffix alone TTFT s | cold / warm wall s | cached tokens "

@@ -204,7 +204,7 @@ def _write(
         f"GPU {device}, torch {torch_version}; the Llama-3.1-8B-shaped dummy model, decode "
         f"CUDA graphs {graphs}, otherwise the same scheduler flags; qsa_ds with 32 "
         f"heavy channels of 128 and 256 heavy tokens per KV head. `{data['command']}`; written by "
-        "`packages/qsa-sglang-plugin/benchmarks/engine_double_sparsity.py`.",
+        "`benchmarks/engine/engine_double_sparsity.py`.",
         "",
         "| context | batch | "
         + " | ".join(f"{arm} decode tok/s" for arm in args.arms)

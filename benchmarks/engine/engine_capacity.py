@@ -141,7 +141,7 @@ def _write(
         f"(`--mem-fraction-static {fraction}`), sent **{args.requests} requests of "
         f"{args.context:,} tokens** at once (`--max-running-requests {args.requests}`, the "
         f"offload's host-arena rows). `{data['command']}`; written by "
-        "`packages/qsa-sglang-plugin/benchmarks/engine_capacity.py`.",
+        "`benchmarks/engine/engine_capacity.py`.",
         "",
         "| engine | pool tokens | requests the pool holds | decoded together (measured) "
         "| decode tok/s then | wall s | host arena |",

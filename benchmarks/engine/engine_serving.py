@@ -362,7 +362,7 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
         "`sglang.benchmark.serving --backend sglang --tokenize-prompt --max-concurrency "
         f"{args.max_concurrency} --flush-cache` and each workload's flags. "
         f"`{data['command']}`; written by "
-        "`packages/qsa-sglang-plugin/benchmarks/engine_serving.py`. One server at a time, alone "
+        "`benchmarks/engine/engine_serving.py`. One server at a time, alone "
         "on the GPU; each serves every workload in turn, each measured run after an unmeasured "
         f"one of {args.max_concurrency} requests (another seed) and a cache flush. Counters are "
         'the plugin\'s over the measured run; "held when idle" is '
