@@ -365,7 +365,8 @@ def host_facts() -> dict[str, Any]:
     nodes = len(list(pathlib.Path("/sys/devices/system/node").glob("node[0-9]*")))
     gpu_node = None
     if torch.cuda.is_available():
-        bus = torch.cuda.get_device_properties(0).pci_bus_id.lower()
+        props = torch.cuda.get_device_properties(0)  # the PCI address's parts, as ints
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         text = _read(f"/sys/bus/pci/devices/{bus}/numa_node").strip()
         gpu_node = int(text) if text.lstrip("-").isdigit() and int(text) >= 0 else None
     mem = re.search(r"MemTotal:\s+(\d+) kB", _read("/proc/meminfo"))

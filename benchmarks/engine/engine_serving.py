@@ -12,9 +12,9 @@ same scheduler flags and decode CUDA graphs on:
 
 SGLang's client (``python -m sglang.benchmark.serving --backend sglang``) drives each server with
 every workload in turn, as an operator would, at most ``--max-concurrency`` requests in flight.
-Before each measured run the client runs ``--max-concurrency`` unmeasured requests of the same
-workload with another seed (so no arm pays for compiling a kernel) and flushes the server's
-caches:
+Before each measured run the client runs ``--warmup-prompts`` (default ``--max-concurrency``)
+unmeasured requests of the same workload with another seed (so no arm pays for compiling a kernel)
+and flushes the server's caches:
 
 - ``random``: ``--dataset-name random-ids --tokenize-prompt``, prompts of random token ids,
   ``--input-len`` × [``--range-ratio``, 1] tokens, ``--output-len`` tokens each with
@@ -116,6 +116,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shared-prefix-len", type=int, default=16384)
     parser.add_argument("--question-len", type=int, default=1024)
     parser.add_argument("--max-concurrency", type=int, default=8)
+    parser.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=None,
+        help="requests of the unmeasured run before each measured one (default: --max-concurrency)",
+    )
     parser.add_argument("--cache-mb", type=int, default=32768, help="offload-cache's host cache")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
@@ -130,6 +136,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    if args.warmup_prompts is None:
+        args.warmup_prompts = args.max_concurrency
     for flag, allowed in (("arms", ARMS), ("workloads", WORKLOADS)):
         names = getattr(args, flag).split(",")
         unknown = [n for n in names if n not in allowed]
@@ -148,6 +156,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "shared_prefix_len",
         "question_len",
         "repeats",
+        "warmup_prompts",
     ):
         if getattr(args, flag) < 1:
             value = getattr(args, flag)
@@ -249,14 +258,14 @@ def serve(
 ) -> dict[str, float]:
     """Run SGLang's client with ``workload`` against ``engine``; what it measured.
 
-    With ``warm_up``, an unmeasured run of ``--max-concurrency`` requests (another seed) that
+    With ``warm_up``, an unmeasured run of ``--warmup-prompts`` requests (another seed) that
     compiles and captures whatever the measured run will need. A measured run flushes the
     server's caches first.
     """
     from qsa_testing import run_serving_client
 
     prompts, seed = (
-        (args.max_concurrency, args.seed + 1) if warm_up else (args.num_prompts, args.seed)
+        (args.warmup_prompts, args.seed + 1) if warm_up else (args.num_prompts, args.seed)
     )
     measured = run_serving_client(
         engine.address,
@@ -364,7 +373,7 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
         f"`{data['command']}`; written by "
         "`benchmarks/engine/engine_serving.py`. One server at a time, alone "
         "on the GPU; each serves every workload in turn, each measured run after an unmeasured "
-        f"one of {args.max_concurrency} requests (another seed) and a cache flush. Counters are "
+        f"one of {args.warmup_prompts} requests (another seed) and a cache flush. Counters are "
         'the plugin\'s over the measured run; "held when idle" is '
         "what the plugin's gauges read once the run ended.",
     ]
