@@ -41,7 +41,9 @@ from typing import Any
 
 import torch
 
+from qsa_core import format_bytes
 from qsa_kernels import BLOCK_TOKENS, KernelPath
+from qsa_kernels.offload import complete_blocks
 from qsa_kernels.sharded import (
     HeadLayout,
     ShardedDecodeBuffers,
@@ -55,15 +57,12 @@ from qsa_kernels.sharded import (
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     attend_context,
-    complete_blocks,
     group_head_layout,
     plugin_backend_base,
     qsa_profile_of,
-    shard_buffers,
     shard_group,
 )
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
-from qsa_sglang_plugin._hostmem import format_bytes
 from qsa_sglang_plugin._switches import current_switches
 
 __all__ = (
@@ -130,7 +129,7 @@ class ShardedKVRuntime:
         self._width = owned_token_bound(placement, block_topk)
 
         def buffers(rows: int) -> ShardedDecodeBuffers:
-            return shard_buffers(
+            return ShardedDecodeBuffers.for_rank(
                 shard.world_size,
                 head_layout,
                 max_rows=rows,
@@ -303,7 +302,8 @@ class ShardedKVRuntime:
         Args:
             layer_id: SGLang's layer id.
             q: ``[B, Hq * D]`` (or ``[B, Hq, D]``) this rank's query heads.
-            indices: the indexer's selection (the forms :func:`._qsa_common.complete_blocks` takes).
+            indices: the indexer's selection (the forms
+                :func:`qsa_kernels.offload.complete_blocks` takes).
             seq_lens: ``[B]`` each row's length with the new token.
             slot_table: ``[B, >= max seq_len]`` logical slot of each position
                 (``req_to_token`` rows).
@@ -428,7 +428,7 @@ def transport_bytes(
 ) -> int:
     """Device bytes of one rank's transport buffers (decode and prefill), without allocating."""
     return sum(
-        shard_buffers(
+        ShardedDecodeBuffers.for_rank(
             world_size,
             layout,
             max_rows=rows,
