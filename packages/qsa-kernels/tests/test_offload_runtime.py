@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_kernels import KernelInputError, KernelPath
+from qsa_kernels import KernelPath
 from qsa_kernels.offload import (
     LOG_EVERY_STEPS,
     OffloadCounts,
@@ -20,7 +20,6 @@ from qsa_kernels.offload import (
     OffloadRuntime,
     OffloadStateError,
     RowState,
-    complete_blocks,
 )
 
 LAYER_IDS = {3: 0, 7: 1}  # the engine's layer id -> offloaded ordinal
@@ -157,18 +156,6 @@ def test_a_staged_prompt_decodes_as_the_store_admitting_it_whole() -> None:
     assert counts.differing_bytes == 0
     assert counts.decode_steps == steps
     assert counts.selected_blocks > 0
-
-
-def test_complete_blocks_reads_block_ids_and_token_positions_alike() -> None:
-    closed = torch.tensor([3])
-    ids = torch.tensor([[2, 0, 5, -1]], dtype=torch.int32)  # 5 is not a complete block
-    assert complete_blocks(ids, closed, 4).tolist() == [[2, 0, -1, -1]]
-    tokens = torch.full((1, 4 * 4 + 3), -1, dtype=torch.int32)
-    tokens[0, :8] = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3])  # blocks 2 and 0
-    tokens[0, 8:10] = torch.tensor([12, 13])  # the open block
-    assert complete_blocks(tokens, closed, 4).tolist() == [[2, 0, -1, -1]]
-    with pytest.raises(KernelInputError, match=r"\[B, 4\] block ids or \[B, 19\] token"):
-        complete_blocks(torch.zeros((1, 5), dtype=torch.int32), closed, 4)
 
 
 # ---- counts ----------------------------------------------------------------------------------

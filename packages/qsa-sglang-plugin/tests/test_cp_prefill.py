@@ -122,13 +122,13 @@ def _offload_runtime(shard: Any = None) -> Any:
     return runtime
 
 
-def _resident_backend(shard: Any, label: int) -> Any:
+def _resident_backend(shard: Any) -> Any:
     from qsa_kernels import KernelPath
-    from qsa_kernels.sharded import HeadLayout
-    from qsa_sglang_plugin._adapters._sharded_kv import ShardedKVRuntime, sharded_backend_class
+    from qsa_kernels.sharded import HeadLayout, ShardedKVStore
+    from qsa_sglang_plugin._adapters._sharded_kv import sharded_backend_class
 
     backend = object.__new__(sharded_backend_class())
-    backend.qsa_sharded = ShardedKVRuntime(
+    backend.qsa_sharded = ShardedKVStore(
         shard,
         LAYER_IDS,
         slots=24 * PAGE,
@@ -139,7 +139,6 @@ def _resident_backend(shard: Any, label: int) -> Any:
         block_topk=TOPK,
         max_rows=ROWS,
         device=torch.device("cpu"),
-        tp_rank=label,
         path=KernelPath.REFERENCE,
         head_layout=HeadLayout.REPLICATED,
     )
@@ -222,7 +221,7 @@ def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
     layers = {i: RadixAttention(HQ, D, SCALE, HKV, layer_id=i) for i in LAYER_IDS}
     shard = None if store is Store.OFFLOAD else _shard_group(rank, world)
     if store is Store.RESIDENT_SHARDED:
-        cp = _resident_backend(shard, rank)
+        cp = _resident_backend(shard)
     else:
         cp = _offload_backend(_offload_runtime(shard))
     one = _offload_backend(_offload_runtime())

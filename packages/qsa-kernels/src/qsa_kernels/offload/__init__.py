@@ -12,7 +12,6 @@ from qsa_kernels.offload._runtime import (
     OffloadCounts,
     OffloadRuntime,
     OffloadStateError,
-    complete_blocks,
 )
 from qsa_kernels.offload._store import KVComparison, OffloadedKV, OffloadGeometry, RowState
 
@@ -26,5 +25,4 @@ __all__ = (
     "OffloadStateError",
     "OffloadedKV",
     "RowState",
-    "complete_blocks",
 )
