@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.expand import expand_blocks, expand_blocks_reference
+from qsa_kernels.expand import complete_blocks, expand_blocks, expand_blocks_reference
 
 
 def test_reference_expands_blocks_then_tail() -> None:
@@ -60,3 +60,15 @@ def test_kernel_equals_reference(  # noqa: PLR0917
     assert not (out == int_poison).any()
     ref = expand_blocks_reference(ids, lens, ratio=ratio, token_topk=token_topk)
     assert torch.equal(out.cpu(), ref.cpu())
+
+
+def test_complete_blocks_reads_block_ids_and_token_positions_alike() -> None:
+    closed = torch.tensor([3])
+    ids = torch.tensor([[2, 0, 5, -1]], dtype=torch.int32)  # 5 is not a complete block
+    assert complete_blocks(ids, closed, 4).tolist() == [[2, 0, -1, -1]]
+    tokens = torch.full((1, 4 * 4 + 3), -1, dtype=torch.int32)
+    tokens[0, :8] = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3])  # blocks 2 and 0
+    tokens[0, 8:10] = torch.tensor([12, 13])  # the open block
+    assert complete_blocks(tokens, closed, 4).tolist() == [[2, 0, -1, -1]]
+    with pytest.raises(KernelInputError, match=r"\[B, 4\] block ids or \[B, 19\] token"):
+        complete_blocks(torch.zeros((1, 5), dtype=torch.int32), closed, 4)

@@ -107,29 +107,28 @@ def _offload_backend(runtime: Any) -> Any:
     return backend
 
 
-def _offload_runtime(label: int, shard: Any = None) -> Any:
-    """A runtime of one row bound to :data:`SLOT`; ``label`` is its metrics' ``tp_rank``."""
+def _offload_runtime(shard: Any = None) -> Any:
+    """A runtime of one row bound to :data:`SLOT`, verifying its rows on release."""
     from qsa_kernels import KernelPath
-    from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+    from qsa_kernels.offload import OffloadedKV, OffloadGeometry, OffloadRuntime
     from qsa_kernels.sharded import HeadLayout
-    from qsa_sglang_plugin._adapters._offload import OffloadRuntime
 
     geometry = OffloadGeometry(len(LAYER_IDS), ROWS, HOT, MAX_BLOCKS, HKV, D, torch.bfloat16)
     kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE, shard=shard)
     runtime = OffloadRuntime(
-        kv, LAYER_IDS, TOPK, label, verify=True, q_heads=HQ, head_layout=HeadLayout.REPLICATED
+        kv, LAYER_IDS, TOPK, verify=True, q_heads=HQ, head_layout=HeadLayout.REPLICATED
     )
     runtime.bind(SLOT, ROW)
     return runtime
 
 
-def _resident_backend(shard: Any, label: int) -> Any:
+def _resident_backend(shard: Any) -> Any:
     from qsa_kernels import KernelPath
-    from qsa_kernels.sharded import HeadLayout
-    from qsa_sglang_plugin._adapters._sharded_kv import ShardedKVRuntime, sharded_backend_class
+    from qsa_kernels.sharded import HeadLayout, ShardedKVStore
+    from qsa_sglang_plugin._adapters._sharded_kv import sharded_backend_class
 
     backend = object.__new__(sharded_backend_class())
-    backend.qsa_sharded = ShardedKVRuntime(
+    backend.qsa_sharded = ShardedKVStore(
         shard,
         LAYER_IDS,
         slots=24 * PAGE,
@@ -140,7 +139,6 @@ def _resident_backend(shard: Any, label: int) -> Any:
         block_topk=TOPK,
         max_rows=ROWS,
         device=torch.device("cpu"),
-        tp_rank=label,
         path=KernelPath.REFERENCE,
         head_layout=HeadLayout.REPLICATED,
     )
@@ -213,31 +211,20 @@ def _compare(
 
 
 def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
-    from prometheus_client import REGISTRY
     from sglang.srt.layers.cp.utils import get_cp_strategy, prepare_cp_forward
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    labels = {"tp_rank": str(rank)}
+    from qsa_sglang_plugin._adapters._offload import plan_decode
 
-    def sample(name: str) -> float:
-        return REGISTRY.get_sample_value(name, labels) or 0.0
-
-    # The rank's counters before this store's run: the stores run one after another in one
-    # process, and a counter family is one per process.
-    counters = (
-        "qsa_hisparse_offload_verified_bytes_total",
-        "qsa_hisparse_offload_differing_bytes_total",
-    )
-    before = {name: sample(name) for name in counters}
     strategy = get_cp_strategy()
     assert strategy is not None
     layers = {i: RadixAttention(HQ, D, SCALE, HKV, layer_id=i) for i in LAYER_IDS}
     shard = None if store is Store.OFFLOAD else _shard_group(rank, world)
     if store is Store.RESIDENT_SHARDED:
-        cp = _resident_backend(shard, rank)
+        cp = _resident_backend(shard)
     else:
-        cp = _offload_backend(_offload_runtime(rank, shard))
-    one = _offload_backend(_offload_runtime(world + rank))  # metrics apart from the CP runtime's
+        cp = _offload_backend(_offload_runtime(shard))
+    one = _offload_backend(_offload_runtime())
     exact = store is Store.OFFLOAD
     gen = torch.Generator().manual_seed(SEED)
     total = sum(CHUNKS) + STEPS
@@ -276,7 +263,7 @@ def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
         for backend in (cp, one):
             runtime = getattr(backend, "qsa_runtime", None)
             if runtime is not None:
-                runtime.begin_decode(batch)
+                plan_decode(runtime, batch)
         for layer_id, ordinal in LAYER_IDS.items():
             q = torch.randn((1, HQ * D), generator=gen).to(torch.bfloat16)
             k, v = kv[0, ordinal, start : start + 1], kv[1, ordinal, start : start + 1]
@@ -299,7 +286,7 @@ def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
         return result
     runtime = cp.qsa_runtime
     runtime.release(ROW)
-    verified, differing = (sample(name) - before[name] for name in counters)
+    verified, differing = runtime.counts.verified_bytes, runtime.counts.differing_bytes
     g = runtime.kv.geometry
     tail = start % 4 * len(LAYER_IDS) * g.record_bytes // 4
     return {

@@ -1,9 +1,10 @@
 """The offload runtime under ``SGLANG_QSA_CACHE_SHARDING``, on 2 and 4 gloo ranks, against one.
 
-Each rank drives the runtime the offload backend drives, through its SGLang-facing calls with
-real SGLang ``ForwardBatch`` objects: two requests bound to lease rows, their prompts staged
-chunk by chunk (611 tokens in a 512-token chunk and a 99-token one; then 40 tokens), handed off
-when decoding starts, and seven decode steps of two QSA layers with the indexer's block ids. The
+Each rank drives the runtime the offload backend drives, through the backend's translation of
+real SGLang ``ForwardBatch`` objects (``stage_chunk``, ``plan_decode``): two requests bound to
+lease rows, their prompts staged chunk by chunk (611 tokens in a 512-token chunk and a 99-token
+one; then 40 tokens), handed off when decoding starts, and seven decode steps of two QSA layers
+with the indexer's block ids. The
 ranks of a shard group hold one K/V head and a share of the query heads (the TP head shard),
 compute the same K/V and selection, and each keeps its own 16-block pages in its host arena.
 The single-rank result is the unsharded store attending every query head over every selected
@@ -34,13 +35,11 @@ SCALE = D**-0.5
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
-    from prometheus_client import REGISTRY
-
     from qsa_core import QWEN38_FLASH_NEXT, ShardPlacement
     from qsa_kernels import KernelPath
-    from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+    from qsa_kernels.offload import OffloadedKV, OffloadGeometry, OffloadRuntime
     from qsa_kernels.sharded import ShardGroup
-    from qsa_sglang_plugin._adapters._offload import OffloadRuntime
+    from qsa_sglang_plugin._adapters._offload import plan_decode, stage_chunk
 
     placement = ShardPlacement(world, QWEN38_FLASH_NEXT.blocks_per_page, 4)
     group = dist.new_group(list(range(world)))
@@ -54,7 +53,6 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         OffloadedKV(geometry, cpu, path=path, shard=shard),
         LAYER_IDS,
         TOPK,
-        rank,
         verify=True,
         q_heads=HQ // world,
     )
@@ -72,7 +70,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             for layer_id, ordinal in LAYER_IDS.items():
                 k = kv[0, row, ordinal, start : start + size].reshape(size, D)
                 v = kv[1, row, ordinal, start : start + size].reshape(size, D)
-                runtime.stage(layer_id, k, v, batch)
+                stage_chunk(runtime, layer_id, k, v, batch)
             start += size
         single.admit(row, kv[0, row, :, :start], kv[1, row, :, :start])
         lengths[slot] = start
@@ -82,7 +80,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     failures: list[str] = []
     for step in range(STEPS):
         seq_lens = [lengths[s] + 1 for s in slots]
-        runtime.begin_decode(decode_batch(slots, seq_lens))
+        plan_decode(runtime, decode_batch(slots, seq_lens))
         single.advance(rows)
         single.begin_step()
         for layer_id, ordinal in LAYER_IDS.items():
@@ -121,17 +119,12 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     closed = sum(lengths[s] // 4 for s in slots) * len(LAYER_IDS) * geometry.record_bytes
     for row in rows:
         runtime.release(row)
-    labels = {"tp_rank": str(rank)}
-
-    def sample(name: str) -> float:
-        return REGISTRY.get_sample_value(name, labels) or 0.0
-
     return {
         "failures": failures,
         "arena_bytes": arena_bytes,
         "unsharded_arena_bytes": geometry.host_bytes,
-        "verified": sample("qsa_hisparse_offload_verified_bytes_total"),
-        "differing": sample("qsa_hisparse_offload_differing_bytes_total"),
+        "verified": runtime.counts.verified_bytes,
+        "differing": runtime.counts.differing_bytes,
         "closed_bytes": closed,
         "tail_bytes": tails,
         "rows_in_use": runtime.rows_in_use,

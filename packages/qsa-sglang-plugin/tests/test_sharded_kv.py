@@ -41,9 +41,9 @@ RTOL, ATOL = 2**-7, 2e-3
 def _run(rank: int, world: int) -> dict[str, Any]:
     from qsa_core import QWEN38_FLASH_NEXT, ShardPlacement
     from qsa_kernels import KernelPath
-    from qsa_kernels.sharded import ShardGroup, shard_raw_kv
+    from qsa_kernels.sharded import ShardedKVStore, ShardGroup, shard_raw_kv
     from qsa_kernels.sparse_decode import sparse_decode_reference
-    from qsa_sglang_plugin._adapters._sharded_kv import ShardedKVRuntime, transport_bytes
+    from qsa_sglang_plugin._adapters._sharded_kv import attend_extend
 
     placement = ShardPlacement(world, QWEN38_FLASH_NEXT.blocks_per_page, 4)
     group = dist.new_group(list(range(world)))
@@ -51,7 +51,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     shard = ShardGroup(placement, rank, group)
     heads = slice(rank * HQ // world, (rank + 1) * HQ // world)
     slots = POOL_PAGES * PAGE
-    runtime = ShardedKVRuntime(
+    runtime = ShardedKVStore(
         shard,
         LAYER_IDS,
         slots=slots,
@@ -62,7 +62,6 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         block_topk=TOPK,
         max_rows=4,
         device=torch.device("cpu"),
-        tp_rank=rank,
         path=KernelPath.REFERENCE,
     )
     gen = torch.Generator().manual_seed(SEED)
@@ -106,7 +105,8 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             k, v = new_kv(layer, loc)
             _, positions = select(lengths)
             q = torch.randn((lengths.numel(), HQ, D), generator=gen).to(torch.bfloat16)
-            got = runtime.extend(
+            got = attend_extend(
+                runtime,
                 layer_id,
                 q[:, heads].reshape(lengths.numel(), -1),
                 k,
@@ -149,7 +149,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         "stores_equal": stores_equal,
         "store_bytes": runtime.nbytes,
         "buffers_priced_as_allocated": runtime.buffer_bytes
-        == transport_bytes(
+        == ShardedKVStore.transport_bytes(
             world_size=world, max_rows=4, block_topk=TOPK, q_heads=HQ // world, head_dim=D
         ),
         "unsharded_bytes": int(pool.nbytes),

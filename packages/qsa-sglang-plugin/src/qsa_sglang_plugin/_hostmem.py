@@ -1,18 +1,10 @@
-"""What this host can lend as memory: free RAM, and bytes shown the way an operator reads them."""
+"""What this host can lend as memory: a ``/proc/meminfo`` field."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ("format_bytes", "meminfo_bytes")
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes as ``"1.5 GiB"``, ``"12.0 MiB"``, ``"3.0 KiB"`` or ``"512 B"``."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"
+__all__ = ("meminfo_bytes",)
 
 
 def meminfo_bytes(field: str, path: Path = Path("/proc/meminfo")) -> int | None:

@@ -37,6 +37,7 @@ from qsa_core import (
     CapacityError,
     JSONFileError,
     PlacementError,
+    format_bytes,
     read_json_file,
     render_plan,
 )
@@ -51,7 +52,7 @@ from qsa_sglang_plugin._errors import (
 )
 from qsa_sglang_plugin._fingerprints import pinned_modules, verify_fingerprints
 from qsa_sglang_plugin._hooks import HOOKS, REGISTRATIONS
-from qsa_sglang_plugin._hostmem import format_bytes, meminfo_bytes
+from qsa_sglang_plugin._hostmem import meminfo_bytes
 from qsa_sglang_plugin._switches import (
     ENV_DS_CHANNEL_CONFIG,
     ENV_SGLANG_PLUGINS,

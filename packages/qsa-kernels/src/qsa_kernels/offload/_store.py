@@ -53,8 +53,7 @@ from qsa_kernels.fetch import (
     fetch_selected_blocks_reference,
 )
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
-from qsa_kernels.sharded._group import ShardGroup
-from qsa_kernels.sharded._layout import localize_blocks
+from qsa_kernels.sharded import ShardGroup, localize_blocks
 from qsa_kernels.sparse_decode import (
     sparse_decode,
     sparse_decode_reference,

@@ -33,6 +33,7 @@ from qsa_kernels.sharded._layout import (
     unshard_index_pages,
     unshard_raw_kv,
 )
+from qsa_kernels.sharded._store import PREFILL_GROUP_ROWS, ShardedKVStore
 from qsa_kernels.sharded._topk import local_topk_candidates, sharded_indexer_topk
 from qsa_kernels.sharded._writes import (
     LocalWriteTargets,
@@ -69,6 +70,9 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "route_write_rows",
     "write_owned_index_blocks",
     "write_owned_raw_kv",
+    # -- One rank's store (D1) --
+    "PREFILL_GROUP_ROWS",
+    "ShardedKVStore",
     # -- Decode step --
     "gather_group_queries",
     "local_topk_candidates",

@@ -182,6 +182,38 @@ class ShardedDecodeBuffers:
             partial_recv=f32(partial if sharded else n * partial),
         )
 
+    @classmethod
+    def for_rank(
+        cls,
+        world_size: int,
+        layout: HeadLayout,
+        *,
+        max_rows: int,
+        block_topk: int,
+        q_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+    ) -> ShardedDecodeBuffers:
+        """The buffers of a rank whose attention layers hold ``q_heads`` query heads.
+
+        The group attends ``world_size x q_heads`` heads where the heads are split over its ranks
+        (SHARDED), ``q_heads`` where every rank holds them all (REPLICATED). ``device="meta"``
+        sizes them without allocating.
+
+        Raises:
+            KernelInputError: as :meth:`allocate`.
+        """
+        group_heads = q_heads * world_size if layout is HeadLayout.SHARDED else q_heads
+        return cls.allocate(
+            world_size=world_size,
+            max_rows=max_rows,
+            topk=block_topk,
+            q_heads=group_heads,
+            head_dim=head_dim,
+            layout=layout,
+            device=device,
+        )
+
     @property
     def nbytes(self) -> int:
         """Bytes held by all buffers."""

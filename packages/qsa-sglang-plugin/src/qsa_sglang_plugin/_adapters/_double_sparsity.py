@@ -27,8 +27,9 @@ of a token in SGLang's pool sizing, so the pool and the labels together fit the 
 computed for the pool alone.
 
 **DS-Offload** (``SGLANG_QSA_DS_OFFLOAD=1``): the K/V history lives in pinned host memory, as
-``p2-offload`` keeps it for QSA layers, through the same runtime (:class:`._offload.OffloadRuntime`:
-one prompt's staging area, per-request hot caches and open-block tails, the host arena) and the
+``p2-offload`` keeps it for QSA layers, through the same runtime
+(:class:`qsa_kernels.offload.OffloadRuntime`: one prompt's staging area, per-request hot caches
+and open-block tails, the host arena) and the
 same lifecycle (the ``qsa_hisparse`` tree cache); SGLang's K/V pool holds one page
 (:mod:`._kv_pool`) and a token costs only its labels in pool sizing. Prefill writes the chunk to
 the staging area and the dense backend attends over it (its K/V pool seen as the staging area,
@@ -58,13 +59,14 @@ from typing import Any
 
 import torch
 
+from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._offload import (
-    OffloadRuntime,
     arena_rows,
     ds_offload_geometry,
-    fixed_device_bytes,
+    plan_decode,
     runtime_of,
+    stage_chunk,
 )
 from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
 from qsa_sglang_plugin._errors import AdapterError
@@ -152,7 +154,7 @@ def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitc
         kv_heads=kv_heads,
         dtype=kvc.kv_cache_dtype,
     )
-    fixed = fixed_device_bytes(geometry, verify=current_switches().verify_offload)
+    fixed = OffloadRuntime.fixed_device_bytes(geometry, verify=current_switches().verify_offload)
     configurator._cell_size = labels
     configurator._fixed_overhead_bytes += fixed
     logger.info(
@@ -289,7 +291,7 @@ class _DSOffload:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any
     ) -> torch.Tensor:
         """Stage one layer's chunk, then attend over the staged prompt with the dense backend."""
-        self.runtime.stage(layer.layer_id, k, v, forward_batch)
+        stage_chunk(self.runtime, layer.layer_id, k, v, forward_batch)
         if self._name == DENSE_BACKENDS["cpu"]:
             forward_batch = copy.copy(forward_batch)
             forward_batch.req_pool_indices = torch.zeros_like(forward_batch.req_pool_indices)
@@ -406,7 +408,7 @@ class DoubleSparsityBackend:
         if self._offload is None:
             self.dense.init_forward_metadata(forward_batch)
         elif decode:
-            self._offload.runtime.begin_decode(forward_batch)  # every row reads the host arena
+            plan_decode(self._offload.runtime, forward_batch)  # every row reads the host arena
         else:
             self._offload.init_prefill(forward_batch)
         if not decode:
@@ -444,7 +446,7 @@ class DoubleSparsityBackend:
         mask = self._sparse_rows[: sparse.shape[0]]
         mask.copy_(sparse)
         if self._offload is not None and forward_batch.forward_mode.is_decode():
-            self._offload.runtime.begin_decode(forward_batch, graph=True, capture=in_capture)
+            plan_decode(self._offload.runtime, forward_batch, graph=True, capture=in_capture)
             sparse = torch.ones_like(sparse)  # the dense backend decodes no row
         if in_capture:
             self._graph = _GraphStep(mask)

@@ -20,8 +20,9 @@ import logging
 from typing import Any
 
 from qsa_core import LeaseHandle, LeaseState, LeaseTable
+from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
-from qsa_sglang_plugin._adapters._offload import OffloadRuntime, runtime_of
+from qsa_sglang_plugin._adapters._offload import runtime_of
 from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime, build_prefix_cache
 from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND, current_switches
 

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 from torch.utils import _pytree as pytree
 
+from qsa_core import format_bytes
 from qsa_hostcache import (
     CacheStats,
     CheckpointTooLarge,
@@ -83,11 +84,10 @@ from qsa_sglang_plugin._adapters._multimodal import (
 )
 from qsa_sglang_plugin._adapters._namespace import cache_namespace_from_sglang, request_salt
 from qsa_sglang_plugin._errors import OffloadRuntimeError
-from qsa_sglang_plugin._hostmem import format_bytes
 
 if TYPE_CHECKING:
     from qsa_hostcache import CacheNamespace
-    from qsa_sglang_plugin._adapters._offload import OffloadRuntime
+    from qsa_kernels.offload import OffloadRuntime
 
 __all__ = (
     "METRIC_PREFIX",

@@ -1,8 +1,7 @@
 """What the plugin's QSA backends share: their base class, the selection's blocks, the groups.
 
 The offload backend (:mod:`._offload`) and the sharded one (:mod:`._sharded_kv`) both subclass
-:func:`plugin_backend_base`, read the indexer's selection as complete blocks
-(:func:`complete_blocks`), attend prefill rows over one request's contiguous context with
+:func:`plugin_backend_base`, attend prefill rows over one request's contiguous context with
 upstream's kernels (:func:`attend_context`, also for context-parallel rows), and, with cache
 sharding, join the shard group of their TP rank (:func:`shard_group`).
 """
@@ -16,52 +15,16 @@ import torch
 
 from qsa_core import QSAProfile, ShardPlacement
 from qsa_kernels import BLOCK_TOKENS
-from qsa_kernels.sharded import HeadLayout, ShardedDecodeBuffers, ShardGroup
+from qsa_kernels.sharded import HeadLayout, ShardGroup
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 
 __all__ = (
     "attend_context",
-    "complete_blocks",
     "group_head_layout",
     "plugin_backend_base",
     "qsa_profile_of",
-    "shard_buffers",
     "shard_group",
 )
-
-
-def complete_blocks(indices: torch.Tensor, closed: torch.Tensor, block_topk: int) -> torch.Tensor:
-    """``[B, block_topk]`` int32 selected complete blocks (``-1`` padded) of the QSA indexer.
-
-    Args:
-        indices: ``[B, block_topk]`` block ids, or the same blocks expanded to token positions
-            followed by the open block's (``[B, 4 block_topk + 3]``, what upstream's indexer
-            returns in prefill and where it does not defer the expansion); ``-1`` padded.
-        closed: ``[B]`` complete blocks each row may attend (its length // 4); an entry at or
-            beyond it is not a complete block.
-        block_topk: the indexer's block selection width.
-
-    Raises:
-        OffloadRuntimeError: ``indices`` has neither shape.
-    """
-    limit = closed.to(torch.int32).unsqueeze(1)
-    width = indices.shape[1] if indices.dim() == 2 else -1
-    if width == block_topk:
-        blocks = indices.to(torch.int32)
-        return torch.where(blocks < limit, blocks, -1)
-    if width == BLOCK_TOKENS * block_topk + BLOCK_TOKENS - 1:
-        # Token positions: a selected block contributes its first token (4 b); the open
-        # block's tokens lie at or after 4 * closed.
-        tokens = indices.to(torch.int32)
-        starts = (tokens >= 0) & (tokens % BLOCK_TOKENS == 0) & (tokens < BLOCK_TOKENS * limit)
-        candidates = torch.where(starts, tokens // BLOCK_TOKENS, -1)
-        return candidates.sort(dim=1, descending=True).values[:, :block_topk].contiguous()
-    msg = (
-        f"the QSA indexer's selection must be [B, {block_topk}] block ids or "
-        f"[B, {BLOCK_TOKENS * (block_topk + 1) - 1}] token positions; got "
-        f"{tuple(indices.shape)!r}"
-    )
-    raise OffloadRuntimeError(msg)
 
 
 def attend_context(  # noqa: PLR0917 (upstream's kernel order)
@@ -197,40 +160,6 @@ def group_head_layout() -> HeadLayout:
     from sglang.srt.runtime_context import get_parallel
 
     return HeadLayout.REPLICATED if int(get_parallel().attn_cp_size) > 1 else HeadLayout.SHARDED
-
-
-def shard_buffers(
-    world_size: int,
-    layout: HeadLayout,
-    *,
-    max_rows: int,
-    block_topk: int,
-    q_heads: int,
-    head_dim: int,
-    device: torch.device | str,
-) -> ShardedDecodeBuffers:
-    """The transport buffers of one shard-group exchange (``device="meta"`` to size them).
-
-    Args:
-        world_size: ranks of the shard group.
-        layout: how the group holds its query heads (:func:`group_head_layout`).
-        max_rows: most query rows of one exchange.
-        block_topk: the QSA indexer's block selection width.
-        q_heads: query heads of this rank's attention layers (the group attends ``world_size x
-            q_heads`` when SHARDED, ``q_heads`` when REPLICATED).
-        head_dim: head dim ``D``.
-        device: where they live.
-    """
-    group_heads = q_heads * world_size if layout is HeadLayout.SHARDED else q_heads
-    return ShardedDecodeBuffers.allocate(
-        world_size=world_size,
-        max_rows=max_rows,
-        topk=block_topk,
-        q_heads=group_heads,
-        head_dim=head_dim,
-        layout=layout,
-        device=device,
-    )
 
 
 @functools.cache

@@ -22,7 +22,7 @@ replicated in SGLang's QSA pool); the raw K/V of the QSA layers is stored once p
   tokens it owns (compacted to ``owned_token_bound`` columns), and an all-to-all of the fp32
   partials with an LSE merge gives each rank its own heads. One set of transport buffers,
   allocated once, serves every layer; no host read under CUDA graphs.
-- **Prefill CP** (SGLang's zigzag CP over the TP group, :meth:`ShardedKVRuntime.extend_cp`): the
+- **Prefill CP** (SGLang's zigzag CP over the TP group, :func:`attend_extend_cp`): the
   gathered chunk's owned slots go to the store; one request with no prefix attends this rank's
   rows over the gathered chunk, otherwise the rows are gathered back into token order, attended
   as without CP, and each rank keeps its own. Attention TP is 1 there, so the group's ranks hold
@@ -36,43 +36,29 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from qsa_kernels import BLOCK_TOKENS, KernelPath
-from qsa_kernels.sharded import (
-    HeadLayout,
-    ShardedDecodeBuffers,
-    ShardGroup,
-    owned_token_bound,
-    owner_sparse_decode,
-    owner_sparse_prefill,
-    raw_write_targets,
-    write_owned_raw_kv,
-)
+from qsa_core import format_bytes
+from qsa_kernels.sharded import ShardedKVStore
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     attend_context,
-    complete_blocks,
     group_head_layout,
     plugin_backend_base,
     qsa_profile_of,
-    shard_buffers,
     shard_group,
 )
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
-from qsa_sglang_plugin._hostmem import format_bytes
 from qsa_sglang_plugin._switches import current_switches
 
 __all__ = (
-    "PREFILL_GROUP_ROWS",
-    "ShardedKVRuntime",
+    "attend_extend",
+    "attend_extend_cp",
     "price_sharded_pool",
     "sharded_backend_class",
-    "sharded_runtime_of",
-    "transport_bytes",
+    "sharded_store_of",
 )
 
 logger = logging.getLogger(__name__)
@@ -81,294 +67,116 @@ logger = logging.getLogger(__name__)
 PREFILL_GROUP_ROWS = 256
 
 
-class ShardedKVRuntime:
-    """This rank's share of the QSA layers' raw K/V, and the attention over the shard group.
+def attend_extend(  # noqa: PLR0917 (the attention call's own order)
+    store: ShardedKVStore,
+    layer_id: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    forward_batch: Any,
+    req_to_token: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One QSA layer of an extend batch: store the owned rows, attend every query token.
+
+    Requests with no prefix attend over their own chunk, which every rank holds whole, with
+    upstream's no-prefix kernel (its torch path on CPU); when any request has a prefix each
+    request attends owner-side (:meth:`ShardedKVStore.prefill`), in the batch's order on every
+    rank.
 
     Args:
-        shard: this rank's shard group (``N >= 2`` ranks holding copies of one K/V head).
-        layer_ordinal: SGLang layer id of each QSA layer -> its index in the store (``[0, L)``).
-        slots: logical token slots of SGLang's pool (its size plus the padding page).
-        kv_heads: K/V heads of this rank's attention layers.
-        head_dim: head dim ``D``.
-        dtype: the K/V dtype (bf16 or FP8 E4M3).
-        q_heads: query heads of this rank (the group attends ``N x q_heads`` when SHARDED).
-        block_topk: the QSA indexer's block selection width.
-        max_rows: most decode rows of one step (SGLang's running requests).
-        device: where the store and the transport buffers live.
-        tp_rank: the TP rank, for the metrics' labels.
-        path: kernels or torch references (:attr:`KernelPath.AUTO`: Triton on CUDA).
-        head_layout: how the group holds its query heads (:func:`._qsa_common.group_head_layout`:
-            SHARDED with the TP head split, REPLICATED under SGLang's CP over the TP group).
+        store: this rank's store.
+        layer_id: SGLang's layer id.
+        q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's query heads, ``T`` valid rows.
+        k: ``[T, Hkv * D]`` the chunk's keys.
+        v: its values.
+        indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per query.
+        forward_batch: SGLang's ``ForwardBatch`` (``req_pool_indices``, ``out_cache_loc``,
+            the host ``seq_lens_cpu`` and ``extend_seq_lens_cpu``).
+        req_to_token: SGLang's ``[R, S]`` slot table.
+        scale: softmax scale.
+
+    Returns:
+        ``[T, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
     """
-
-    def __init__(
-        self,
-        shard: ShardGroup,
-        layer_ordinal: Mapping[int, int],
-        *,
-        slots: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        q_heads: int,
-        block_topk: int,
-        max_rows: int,
-        device: torch.device,
-        tp_rank: int = 0,
-        path: KernelPath = KernelPath.AUTO,
-        head_layout: HeadLayout = HeadLayout.SHARDED,
-    ) -> None:
-        self.shard = shard
-        self.path = path
-        self._ordinal = dict(layer_ordinal)
-        self._block_topk = block_topk
-        self._kv_heads, self._head_dim = kv_heads, head_dim
-        placement = shard.placement
-        records = -(-placement.local_capacity(slots) // BLOCK_TOKENS)
-        shape = (len(self._ordinal), records, 2, BLOCK_TOKENS, kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self._width = owned_token_bound(placement, block_topk)
-
-        def buffers(rows: int) -> ShardedDecodeBuffers:
-            return shard_buffers(
-                shard.world_size,
-                head_layout,
-                max_rows=rows,
-                block_topk=block_topk,
-                q_heads=q_heads,
-                head_dim=head_dim,
-                device=device,
-            )
-
-        self._decode_buffers = buffers(max_rows)
-        self._prefill_buffers = buffers(PREFILL_GROUP_ROWS)
-        RankMetrics(tp_rank).gauge(
-            "qsa_hisparse_sharded_kv_bytes",
-            "Bytes of this rank's share of the QSA layers' raw K/V (cache sharding).",
-        ).set(self.nbytes)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of this rank's raw K/V store."""
-        return int(self.kv.nbytes)
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the transport buffers (decode and prefill)."""
-        return self._decode_buffers.nbytes + self._prefill_buffers.nbytes
-
-    def layer(self, layer_id: int) -> torch.Tensor:
-        """``[NS_local, 2, 4, Hkv, D]`` this rank's records of one QSA layer."""
-        ordinal = self._ordinal.get(layer_id)
-        if ordinal is None:
-            msg = f"layer {layer_id!r} is not a QSA layer; QSA layers: {list(self._ordinal)!r}"
-            raise OffloadRuntimeError(msg)
-        return self.kv[ordinal]
-
-    def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store the owned rows of new K/V (a prefill chunk or a decode step's tokens).
-
-        Args:
-            layer_id: SGLang's layer id.
-            k: ``[M, Hkv * D]`` (or ``[M, Hkv, D]``) keys of the new tokens.
-            v: their values, shaped like ``k``.
-            slots: ``[M]`` their logical slots (``out_cache_loc``; negative for padding).
-        """
-        store = self.layer(layer_id)
-        rows = int(slots.shape[0])
-        shape = (rows, self._kv_heads, self._head_dim)
-        targets = raw_write_targets(slots, self.shard.placement, self.shard.rank)
-        k = k[:rows].reshape(shape).to(store.dtype)
-        v = v[:rows].reshape(shape).to(store.dtype)
-        write_owned_raw_kv(store, targets, k, v)
-
-    def extend(  # noqa: PLR0917 (the attention call's own order)
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        indices: torch.Tensor,
-        forward_batch: Any,
-        req_to_token: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """One QSA layer of an extend batch: store the owned rows, attend every query token.
-
-        Requests with no prefix attend over their own chunk, which every rank holds whole, with
-        upstream's no-prefix kernel (its torch path on CPU); when any request has a prefix each
-        request attends owner-side (:meth:`prefill`), in the batch's order on every rank.
-
-        Args:
-            layer_id: SGLang's layer id.
-            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's query heads, ``T`` valid rows.
-            k: ``[T, Hkv * D]`` the chunk's keys.
-            v: its values.
-            indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per query.
-            forward_batch: SGLang's ``ForwardBatch`` (``req_pool_indices``, ``out_cache_loc``,
-                the host ``seq_lens_cpu`` and ``extend_seq_lens_cpu``).
-            req_to_token: SGLang's ``[R, S]`` slot table.
-            scale: softmax scale.
-
-        Returns:
-            ``[T, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
-        """
-        tokens = int(indices.shape[0])
-        self.write(layer_id, k[:tokens], v[:tokens], forward_batch.out_cache_loc[:tokens])
-        extend = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-        lengths = [int(n) for n in forward_batch.seq_lens_cpu][: len(extend)]
-        heads = q.reshape(tokens, -1, self._head_dim)
-        if all(n == e for n, e in zip(lengths, extend, strict=True)):
-            out = _chunk_attention(heads, k, v, indices, extend, lengths, scale, self._kv_heads)
-            return out.reshape(tokens, -1).to(q.dtype)
-        parts, start = [], 0
-        for i, (length, count) in enumerate(zip(lengths, extend, strict=True)):
-            rows = slice(start, start + count)
-            positions = torch.arange(length - count, length, device=q.device)
-            slot_row = req_to_token[forward_batch.req_pool_indices[i], :length]
-            part = self.prefill(layer_id, heads[rows], indices[rows], positions, slot_row, scale)
-            parts.append(part)
-            start += count
-        return torch.cat(parts).to(q.dtype)
-
-    def extend_cp(  # noqa: PLR0917 (the attention call's own order)
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        indices: torch.Tensor,
-        forward_batch: Any,
-        req_to_token: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """One QSA layer of a context-parallel extend batch (SGLang's zigzag CP over the group).
-
-        The gathered chunk's owned rows go to the store. One request with no prefix attends its
-        zigzag rows over the chunk, which every rank holds whole (:func:`._qsa_common.
-        attend_context`). Otherwise the rows are gathered back into token order and every rank
-        attends the whole chunk as without CP (:meth:`extend`; owner-side after a prefix, the
-        group's ranks then holding the same rows) and keeps its own rows: CP still splits every
-        other layer's work, and the raw K/V is still stored once per group.
-
-        Args:
-            layer_id: SGLang's layer id.
-            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's zigzag rows, every head.
-            k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``) the chunk's gathered keys, token order.
-            v: its values.
-            indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per row.
-            forward_batch: SGLang's ``ForwardBatch`` with its ``attn_cp_metadata``.
-            req_to_token: SGLang's ``[R, S]`` slot table.
-            scale: softmax scale.
-
-        Returns:
-            ``[T, Hq * D]`` in ``q``'s dtype.
-        """
-        from sglang.srt.layers.cp.utils import get_cp_strategy
-
-        meta = forward_batch.attn_cp_metadata
-        rows, tokens = int(indices.shape[0]), int(k.shape[0])
-        bs = int(meta.bs)
-        lengths = [int(n) for n in forward_batch.seq_lens_cpu[:bs]]
-        extend = [int(n) for n in forward_batch.extend_seq_lens_cpu[:bs]]
-        if bs == 1 and lengths == extend:
-            self.write(layer_id, k, v, forward_batch.out_cache_loc[:tokens])
-            shape = (tokens, self._kv_heads, self._head_dim)
-            heads = q.reshape(rows, -1, self._head_dim)
-            out = attend_context(heads, k.reshape(shape), v.reshape(shape), indices, scale, meta)
-            return out.reshape(rows, -1).to(q.dtype)
-        strategy = get_cp_strategy()
-        if strategy is None:
-            msg = "a context-parallel batch without SGLang's CP strategy"
-            raise OffloadRuntimeError(msg)
-        whole_q = strategy.gather_hidden_states(q.reshape(rows, -1), forward_batch)
-        whole_indices = strategy.gather_hidden_states(indices, forward_batch)
-        out = self.extend(
-            layer_id, whole_q, k, v, whole_indices, forward_batch, req_to_token, scale
-        )
-        mine: torch.Tensor = strategy.shard_hidden_states(out, forward_batch)[:rows]
-        return mine
-
-    def decode(  # noqa: PLR0917 (the attention call's own order)
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slot_table: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """One QSA layer's decode over the shard group (the new token already :meth:`write` n).
-
-        Args:
-            layer_id: SGLang's layer id.
-            q: ``[B, Hq * D]`` (or ``[B, Hq, D]``) this rank's query heads.
-            indices: the indexer's selection (the forms :func:`._qsa_common.complete_blocks` takes).
-            seq_lens: ``[B]`` each row's length with the new token.
-            slot_table: ``[B, >= max seq_len]`` logical slot of each position
-                (``req_to_token`` rows).
-            scale: softmax scale.
-
-        Returns:
-            ``[B, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
-        """
-        batch = int(seq_lens.shape[0])
-        queries = q.reshape(batch, -1, self._head_dim)
-        blocks = complete_blocks(indices[:batch], seq_lens // BLOCK_TOKENS, self._block_topk)
-        capturing = queries.is_cuda and torch.cuda.is_current_stream_capturing()
-        out, _lse = owner_sparse_decode(
-            queries.to(torch.bfloat16),
-            blocks,
-            seq_lens,
-            slot_table,
-            self.layer(layer_id),
-            shard=self.shard,
-            buffers=self._decode_buffers,
-            scale=scale,
-            path=self.path,
-            owned_width=self._width,
-            check_width=not capturing,  # a captured step relies on the page-contiguous bound
-        )
-        return out.reshape(batch, -1).to(q.dtype)
-
-    def prefill(  # noqa: PLR0917 (the attention call's own order)
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        indices: torch.Tensor,
-        positions: torch.Tensor,
-        slot_row: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """One request's chunk after a prefix, owner-side (the chunk already :meth:`write` n).
-
-        Args:
-            layer_id: SGLang's layer id.
-            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's query heads of the chunk.
-            indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per query token.
-            positions: ``[T]`` each query token's position in the request.
-            slot_row: ``[S]`` the request's logical slot of each position.
-            scale: softmax scale.
-
-        Returns:
-            ``[T, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
-        """
-        tokens = int(positions.shape[0])
-        queries = q.reshape(tokens, -1, self._head_dim)
-        closed = (positions + 1) // BLOCK_TOKENS
-        blocks = complete_blocks(indices, closed, self._block_topk)
-        out, _lse = owner_sparse_prefill(
-            queries.to(torch.bfloat16),
-            blocks,
-            positions,
-            slot_row,
-            self.layer(layer_id),
-            shard=self.shard,
-            buffers=self._prefill_buffers,
-            scale=scale,
-            path=self.path,
-        )
+    tokens = int(indices.shape[0])
+    store.write(layer_id, k[:tokens], v[:tokens], forward_batch.out_cache_loc[:tokens])
+    extend = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    lengths = [int(n) for n in forward_batch.seq_lens_cpu][: len(extend)]
+    heads = q.reshape(tokens, -1, store.head_dim)
+    if all(n == e for n, e in zip(lengths, extend, strict=True)):
+        out = _chunk_attention(heads, k, v, indices, extend, lengths, scale, store.kv_heads)
         return out.reshape(tokens, -1).to(q.dtype)
+    parts, start = [], 0
+    for i, (length, count) in enumerate(zip(lengths, extend, strict=True)):
+        rows = slice(start, start + count)
+        positions = torch.arange(length - count, length, device=q.device)
+        slot_row = req_to_token[forward_batch.req_pool_indices[i], :length]
+        part = store.prefill(layer_id, heads[rows], indices[rows], positions, slot_row, scale)
+        parts.append(part)
+        start += count
+    return torch.cat(parts).to(q.dtype)
+
+
+def attend_extend_cp(  # noqa: PLR0917 (the attention call's own order)
+    store: ShardedKVStore,
+    layer_id: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    forward_batch: Any,
+    req_to_token: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One QSA layer of a context-parallel extend batch (SGLang's zigzag CP over the group).
+
+    The gathered chunk's owned rows go to the store. One request with no prefix attends its
+    zigzag rows over the chunk, which every rank holds whole (:func:`._qsa_common.
+    attend_context`). Otherwise the rows are gathered back into token order and every rank
+    attends the whole chunk as without CP (:func:`attend_extend`; owner-side after a prefix, the
+    group's ranks then holding the same rows) and keeps its own rows: CP still splits every
+    other layer's work, and the raw K/V is still stored once per group.
+
+    Args:
+        store: this rank's store.
+        layer_id: SGLang's layer id.
+        q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's zigzag rows, every head.
+        k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``) the chunk's gathered keys, token order.
+        v: its values.
+        indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per row.
+        forward_batch: SGLang's ``ForwardBatch`` with its ``attn_cp_metadata``.
+        req_to_token: SGLang's ``[R, S]`` slot table.
+        scale: softmax scale.
+
+    Returns:
+        ``[T, Hq * D]`` in ``q``'s dtype.
+    """
+    from sglang.srt.layers.cp.utils import get_cp_strategy
+
+    meta = forward_batch.attn_cp_metadata
+    rows, tokens = int(indices.shape[0]), int(k.shape[0])
+    bs = int(meta.bs)
+    lengths = [int(n) for n in forward_batch.seq_lens_cpu[:bs]]
+    extend = [int(n) for n in forward_batch.extend_seq_lens_cpu[:bs]]
+    if bs == 1 and lengths == extend:
+        store.write(layer_id, k, v, forward_batch.out_cache_loc[:tokens])
+        shape = (tokens, store.kv_heads, store.head_dim)
+        heads = q.reshape(rows, -1, store.head_dim)
+        out = attend_context(heads, k.reshape(shape), v.reshape(shape), indices, scale, meta)
+        return out.reshape(rows, -1).to(q.dtype)
+    strategy = get_cp_strategy()
+    if strategy is None:
+        msg = "a context-parallel batch without SGLang's CP strategy"
+        raise OffloadRuntimeError(msg)
+    whole_q = strategy.gather_hidden_states(q.reshape(rows, -1), forward_batch)
+    whole_indices = strategy.gather_hidden_states(indices, forward_batch)
+    out = attend_extend(
+        store, layer_id, whole_q, k, v, whole_indices, forward_batch, req_to_token, scale
+    )
+    mine: torch.Tensor = strategy.shard_hidden_states(out, forward_batch)[:rows]
+    return mine
 
 
 def _chunk_attention(  # noqa: PLR0917
@@ -417,31 +225,7 @@ def _chunk_attention(  # noqa: PLR0917
 # ---- construction and SGLang's side --------------------------------------------------------------
 
 
-def transport_bytes(
-    *,
-    world_size: int,
-    max_rows: int,
-    block_topk: int,
-    q_heads: int,
-    head_dim: int,
-    layout: HeadLayout = HeadLayout.SHARDED,
-) -> int:
-    """Device bytes of one rank's transport buffers (decode and prefill), without allocating."""
-    return sum(
-        shard_buffers(
-            world_size,
-            layout,
-            max_rows=rows,
-            block_topk=block_topk,
-            q_heads=q_heads,
-            head_dim=head_dim,
-            device="meta",
-        ).nbytes
-        for rows in (max_rows, PREFILL_GROUP_ROWS)
-    )
-
-
-def _build_runtime(runner: Any) -> ShardedKVRuntime:
+def _build_store(runner: Any) -> ShardedKVStore:
     """The sharded store of one model runner, sized from its pools and its QSA profile."""
     from sglang.srt.runtime_context import get_parallel
 
@@ -454,7 +238,7 @@ def _build_runtime(runner: Any) -> ShardedKVRuntime:
     full = pool.full_kv_pool
     parallel = get_parallel()
     device = torch.device(runner.device)
-    runtime = ShardedKVRuntime(
+    runtime = ShardedKVStore(
         shard,
         dict(pool.full_attention_layer_id_mapping),
         slots=int(full.size) + int(full.page_size),
@@ -465,9 +249,12 @@ def _build_runtime(runner: Any) -> ShardedKVRuntime:
         block_topk=int(qsa_profile_of(runner.model_config).block_topk),
         max_rows=int(runner.req_to_token_pool.size),
         device=device,
-        tp_rank=int(parallel.tp_rank),
         head_layout=group_head_layout(),
     )
+    RankMetrics(int(parallel.tp_rank)).gauge(
+        "qsa_hisparse_sharded_kv_bytes",
+        "Bytes of this rank's share of the QSA layers' raw K/V (cache sharding).",
+    ).set(runtime.nbytes)
     logger.info(
         "cache sharding (resident): rank %d of a group of %d stores %s of the QSA layers' raw "
         "K/V on %s (%s unsharded); transport buffers %s; kernels: %s",
@@ -482,12 +269,12 @@ def _build_runtime(runner: Any) -> ShardedKVRuntime:
     return runtime
 
 
-def sharded_runtime_of(runner: Any) -> ShardedKVRuntime:
+def sharded_store_of(runner: Any) -> ShardedKVStore:
     """The one sharded store of ``runner`` (built on first use)."""
-    runtime = getattr(runner, "qsa_sharded_kv", None)
-    if runtime is None:
-        runtime = runner.qsa_sharded_kv = _build_runtime(runner)
-    return runtime
+    store = getattr(runner, "qsa_sharded_kv", None)
+    if store is None:
+        store = runner.qsa_sharded_kv = _build_store(runner)
+    return store
 
 
 def price_sharded_pool(configurator: Any, kvc: Any) -> None:
@@ -512,7 +299,7 @@ def price_sharded_pool(configurator: Any, kvc: Any) -> None:
     raw = resident - index_only
     cell = index_only + -(-raw // sharding)
     rows = kvc.server_args.max_running_requests
-    fixed = transport_bytes(
+    fixed = ShardedKVStore.transport_bytes(
         world_size=sharding,
         max_rows=int(rows) if rows is not None else 1,
         block_topk=int(qsa_profile_of(model_config).block_topk),
@@ -545,7 +332,7 @@ def sharded_backend_class() -> type[Any]:
 
         def __init__(self, runner: Any) -> None:
             super().__init__(runner)
-            self.qsa_sharded = sharded_runtime_of(runner)
+            self.qsa_sharded = sharded_store_of(runner)
             # The decode step's slot table, once per step for every layer: upstream's own
             # metadata rows eagerly, a gather inside the captured step under CUDA graphs.
             self._decode_slots: torch.Tensor | None = None
@@ -570,7 +357,8 @@ def sharded_backend_class() -> type[Any]:
             topk_indices: torch.Tensor,
         ) -> torch.Tensor:
             """The chunk's owned rows to the store, then upstream's or the owners' attention."""
-            return self.qsa_sharded.extend(
+            return attend_extend(
+                self.qsa_sharded,
                 layer.layer_id,
                 q,
                 k,
@@ -591,7 +379,8 @@ def sharded_backend_class() -> type[Any]:
             topk_indices: torch.Tensor,
         ) -> torch.Tensor:
             """The gathered chunk's owned rows to the store, then this rank's zigzag rows."""
-            return self.qsa_sharded.extend_cp(
+            return attend_extend_cp(
+                self.qsa_sharded,
                 layer.layer_id,
                 q,
                 k,

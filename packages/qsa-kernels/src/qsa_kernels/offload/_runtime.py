@@ -1,0 +1,628 @@
+"""One rank's request offload: request slots bound to rows, a prompt's staging, the decode step.
+
+:class:`OffloadRuntime` is what an engine's attention backend calls; it knows nothing of the
+engine. An engine names each running request by a *slot* (SGLang's ``req_pool_idx``) and gives
+each one a *row* of the store (:class:`OffloadedKV`), one per running request:
+
+- **Prefill.** Each chunk's K/V is written to one prompt's GPU staging area (:meth:`stage`),
+  which the engine's prefill kernels read as the prompt's context. One prompt is staged at a
+  time; a restored prefix fills the area first (:meth:`stage_prefix`, by copies a layer's first
+  reader waits for, :meth:`fill_staging_until`).
+- **Hand-off.** The staged prompt goes to its row (complete blocks to the host arena, the open
+  block to the tail) when its first decode step is planned or when the next prompt claims the
+  staging area, whichever comes first.
+- **Decode.** Each step is planned outside any CUDA graph (:meth:`plan_decode`: the hand-off,
+  the rows, the store's fixed step buffers); each layer's :meth:`decode_layer` (the QSA indexer's
+  blocks) or :meth:`decode_tokens` (tokens chosen per KV head) then reads only those buffers, so
+  it can be captured once per batch size and replayed.
+- **Release.** :meth:`release` frees the row when the request gives its slot back.
+
+Under a shard group (``kv.shard``) each rank's arena holds its own pages and a decode layer
+all-gathers the group's queries, attends every head of the group over the rank's own blocks and
+merges the owners' fp32 partials (:func:`qsa_kernels.sharded.gather_group_queries`,
+:func:`qsa_kernels.sharded.merge_owner_partials`).
+
+With ``verify`` the runtime also keeps a resident copy of every token's K/V on the device and,
+when a row is released, compares the host arena and tail with it byte for byte.
+
+The runtime counts what it does (:class:`OffloadCounts`: rows in use, decode steps, blocks
+selected and fetched, bytes verified) and hands every change to ``on_counts``, so an engine can
+export the numbers its own way. The block counters live on the device and are read every
+:data:`LOG_EVERY_STEPS` steps and when a row is released: the decode path never synchronizes for
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final, Protocol
+
+import torch
+
+from qsa_kernels._errors import KernelInputError, QSAKernelError
+from qsa_kernels.expand import complete_blocks
+from qsa_kernels.offload._store import OffloadedKV, OffloadGeometry, RowState
+from qsa_kernels.sharded import (
+    HeadLayout,
+    ShardedDecodeBuffers,
+    gather_group_queries,
+    merge_owner_partials,
+)
+
+__all__ = (
+    "LOG_EVERY_STEPS",
+    "CopyFence",
+    "OffloadCounts",
+    "OffloadRuntime",
+    "OffloadStateError",
+)
+
+logger = logging.getLogger(__name__)
+
+#: Decode steps between two log lines (and two reads of the device-side block counters).
+LOG_EVERY_STEPS: Final = 256
+
+
+class OffloadStateError(QSAKernelError, RuntimeError):
+    """A call the runtime's rows do not allow.
+
+    For example a slot without a row, a row whose length disagrees with the engine's, or a prompt
+    the staging area does not hold. The message names the slot, row and token counts involved.
+    """
+
+
+class CopyFence(Protocol):
+    """Copies in flight on another stream (e.g. ``qsa_hostcache.CopyFence``)."""
+
+    def wait(self) -> None:
+        """Order the current stream's later work after the copies."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OffloadCounts:
+    """What one runtime has done since it was built.
+
+    Attributes:
+        rows_in_use: rows bound to a request slot now.
+        decode_steps: decode steps planned (captures excluded).
+        selected_blocks: complete blocks the decode layers selected, all layers, as of the last
+            read of the device counters.
+        fetched_blocks: selected blocks that missed the hot cache and were read from the host
+            arena, as of the same read.
+        verified_bytes: K/V bytes of released rows compared with their resident copy.
+        differing_bytes: compared bytes that differed (0 unless the offload lost a byte).
+    """
+
+    rows_in_use: int = 0
+    decode_steps: int = 0
+    selected_blocks: int = 0
+    fetched_blocks: int = 0
+    verified_bytes: int = 0
+    differing_bytes: int = 0
+
+
+class OffloadRuntime:
+    """The offloaded K/V of one rank, and the engine's request slots mapped to its rows.
+
+    Args:
+        kv: the rows, hot caches, tails and host arena.
+        layer_ordinal: the engine's layer id of each offloaded layer -> its index in ``kv``
+            (``[0, L)``).
+        block_topk: width of the QSA indexer's block selection (512 for Qwen3.8-Flash-Next);
+            None where tokens are chosen per KV head instead (double sparsity).
+        verify: keep a resident copy of every row's K/V and compare the row with it on release.
+        q_heads: query heads of this rank's attention layers; with a shard group in ``kv``
+            (``kv.shard``), the transport buffers are sized for the group's heads.
+        head_layout: how the shard group holds its query heads: SHARDED (the TP head split,
+            ``N x q_heads`` in the group) or REPLICATED (CP over the TP group: every rank all
+            ``q_heads``).
+        on_counts: called with the runtime's :class:`OffloadCounts` whenever they change.
+
+    Raises:
+        OffloadStateError: a shard group without ``q_heads`` or ``block_topk``.
+    """
+
+    def __init__(
+        self,
+        kv: OffloadedKV,
+        layer_ordinal: Mapping[int, int],
+        block_topk: int | None,
+        *,
+        verify: bool = False,
+        q_heads: int | None = None,
+        head_layout: HeadLayout = HeadLayout.SHARDED,
+        on_counts: Callable[[OffloadCounts], None] | None = None,
+    ) -> None:
+        self.kv = kv
+        g = kv.geometry
+        self._exchange: ShardedDecodeBuffers | None = None
+        if kv.shard is not None:
+            if q_heads is None or block_topk is None:
+                msg = "a sharded offload needs the rank's query heads and the QSA block top-k"
+                raise OffloadStateError(msg)
+            self._exchange = ShardedDecodeBuffers.for_rank(
+                kv.shard.world_size,
+                head_layout,
+                max_rows=g.rows,
+                block_topk=block_topk,
+                q_heads=q_heads,
+                head_dim=g.head_dim,
+                device=kv.device,
+            )
+        # One prompt's K/V of every offloaded layer, by token position: [L, T_max, Hkv, D].
+        shape = (g.layers, g.max_tokens, g.kv_heads, g.head_dim)
+        self.staging_k = torch.zeros(shape, dtype=g.dtype, device=kv.device)
+        self.staging_v = torch.zeros(shape, dtype=g.dtype, device=kv.device)
+        self._staged_row: int | None = None
+        self._staged_tokens = 0
+        # Copies still reading the staged prompt (checkpoints on their way to the host).
+        self._staging_readers: list[CopyFence] = []
+        # Copies still writing a staged layer (a restored prefix on its way in), by ordinal.
+        self._staging_fills: dict[int, CopyFence] = {}
+        # The resident copy for verification: [R, L, T_max, Hkv, D] K and V, or None.
+        self._resident: tuple[torch.Tensor, torch.Tensor] | None = None
+        if verify:
+            rows_shape = (g.rows, *shape)
+            self._resident = (
+                torch.zeros(rows_shape, dtype=g.dtype, device=kv.device),
+                torch.zeros(rows_shape, dtype=g.dtype, device=kv.device),
+            )
+        self._ordinal = dict(layer_ordinal)
+        self._block_topk = block_topk
+        self._row_of_slot: dict[int, int] = {}
+        self._rows: tuple[int, ...] = ()  # the planned step's rows, padding last
+        self._pending_counts = torch.zeros(2, dtype=torch.int64, device=kv.device)
+        self._counts = OffloadCounts()
+        self._on_counts = on_counts
+        self._report()
+
+    @staticmethod
+    def fixed_device_bytes(geometry: OffloadGeometry, *, verify: bool = False) -> int:
+        """Device bytes a runtime of ``geometry`` allocates once (staging, hot caches, tails).
+
+        The staging area holds one prompt of every layer; with ``verify``, the resident copy of
+        every row too (the arena's size, on the device).
+        """
+        staging = geometry.store_layers * geometry.max_blocks * geometry.record_bytes
+        resident = geometry.host_bytes if verify else 0
+        return staging + resident + geometry.device_bytes
+
+    @property
+    def host_arena_bytes(self) -> int:
+        """Bytes of this rank's host arena."""
+        return int(self.kv.host_arena.nbytes)
+
+    @property
+    def rows_in_use(self) -> int:
+        """Rows bound to a request slot."""
+        return len(self._row_of_slot)
+
+    @property
+    def counts(self) -> OffloadCounts:
+        """What the runtime has done so far (block counters as of their last read)."""
+        return self._counts
+
+    # ---- the request lifecycle -------------------------------------------------------------------
+
+    def bind(self, slot: int, row: int) -> None:
+        """A request got the engine's slot ``slot`` and the store's row ``row``.
+
+        Raises:
+            OffloadStateError: ``slot`` is bound to another row.
+        """
+        held = self._row_of_slot.get(slot)
+        if held is not None and held != row:
+            msg = f"request slot {slot!r} is bound to row {held!r}, not {row!r}"
+            raise OffloadStateError(msg)
+        self._row_of_slot[slot] = row
+        self._count(rows_in_use=self.rows_in_use)
+
+    def release(self, row: int) -> None:
+        """The request of row ``row`` gave its slot back (finish, abort, retraction)."""
+        for slot in [s for s, r in self._row_of_slot.items() if r == row]:
+            del self._row_of_slot[slot]
+        if self._staged_row == row:
+            self._staged_row, self._staged_tokens = None, 0
+        if self.kv.state(row) is RowState.ACTIVE:
+            if self._resident is not None:
+                self._verify(row)
+            self.kv.release(row)
+        self._count(rows_in_use=self.rows_in_use)
+        self.flush_counters()  # once per request: the one device read outside the log interval
+
+    # ---- prefill: the staging area ---------------------------------------------------------------
+
+    @property
+    def staged_row(self) -> int | None:
+        """The row whose prompt is in the staging area, if any."""
+        return self._staged_row
+
+    @property
+    def staged_tokens(self) -> int:
+        """Tokens of :attr:`staged_row`'s prompt in the staging area (0 when none)."""
+        return self._staged_tokens
+
+    def stage(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, *, slot: int, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one layer's prefill chunk, tokens ``[start, end)`` of ``slot``'s prompt.
+
+        Args:
+            layer_id: the engine's layer id.
+            k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``, ``N >= end - start``) keys of the chunk.
+            v: its values, shaped like ``k``.
+            slot: the prefilling request's slot.
+            start: tokens of the prompt before the chunk (all already staged).
+            end: the chunk's end.
+
+        Returns:
+            ``(k [end, Hkv, D], v [end, Hkv, D])``: the staged prompt up to the chunk's end, in
+            the geometry's dtype.
+
+        Raises:
+            OffloadStateError: ``slot`` holds no row, the prompt outgrows the staging area, or
+                tokens before ``start`` are not staged.
+        """
+        ordinal = self._ordinal_of(layer_id)
+        row = self._row_of_slot.get(slot)
+        if row is None:
+            msg = f"request slot {slot!r} prefills but holds no lease row"
+            raise OffloadStateError(msg)
+        g = self.kv.geometry
+        if end > g.max_tokens:
+            msg = f"a prompt of {end!r} tokens exceeds the staging area ({g.max_tokens!r})"
+            raise OffloadStateError(msg)
+        if self._staged_row != row:
+            self._claim_staging(row)
+        self._filled(ordinal)
+        if start > self._staged_tokens:
+            msg = (
+                f"row {row!r} prefills tokens [{start!r}, {end!r}) but the staging area holds "
+                f"only its first {self._staged_tokens!r}"
+            )
+            raise OffloadStateError(msg)
+        n = end - start
+        self.staging_k[ordinal, start:end] = k[:n].reshape(n, g.kv_heads, g.head_dim)
+        self.staging_v[ordinal, start:end] = v[:n].reshape(n, g.kv_heads, g.head_dim)
+        self._staged_tokens = end
+        return self.staging_k[ordinal, :end], self.staging_v[ordinal, :end]
+
+    def staged_layers(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, ``[tokens, Hkv, D]`` views of ``row``'s first ``tokens`` staged tokens.
+
+        Views, not copies: a reader that outlives the current stream's work registers its copies
+        with :meth:`keep_staging_until`.
+
+        Raises:
+            OffloadStateError: the staging area does not hold ``tokens`` tokens of ``row``.
+        """
+        if self._staged_row != row or not 0 < tokens <= self._staged_tokens:
+            msg = (
+                f"row {row!r} asks for {tokens!r} staged tokens; the staging area holds "
+                f"{self._staged_tokens!r} tokens of row {self._staged_row!r}"
+            )
+            raise OffloadStateError(msg)
+        self._filled()
+        return self._layer_views(tokens)
+
+    def staging_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole staging area of one layer: ``[T_max, Hkv, D]`` K and V.
+
+        Row ``t`` holds the staged prompt's token ``t``: what a dense prefill kernel reads as its
+        K/V pool.
+        """
+        ordinal = self._ordinal_of(layer_id)
+        self._filled(ordinal)
+        return self.staging_k[ordinal], self.staging_v[ordinal]
+
+    def stage_prefix(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Give the staging area to ``row``, whose first ``tokens`` tokens come from elsewhere.
+
+        For a prefix restored from a host prefix cache: the caller fills the returned views (as
+        :meth:`staged_layers`) before the row's first prefill chunk runs, on the current stream
+        or by copies it names per layer with :meth:`fill_staging_until`.
+
+        Raises:
+            OffloadStateError: the prefix does not fit the staging area.
+        """
+        g = self.kv.geometry
+        if not 0 < tokens <= g.max_tokens:
+            msg = (
+                f"a restored prefix of {tokens!r} tokens; the staging area holds 1 to "
+                f"{g.max_tokens!r}"
+            )
+            raise OffloadStateError(msg)
+        self._claim_staging(row)
+        self._staged_tokens = tokens
+        return self._layer_views(tokens)
+
+    def keep_staging_until(self, fence: CopyFence) -> None:
+        """Copies reading the staging area until ``fence``: the next prompt waits for them."""
+        self._staging_readers.append(fence)
+
+    def fill_staging_until(self, ordinal: int, fence: CopyFence) -> None:
+        """Copies write layer ``ordinal``'s staged prefix until ``fence``.
+
+        The first reader of that layer orders the current stream after them, so a restore's
+        copies overlap the model's layers before it instead of holding up the whole step.
+        """
+        self._staging_fills[ordinal] = fence
+
+    # ---- decode ----------------------------------------------------------------------------------
+
+    def plan_decode(
+        self,
+        slots: Sequence[int],
+        seq_lens: Sequence[int],
+        *,
+        pad_to: int | None = None,
+        capture: bool = False,
+    ) -> None:
+        """Plan one decode step: hand off a prompt that starts decoding, then the step's rows.
+
+        Args:
+            slots: the step's requests, by slot (none while a CUDA graph is captured).
+            seq_lens: each request's length with the token this step adds.
+            pad_to: the batch size of a captured CUDA graph the step replays (or is captured
+                as): free rows pad the step to it, their work masked.
+            capture: the step is being captured; it is not counted.
+
+        Raises:
+            OffloadStateError: a slot holds no row, a row's length is not its request's, or the
+                store refuses the plan (naming why).
+        """
+        rows = []
+        for slot, seq_len in zip(slots, seq_lens, strict=True):
+            row = self._row_of_slot.get(slot)
+            if row is None:
+                msg = f"request slot {slot!r} decodes but holds no lease row"
+                raise OffloadStateError(msg)
+            held = seq_len - 1  # every token before the one this step adds
+            if self.kv.state(row) is RowState.FREE:
+                self._hand_off(row, held)
+            elif self.kv.length(row) != held:
+                msg = (
+                    f"row {row!r} (request slot {slot!r}) holds {self.kv.length(row)!r} tokens; "
+                    f"the engine decodes token {held!r}"
+                )
+                raise OffloadStateError(msg)
+            rows.append(row)
+        try:
+            self._rows = self.kv.advance(rows, pad_to=pad_to)
+        except KernelInputError as exc:
+            raise OffloadStateError(f"cannot plan the decode step: {exc}") from exc
+        self.kv.begin_step()
+        if not capture:
+            steps = self._counts.decode_steps + 1
+            self._count(decode_steps=steps)
+            if steps % LOG_EVERY_STEPS == 0:
+                self.flush_counters(log=True)
+
+    def decode_layer(  # noqa: PLR0917 (the attention call's own order)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        indices: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One QSA layer of the planned decode step.
+
+        Args:
+            layer_id: the engine's layer id.
+            q: ``[B, Hq * D]`` (or ``[B, Hq, D]``) bf16 queries.
+            k: ``[B, Hkv * D]`` the new token's keys.
+            v: ``[B, Hkv * D]`` its values.
+            indices: the indexer's selection (the forms :func:`complete_blocks` takes).
+            scale: softmax scale.
+
+        Returns:
+            ``[B, Hq * D]`` attention output, in ``q``'s dtype.
+        """
+        ordinal = self._append(layer_id, k, v)
+        if self._block_topk is None:
+            msg = "decode_layer takes a QSA indexer's blocks; this runtime chooses tokens"
+            raise OffloadStateError(msg)
+        # Padding rows have 0 complete blocks: nothing selected.
+        blocks = complete_blocks(indices, self.kv.step_closed_blocks, self._block_topk)
+        self._count_blocks(ordinal, blocks)
+        rows = self._rows
+        q = q.reshape(len(rows), -1, self.kv.geometry.head_dim)
+        shard, exchange = self.kv.shard, self._exchange
+        if shard is None or exchange is None:
+            out, _lse = self.kv.attend(ordinal, rows, q, blocks, scale=scale)
+        else:  # every head of the group over this rank's blocks, then each rank its own heads
+            group_q = gather_group_queries(q.to(torch.bfloat16), shard=shard, buffers=exchange)
+            part, lse = self.kv.attend(
+                ordinal, rows, group_q, blocks, scale=scale, out_dtype=torch.float32
+            )
+            out, _lse = merge_owner_partials(
+                part, lse, shard=shard, buffers=exchange, path=self.kv.path
+            )
+        return out.reshape(len(rows), -1).to(q.dtype)
+
+    def decode_tokens(  # noqa: PLR0917 (decode_layer's order)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+        *,
+        checked: bool = True,
+    ) -> torch.Tensor:
+        """One attention layer of the planned decode step over chosen tokens per KV head.
+
+        Double sparsity's form of :meth:`decode_layer`: the new token goes to the tail (a block it
+        closes to the host arena), then each KV head attends the tokens it chose, whose blocks
+        are fetched into that head's hot cache (:meth:`OffloadedKV.token_blocks`; no host read
+        while the chosen lists fit a hot cache, or with ``checked=False``).
+
+        Args:
+            layer_id: the engine's layer id.
+            q: ``[B, Hq * D]`` (or ``[B, Hq, D]``) bf16 queries.
+            k: ``[B, Hkv * D]`` the new token's keys.
+            v: ``[B, Hkv * D]`` its values.
+            positions: ``[B, Hkv, W]`` int32 token positions each (row, KV head) attends, ``-1``
+                padded, the new token's among them where chosen.
+            scale: softmax scale.
+            checked: refuse a head whose blocks overflow its hot cache (a host read for lists
+                wider than the hot cache). ``False`` in a captured step whose hot caches hold as
+                many slots as any list needs.
+
+        Returns:
+            ``[B, Hq * D]`` attention output, in ``q``'s dtype.
+        """
+        ordinal = self._append(layer_id, k, v)
+        rows = self._rows
+        try:
+            blocks = self.kv.token_blocks(rows, positions, checked=checked)
+        except KernelInputError as exc:
+            raise OffloadStateError(f"layer {layer_id!r}: {exc}") from exc
+        self._count_blocks(ordinal, blocks)
+        out, _lse = self.kv.attend_tokens(
+            ordinal,
+            rows,
+            q.reshape(len(rows), -1, self.kv.geometry.head_dim),
+            positions,
+            blocks,
+            scale=scale,
+        )
+        return out.reshape(len(rows), -1).to(q.dtype)
+
+    def flush_counters(self, *, log: bool = False) -> tuple[int, int]:
+        """Read the device-side block counters into :attr:`counts`; returns (selected, fetched).
+
+        Reads the device (one synchronization); the decode path calls it every
+        :data:`LOG_EVERY_STEPS` steps, :meth:`release` once per request.
+        """
+        selected, fetched = (int(x) for x in self._pending_counts.tolist())
+        self._pending_counts.zero_()
+        if selected or fetched:
+            self._count(
+                selected_blocks=self._counts.selected_blocks + selected,
+                fetched_blocks=self._counts.fetched_blocks + fetched,
+            )
+        if log:
+            hit = 1.0 - fetched / selected if selected else 1.0
+            logger.info(
+                "offload: %d decode steps; last %d: %d blocks selected, %d fetched from host "
+                "(hot-cache hit rate %.3f); %d rows in use; host arena %.1f GiB",
+                self._counts.decode_steps,
+                LOG_EVERY_STEPS,
+                selected,
+                fetched,
+                hit,
+                self.rows_in_use,
+                self.host_arena_bytes / (1 << 30),
+            )
+        return selected, fetched
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write the step's new token of one layer (and a block it closes); its ordinal."""
+        ordinal = self._ordinal_of(layer_id)
+        g = self.kv.geometry
+        batch = len(self._rows)  # padding included under a CUDA graph
+        k = k.reshape(batch, g.kv_heads, g.head_dim)
+        v = v.reshape(batch, g.kv_heads, g.head_dim)
+        self.kv.write_token(ordinal, self._rows, k, v)
+        if self._resident is not None:  # where a resident pool would have put the token
+            rows, positions = self.kv.step_row_ids.long(), self.kv.step_positions.long()
+            self._resident[0][rows, ordinal, positions] = k.to(g.dtype)
+            self._resident[1][rows, ordinal, positions] = v.to(g.dtype)
+        return ordinal
+
+    def _ordinal_of(self, layer_id: int) -> int:
+        ordinal = self._ordinal.get(layer_id)
+        if ordinal is None:
+            msg = f"layer {layer_id!r} is not offloaded; offloaded layers: {list(self._ordinal)!r}"
+            raise OffloadStateError(msg)
+        return ordinal
+
+    def _layer_views(self, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        layers = range(self.kv.geometry.layers)
+        return (
+            [self.staging_k[i, :tokens] for i in layers],
+            [self.staging_v[i, :tokens] for i in layers],
+        )
+
+    def _claim_staging(self, row: int) -> None:
+        """Give the staging area to ``row``, first handing off a prompt still waiting in it."""
+        held = self._staged_row
+        if held is not None and self.kv.state(held) is RowState.FREE:
+            self._hand_off(held, self._staged_tokens)
+        self._filled()  # the next prompt overwrites what they write and what the readers read
+        for fence in self._staging_readers:
+            fence.wait()
+        self._staging_readers.clear()
+        self._staged_row, self._staged_tokens = row, 0
+
+    def _filled(self, ordinal: int | None = None) -> None:
+        """Order the current stream after the copies filling one staged layer (None: all)."""
+        if ordinal is None:
+            fences = list(self._staging_fills.values())
+            self._staging_fills.clear()
+        else:
+            fence = self._staging_fills.pop(ordinal, None)
+            fences = [] if fence is None else [fence]
+        for fence in fences:
+            fence.wait()
+
+    def _hand_off(self, row: int, tokens: int) -> None:
+        """The staged prompt of ``row`` (its first ``tokens`` tokens) into the row."""
+        if self._staged_row != row or self._staged_tokens != tokens:
+            msg = (
+                f"row {row!r} starts decoding after {tokens!r} tokens, but the staging area "
+                f"holds {self._staged_tokens!r} tokens of row {self._staged_row!r}"
+            )
+            raise OffloadStateError(msg)
+        self._filled()
+        self.kv.admit(row, self.staging_k[:, :tokens], self.staging_v[:, :tokens])
+        if self._resident is not None:
+            self._resident[0][row, :, :tokens] = self.staging_k[:, :tokens]
+            self._resident[1][row, :, :tokens] = self.staging_v[:, :tokens]
+        self._staged_row, self._staged_tokens = None, 0
+        logger.debug("offload: row %d took a %d-token prompt", row, tokens)
+
+    def _verify(self, row: int) -> None:
+        """Compare a row's arena and tail with its resident copy (one device sync, diagnostics)."""
+        assert self._resident is not None
+        tokens = self.kv.length(row)
+        k, v = (t[row, :, :tokens] for t in self._resident)
+        result = self.kv.compare(row, k, v)
+        self._count(
+            verified_bytes=self._counts.verified_bytes + result.bytes_compared,
+            differing_bytes=self._counts.differing_bytes + result.bytes_differing,
+        )
+        if result.bytes_differing:
+            logger.error(
+                "offload: row %d: %d of %d K/V bytes on the host differ from the resident copy",
+                row,
+                result.bytes_differing,
+                result.bytes_compared,
+            )
+        else:
+            logger.info(
+                "offload: row %d: %d tokens, %d K/V bytes on the host equal the resident copy",
+                row,
+                tokens,
+                result.bytes_compared,
+            )
+
+    def _count_blocks(self, ordinal: int, blocks: torch.Tensor) -> None:
+        """Add this layer's selected and missing blocks to the device-side counters (no sync)."""
+        self._pending_counts += self.kv.selection_counts(ordinal, self._rows, blocks)
+
+    def _count(self, **changes: int) -> None:
+        self._counts = dataclasses.replace(self._counts, **changes)
+        self._report()
+
+    def _report(self) -> None:
+        if self._on_counts is not None:
+            self._on_counts(self._counts)

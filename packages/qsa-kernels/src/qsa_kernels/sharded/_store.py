@@ -1,0 +1,238 @@
+"""One rank's share of the QSA layers' raw K/V under a shard group, and its attention (D1).
+
+Engine-neutral: an engine's attention backend stores each new token's K/V with :meth:`write`
+(owned rows only), attends decode rows with :meth:`ShardedKVStore.decode` and a chunk after a
+prefix with :meth:`ShardedKVStore.prefill`, and prices the fixed buffers with
+:meth:`ShardedKVStore.transport_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from qsa_kernels._errors import KernelInputError
+from qsa_kernels._geometry import BLOCK_TOKENS
+from qsa_kernels._path import KernelPath
+from qsa_kernels.expand import complete_blocks
+from qsa_kernels.sharded._attention import owner_sparse_decode, owner_sparse_prefill
+from qsa_kernels.sharded._buffers import HeadLayout, ShardedDecodeBuffers
+from qsa_kernels.sharded._group import ShardGroup
+from qsa_kernels.sharded._layout import owned_token_bound
+from qsa_kernels.sharded._writes import raw_write_targets, write_owned_raw_kv
+
+__all__ = ("PREFILL_GROUP_ROWS", "ShardedKVStore")
+
+#: Query tokens of a prefill chunk after a prefix that attend in one owner-side round.
+PREFILL_GROUP_ROWS = 256
+
+
+class ShardedKVStore:
+    """This rank's share of the QSA layers' raw K/V, and the attention over the shard group.
+
+    Each rank keeps ``[L, NS_local, 2, 4, Hkv, D]`` records of the logical token slots it owns
+    (slot ``g`` on rank ``g % N`` at local slot ``g // N``): ``1 / N`` of the raw bytes a
+    replicated pool holds. Writes go to their owner only (:func:`raw_write_targets`,
+    :func:`write_owned_raw_kv`: fixed shapes, no host read); decode and a chunk after a prefix
+    attend owner-side (:func:`owner_sparse_decode`, :func:`owner_sparse_prefill`) through one
+    set of transport buffers per kind, allocated once.
+
+    Args:
+        shard: this rank's shard group (``N >= 2`` ranks holding copies of one K/V head).
+        layer_ordinal: the engine's layer id of each QSA layer -> its index in the store
+            (``[0, L)``).
+        slots: logical token slots of the engine's K/V pool (padding included).
+        kv_heads: K/V heads of this rank's attention layers.
+        head_dim: head dim ``D``.
+        dtype: the K/V dtype (bf16 or FP8 E4M3).
+        q_heads: query heads of this rank (the group attends ``N x q_heads`` when SHARDED).
+        block_topk: the QSA indexer's block selection width.
+        max_rows: most decode rows of one step (the engine's running requests).
+        device: where the store and the transport buffers live.
+        path: kernels or torch references (:attr:`KernelPath.AUTO`: Triton on CUDA).
+        head_layout: how the group holds its query heads: SHARDED with the TP head split,
+            REPLICATED under CP over the TP group (every rank every head).
+    """
+
+    def __init__(
+        self,
+        shard: ShardGroup,
+        layer_ordinal: Mapping[int, int],
+        *,
+        slots: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        q_heads: int,
+        block_topk: int,
+        max_rows: int,
+        device: torch.device,
+        path: KernelPath = KernelPath.AUTO,
+        head_layout: HeadLayout = HeadLayout.SHARDED,
+    ) -> None:
+        self.shard = shard
+        self.path = path
+        self._ordinal = dict(layer_ordinal)
+        self._block_topk = block_topk
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        placement = shard.placement
+        records = -(-placement.local_capacity(slots) // BLOCK_TOKENS)
+        shape = (len(self._ordinal), records, 2, BLOCK_TOKENS, kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self._width = owned_token_bound(placement, block_topk)
+
+        def buffers(rows: int) -> ShardedDecodeBuffers:
+            return ShardedDecodeBuffers.for_rank(
+                shard.world_size,
+                head_layout,
+                max_rows=rows,
+                block_topk=block_topk,
+                q_heads=q_heads,
+                head_dim=head_dim,
+                device=device,
+            )
+
+        self._decode_buffers = buffers(max_rows)
+        self._prefill_buffers = buffers(PREFILL_GROUP_ROWS)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's raw K/V store."""
+        return int(self.kv.nbytes)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the transport buffers (decode and prefill)."""
+        return self._decode_buffers.nbytes + self._prefill_buffers.nbytes
+
+    def layer(self, layer_id: int) -> torch.Tensor:
+        """``[NS_local, 2, 4, Hkv, D]`` this rank's records of one QSA layer."""
+        ordinal = self._ordinal.get(layer_id)
+        if ordinal is None:
+            msg = f"layer {layer_id!r} is not a QSA layer; QSA layers: {list(self._ordinal)!r}"
+            raise KernelInputError(msg)
+        return self.kv[ordinal]
+
+    def write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the owned rows of new K/V (a prefill chunk or a decode step's tokens).
+
+        Args:
+            layer_id: the engine's layer id.
+            k: ``[M, Hkv * D]`` (or ``[M, Hkv, D]``) keys of the new tokens.
+            v: their values, shaped like ``k``.
+            slots: ``[M]`` their logical slots (negative for padding).
+        """
+        store = self.layer(layer_id)
+        rows = int(slots.shape[0])
+        shape = (rows, self.kv_heads, self.head_dim)
+        targets = raw_write_targets(slots, self.shard.placement, self.shard.rank)
+        k = k[:rows].reshape(shape).to(store.dtype)
+        v = v[:rows].reshape(shape).to(store.dtype)
+        write_owned_raw_kv(store, targets, k, v)
+
+    def decode(  # noqa: PLR0917 (the attention call's own order)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_table: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One QSA layer's decode over the shard group (the new token already :meth:`write` n).
+
+        Args:
+            layer_id: the engine's layer id.
+            q: ``[B, Hq * D]`` (or ``[B, Hq, D]``) this rank's query heads.
+            indices: the indexer's selection (the forms
+                :func:`qsa_kernels.offload.complete_blocks` takes).
+            seq_lens: ``[B]`` each row's length with the new token.
+            slot_table: ``[B, >= max seq_len]`` logical slot of each position
+                (the engine's slot table rows).
+            scale: softmax scale.
+
+        Returns:
+            ``[B, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
+        """
+        batch = int(seq_lens.shape[0])
+        queries = q.reshape(batch, -1, self.head_dim)
+        blocks = complete_blocks(indices[:batch], seq_lens // BLOCK_TOKENS, self._block_topk)
+        capturing = queries.is_cuda and torch.cuda.is_current_stream_capturing()
+        out, _lse = owner_sparse_decode(
+            queries.to(torch.bfloat16),
+            blocks,
+            seq_lens,
+            slot_table,
+            self.layer(layer_id),
+            shard=self.shard,
+            buffers=self._decode_buffers,
+            scale=scale,
+            path=self.path,
+            owned_width=self._width,
+            check_width=not capturing,  # a captured step relies on the page-contiguous bound
+        )
+        return out.reshape(batch, -1).to(q.dtype)
+
+    def prefill(  # noqa: PLR0917 (the attention call's own order)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        indices: torch.Tensor,
+        positions: torch.Tensor,
+        slot_row: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One request's chunk after a prefix, owner-side (the chunk already :meth:`write` n).
+
+        Args:
+            layer_id: the engine's layer id.
+            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's query heads of the chunk.
+            indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per query token.
+            positions: ``[T]`` each query token's position in the request.
+            slot_row: ``[S]`` the request's logical slot of each position.
+            scale: softmax scale.
+
+        Returns:
+            ``[T, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
+        """
+        tokens = int(positions.shape[0])
+        queries = q.reshape(tokens, -1, self.head_dim)
+        closed = (positions + 1) // BLOCK_TOKENS
+        blocks = complete_blocks(indices, closed, self._block_topk)
+        out, _lse = owner_sparse_prefill(
+            queries.to(torch.bfloat16),
+            blocks,
+            positions,
+            slot_row,
+            self.layer(layer_id),
+            shard=self.shard,
+            buffers=self._prefill_buffers,
+            scale=scale,
+            path=self.path,
+        )
+        return out.reshape(tokens, -1).to(q.dtype)
+
+    @staticmethod
+    def transport_bytes(
+        *,
+        world_size: int,
+        max_rows: int,
+        block_topk: int,
+        q_heads: int,
+        head_dim: int,
+        layout: HeadLayout = HeadLayout.SHARDED,
+    ) -> int:
+        """Device bytes of one rank's transport buffers (decode and prefill), without allocating."""
+        return sum(
+            ShardedDecodeBuffers.for_rank(
+                world_size,
+                layout,
+                max_rows=rows,
+                block_topk=block_topk,
+                q_heads=q_heads,
+                head_dim=head_dim,
+                device="meta",
+            ).nbytes
+            for rows in (max_rows, PREFILL_GROUP_ROWS)
+        )

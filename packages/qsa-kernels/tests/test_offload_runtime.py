@@ -1,0 +1,263 @@
+"""The request offload runtime: slots bound to rows, one prompt's staging, the planned step.
+
+The runtime is driven here as an engine's attention backend drives it, with the store on the
+torch reference path (CPU). A restored prefix's copies are stood for by fences that record the
+waits asked of them (on CPU a restore's copies are done on return; the ordering itself is CUDA
+stream work, exercised by the GPU engine tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qsa_kernels import KernelPath
+from qsa_kernels.offload import (
+    LOG_EVERY_STEPS,
+    OffloadCounts,
+    OffloadedKV,
+    OffloadGeometry,
+    OffloadRuntime,
+    OffloadStateError,
+    RowState,
+)
+
+LAYER_IDS = {3: 0, 7: 1}  # the engine's layer id -> offloaded ordinal
+SLOT, ROW, PREFIX, CHUNK, D, TOPK = 5, 0, 64, 32, 64, 16
+SCALE = D**-0.5
+
+
+class RecordingFence:
+    """A fence that counts the stream waits asked of it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+def _runtime(
+    *, verify: bool = False, seen: list[OffloadCounts] | None = None, max_blocks: int = 64
+) -> OffloadRuntime:
+    geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, max_blocks, 1, D, torch.bfloat16)
+    kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    runtime = OffloadRuntime(
+        kv, LAYER_IDS, TOPK, verify=verify, on_counts=None if seen is None else seen.append
+    )
+    runtime.bind(SLOT, ROW)
+    return runtime
+
+
+def _restore(runtime: OffloadRuntime) -> dict[int, RecordingFence]:
+    """Stage a ``PREFIX``-token prefix as a restore does: views filled, one fence per layer."""
+    k_layers, v_layers = runtime.stage_prefix(ROW, PREFIX)
+    fences = {}
+    for ordinal, (k, v) in enumerate(zip(k_layers, v_layers, strict=True)):
+        k.fill_(ordinal + 1)
+        v.fill_(-(ordinal + 1))
+        fences[ordinal] = RecordingFence()
+        runtime.fill_staging_until(ordinal, fences[ordinal])
+    return fences
+
+
+def _prefill(runtime: OffloadRuntime, kv: torch.Tensor, chunks: list[int]) -> int:
+    """Stage ``kv[side, ordinal, token]``'s prompt chunk by chunk; its length."""
+    start = 0
+    for size in chunks:
+        for layer_id, ordinal in LAYER_IDS.items():
+            k, v = kv[0, ordinal, start : start + size], kv[1, ordinal, start : start + size]
+            runtime.stage(layer_id, k, v, slot=SLOT, start=start, end=start + size)
+        start += size
+    return start
+
+
+# ---- staging and a restored prefix ---------------------------------------------------------------
+
+
+def test_a_layers_prefill_waits_for_its_own_restore_copies_only() -> None:
+    runtime = _runtime()
+    fences = _restore(runtime)
+    new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
+    k, v = runtime.stage(3, new, new, slot=SLOT, start=PREFIX, end=PREFIX + CHUNK)
+    assert (fences[0].waits, fences[1].waits) == (1, 0)
+    assert k.shape == (PREFIX + CHUNK, 1, D)
+    assert bool(k[:PREFIX].eq(1).all())
+    assert bool(v[:PREFIX].eq(-1).all())
+    assert bool(k[PREFIX:].eq(0).all())
+    runtime.stage(7, new, new, slot=SLOT, start=PREFIX, end=PREFIX + CHUNK)
+    runtime.stage(3, new, new, slot=SLOT, start=PREFIX, end=PREFIX + CHUNK)  # waited for once
+    assert (fences[0].waits, fences[1].waits) == (1, 1)
+
+
+def test_the_hand_off_waits_for_every_layers_restore_copies() -> None:
+    runtime = _runtime()
+    fences = _restore(runtime)
+    runtime.plan_decode([SLOT], [PREFIX + 1])
+    assert [f.waits for f in fences.values()] == [1, 1]
+    assert runtime.kv.length(ROW) == PREFIX + 1  # the prefix and the step's new token
+    assert runtime.staged_row is None
+
+
+def test_a_checkpoint_of_the_staged_prefix_reads_it_after_every_restore_copy() -> None:
+    runtime = _runtime()
+    fences = _restore(runtime)
+    k_layers, _ = runtime.staged_layers(ROW, PREFIX)
+    assert [f.waits for f in fences.values()] == [1, 1]
+    assert [int(k[0, 0, 0]) for k in k_layers] == [1, 2]
+
+
+def test_the_next_prompt_waits_for_copies_still_reading_the_staged_one() -> None:
+    runtime = _runtime()
+    runtime.bind(SLOT + 1, ROW + 1)
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    reader = RecordingFence()
+    runtime.keep_staging_until(reader)
+    new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
+    runtime.stage(3, new, new, slot=SLOT + 1, start=0, end=CHUNK)
+    assert reader.waits == 1
+    assert runtime.kv.state(ROW) is RowState.ACTIVE  # the waiting prompt was handed off first
+    assert runtime.kv.length(ROW) == PREFIX
+    assert runtime.staged_row == ROW + 1
+
+
+# ---- prefill, hand-off and decode equal the store driven directly --------------------------------
+
+
+def test_a_staged_prompt_decodes_as_the_store_admitting_it_whole() -> None:
+    """Two chunks staged, handed off at the first planned step, three decode steps: each layer's
+    output equals the store's own attention over the same prompt, bit for bit."""
+    gen = torch.Generator().manual_seed(20261204)
+    steps, prompt = 3, PREFIX + CHUNK + 3
+    kv = torch.randn((2, len(LAYER_IDS), prompt + steps, 1, D), generator=gen).to(torch.bfloat16)
+    runtime = _runtime(verify=True)
+    assert _prefill(runtime, kv, [PREFIX, CHUNK + 3]) == prompt
+    direct = OffloadedKV(runtime.kv.geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    direct.admit(ROW, kv[0, :, :prompt], kv[1, :, :prompt])
+    for step in range(steps):
+        length = prompt + step
+        runtime.plan_decode([SLOT], [length + 1])
+        direct.advance([ROW])
+        direct.begin_step()
+        for layer_id, ordinal in LAYER_IDS.items():
+            q = torch.randn((1, 4 * D), generator=gen).to(torch.bfloat16)
+            k_new, v_new = kv[0, ordinal, length : length + 1], kv[1, ordinal, length : length + 1]
+            picks = torch.randperm((length + 1) // 4, generator=gen)[:TOPK].to(torch.int32)
+            blocks = torch.full((1, TOPK), -1, dtype=torch.int32)
+            blocks[0, : picks.numel()] = picks
+            got = runtime.decode_layer(layer_id, q, k_new, v_new, blocks, SCALE)
+            direct.write_token(ordinal, [ROW], k_new, v_new)
+            want, _ = direct.attend(ordinal, [ROW], q.view(1, 4, D), blocks, scale=SCALE)
+            assert torch.equal(got, want.reshape(1, -1).to(got.dtype)), (step, layer_id)
+    runtime.release(ROW)
+    counts = runtime.counts
+    assert counts.verified_bytes > 0
+    assert counts.differing_bytes == 0
+    assert counts.decode_steps == steps
+    assert counts.selected_blocks > 0
+
+
+# ---- counts ----------------------------------------------------------------------------------
+
+
+def test_every_change_of_the_counts_reaches_the_engine() -> None:
+    seen: list[OffloadCounts] = []
+    runtime = _runtime(seen=seen)
+    assert seen[-1].rows_in_use == 1
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    runtime.plan_decode([], [], pad_to=2, capture=True)  # a capture is not a step
+    assert seen[-1].decode_steps == 0
+    runtime.plan_decode([SLOT], [PREFIX + 1], pad_to=2)
+    assert seen[-1].decode_steps == 1
+    runtime.release(ROW)
+    assert seen[-1] == runtime.counts
+    assert (runtime.counts.rows_in_use, runtime.counts.decode_steps) == (0, 1)
+
+
+def test_the_block_counters_are_read_every_log_interval() -> None:
+    runtime = _runtime(max_blocks=(PREFIX + LOG_EVERY_STEPS) // 4 + 1)
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    blocks = torch.arange(TOPK, dtype=torch.int32)[None]
+    for step in range(LOG_EVERY_STEPS):
+        runtime.plan_decode([SLOT], [PREFIX + step + 1])
+        for layer_id in LAYER_IDS:
+            new = torch.zeros(1, D, dtype=torch.bfloat16)
+            q = torch.zeros(1, 4 * D, dtype=torch.bfloat16)
+            runtime.decode_layer(layer_id, q, new, new, blocks, SCALE)
+    per_step = len(LAYER_IDS) * TOPK
+    # Read when the last step was planned: every step before it.
+    assert runtime.counts.selected_blocks == (LOG_EVERY_STEPS - 1) * per_step
+    assert runtime.counts.fetched_blocks == per_step  # the first step's misses; then all hit
+    assert runtime.flush_counters() == (per_step, 0)
+    assert runtime.counts.selected_blocks == LOG_EVERY_STEPS * per_step
+
+
+# ---- refusals: each names the values and changes nothing -----------------------------------------
+
+
+def test_a_slot_bound_to_another_row_is_refused() -> None:
+    runtime = _runtime()
+    with pytest.raises(OffloadStateError, match=r"request slot 5 is bound to row 0, not 1"):
+        runtime.bind(SLOT, ROW + 1)
+    assert runtime.rows_in_use == 1
+
+
+def test_a_slot_without_a_row_cannot_prefill_or_decode() -> None:
+    runtime = _runtime()
+    new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
+    with pytest.raises(OffloadStateError, match="request slot 9 prefills but holds no lease row"):
+        runtime.stage(3, new, new, slot=9, start=0, end=CHUNK)
+    with pytest.raises(OffloadStateError, match="request slot 9 decodes but holds no lease row"):
+        runtime.plan_decode([9], [CHUNK + 1])
+    assert runtime.staged_row is None
+
+
+def test_a_prompt_longer_than_the_staging_area_is_refused_before_any_write() -> None:
+    runtime = _runtime()
+    most = runtime.kv.geometry.max_tokens
+    new = torch.zeros(most + 1, D, dtype=torch.bfloat16)
+    with pytest.raises(OffloadStateError, match=rf"{most + 1} tokens exceeds the staging area"):
+        runtime.stage(3, new, new, slot=SLOT, start=0, end=most + 1)
+    assert (runtime.staged_row, runtime.staged_tokens) == (None, 0)
+    with pytest.raises(OffloadStateError, match=rf"holds 1 to {most}"):
+        runtime.stage_prefix(ROW, most + 1)
+
+
+def test_a_chunk_after_unstaged_tokens_is_refused() -> None:
+    runtime = _runtime()
+    new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
+    with pytest.raises(OffloadStateError, match=r"prefills tokens \[32, 64\) but the staging"):
+        runtime.stage(3, new, new, slot=SLOT, start=CHUNK, end=2 * CHUNK)
+    assert runtime.staged_tokens == 0
+
+
+def test_a_layer_that_is_not_offloaded_is_named() -> None:
+    runtime = _runtime()
+    new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
+    with pytest.raises(
+        OffloadStateError, match=r"layer 4 is not offloaded; offloaded layers: \[3, 7\]"
+    ):
+        runtime.stage(4, new, new, slot=SLOT, start=0, end=CHUNK)
+
+
+def test_a_decode_length_that_disagrees_with_the_row_is_refused() -> None:
+    runtime = _runtime()
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    runtime.plan_decode([SLOT], [PREFIX + 1])
+    with pytest.raises(OffloadStateError, match=r"row 0 \(request slot 5\) holds 65 tokens"):
+        runtime.plan_decode([SLOT], [PREFIX + 5])
+    assert runtime.kv.length(ROW) == PREFIX + 1
+
+
+def test_a_hand_off_of_a_prompt_that_is_not_staged_is_refused() -> None:
+    runtime = _runtime()
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    with pytest.raises(OffloadStateError, match=r"row 0 starts decoding after 10 tokens"):
+        runtime.plan_decode([SLOT], [11])
+    assert runtime.kv.state(ROW) is RowState.FREE
+    assert runtime.staged_tokens == PREFIX

@@ -1,0 +1,81 @@
+"""SGLang's ``ForwardBatch`` translated into the offload runtime's calls.
+
+The offload backend stages an extend batch's chunk (``stage_chunk``) and plans a decode step
+(``plan_decode``) from real SGLang ``ForwardBatch`` objects, including the CUDA graph runner's
+padded view of one (``num_padding`` rows at the end). The runtime itself is
+``qsa_kernels.offload.OffloadRuntime`` (its own tests are in qsa-kernels).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qsa_kernels import KernelPath
+from qsa_kernels.offload import OffloadedKV, OffloadGeometry, OffloadRuntime, RowState
+from qsa_sglang_plugin._adapters._offload import plan_decode, stage_chunk
+from qsa_sglang_plugin._errors import OffloadRuntimeError
+from qsa_testing import decode_batch, extend_batch
+
+LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
+SLOTS, ROWS, D = (5, 9), (0, 1), 64
+
+
+def _runtime() -> OffloadRuntime:
+    geometry = OffloadGeometry(len(LAYER_IDS), 4, 16, 64, 1, D, torch.bfloat16)
+    kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    runtime = OffloadRuntime(kv, LAYER_IDS, 16)
+    for slot, row in zip(SLOTS, ROWS, strict=True):
+        runtime.bind(slot, row)
+    return runtime
+
+
+def _stage_prompt(runtime: OffloadRuntime, slot: int, chunks: list[int]) -> int:
+    start = 0
+    for size in chunks:
+        batch = extend_batch([(slot, start, start + size)])
+        for layer_id in LAYER_IDS:
+            k = torch.full((size, D), float(layer_id), dtype=torch.bfloat16)
+            staged_k, _, prefix = stage_chunk(runtime, layer_id, k, k, batch)
+            assert (prefix, staged_k.shape[0]) == (start, start + size)
+        start += size
+    return start
+
+
+def test_a_chunk_stages_at_the_batchs_prefix_length() -> None:
+    runtime = _runtime()
+    assert _stage_prompt(runtime, SLOTS[0], [24, 9]) == 33
+    assert (runtime.staged_row, runtime.staged_tokens) == (ROWS[0], 33)
+    k_layers, _ = runtime.staged_layers(ROWS[0], 33)
+    assert [int(k[32, 0, 0]) for k in k_layers] == list(LAYER_IDS)
+
+
+def test_an_extend_batch_of_two_requests_is_refused_before_anything_is_staged() -> None:
+    runtime = _runtime()
+    batch = extend_batch([(SLOTS[0], 0, 8), (SLOTS[1], 0, 8)])
+    k = torch.zeros(16, D, dtype=torch.bfloat16)
+    with pytest.raises(OffloadRuntimeError, match=r"an extend batch of 2 requests.*=1"):
+        stage_chunk(runtime, 3, k, k, batch)
+    assert (runtime.staged_row, runtime.staged_tokens) == (None, 0)
+
+
+def test_a_padded_graph_step_plans_the_real_rows_and_pads_with_free_ones() -> None:
+    runtime = _runtime()
+    first = _stage_prompt(runtime, SLOTS[0], [20])
+    second = _stage_prompt(runtime, SLOTS[1], [13])  # hands the first prompt off
+    batch = decode_batch([*SLOTS, 0, 0], [first + 1, second + 1, 1, 1])
+    batch.num_padding = 2
+    plan_decode(runtime, batch, graph=True)
+    assert [runtime.kv.state(r) for r in ROWS] == [RowState.ACTIVE, RowState.ACTIVE]
+    assert [runtime.kv.length(r) for r in ROWS] == [first + 1, second + 1]
+    assert runtime.kv.step_row_ids.numel() == 4  # two real rows, two free ones
+    assert runtime.counts.decode_steps == 1
+
+
+def test_a_captured_step_is_all_padding_and_not_counted() -> None:
+    runtime = _runtime()
+    batch = decode_batch([0, 0, 0], [1, 1, 1])
+    plan_decode(runtime, batch, capture=True)
+    assert runtime.kv.step_row_ids.numel() == 3
+    assert runtime.counts.decode_steps == 0
+    assert [runtime.kv.state(r) for r in ROWS] == [RowState.FREE, RowState.FREE]
