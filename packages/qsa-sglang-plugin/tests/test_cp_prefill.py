@@ -99,9 +99,9 @@ def _selection(start: int, end: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _offload_backend(runtime: Any) -> Any:
-    from qsa_sglang_plugin._adapters._offload import offload_backend_class
+    from qsa_sglang_plugin._adapters._backends import HiSparseOffloadBackend
 
-    backend = object.__new__(offload_backend_class())
+    backend = object.__new__(HiSparseOffloadBackend)
     backend.qsa_runtime = runtime
     backend._cp_kv_pending = None  # upstream's constructor sets it
     return backend
@@ -125,9 +125,9 @@ def _offload_runtime(shard: Any = None) -> Any:
 def _resident_backend(shard: Any) -> Any:
     from qsa_kernels import KernelPath
     from qsa_kernels.sharded import HeadLayout, ShardedKVStore
-    from qsa_sglang_plugin._adapters._sharded_kv import sharded_backend_class
+    from qsa_sglang_plugin._adapters._backends import HiSparseShardedBackend
 
-    backend = object.__new__(sharded_backend_class())
+    backend = object.__new__(HiSparseShardedBackend)
     backend.qsa_sharded = ShardedKVStore(
         shard,
         LAYER_IDS,

@@ -7,7 +7,6 @@ import warnings
 import pytest
 import torch
 
-from qsa_sglang_plugin._adapters._kv_pool import no_storage_pool_class
 from qsa_sglang_plugin._errors import OffloadRuntimeError
 
 
@@ -16,8 +15,8 @@ def pool() -> object:
     """SGLang's own MHA pool class with the plugin's storage rule, 4,096 slots of 2 layers."""
     with warnings.catch_warnings():  # SGLang's import warns about CPU-only kernels
         warnings.simplefilter("ignore")
-        pool_class = no_storage_pool_class()
-    return pool_class(
+        from qsa_sglang_plugin._adapters._pool import NoRawKVPool
+    return NoRawKVPool(
         size=4096,
         page_size=64,
         dtype=torch.bfloat16,

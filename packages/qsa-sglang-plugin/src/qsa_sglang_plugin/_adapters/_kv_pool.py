@@ -7,63 +7,21 @@ of the sharded store (:mod:`._sharded_kv`). SGLang still allocates a token slot 
 what else it keys by slot stays as upstream: the QSA compressed index (``slot // 4``) and the
 double-sparsity label cache. Its MHA pool class, which SGLang resolves once per model runner
 (``KVCacheConfigurator._resolve_kv_pool_class(kind="mha")``, also the full-KV leaf of the QSA
-pool), becomes :func:`no_storage_pool_class`: the same pool with only its padding page
+pool), becomes :class:`._pool.NoRawKVPool`: the same pool with only its padding page
 allocated. One AFTER hook on that resolution serves both offloads and the sharded store.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
+from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import current_switches
 
-__all__ = ("after_resolve_kv_pool_class", "no_storage_pool_class")
+__all__ = ("after_resolve_kv_pool_class",)
 
 #: The pool kind whose class the plugin replaces (SGLang's ``KVPoolKind``).
 _MHA: str = "mha"
-
-
-@functools.cache
-def no_storage_pool_class() -> type[Any]:
-    """An ``MHATokenToKVPool`` that allocates one page per layer, whatever its size."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    class NoRawKVPool(MHATokenToKVPool):  # type: ignore[misc]
-        """The attention layers' K/V pool when the plugin holds the K/V: slots without storage.
-
-        SGLang's allocator still hands out a slot per token (the QSA compressed index is
-        addressed by ``slot // 4``, the double-sparsity labels by the slot itself); the K/V
-        lives in the staging area, the hot caches, the tails and the host arena, or in the
-        sharded store, so the buffers hold only the padding page.
-        """
-
-        def _create_buffers(self) -> None:
-            size: int = self.size  # type: ignore[has-type]
-            self.size = 0  # the buffers get the padding page only
-            try:
-                super()._create_buffers()
-            finally:
-                self.size = size
-
-        def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
-            del args, kwargs
-            msg = "the plugin holds the attention layers' K/V; nothing may write SGLang's K/V pool"
-            raise OffloadRuntimeError(msg)
-
-        def move_kv_cache(self, tgt_loc: Any, src_loc: Any) -> None:
-            # SGLang moves slots for speculative decoding and pool compaction; the plugin's
-            # stores are addressed by request rows or owned slots, which such a move would
-            # leave behind. Start-up refuses speculative decoding; anything else stops here.
-            del tgt_loc, src_loc
-            msg = (
-                "the plugin holds the attention layers' K/V; SGLang's K/V pool cannot move "
-                "slots (speculative decoding and pool compaction are not supported)"
-            )
-            raise OffloadRuntimeError(msg)
-
-    return NoRawKVPool
 
 
 def after_resolve_kv_pool_class(
@@ -72,7 +30,7 @@ def after_resolve_kv_pool_class(
     """AFTER hook on ``KVCacheConfigurator._resolve_kv_pool_class``: the one-page MHA pool.
 
     Returns:
-        :func:`no_storage_pool_class` for the MHA kind when an offload or cache sharding is on;
+        :class:`._pool.NoRawKVPool` for the MHA kind when an offload or cache sharding is on;
         None (SGLang's result stands) otherwise.
 
     Raises:
@@ -90,4 +48,6 @@ def after_resolve_kv_pool_class(
             f"{MHATokenToKVPool.__name__} (upstream's per-layer layout)"
         )
         raise ConfigurationError(msg)
-    return no_storage_pool_class()
+    from qsa_sglang_plugin._adapters._pool import NoRawKVPool
+
+    return NoRawKVPool

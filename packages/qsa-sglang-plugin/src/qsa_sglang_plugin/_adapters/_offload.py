@@ -3,7 +3,7 @@
 The offload itself is :class:`qsa_kernels.offload.OffloadRuntime` (staging, hand-off, the planned
 decode step, rows; engine-neutral). This module translates SGLang's objects to its calls:
 
-- the attention backend (:func:`offload_backend_class`), a subclass of upstream's
+- the attention backend (:class:`._backends.HiSparseOffloadBackend`), a subclass of upstream's
   ``QwenSparseAttnBackend`` that the AFTER hook on ``attn_backend_wrapper`` (:mod:`._qsa_backend`)
   puts in the hybrid GDN backend's full-attention place. An extend batch stages its chunk
   (:func:`stage_chunk`) and attends with upstream's kernels over the staged prompt; a decode
@@ -40,7 +40,6 @@ endpoint, and a log line with the hot-cache hit rate every
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -53,9 +52,7 @@ from qsa_kernels import BLOCK_TOKENS, KernelInputError
 from qsa_kernels.offload import OffloadCounts, OffloadedKV, OffloadGeometry, OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
-    attend_context,
     group_head_layout,
-    plugin_backend_base,
     qsa_profile_of,
     shard_group,
 )
@@ -68,7 +65,6 @@ __all__ = (
     "OffloadLayout",
     "arena_rows",
     "ds_offload_geometry",
-    "offload_backend_class",
     "offload_geometry",
     "plan_decode",
     "price_offloaded_pool",
@@ -402,99 +398,6 @@ def runtime_of(runner: Any) -> OffloadRuntime:
     if runtime is None:
         runtime = runner.qsa_offload_runtime = _build_runtime(runner)
     return runtime
-
-
-@functools.cache
-def offload_backend_class() -> type[Any]:
-    """The offload's ``QwenSparseAttnBackend`` subclass; built on first use (cheap imports)."""
-    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
-
-    class HiSparseOffloadBackend(plugin_backend_base()):  # type: ignore[misc]
-        """Upstream's QSA backend whose decode reads K/V from the host arena (module docstring)."""
-
-        feature = "p2-offload"
-
-        def __init__(self, runner: Any) -> None:
-            super().__init__(runner)
-            self.qsa_runtime = runtime_of(runner)
-
-        def init_forward_metadata(self, forward_batch: Any) -> None:
-            super().init_forward_metadata(forward_batch)
-            if forward_batch.forward_mode.is_decode():
-                plan_decode(self.qsa_runtime, forward_batch)
-
-        def init_forward_metadata_out_graph(
-            self, forward_batch: Any, in_capture: bool = False
-        ) -> None:
-            # The CUDA graph runner's per-step planning, outside the captured forward.
-            super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-            if forward_batch.forward_mode.is_decode():
-                plan_decode(self.qsa_runtime, forward_batch, graph=True, capture=in_capture)
-
-        def _attend_extend(  # noqa: PLR0917
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            topk_indices: torch.Tensor,
-        ) -> torch.Tensor:
-            """Upstream's prefill attention, over the staging area instead of the KV pool."""
-            staged_k, staged_v, prefix = stage_chunk(
-                self.qsa_runtime, layer.layer_id, k, v, forward_batch
-            )
-            if prefix == 0 and q.is_cuda:  # the chunk is the whole prompt: the no-prefix kernel
-                rows = q.shape[0]
-                cu_q = torch.tensor([0, rows], dtype=torch.int32, device=q.device)
-                out: torch.Tensor = upstream.sparse_gqa_fwd_interface_triton(
-                    q.contiguous(),
-                    k[:rows].contiguous(),
-                    v[:rows].contiguous(),
-                    int(staged_k.shape[0]),
-                    topk_indices.to(torch.int32).contiguous(),
-                    cu_q,
-                    layer.scaling,
-                )
-                return out
-            return attend_context(q, staged_k, staged_v, topk_indices, layer.scaling)
-
-        def _attend_extend_cp(  # noqa: PLR0917
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            topk_indices: torch.Tensor,
-        ) -> torch.Tensor:
-            """Prefill CP: stage the whole gathered chunk, attend this rank's zigzag rows.
-
-            Every rank so holds the whole prompt, and the hand-off is the same on every rank.
-            """
-            staged_k, staged_v, _ = stage_chunk(
-                self.qsa_runtime, layer.layer_id, k, v, forward_batch
-            )
-            return attend_context(
-                q, staged_k, staged_v, topk_indices, layer.scaling, forward_batch.attn_cp_metadata
-            )
-
-        def _attend_decode(  # noqa: PLR0917
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            topk_indices: torch.Tensor,
-        ) -> torch.Tensor:
-            """The token to the tail, then attention from the host arena (the planned step)."""
-            del forward_batch
-            return self.qsa_runtime.decode_layer(
-                layer.layer_id, q, k, v, topk_indices, float(layer.scaling)
-            )
-
-    return HiSparseOffloadBackend
 
 
 def price_offloaded_pool(configurator: Any, kvc: Any) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from qsa_sglang_plugin._adapters._offload import offload_backend_class
-from qsa_sglang_plugin._adapters._sharded_kv import sharded_backend_class
 from qsa_sglang_plugin._errors import ConfigurationError
 from qsa_sglang_plugin._switches import HiSparseMode, current_switches
 
@@ -36,6 +34,11 @@ def after_attn_backend_wrapper(
         return
     from sglang.srt.layers.attention.qwen_sparse_attn_backend import QwenSparseAttnBackend
 
+    from qsa_sglang_plugin._adapters._backends import (
+        HiSparseOffloadBackend,
+        HiSparseShardedBackend,
+    )
+
     upstream = getattr(result, "full_attn_backend", None)
     if type(upstream) is not QwenSparseAttnBackend:
         what = "p2-offload" if offload else "cache sharding"
@@ -44,7 +47,7 @@ def after_attn_backend_wrapper(
             f"attn_backend_wrapper built {type(result).__name__} with {type(upstream).__name__}"
         )
         raise ConfigurationError(msg)
-    make = sharded_backend_class() if switches.resident_sharding else offload_backend_class()
+    make = HiSparseShardedBackend if switches.resident_sharding else HiSparseOffloadBackend
     backend = make(runner)
     result.full_attn_backend = backend
     result.attn_backend_list[0] = backend

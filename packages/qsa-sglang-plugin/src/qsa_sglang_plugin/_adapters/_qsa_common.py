@@ -1,14 +1,13 @@
-"""What the plugin's QSA backends share: their base class, the selection's blocks, the groups.
+"""What the plugin's QSA backends share: prefill over one context, the profile, the groups.
 
-The offload backend (:mod:`._offload`) and the sharded one (:mod:`._sharded_kv`) both subclass
-:func:`plugin_backend_base`, attend prefill rows over one request's contiguous context with
-upstream's kernels (:func:`attend_context`, also for context-parallel rows), and, with cache
+The offload backend and the sharded one (:mod:`._backends`) attend prefill rows over one
+request's contiguous context with upstream's kernels (:func:`attend_context`, also for
+context-parallel rows), read the model's QSA profile (:func:`qsa_profile_of`) and, with cache
 sharding, join the shard group of their TP rank (:func:`shard_group`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -21,7 +20,6 @@ from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 __all__ = (
     "attend_context",
     "group_head_layout",
-    "plugin_backend_base",
     "qsa_profile_of",
     "shard_group",
 )
@@ -160,142 +158,3 @@ def group_head_layout() -> HeadLayout:
     from sglang.srt.runtime_context import get_parallel
 
     return HeadLayout.REPLICATED if int(get_parallel().attn_cp_size) > 1 else HeadLayout.SHARDED
-
-
-@functools.cache
-def plugin_backend_base() -> type[Any]:
-    """The base of the plugin's QSA backends: upstream's, with its attention entries narrowed.
-
-    Decode takes the indexer's block ids as they are (the block expansion is deferred), both
-    entries require the indexer's selection, a context-parallel prefill gathers the chunk's K/V
-    as upstream does and hands the subclass this rank's rows (``_attend_extend_cp``, refused
-    unless the subclass serves CP), and the extend output is padded to the query rows as
-    upstream pads it. A subclass implements
-    ``_attend_extend(q [T, Hq, D], k, v, layer, forward_batch, topk_indices) -> [T, Hq * D]``
-    over the ``T`` rows the indexer selected for, and ``_attend_decode(q, k, v, layer,
-    forward_batch, topk_indices) -> [B, Hq * D]``; ``feature`` names it in refusals.
-    """
-    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
-    from sglang.srt.layers.cp.utils import (
-        ContextParallelStrategyKind,
-        get_cp_strategy,
-        is_cp_active,
-    )
-    from sglang.srt.runtime_context import get_stream
-
-    class PluginQSABackend(upstream.QwenSparseAttnBackend):  # type: ignore[misc]
-        feature = "the plugin's QSA backend"
-
-        def _can_defer_block_expansion(self, forward_mode: Any) -> bool:
-            return bool(forward_mode.is_decode())
-
-        def forward_extend(  # noqa: PLR0917 (upstream's signature)
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            save_kv_cache: bool = True,
-            topk_indices: torch.Tensor | None = None,
-            **kwargs: Any,
-        ) -> torch.Tensor:
-            del save_kv_cache, kwargs  # the K/V goes to the plugin's store, not the pool
-            if topk_indices is None:
-                msg = "QSA sparse attention requires topk_indices"
-                raise ValueError(msg)
-            if getattr(forward_batch, "attn_cp_metadata", None) is not None and is_cp_active(
-                forward_batch
-            ):
-                return self._forward_extend_cp(
-                    q, k, v, layer, forward_batch, topk_indices, save_kv_cache=False
-                )
-            q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
-            rows, valid = q.shape[0], topk_indices.shape[0]  # DP attention may pad q
-            out = self._attend_extend(q[:valid], k, v, layer, forward_batch, topk_indices)
-            return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
-
-        def _forward_extend_cp(  # noqa: PLR0917 (upstream's signature)
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            topk_indices: torch.Tensor,
-            save_kv_cache: bool,
-        ) -> torch.Tensor:
-            """Prefill CP (SGLang's zigzag CP over the TP group), for this rank's rows.
-
-            This rank holds the query, K/V and selection rows of its two zigzag blocks of the
-            chunk. The chunk's new K/V is all-gathered into token order (or joined from the gather
-            ``prefetch_cp_kv`` started on its side stream), and the subclass stores all of it
-            and attends this rank's rows (``_attend_extend_cp``), as upstream writes the whole
-            chunk into every rank's pool.
-            """
-            del save_kv_cache
-            strategy = get_cp_strategy()
-            if strategy is None or strategy.kind != ContextParallelStrategyKind.ZIGZAG:
-                name = strategy.name if strategy is not None else "none"
-                msg = f"--cp-strategy={name!r}; {self.feature} serves QSA prefill CP as zigzag"
-                raise OffloadRuntimeError(msg)
-            meta = forward_batch.attn_cp_metadata
-            q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
-            rows = q.shape[0]
-            local = int(meta.total_q_prev_tokens + meta.total_q_next_tokens)
-            pending: tuple[int, torch.Tensor, torch.Tensor] | None = self._cp_kv_pending  # type: ignore[has-type]
-            self._cp_kv_pending = None
-            if pending is not None:
-                torch.cuda.current_stream().wait_stream(get_stream("qsa_cp_kv"))
-                layer_id, k_full, v_full = pending
-                if layer_id != layer.layer_id:
-                    msg = (
-                        f"layer {layer.layer_id!r} joins the CP K/V gather that layer "
-                        f"{layer_id!r} started"
-                    )
-                    raise OffloadRuntimeError(msg)
-            else:
-                k_full, v_full = upstream._gather_cp_kv(layer, k, v, forward_batch)
-            out = self._attend_extend_cp(
-                q[:local], k_full, v_full, layer, forward_batch, topk_indices[:local]
-            )
-            if pending is not None:  # the gathered K/V's memory is the side stream's
-                get_stream("qsa_cp_kv").wait_stream(torch.cuda.current_stream())
-            return self._pad_extend_output(out, rows)  # type: ignore[no-any-return]
-
-        def _attend_extend_cp(  # noqa: PLR0917
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            topk_indices: torch.Tensor,
-        ) -> torch.Tensor:
-            """``[T, Hq, D]``: this rank's zigzag rows over the chunk's gathered K/V.
-
-            ``k``/``v`` are ``[N, Hkv, D]`` in token order; a subclass that serves CP implements
-            it.
-            """
-            del q, k, v, layer, forward_batch, topk_indices
-            msg = f"context-parallel prefill is not wired with {self.feature}"
-            raise OffloadRuntimeError(msg)
-
-        def forward_decode(  # noqa: PLR0917 (upstream's signature)
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            save_kv_cache: bool = True,
-            topk_indices: torch.Tensor | None = None,
-            **kwargs: Any,
-        ) -> torch.Tensor:
-            del save_kv_cache, kwargs  # the token goes to the plugin's store, not the pool
-            if topk_indices is None:
-                msg = "QSA sparse attention requires topk_indices"
-                raise ValueError(msg)
-            return self._attend_decode(q, k, v, layer, forward_batch, topk_indices)  # type: ignore[no-any-return]
-
-    return PluginQSABackend

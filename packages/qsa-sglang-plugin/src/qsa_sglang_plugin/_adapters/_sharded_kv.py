@@ -34,7 +34,6 @@ Prometheus endpoint and a start-up log line with the per-rank and unsharded byte
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -46,7 +45,6 @@ from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     attend_context,
     group_head_layout,
-    plugin_backend_base,
     qsa_profile_of,
     shard_group,
 )
@@ -57,7 +55,6 @@ __all__ = (
     "attend_extend",
     "attend_extend_cp",
     "price_sharded_pool",
-    "sharded_backend_class",
     "sharded_store_of",
 )
 
@@ -319,100 +316,3 @@ def price_sharded_pool(configurator: Any, kvc: Any) -> None:
         index_only,
         format_bytes(fixed),
     )
-
-
-@functools.cache
-def sharded_backend_class() -> type[Any]:
-    """The ``QwenSparseAttnBackend`` subclass of resident cache sharding (built on first use)."""
-
-    class HiSparseShardedBackend(plugin_backend_base()):  # type: ignore[misc]
-        """Upstream's QSA backend with the raw K/V in the shard group's stores (module docs)."""
-
-        feature = "cache sharding"
-
-        def __init__(self, runner: Any) -> None:
-            super().__init__(runner)
-            self.qsa_sharded = sharded_store_of(runner)
-            # The decode step's slot table, once per step for every layer: upstream's own
-            # metadata rows eagerly, a gather inside the captured step under CUDA graphs.
-            self._decode_slots: torch.Tensor | None = None
-
-        def init_forward_metadata(self, forward_batch: Any) -> None:
-            super().init_forward_metadata(forward_batch)
-            self._decode_slots = self.forward_metadata.token_slot_table
-
-        def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
-            # Upstream's captured metadata holds a placeholder table; gather the real one.
-            super().init_forward_metadata_in_graph(forward_batch)
-            indices = forward_batch.req_pool_indices.long()
-            self._decode_slots = self.req_to_token[indices]
-
-        def _attend_extend(  # noqa: PLR0917
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            topk_indices: torch.Tensor,
-        ) -> torch.Tensor:
-            """The chunk's owned rows to the store, then upstream's or the owners' attention."""
-            return attend_extend(
-                self.qsa_sharded,
-                layer.layer_id,
-                q,
-                k,
-                v,
-                topk_indices,
-                forward_batch,
-                self.req_to_token,
-                float(layer.scaling),
-            )
-
-        def _attend_extend_cp(  # noqa: PLR0917
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            topk_indices: torch.Tensor,
-        ) -> torch.Tensor:
-            """The gathered chunk's owned rows to the store, then this rank's zigzag rows."""
-            return attend_extend_cp(
-                self.qsa_sharded,
-                layer.layer_id,
-                q,
-                k,
-                v,
-                topk_indices,
-                forward_batch,
-                self.req_to_token,
-                float(layer.scaling),
-            )
-
-        def _attend_decode(  # noqa: PLR0917
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            layer: Any,
-            forward_batch: Any,
-            topk_indices: torch.Tensor,
-        ) -> torch.Tensor:
-            """The new token to its owner, then owner-side attention over the selection."""
-            if self._decode_slots is None:
-                msg = "cache sharding: a decode step before its metadata"
-                raise OffloadRuntimeError(msg)
-            runtime = self.qsa_sharded
-            runtime.write(layer.layer_id, k, v, forward_batch.out_cache_loc)
-            return runtime.decode(
-                layer.layer_id,
-                q,
-                topk_indices,
-                forward_batch.seq_lens,
-                self._decode_slots,
-                float(layer.scaling),
-            )
-
-    return HiSparseShardedBackend

@@ -1,0 +1,337 @@
+"""The plugin's QSA attention backends: subclasses of upstream's ``QwenSparseAttnBackend``.
+
+Imported only when SGLang builds an attention backend (the AFTER hook on
+``attn_backend_wrapper``, :mod:`._qsa_backend`): importing SGLang's attention stack while the
+plugin activates would run ahead of SGLang's own import order.
+
+- :class:`PluginQSABackend`: upstream's backend with its attention entries narrowed to the
+  subclasses' ``_attend_extend``, ``_attend_extend_cp`` and ``_attend_decode``.
+- :class:`HiSparseOffloadBackend` (``p2-offload``, :mod:`._offload`): prefill over the staging
+  area, decode from the host arena, each step planned from the ``ForwardBatch``.
+- :class:`HiSparseShardedBackend` (resident cache sharding, :mod:`._sharded_kv`): the raw K/V in
+  the shard group's stores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
+from sglang.srt.layers.cp.utils import ContextParallelStrategyKind, get_cp_strategy, is_cp_active
+from sglang.srt.runtime_context import get_stream
+
+from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of, stage_chunk
+from qsa_sglang_plugin._adapters._qsa_common import attend_context
+from qsa_sglang_plugin._adapters._sharded_kv import (
+    attend_extend,
+    attend_extend_cp,
+    sharded_store_of,
+)
+from qsa_sglang_plugin._errors import OffloadRuntimeError
+
+__all__ = ("HiSparseOffloadBackend", "HiSparseShardedBackend", "PluginQSABackend")
+
+
+class PluginQSABackend(upstream.QwenSparseAttnBackend):
+    """The base of the plugin's QSA backends: upstream's, with its attention entries narrowed.
+
+    Decode takes the indexer's block ids as they are (the block expansion is deferred), both
+    entries require the indexer's selection, a context-parallel prefill gathers the chunk's K/V
+    as upstream does and hands the subclass this rank's rows (``_attend_extend_cp``, refused
+    unless the subclass serves CP), and the extend output is padded to the query rows as
+    upstream pads it. A subclass implements
+    ``_attend_extend(q [T, Hq, D], k, v, layer, forward_batch, topk_indices) -> [T, Hq * D]``
+    over the ``T`` rows the indexer selected for, and ``_attend_decode(q, k, v, layer,
+    forward_batch, topk_indices) -> [B, Hq * D]``; ``feature`` names it in refusals.
+    """
+
+    feature = "the plugin's QSA backend"
+
+    def _can_defer_block_expansion(self, forward_mode: Any) -> bool:
+        return bool(forward_mode.is_decode())
+
+    def forward_extend(  # noqa: PLR0917 (upstream's signature)
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        topk_indices: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        del save_kv_cache, kwargs  # the K/V goes to the plugin's store, not the pool
+        if topk_indices is None:
+            msg = "QSA sparse attention requires topk_indices"
+            raise ValueError(msg)
+        if getattr(forward_batch, "attn_cp_metadata", None) is not None and is_cp_active(
+            forward_batch
+        ):
+            return self._forward_extend_cp(
+                q, k, v, layer, forward_batch, topk_indices, save_kv_cache=False
+            )
+        q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
+        rows, valid = q.shape[0], topk_indices.shape[0]  # DP attention may pad q
+        out = self._attend_extend(q[:valid], k, v, layer, forward_batch, topk_indices)
+        padded: torch.Tensor = self._pad_extend_output(out, rows)
+        return padded
+
+    def _forward_extend_cp(  # noqa: PLR0917 (upstream's signature)
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        topk_indices: torch.Tensor,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
+        """Prefill CP (SGLang's zigzag CP over the TP group), for this rank's rows.
+
+        This rank holds the query, K/V and selection rows of its two zigzag blocks of the
+        chunk. The chunk's new K/V is all-gathered into token order (or joined from the gather
+        ``prefetch_cp_kv`` started on its side stream), and the subclass stores all of it
+        and attends this rank's rows (``_attend_extend_cp``), as upstream writes the whole
+        chunk into every rank's pool.
+        """
+        del save_kv_cache
+        strategy = get_cp_strategy()
+        if strategy is None or strategy.kind != ContextParallelStrategyKind.ZIGZAG:
+            name = strategy.name if strategy is not None else "none"
+            msg = f"--cp-strategy={name!r}; {self.feature} serves QSA prefill CP as zigzag"
+            raise OffloadRuntimeError(msg)
+        meta = forward_batch.attn_cp_metadata
+        q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
+        rows = q.shape[0]
+        local = int(meta.total_q_prev_tokens + meta.total_q_next_tokens)
+        pending: tuple[int, torch.Tensor, torch.Tensor] | None = self._cp_kv_pending  # type: ignore[has-type]
+        self._cp_kv_pending = None
+        if pending is not None:
+            torch.cuda.current_stream().wait_stream(get_stream("qsa_cp_kv"))
+            layer_id, k_full, v_full = pending
+            if layer_id != layer.layer_id:
+                msg = (
+                    f"layer {layer.layer_id!r} joins the CP K/V gather that layer "
+                    f"{layer_id!r} started"
+                )
+                raise OffloadRuntimeError(msg)
+        else:
+            k_full, v_full = upstream._gather_cp_kv(layer, k, v, forward_batch)
+        out = self._attend_extend_cp(
+            q[:local], k_full, v_full, layer, forward_batch, topk_indices[:local]
+        )
+        if pending is not None:  # the gathered K/V's memory is the side stream's
+            get_stream("qsa_cp_kv").wait_stream(torch.cuda.current_stream())
+        padded: torch.Tensor = self._pad_extend_output(out, rows)
+        return padded
+
+    def _attend_extend_cp(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        topk_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[T, Hq, D]``: this rank's zigzag rows over the chunk's gathered K/V.
+
+        ``k``/``v`` are ``[N, Hkv, D]`` in token order; a subclass that serves CP implements
+        it.
+        """
+        del q, k, v, layer, forward_batch, topk_indices
+        msg = f"context-parallel prefill is not wired with {self.feature}"
+        raise OffloadRuntimeError(msg)
+
+    def forward_decode(  # noqa: PLR0917 (upstream's signature)
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        topk_indices: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        del save_kv_cache, kwargs  # the token goes to the plugin's store, not the pool
+        if topk_indices is None:
+            msg = "QSA sparse attention requires topk_indices"
+            raise ValueError(msg)
+        out: torch.Tensor = self._attend_decode(q, k, v, layer, forward_batch, topk_indices)
+        return out
+
+
+class HiSparseOffloadBackend(PluginQSABackend):
+    """Upstream's QSA backend whose decode reads K/V from the host arena (:mod:`._offload`)."""
+
+    feature = "p2-offload"
+
+    def __init__(self, runner: Any) -> None:
+        super().__init__(runner)
+        self.qsa_runtime = runtime_of(runner)
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        super().init_forward_metadata(forward_batch)
+        if forward_batch.forward_mode.is_decode():
+            plan_decode(self.qsa_runtime, forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        # The CUDA graph runner's per-step planning, outside the captured forward.
+        super().init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        if forward_batch.forward_mode.is_decode():
+            plan_decode(self.qsa_runtime, forward_batch, graph=True, capture=in_capture)
+
+    def _attend_extend(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        topk_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Upstream's prefill attention, over the staging area instead of the KV pool."""
+        staged_k, staged_v, prefix = stage_chunk(
+            self.qsa_runtime, layer.layer_id, k, v, forward_batch
+        )
+        if prefix == 0 and q.is_cuda:  # the chunk is the whole prompt: the no-prefix kernel
+            rows = q.shape[0]
+            cu_q = torch.tensor([0, rows], dtype=torch.int32, device=q.device)
+            out: torch.Tensor = upstream.sparse_gqa_fwd_interface_triton(
+                q.contiguous(),
+                k[:rows].contiguous(),
+                v[:rows].contiguous(),
+                int(staged_k.shape[0]),
+                topk_indices.to(torch.int32).contiguous(),
+                cu_q,
+                layer.scaling,
+            )
+            return out
+        return attend_context(q, staged_k, staged_v, topk_indices, layer.scaling)
+
+    def _attend_extend_cp(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        topk_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Prefill CP: stage the whole gathered chunk, attend this rank's zigzag rows.
+
+        Every rank so holds the whole prompt, and the hand-off is the same on every rank.
+        """
+        staged_k, staged_v, _ = stage_chunk(self.qsa_runtime, layer.layer_id, k, v, forward_batch)
+        return attend_context(
+            q, staged_k, staged_v, topk_indices, layer.scaling, forward_batch.attn_cp_metadata
+        )
+
+    def _attend_decode(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        topk_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The token to the tail, then attention from the host arena (the planned step)."""
+        del forward_batch
+        return self.qsa_runtime.decode_layer(
+            layer.layer_id, q, k, v, topk_indices, float(layer.scaling)
+        )
+
+
+class HiSparseShardedBackend(PluginQSABackend):
+    """Upstream's QSA backend with the raw K/V in the shard group's stores (:mod:`._sharded_kv`)."""
+
+    feature = "cache sharding"
+
+    def __init__(self, runner: Any) -> None:
+        super().__init__(runner)
+        self.qsa_sharded = sharded_store_of(runner)
+        # The decode step's slot table, once per step for every layer: upstream's own
+        # metadata rows eagerly, a gather inside the captured step under CUDA graphs.
+        self._decode_slots: torch.Tensor | None = None
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        super().init_forward_metadata(forward_batch)
+        self._decode_slots = self.forward_metadata.token_slot_table
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        # Upstream's captured metadata holds a placeholder table; gather the real one.
+        super().init_forward_metadata_in_graph(forward_batch)
+        indices = forward_batch.req_pool_indices.long()
+        self._decode_slots = self.req_to_token[indices]
+
+    def _attend_extend(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        topk_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The chunk's owned rows to the store, then upstream's or the owners' attention."""
+        return attend_extend(
+            self.qsa_sharded,
+            layer.layer_id,
+            q,
+            k,
+            v,
+            topk_indices,
+            forward_batch,
+            self.req_to_token,
+            float(layer.scaling),
+        )
+
+    def _attend_extend_cp(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        topk_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The gathered chunk's owned rows to the store, then this rank's zigzag rows."""
+        return attend_extend_cp(
+            self.qsa_sharded,
+            layer.layer_id,
+            q,
+            k,
+            v,
+            topk_indices,
+            forward_batch,
+            self.req_to_token,
+            float(layer.scaling),
+        )
+
+    def _attend_decode(  # noqa: PLR0917
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        topk_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The new token to its owner, then owner-side attention over the selection."""
+        if self._decode_slots is None:
+            msg = "cache sharding: a decode step before its metadata"
+            raise OffloadRuntimeError(msg)
+        runtime = self.qsa_sharded
+        runtime.write(layer.layer_id, k, v, forward_batch.out_cache_loc)
+        return runtime.decode(
+            layer.layer_id,
+            q,
+            topk_indices,
+            forward_batch.seq_lens,
+            self._decode_slots,
+            float(layer.scaling),
+        )

@@ -1,0 +1,195 @@
+"""The ``qsa_hisparse`` radix-cache backend: SGLang's unified radix cache plus one lease a request.
+
+Imported only when SGLang builds its tree cache (:func:`._lifecycle.radix_cache_factory`).
+SGLang tells its tree cache about every request that holds a KV row: the row is allocated
+(``maybe_hand_to_session``, once per prefill chunk), a prefill chunk or the whole prompt ends
+(``checkpoint``), and the row is given back (``on_release``, on finish, abort — also in the middle
+of a chunked prefill — and retraction). :class:`HiSparseRadixCache` maps those calls onto one
+:class:`qsa_core.LeaseTable` per scheduler, so every request that got a row holds exactly one lease
+until SGLang releases the row, and every lease is released. The offload runtime binds and
+releases its rows on the same transitions, and the host prefix cache matches, loads back,
+restores and publishes there (:mod:`._prefix`).
+
+Operators see the leases on SGLang's Prometheus endpoint (``--enable-metrics``):
+``qsa_hisparse_live_leases`` and ``qsa_hisparse_leases_released_total{outcome}``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.runtime_context import get_parallel
+
+from qsa_core import LeaseHandle, LeaseState, LeaseTable
+from qsa_kernels.offload import OffloadRuntime
+from qsa_sglang_plugin._adapters._metrics import RankMetrics
+from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime
+from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND
+
+__all__ = ("HiSparseRadixCache", "LeaseOutcome")
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseOutcome(enum.StrEnum):
+    """Why a request gave its lease back."""
+
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    RETRACTED = "retracted"
+
+
+class _Metrics:
+    """The lifecycle's Prometheus series, one label set per TP rank."""
+
+    def __init__(self, tp_rank: int) -> None:
+        make = RankMetrics(tp_rank)
+        self.live = make.gauge(
+            "qsa_hisparse_live_leases",
+            "Requests holding a QSA HiSparse lease (a KV row) on this TP rank.",
+        )
+        self.released = make.counters_by(
+            "qsa_hisparse_leases_released",
+            "QSA HiSparse leases given back, by why the request released its row.",
+            "outcome",
+            LeaseOutcome,
+        )
+
+
+def _outcome(req: Any) -> LeaseOutcome:
+    if not req.finished():
+        return LeaseOutcome.RETRACTED
+    if isinstance(req.finished_reason, FINISH_ABORT):
+        return LeaseOutcome.ABORTED
+    return LeaseOutcome.FINISHED
+
+
+class HiSparseRadixCache(UnifiedRadixCache):
+    """SGLang's unified radix cache, plus one lease per request that holds a KV row."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        slots = int(self.req_to_token_pool.size)
+        self.qsa_leases = LeaseTable(slots)
+        self.qsa_offload: OffloadRuntime | None = None  # set by the factory with an offload
+        self.qsa_prefix: PrefixCacheRuntime | None = None  # set with the prefix cache on
+        self._qsa_by_rid: dict[str, LeaseHandle] = {}
+        self._qsa_metrics = _Metrics(int(get_parallel().tp_rank))
+        logger.info("%s lifecycle: %d lease slots", RADIX_CACHE_BACKEND, slots)
+
+    # ---- SGLang's prefix-cache calls (the host prefix cache, when it is on) -----------------
+
+    def match_prefix(self, params: Any) -> Any:
+        result = super().match_prefix(params)
+        prefix = self.qsa_prefix
+        if prefix is None or params.req is None:
+            return result
+        key = params.key
+        hit = prefix.lookup(params.req, key.token_ids[: len(key)])
+        if hit <= result.device_prefix_len:
+            return result
+        return result._replace(
+            host_hit_length=hit - result.device_prefix_len,
+            full_kv_hit_length=max(int(result.full_kv_hit_length), hit),
+        )
+
+    def init_load_back(self, params: Any) -> Any:
+        prefix = self.qsa_prefix
+        if prefix is None or params.req is None or params.host_hit_length <= 0:
+            return super().init_load_back(params)
+        req = params.req
+        loaded = (
+            params.host_hit_length
+            if prefix.load_back(req, req.prefix_len + params.host_hit_length)
+            else 0
+        )
+        return loaded, params.best_match_node
+
+    def prefix_device_indices(self, req: Any) -> Any:
+        slots = None if self.qsa_prefix is None else self.qsa_prefix.prefix_slots(req)
+        if slots is None:
+            return super().prefix_device_indices(req)
+        return slots[: req.prefix_len]
+
+    def load_back_is_cache_owned(self) -> bool:
+        # Loaded slots belong to the request and are freed with it.
+        return self.qsa_prefix is None and bool(super().load_back_is_cache_owned())
+
+    # ---- SGLang's lifecycle calls ------------------------------------------------------------
+
+    def maybe_hand_to_session(self, req: Any) -> None:
+        super().maybe_hand_to_session(req)
+        if req.rid in self._qsa_by_rid:  # a later chunk of a prompt that holds its lease
+            return
+        handle = self.qsa_leases.acquire(req.rid)
+        self.qsa_leases.begin_prefill(handle)
+        self._qsa_by_rid[req.rid] = handle
+        self._qsa_metrics.live.inc()
+        if self.qsa_offload is not None:
+            self.qsa_offload.bind(int(req.kv.req_pool_idx), handle.slot)
+        if self.qsa_prefix is not None:
+            self.qsa_prefix.restore_row(req, handle.slot)
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        super().checkpoint(req, up_to=up_to, **kwargs)
+        handle = self._qsa_by_rid.get(req.rid)
+        if handle is None:
+            return
+        prompt = len(req.origin_input_ids)
+        if self.qsa_prefix is not None and not req.finished() and up_to <= prompt:
+            self.qsa_prefix.publish(req, handle.slot, up_to)
+        if up_to >= prompt:
+            self._to_decoding(handle)
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        if self.qsa_prefix is not None:
+            self.qsa_prefix.forget(req)
+        handle = self._qsa_by_rid.pop(req.rid, None)
+        if handle is None:
+            msg = f"request {req.rid!r} released a KV row without holding a lease"
+            raise RuntimeError(msg)
+        outcome = _outcome(req)
+        if self.qsa_offload is not None:
+            self.qsa_offload.release(handle.slot)
+        if outcome is LeaseOutcome.FINISHED:
+            self._to_decoding(handle)
+            self.qsa_leases.finish(handle)
+        else:
+            self.qsa_leases.abort(handle)
+        self.qsa_leases.release(handle)
+        self._qsa_metrics.live.dec()
+        self._qsa_metrics.released[outcome].inc()
+        if self.qsa_prefix is not None and not self._qsa_by_rid:
+            self.qsa_prefix.settle()
+        logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
+
+    def reset(self) -> None:
+        live = getattr(self, "_qsa_by_rid", None)
+        if live:
+            # SGLang flushes only when idle, so a live lease here belongs to a request it
+            # lost track of: keep everything as it is rather than free rows still leased.
+            logger.error(
+                "%s: cache flush refused, %d leases are live (requests %r)",
+                RADIX_CACHE_BACKEND,
+                len(live),
+                sorted(live),
+            )
+            return
+        super().reset()
+        prefix = getattr(self, "qsa_prefix", None)
+        if prefix is not None:
+            prefix.invalidate()
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _to_decoding(self, handle: LeaseHandle) -> None:
+        """Prompt complete: the hand-off point (instant until the K/V moves to the host)."""
+        if self.qsa_leases.state(handle) is LeaseState.PREFILLING:
+            self.qsa_leases.begin_copy(handle)
+            self.qsa_leases.finish_copy(handle)
+            self.qsa_leases.begin_decode(handle)
