@@ -31,6 +31,14 @@ from qsa_hostcache._keys import (
     token_bytes,
 )
 from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
+from qsa_hostcache._prompts import (
+    Agree,
+    Claim,
+    PromptCheckpoints,
+    PromptCounts,
+    agree_min,
+    kv_segments,
+)
 from qsa_hostcache._stats import CacheStats, StatSeries
 from qsa_hostcache._version import __version__
 
@@ -57,6 +65,13 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "CopyFence",
     "CacheStats",
     "StatSeries",
+    # a serving engine's prompts, agreed by its ranks
+    "PromptCheckpoints",
+    "PromptCounts",
+    "Claim",
+    "Agree",
+    "agree_min",
+    "kv_segments",
     # errors
     "HostCacheError",
     "CacheConfigError",

@@ -3,7 +3,10 @@
 With ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB > 0`` (and ``p2-offload``), one
 :class:`PrefixCacheRuntime` per scheduler (TP rank) keeps checkpoints of prompt prefixes in a
 :class:`qsa_hostcache.HostPrefixCache` (pinned host memory where CUDA is), and the ``qsa_hisparse``
-tree cache (:mod:`._lifecycle`) calls it where SGLang's own prefix caches attach:
+tree cache (:mod:`._tree_cache`) calls it where SGLang's own prefix caches attach. The lookups,
+loads, restores and publishes themselves, each agreed by the TP ranks, and the weights-version
+check are :class:`qsa_hostcache.PromptCheckpoints`; this module says what an SGLang request's
+checkpoint holds, where each segment comes from in SGLang's pools, and how SGLang's calls map:
 
 - ``checkpoint(req, up_to)`` (every prefill chunk's end, and the prompt's): when ``up_to`` is a
   whole number of pages (64 tokens for QSA), :meth:`PrefixCacheRuntime.publish` writes a
@@ -66,12 +69,15 @@ from torch.utils import _pytree as pytree
 from qsa_core import format_bytes
 from qsa_hostcache import (
     CacheStats,
-    CheckpointTooLarge,
-    HostCacheError,
+    Claim,
     HostPrefixCache,
     Lease,
     PrefixKey,
+    PromptCheckpoints,
+    PromptCounts,
     SegmentSpec,
+    agree_min,
+    kv_segments,
 )
 from qsa_mm_prefix import MultimodalPrefixError, ProcessorFingerprint
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
@@ -94,7 +100,6 @@ __all__ = (
     "BypassReason",
     "ImageKeying",
     "PrefixCacheRuntime",
-    "agree_min",
     "build_prefix_cache",
 )
 
@@ -136,40 +141,6 @@ class ImageKeying:
     spatial_merge_size: int | None = None
 
 
-@dataclasses.dataclass(slots=True)
-class _Load:
-    """A checkpoint pinned for one request between ``init_load_back`` and its row."""
-
-    lease: Lease
-    slots: torch.Tensor  # [T] int64 KV slots SGLang's allocator gave the prefix
-
-
-def agree_min(value: int, group: Any) -> int:
-    """The minimum of ``value`` over the ranks of ``group`` (one all-reduce on its CPU group).
-
-    Every rank of a TP group calls it with its own view (a hit length, 1 for "I can"); all get the
-    same answer, so a rank-local eviction or a full arena on one rank never splits the ranks.
-    ``group=None`` (one rank) returns ``value``.
-    """
-    if group is None:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
-    return int(t.item())
-
-
-def _kv_segments(
-    k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor], *, first: int = 0
-) -> dict[str, torch.Tensor]:
-    """The raw K/V segments of a checkpoint, ``k.<i>`` and ``v.<i>`` per QSA layer ``i``.
-
-    ``k_layers[j]`` is QSA layer ``first + j`` (a run of layers, e.g. one).
-    """
-    segments = {f"k.{i}": t for i, t in enumerate(k_layers, start=first)}
-    segments.update({f"v.{i}": t for i, t in enumerate(v_layers, start=first)})
-    return segments
-
-
 def _shape(spec: SegmentSpec) -> tuple[int, ...]:
     """The shape a segment was published with (this module publishes every segment with one)."""
     if spec.shape is None:
@@ -188,6 +159,7 @@ class _Metrics:
             for s in CacheStats.series()
         }
         self._last: CacheStats | None = None
+        self._counts = PromptCounts()
         self.publish_errors = make.counter(
             f"{METRIC_PREFIX}_publish_errors",
             "Checkpoints that failed while being written (the request was served).",
@@ -216,7 +188,14 @@ class _Metrics:
             [*BypassReason, *SGLangBypassReason],
         )
 
-    def update(self, stats: CacheStats) -> None:
+    def update(self, stats: CacheStats, counts: PromptCounts) -> None:
+        """The cache's statistics and the prompt calls' counts, as increments since the last."""
+        last = self._counts
+        self.publish_errors.inc(counts.publish_errors - last.publish_errors)
+        self.loads.inc(counts.loads - last.loads)
+        self.loaded_tokens.inc(counts.loaded_tokens - last.loaded_tokens)
+        self.load_back_failures.inc(counts.load_failures - last.load_failures)
+        self._counts = counts
         for series in CacheStats.series():
             value = int(getattr(stats, series.name))
             metric = self._series[series.name]
@@ -265,6 +244,12 @@ class PrefixCacheRuntime:
         ignore_eos_loads: bool = False,
     ) -> None:
         self.cache = cache
+        group = getattr(tp_group, "cpu_group", None)
+        self._checkpoints: PromptCheckpoints[torch.Tensor] = PromptCheckpoints(
+            cache,
+            agree=agree_min(group if int(getattr(tp_group, "world_size", 1)) > 1 else None),
+            weights=weight_version,
+        )
         self._images = images
         # Each request's page identities, computed once at its first lookup (its media features
         # are released when it finishes); an entry lives as long as SGLang's Req.
@@ -273,17 +258,12 @@ class PrefixCacheRuntime:
         )
         self._ignore_eos_loads = ignore_eos_loads
         self._unloadables: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._weight_version = weight_version
-        self._weights = weight_version()
         self._offload = offload
         self._kv_pool = kv_pool
         self._req_to_token = req_to_token_pool
         self._allocator = allocator
         self._namespace = namespace
         self._ratio = int(kv_pool.qsa_compress_ratio)
-        group = getattr(tp_group, "cpu_group", None)
-        self._group = group if int(getattr(tp_group, "world_size", 1)) > 1 else None
-        self._loads: dict[str, _Load] = {}
         self._mamba = getattr(req_to_token_pool, "mamba_pool", None)
         self._state_spec: pytree.TreeSpec | None = None
         self._state_present: tuple[bool, ...] = ()
@@ -334,16 +314,12 @@ class PrefixCacheRuntime:
             req: SGLang's ``Req``.
             tokens: the ids SGLang matches (at most the prompt less its last token).
         """
-        self._check_weights()
         if self.bypass_reason(req) is not None:
-            return self._agree(0)
+            return self._checkpoints.lookup(None)
         if self._unloadable(req):
             return 0  # the same answer on every rank: the request's own sampling parameters
-        found = 0
-        if len(tokens) >= self.cache.page_size:
-            match = self.cache.match(self.key(req, tokens), max_tokens=len(tokens))
-            found = 0 if match is None else match.num_tokens
-        hit = self._agree(found)
+        keyed = len(tokens) >= self.cache.page_size
+        hit = self._checkpoints.lookup(self.key(req, tokens) if keyed else None)
         self._sync_metrics()
         return hit
 
@@ -354,41 +330,26 @@ class PrefixCacheRuntime:
             True when every rank did (the slots are :meth:`prefix_slots`); False when any could
             not (nothing is held: the request computes its prompt).
         """
-        lease: Lease | None = None
-        slots: torch.Tensor | None = None
-        try:
-            lease = self.cache.acquire(
-                self.key(req, req.full_untruncated_fill_ids[:tokens]), max_tokens=tokens
-            )
-            if lease is not None and lease.match.num_tokens == tokens:
-                slots = self._allocator.alloc(tokens)
-            if slots is not None:
-                assert lease is not None
+
+        def claim(lease: Lease) -> Claim[torch.Tensor] | None:
+            slots: torch.Tensor | None = self._allocator.alloc(tokens)
+            if slots is None:
+                return None
+            try:
                 self._restore_index(lease, slots)
-        except (HostCacheError, RuntimeError):
-            logger.exception("prefix cache: load-back of %d tokens for %r failed", tokens, req.rid)
-            if slots is not None:
+            except BaseException:
                 self._allocator.free(slots)
-                slots = None
-        if self._agree(int(slots is not None)) != 1:
-            if slots is not None:
-                self._allocator.free(slots)
-            if lease is not None:
-                lease.release()
-            self._metrics.load_back_failures.inc()
-            logger.info("prefix cache: %r recomputes its %d cached tokens", req.rid, tokens)
-            return False
-        assert lease is not None
-        assert slots is not None
-        self._loads[req.rid] = _Load(lease, slots)
-        self._metrics.loads.inc()
-        self._metrics.loaded_tokens.inc(tokens)
-        return True
+                raise
+            return Claim(slots, lambda: self._allocator.free(slots))
+
+        key = self.key(req, req.full_untruncated_fill_ids[:tokens])
+        loaded = self._checkpoints.load(req.rid, key, claim) is not None
+        self._sync_metrics()
+        return loaded
 
     def prefix_slots(self, req: Any) -> torch.Tensor | None:
         """The KV slots of ``req``'s loaded prefix, while it waits for its row."""
-        load = self._loads.get(req.rid)
-        return None if load is None else load.slots
+        return self._checkpoints.claimed(req.rid)
 
     def restore_row(self, req: Any, row: int) -> None:
         """Fill the loaded prefix's K/V and recurrent state into ``req``'s new row and slot.
@@ -398,20 +359,20 @@ class PrefixCacheRuntime:
         that layer's prefill waits for (:meth:`OffloadRuntime.fill_staging_until`): the copies
         run while the layers before it compute.
         """
-        load = self._loads.pop(req.rid, None)
-        if load is None:
+        lease = self._checkpoints.take(req.rid)
+        if lease is None:
             return
-        with load.lease:  # released at once: the arena orders a later write after these reads
-            match = load.lease.match
+        with lease:  # released at once: the arena orders a later write after these reads
+            tokens = lease.match.num_tokens
             if self._mamba is not None:
-                self._mamba.load_cpu_copy(self._restore_state(load.lease), self._state_slot(req))
+                self._mamba.load_cpu_copy(self._restore_state(lease), self._state_slot(req))
                 req.kv.mamba_needs_clear = False  # SGLang would zero the restored state
-            k_layers, v_layers = self._offload.stage_prefix(row, match.num_tokens)
-            for ordinal, (k, v) in enumerate(zip(k_layers, v_layers, strict=True)):
-                fence = self.cache.restore(load.lease, _kv_segments([k], [v], first=ordinal))
-                self._offload.fill_staging_until(ordinal, fence)
+            k_layers, v_layers = self._offload.stage_prefix(row, tokens)
+            self._checkpoints.restore_kv(
+                lease, k_layers, v_layers, self._offload.fill_staging_until
+            )
         self._sync_metrics()
-        logger.debug("prefix cache: %r resumes after %d cached tokens", req.rid, match.num_tokens)
+        logger.debug("prefix cache: %r resumes after %d cached tokens", req.rid, tokens)
 
     def publish(self, req: Any, row: int, up_to: int) -> bool:
         """Checkpoint ``req``'s first ``up_to`` tokens, if that is a whole number of pages.
@@ -421,54 +382,27 @@ class PrefixCacheRuntime:
             finish); False when it was skipped (not page-aligned, bypassed, already cached, no
             room on some rank) or failed (logged; the request is served either way).
         """
-        self._check_weights()
         if up_to < self.cache.page_size or up_to % self.cache.page_size:
             return False
         if self.bypass_reason(req) is not None:
             return False
-        key = self.key(req, req.full_untruncated_fill_ids[:up_to])
-        ticket = None
-        try:
-            sources = _kv_segments(*self._offload.staged_layers(row, up_to))
+
+        def gather() -> dict[str, torch.Tensor]:
+            sources = kv_segments(*self._offload.staged_layers(row, up_to))
             sources["index"] = self._index_rows(req, up_to)
             sources.update(self._state_of(req))
-            ticket = self.cache.reserve(
-                key, [SegmentSpec.like(name, t) for name, t in sources.items()]
-            )
-        except CheckpointTooLarge as exc:
-            logger.warning("prefix cache: %s", exc)
-        except (HostCacheError, RuntimeError):
-            logger.exception("prefix cache: cannot checkpoint %r at %d tokens", req.rid, up_to)
-            self._metrics.publish_errors.inc()
-        if self._agree(int(ticket is not None)) != 1:
-            if ticket is not None:
-                ticket.abort()
-            self._sync_metrics()
-            return False
-        assert ticket is not None
-        try:
-            self._offload.keep_staging_until(ticket.write(sources))
-            ticket.commit()
-        except (HostCacheError, RuntimeError):
-            logger.exception("prefix cache: checkpoint of %r at %d tokens failed", req.rid, up_to)
-            ticket.abort()
-            self._metrics.publish_errors.inc()
-            return False
-        finally:
-            self._sync_metrics()
-        logger.debug(
-            "prefix cache: %r checkpointed at %d tokens (%s)",
-            req.rid,
-            up_to,
-            format_bytes(sum(t.numel() * t.element_size() for t in sources.values())),
-        )
-        return True
+            return sources
+
+        key = self.key(req, req.full_untruncated_fill_ids[:up_to])
+        fence = self._checkpoints.publish(key, gather)
+        if fence is not None:  # the next prompt waits for the copies reading the staging area
+            self._offload.keep_staging_until(fence)
+        self._sync_metrics()
+        return fence is not None
 
     def forget(self, req: Any) -> None:
         """``req`` gave its row back: drop a load that never reached it."""
-        load = self._loads.pop(req.rid, None)
-        if load is not None:
-            load.lease.release()
+        self._checkpoints.forget(req.rid)
 
     def settle(self) -> None:
         """No request holds a row: land every checkpoint still being copied, refresh the gauges."""
@@ -477,10 +411,7 @@ class PrefixCacheRuntime:
 
     def invalidate(self) -> int:
         """Drop every checkpoint (a flush); returns how many were matchable."""
-        for load in self._loads.values():
-            load.lease.release()
-        self._loads.clear()
-        dropped = self.cache.invalidate_all()
+        dropped = self._checkpoints.invalidate()
         self._sync_metrics()
         return dropped
 
@@ -539,22 +470,6 @@ class PrefixCacheRuntime:
             return SGLangBypassReason(identity.bypass_reason.value)
         return identity.page_extras
 
-    def _check_weights(self) -> None:
-        """Drop every checkpoint once the served weights' version changed."""
-        now = self._weight_version()
-        if now != self._weights:
-            dropped = self.invalidate()
-            logger.info(
-                "prefix cache: weights %r replaced %r; %d checkpoints dropped",
-                now,
-                self._weights,
-                dropped,
-            )
-            self._weights = now
-
-    def _agree(self, value: int) -> int:
-        return agree_min(value, self._group)
-
     def _group_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
         """``[T / 4]`` compressed slots of a page-aligned run of ``[T]`` token slots."""
         return token_slots[:: self._ratio].long() // self._ratio
@@ -569,7 +484,7 @@ class PrefixCacheRuntime:
         spec = lease.match.segment("index")
         buffers: Sequence[torch.Tensor] = self._kv_pool.qsa_compressed_k_buffer_pool
         rows = torch.empty(_shape(spec), dtype=buffers[0].dtype, device=buffers[0].device)
-        self.cache.restore(lease, {"index": rows}).wait()
+        self._checkpoints.restore(lease, {"index": rows})
         groups = self._group_slots(slots.to(buffers[0].device))
         for layer, buf in enumerate(buffers):
             buf[groups] = rows[layer]
@@ -610,13 +525,13 @@ class PrefixCacheRuntime:
             targets[f"state.{j}"] = torch.empty(
                 _shape(spec), dtype=dtype, device=self._offload.kv.device
             )
-        self.cache.restore(lease, targets).wait()
+        self._checkpoints.restore(lease, targets)
         tensors = iter(targets.values())
         leaves = [next(tensors) if present else None for present in self._state_present]
         return pytree.tree_unflatten(leaves, self._state_spec)
 
     def _sync_metrics(self) -> None:
-        self._metrics.update(self.cache.stats())
+        self._metrics.update(self.cache.stats(), self._checkpoints.counts)
 
 
 def build_prefix_cache(

@@ -1,0 +1,294 @@
+"""What a serving engine does with the cache for its prompts, every decision agreed by its ranks.
+
+A checkpoint of a prompt's first ``T`` tokens (a whole number of pages) holds the model's state
+at that boundary as named segments: each attention layer's K/V (``k.<i>`` and ``v.<i>``,
+:func:`kv_segments`) and whatever else the engine's model keeps (an index, a recurrent state).
+:class:`PromptCheckpoints` runs the engine's four calls on a :class:`HostPrefixCache`:
+
+- :meth:`~PromptCheckpoints.lookup`: the longest checkpoint of a prompt;
+- :meth:`~PromptCheckpoints.load`: pin it for one request and let the engine claim what it
+  needs for it (token slots, rows it fills at once), or give everything back; the pin is held
+  until the request's restore (:meth:`~PromptCheckpoints.take`) or until it goes
+  (:meth:`~PromptCheckpoints.forget`);
+- :meth:`~PromptCheckpoints.restore_kv`: the K/V layer by layer, each layer's copies fenced on
+  their own so the engine's layers before it run meanwhile;
+- :meth:`~PromptCheckpoints.publish`: a checkpoint of the segments the engine gathers.
+
+Tensor-parallel ranks each hold their own cache, and a rank-local eviction or a full arena must
+never split them: every hit length, load and publish goes through ``agree`` (the minimum over
+the ranks, :func:`agree_min`), so all ranks take the same branch. A new weights version (read
+through ``weights`` before every lookup and publish) drops every checkpoint: none outlives the
+weights that computed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from qsa_hostcache._arena import CopyFence
+from qsa_hostcache._cache import HostPrefixCache, Lease
+from qsa_hostcache._errors import CheckpointTooLarge, HostCacheError
+from qsa_hostcache._keys import PrefixKey
+from qsa_hostcache._layout import SegmentSpec
+
+__all__ = ("Agree", "Claim", "PromptCheckpoints", "PromptCounts", "agree_min", "kv_segments")
+
+logger = logging.getLogger(__name__)
+
+#: The minimum of an int over the ranks that share a decision (each rank calls it with its own).
+Agree = Callable[[int], int]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claim(Generic[T]):
+    """What an engine took for a loaded checkpoint (e.g. token slots), and how to give it back."""
+
+    value: T
+    undo: Callable[[], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Load(Generic[T]):
+    lease: Lease
+    claim: Claim[T]
+
+
+def _alone(value: int) -> int:
+    return value
+
+
+def agree_min(group: Any) -> Agree:
+    """The :data:`Agree` of a torch.distributed CPU ``group`` (one all-reduce MIN a call).
+
+    ``None`` (one rank) agrees with itself.
+    """
+    if group is None:
+        return _alone
+
+    def agree(value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+        return int(t.item())
+
+    return agree
+
+
+def kv_segments(
+    k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor], *, first: int = 0
+) -> dict[str, torch.Tensor]:
+    """The K/V segments of a checkpoint: ``k.<i>`` and ``v.<i>`` per attention layer ``i``.
+
+    ``k_layers[j]`` (``[T, Hkv, D]``) is layer ``first + j``: a run of layers, e.g. one.
+    """
+    segments = {f"k.{i}": t for i, t in enumerate(k_layers, start=first)}
+    segments.update({f"v.{i}": t for i, t in enumerate(v_layers, start=first)})
+    return segments
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptCounts:
+    """What the engine's calls did, beyond the cache's own :class:`CacheStats`.
+
+    Attributes:
+        loads: prompts that resumed from a checkpoint.
+        loaded_tokens: their tokens, served from checkpoints instead of computed.
+        load_failures: hits that could not be loaded on every rank (the prompt was computed).
+        publish_errors: checkpoints that failed while being gathered or written (logged; the
+            request was served either way).
+    """
+
+    loads: int = 0
+    loaded_tokens: int = 0
+    load_failures: int = 0
+    publish_errors: int = 0
+
+
+class PromptCheckpoints(Generic[T]):
+    """A :class:`HostPrefixCache` as a serving engine's ranks use it for their prompts.
+
+    ``T`` is what the engine claims for a loaded checkpoint (:class:`Claim`).
+
+    Args:
+        cache: this rank's checkpoints.
+        agree: the minimum over the ranks that serve the same requests (:func:`agree_min`);
+            by default this rank alone.
+        weights: the served weights' version now, read before every lookup and publish.
+    """
+
+    def __init__(
+        self,
+        cache: HostPrefixCache,
+        *,
+        agree: Agree = _alone,
+        weights: Callable[[], object] = lambda: None,
+    ) -> None:
+        self.cache = cache
+        self._agree = agree
+        self._weights = weights
+        self._version = weights()
+        self._counts = PromptCounts()
+        self._loads: dict[Hashable, _Load[T]] = {}
+
+    @property
+    def counts(self) -> PromptCounts:
+        """What the calls did so far."""
+        return self._counts
+
+    def lookup(self, key: PrefixKey | None) -> int:
+        """Tokens of the longest checkpoint that is a prefix of ``key``, agreed (0 on a miss).
+
+        ``None``: this prompt is not keyed (every rank says so); the ranks still agree.
+        """
+        self._check_weights()
+        found = 0
+        if key is not None and key.num_tokens >= self.cache.page_size:
+            match = self.cache.match(key, max_tokens=key.num_tokens)
+            found = 0 if match is None else match.num_tokens
+        return self._agree(found)
+
+    def load(
+        self, holder: Hashable, key: PrefixKey, claim: Callable[[Lease], Claim[T] | None]
+    ) -> T | None:
+        """Pin the checkpoint of exactly ``key``'s tokens for ``holder``; the engine claims for it.
+
+        Args:
+            holder: the request the checkpoint is loaded for (its id).
+            key: the prompt's first tokens (a length :meth:`lookup` agreed on).
+            claim: called with the lease when this rank holds the checkpoint; takes what the
+                engine needs for it (slots, rows it restores at once) and returns it with how to
+                give it back, or None when it cannot (it gives back what it took before raising).
+
+        Returns:
+            The claim's value when every rank claimed (the pin is held for :meth:`take`); None
+            when any could not: nothing is held on any rank, and the prompt is computed.
+        """
+        lease: Lease | None = None
+        claimed: Claim[T] | None = None
+        try:
+            lease = self.cache.acquire(key, max_tokens=key.num_tokens)
+            if lease is not None and lease.match.num_tokens == key.num_tokens:
+                claimed = claim(lease)
+        except (HostCacheError, RuntimeError):
+            logger.exception(
+                "prefix cache: loading %d tokens for %r failed", key.num_tokens, holder
+            )
+        if self._agree(int(claimed is not None)) != 1:
+            if claimed is not None:
+                claimed.undo()
+            if lease is not None:
+                lease.release()
+            self._count(load_failures=self._counts.load_failures + 1)
+            logger.info("prefix cache: %r recomputes its %d cached tokens", holder, key.num_tokens)
+            return None
+        assert lease is not None
+        assert claimed is not None
+        self._loads[holder] = _Load(lease, claimed)
+        self._count(
+            loads=self._counts.loads + 1,
+            loaded_tokens=self._counts.loaded_tokens + key.num_tokens,
+        )
+        return claimed.value
+
+    def claimed(self, holder: Hashable) -> T | None:
+        """What was claimed for ``holder``'s loaded checkpoint, while it waits for its restore."""
+        load = self._loads.get(holder)
+        return None if load is None else load.claim.value
+
+    def take(self, holder: Hashable) -> Lease | None:
+        """The pin of ``holder``'s loaded checkpoint, for its restore (release it once issued)."""
+        load = self._loads.pop(holder, None)
+        return None if load is None else load.lease
+
+    def forget(self, holder: Hashable) -> None:
+        """``holder`` went before its restore: unpin its checkpoint (its claim goes with it)."""
+        load = self._loads.pop(holder, None)
+        if load is not None:
+            load.lease.release()
+
+    def restore(self, lease: Lease, into: Mapping[str, torch.Tensor]) -> None:
+        """Restore segments into ``into`` and order the current stream after the copies."""
+        self.cache.restore(lease, into).wait()
+
+    def restore_kv(
+        self,
+        lease: Lease,
+        k_layers: Sequence[torch.Tensor],
+        v_layers: Sequence[torch.Tensor],
+        filled: Callable[[int, CopyFence], None],
+    ) -> None:
+        """Restore each layer's K/V by copies of its own; ``filled(layer, fence)`` for each.
+
+        The engine waits on a layer's fence where that layer first reads its K/V, so the
+        copies of later layers overlap the compute of earlier ones.
+        """
+        for layer, (k, v) in enumerate(zip(k_layers, v_layers, strict=True)):
+            filled(layer, self.cache.restore(lease, kv_segments([k], [v], first=layer)))
+
+    def publish(
+        self, key: PrefixKey, gather: Callable[[], Mapping[str, torch.Tensor]]
+    ) -> CopyFence | None:
+        """Checkpoint ``key``'s tokens from the segments ``gather`` returns, if every rank can.
+
+        Returns:
+            The copies' fence (the gathered tensors must stay unchanged until it) when the
+            checkpoint was committed on every rank (matchable once its copies finish); None
+            when it was skipped (already cached, no room on some rank, too large) or failed
+            (logged, counted; the request is served either way).
+        """
+        self._check_weights()
+        ticket = None
+        sources: Mapping[str, torch.Tensor] = {}
+        try:
+            sources = gather()
+            ticket = self.cache.reserve(
+                key, [SegmentSpec.like(name, t) for name, t in sources.items()]
+            )
+        except CheckpointTooLarge as exc:
+            logger.warning("prefix cache: %s", exc)
+        except (HostCacheError, RuntimeError):
+            logger.exception("prefix cache: cannot checkpoint %d tokens", key.num_tokens)
+            self._count(publish_errors=self._counts.publish_errors + 1)
+        if self._agree(int(ticket is not None)) != 1:
+            if ticket is not None:
+                ticket.abort()
+            return None
+        assert ticket is not None
+        try:
+            fence = ticket.write(sources)
+            ticket.commit()
+        except (HostCacheError, RuntimeError):
+            logger.exception("prefix cache: checkpoint of %d tokens failed", key.num_tokens)
+            ticket.abort()
+            self._count(publish_errors=self._counts.publish_errors + 1)
+            return None
+        return fence
+
+    def invalidate(self) -> int:
+        """Drop every checkpoint and every pending load's pin; how many checkpoints matched."""
+        for load in self._loads.values():
+            load.lease.release()
+        self._loads.clear()
+        return self.cache.invalidate_all()
+
+    def _check_weights(self) -> None:
+        """Drop every checkpoint once the served weights' version changed."""
+        now = self._weights()
+        if now != self._version:
+            dropped = self.invalidate()
+            logger.info(
+                "prefix cache: weights %r replaced %r; %d checkpoints dropped",
+                now,
+                self._version,
+                dropped,
+            )
+            self._version = now
+
+    def _count(self, **changes: int) -> None:
+        self._counts = dataclasses.replace(self._counts, **changes)
