@@ -232,15 +232,24 @@ class PromptCheckpoints(Generic[T]):
             filled(layer, self.cache.restore(lease, kv_segments([k], [v], first=layer)))
 
     def publish(
-        self, key: PrefixKey, gather: Callable[[], Mapping[str, torch.Tensor]]
+        self,
+        key: PrefixKey,
+        gather: Callable[[], Mapping[str, torch.Tensor]],
+        *,
+        holder: Hashable = None,
     ) -> CopyFence | None:
         """Checkpoint ``key``'s tokens from the segments ``gather`` returns, if every rank can.
 
+        Args:
+            key: the prompt's first tokens, a whole number of pages.
+            gather: the checkpoint's segments, called only on this path (views are fine: they
+                must stay unchanged until the returned fence).
+            holder: the request whose prompt it is, for the log.
+
         Returns:
-            The copies' fence (the gathered tensors must stay unchanged until it) when the
-            checkpoint was committed on every rank (matchable once its copies finish); None
-            when it was skipped (already cached, no room on some rank, too large) or failed
-            (logged, counted; the request is served either way).
+            The copies' fence when the checkpoint was committed on every rank (matchable once
+            its copies finish); None when it was skipped (already cached, no room on some rank,
+            too large) or failed (logged, counted; the request is served either way).
         """
         self._check_weights()
         ticket = None
@@ -251,9 +260,11 @@ class PromptCheckpoints(Generic[T]):
                 key, [SegmentSpec.like(name, t) for name, t in sources.items()]
             )
         except CheckpointTooLarge as exc:
-            logger.warning("prefix cache: %s", exc)
+            logger.warning("prefix cache: %r: %s", holder, exc)
         except (HostCacheError, RuntimeError):
-            logger.exception("prefix cache: cannot checkpoint %d tokens", key.num_tokens)
+            logger.exception(
+                "prefix cache: cannot checkpoint %r at %d tokens", holder, key.num_tokens
+            )
             self._count(publish_errors=self._counts.publish_errors + 1)
         if self._agree(int(ticket is not None)) != 1:
             if ticket is not None:
@@ -264,10 +275,18 @@ class PromptCheckpoints(Generic[T]):
             fence = ticket.write(sources)
             ticket.commit()
         except (HostCacheError, RuntimeError):
-            logger.exception("prefix cache: checkpoint of %d tokens failed", key.num_tokens)
+            logger.exception(
+                "prefix cache: checkpoint of %r at %d tokens failed", holder, key.num_tokens
+            )
             ticket.abort()
             self._count(publish_errors=self._counts.publish_errors + 1)
             return None
+        logger.debug(
+            "prefix cache: %r checkpointed at %d tokens (%d bytes)",
+            holder,
+            key.num_tokens,
+            sum(t.numel() * t.element_size() for t in sources.values()),
+        )
         return fence
 
     def invalidate(self) -> int:

@@ -394,7 +394,7 @@ class PrefixCacheRuntime:
             return sources
 
         key = self.key(req, req.full_untruncated_fill_ids[:up_to])
-        fence = self._checkpoints.publish(key, gather)
+        fence = self._checkpoints.publish(key, gather, holder=req.rid)
         if fence is not None:  # the next prompt waits for the copies reading the staging area
             self._offload.keep_staging_until(fence)
         self._sync_metrics()
