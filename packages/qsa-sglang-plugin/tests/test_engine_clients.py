@@ -134,6 +134,13 @@ def _held(engine: Engine) -> dict[str, float]:
 
 
 def _released(engine: Engine) -> float:
+    """Leases given back, read once none is live (the outcome is counted before the gauge drops;
+    a reply can reach the client before SGLang releases its row)."""
+    wait_until(
+        "every lease to come back",
+        lambda: engine.metric("qsa_hisparse_live_leases") == 0,
+        poll_s=0.01,
+    )
     return engine.metric("qsa_hisparse_leases_released_total")
 
 

@@ -147,6 +147,12 @@ def _live_leases(engine: Engine) -> float:
 
 
 def _released(engine: Engine, outcome: str) -> float:
+    """Leases given back with ``outcome``, read once none is live.
+
+    A request's reply can reach the client before SGLang releases its row; the lifecycle counts
+    the outcome before it lowers the live gauge, so the count is final once the gauge reads 0.
+    """
+    _wait_for(lambda: _live_leases(engine) == 0, "every lease to come back")
     return engine.metric("qsa_hisparse_leases_released_total", outcome=outcome)
 
 

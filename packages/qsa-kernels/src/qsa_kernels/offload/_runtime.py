@@ -223,13 +223,13 @@ class OffloadRuntime:
         """The request of row ``row`` gave its slot back (finish, abort, retraction)."""
         for slot in [s for s, r in self._row_of_slot.items() if r == row]:
             del self._row_of_slot[slot]
+        self._count(rows_in_use=self.rows_in_use)  # before the verification's counts
         if self._staged_row == row:
             self._staged_row, self._staged_tokens = None, 0
         if self.kv.state(row) is RowState.ACTIVE:
             if self._resident is not None:
                 self._verify(row)
             self.kv.release(row)
-        self._count(rows_in_use=self.rows_in_use)
         self.flush_counters()  # once per request: the one device read outside the log interval
 
     # ---- prefill: the staging area ---------------------------------------------------------------

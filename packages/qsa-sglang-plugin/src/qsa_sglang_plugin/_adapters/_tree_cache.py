@@ -162,8 +162,9 @@ class HiSparseRadixCache(UnifiedRadixCache):
         else:
             self.qsa_leases.abort(handle)
         self.qsa_leases.release(handle)
-        self._qsa_metrics.live.dec()
+        # The outcome first: a reader that sees no live lease sees every outcome counted.
         self._qsa_metrics.released[outcome].inc()
+        self._qsa_metrics.live.dec()
         if self.qsa_prefix is not None and not self._qsa_by_rid:
             self.qsa_prefix.settle()
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
