@@ -261,3 +261,21 @@ def test_a_hand_off_of_a_prompt_that_is_not_staged_is_refused() -> None:
         runtime.plan_decode([SLOT], [11])
     assert runtime.kv.state(ROW) is RowState.FREE
     assert runtime.staged_tokens == PREFIX
+
+
+def test_a_runtime_that_chooses_tokens_refuses_block_ids_before_writing_the_token() -> None:
+    geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, 64, 1, D, torch.bfloat16, per_head=True)
+    kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    runtime = OffloadRuntime(kv, LAYER_IDS, None)
+    runtime.bind(SLOT, ROW)
+    new = torch.ones(PREFIX, D, dtype=torch.bfloat16)
+    runtime.stage(3, new, new, slot=SLOT, start=0, end=PREFIX)
+    runtime.stage(7, new, new, slot=SLOT, start=0, end=PREFIX)
+    runtime.plan_decode([SLOT], [PREFIX + 1])
+    token = torch.full((1, D), 5.0, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4 * D, dtype=torch.bfloat16)
+    blocks = torch.zeros((1, TOPK), dtype=torch.int32)
+    with pytest.raises(OffloadStateError, match="takes a QSA indexer's blocks"):
+        runtime.decode_layer(3, q, token, token, blocks, SCALE)
+    assert int(kv.step_lengths[0]) == PREFIX + 1  # the plan stands
+    assert not bool(kv.tail.eq(5.0).any())  # the new token was not written

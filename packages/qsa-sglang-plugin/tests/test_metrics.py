@@ -23,3 +23,15 @@ def test_a_name_asked_for_as_another_kind_is_refused_naming_both() -> None:
     with pytest.raises(ValueError, match=r"'qsa_test_kind_clash' is a Counter .* for a Gauge"):
         RankMetrics(0).gauge(name, "test")
     assert REGISTRY.get_sample_value(f"{name}_total", {"tp_rank": "0"}) == 1
+
+
+def test_library_counts_advance_their_counters_by_what_they_added() -> None:
+    from qsa_kernels.offload import OffloadCounts
+    from qsa_sglang_plugin._adapters._metrics import advance_counters
+
+    name = "qsa_test_advanced_steps"
+    counters = {"decode_steps": RankMetrics(0).counter(name, "test")}
+    before, now = OffloadCounts(decode_steps=3), OffloadCounts(decode_steps=7, rows_in_use=2)
+    advance_counters(counters, now, before)
+    advance_counters(counters, now, now)  # nothing added: nothing counted
+    assert REGISTRY.get_sample_value(f"{name}_total", {"tp_rank": "0"}) == 4

@@ -422,10 +422,10 @@ class OffloadRuntime:
         Returns:
             ``[B, Hq * D]`` attention output, in ``q``'s dtype.
         """
-        ordinal = self._append(layer_id, k, v)
-        if self._block_topk is None:
+        if self._block_topk is None:  # refused before the token is written
             msg = "decode_layer takes a QSA indexer's blocks; this runtime chooses tokens"
             raise OffloadStateError(msg)
+        ordinal = self._append(layer_id, k, v)
         # Padding rows have 0 complete blocks: nothing selected.
         blocks = complete_blocks(indices, self.kv.step_closed_blocks, self._block_topk)
         self._count_blocks(ordinal, blocks)

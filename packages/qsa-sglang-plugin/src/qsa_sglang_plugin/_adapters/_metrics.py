@@ -9,10 +9,10 @@ that reports to it (two runtimes of one process, say, each with its own ``tp_ran
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
-__all__ = ("RankMetrics",)
+__all__ = ("RankMetrics", "advance_counters")
 
 _Label = TypeVar("_Label", bound=enum.Enum)
 
@@ -68,3 +68,15 @@ class RankMetrics:
 
         family = _family(Counter, name, doc, ("tp_rank", label))
         return {v: family.labels(tp_rank=self._rank, **{label: v.value}) for v in values}
+
+
+def advance_counters(counters: Mapping[str, Any], now: object, before: object) -> None:
+    """Advance counter ``name`` by how much field ``name`` of ``now`` grew since ``before``.
+
+    For a library's cumulative counts (a frozen dataclass of ints) mirrored into Prometheus:
+    ``now`` and ``before`` are two of its snapshots.
+    """
+    for name, series in counters.items():
+        added = int(getattr(now, name)) - int(getattr(before, name))
+        if added:
+            series.inc(added)

@@ -50,7 +50,7 @@ import torch
 from qsa_core import format_bytes, hot_cache_slots
 from qsa_kernels import BLOCK_TOKENS, KernelInputError
 from qsa_kernels.offload import OffloadCounts, OffloadedKV, OffloadGeometry, OffloadRuntime
-from qsa_sglang_plugin._adapters._metrics import RankMetrics
+from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
 from qsa_sglang_plugin._adapters._qsa_common import (
     group_head_layout,
     qsa_profile_of,
@@ -112,10 +112,7 @@ class _Metrics:
     def update(self, counts: OffloadCounts) -> None:
         """Set the gauge and advance each counter by what ``counts`` added since the last call."""
         self._rows_in_use.set(counts.rows_in_use)
-        for name, series in self._counters.items():
-            added = getattr(counts, name) - getattr(self._seen, name)
-            if added:
-                series.inc(added)
+        advance_counters(self._counters, counts, self._seen)
         self._seen = counts
 
 

@@ -80,7 +80,7 @@ from qsa_hostcache import (
     kv_segments,
 )
 from qsa_mm_prefix import MultimodalPrefixError, ProcessorFingerprint
-from qsa_sglang_plugin._adapters._metrics import RankMetrics
+from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
 from qsa_sglang_plugin._adapters._multimodal import (
     SGLangBypass,
     SGLangBypassReason,
@@ -160,22 +160,24 @@ class _Metrics:
         }
         self._last: CacheStats | None = None
         self._counts = PromptCounts()
-        self.publish_errors = make.counter(
-            f"{METRIC_PREFIX}_publish_errors",
-            "Checkpoints that failed while being written (the request was served).",
-        )
-        self.loads = make.counter(
-            f"{METRIC_PREFIX}_loads",
-            "Requests that resumed from a checkpoint (SGLang counts its tokens as cached).",
-        )
-        self.loaded_tokens = make.counter(
-            f"{METRIC_PREFIX}_loaded_tokens",
-            "Prompt tokens served from checkpoints instead of computed.",
-        )
-        self.load_back_failures = make.counter(
-            f"{METRIC_PREFIX}_load_back_failures",
-            "Hits that could not be loaded back (the request recomputed its prompt).",
-        )
+        self._counters = {  # PromptCounts' fields
+            "publish_errors": make.counter(
+                f"{METRIC_PREFIX}_publish_errors",
+                "Checkpoints that failed while being written (the request was served).",
+            ),
+            "loads": make.counter(
+                f"{METRIC_PREFIX}_loads",
+                "Requests that resumed from a checkpoint (SGLang counts its tokens as cached).",
+            ),
+            "loaded_tokens": make.counter(
+                f"{METRIC_PREFIX}_loaded_tokens",
+                "Prompt tokens served from checkpoints instead of computed.",
+            ),
+            "load_failures": make.counter(
+                f"{METRIC_PREFIX}_load_back_failures",
+                "Hits that could not be loaded back (the request recomputed its prompt).",
+            ),
+        }
         self.unloadable = make.counter(
             f"{METRIC_PREFIX}_unloadable_requests",
             "Requests not matched because SGLang admits them without loading a host hit "
@@ -190,11 +192,7 @@ class _Metrics:
 
     def update(self, stats: CacheStats, counts: PromptCounts) -> None:
         """The cache's statistics and the prompt calls' counts, as increments since the last."""
-        last = self._counts
-        self.publish_errors.inc(counts.publish_errors - last.publish_errors)
-        self.loads.inc(counts.loads - last.loads)
-        self.loaded_tokens.inc(counts.loaded_tokens - last.loaded_tokens)
-        self.load_back_failures.inc(counts.load_failures - last.load_failures)
+        advance_counters(self._counters, counts, self._counts)
         self._counts = counts
         for series in CacheStats.series():
             value = int(getattr(stats, series.name))
