@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import enum
 import struct
 from collections import OrderedDict
+from pathlib import PurePosixPath
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,8 +15,10 @@ from hypothesis import strategies as st
 
 from qsa_mm_prefix import (
     InvalidFingerprintError,
+    PreprocessArg,
     ProcessorFingerprint,
     UnsupportedArgumentError,
+    spatial_merge_size,
 )
 
 
@@ -149,3 +154,34 @@ def test_empty_name_or_version_is_rejected(name: str, version: str) -> None:
     """Name and version are required and non-empty."""
     with pytest.raises(InvalidFingerprintError, match="non-empty"):
         ProcessorFingerprint.create(name, version, {})
+
+
+class _Resample(enum.Enum):
+    BICUBIC = 3
+
+
+def test_settings_are_made_canonical_before_they_are_encoded() -> None:
+    """An enum member is its class and name, a path its text, a tuple a list: a processor's own
+    ``to_dict()`` fingerprints as its canonical arguments would."""
+    settings = {"resample": _Resample.BICUBIC, "dir": PurePosixPath("/m/a"), "size": (2, 3)}
+    canonical: dict[str, PreprocessArg] = {
+        "resample": "_Resample.BICUBIC",
+        "dir": "/m/a",
+        "size": [2, 3],
+    }
+    got = ProcessorFingerprint.from_settings("proc", "1.0", {"processor": settings})
+    assert got == ProcessorFingerprint.create("proc", "1.0", {"processor": canonical})
+    assert got != ProcessorFingerprint.from_settings("proc", "1.0", {"processor": {"size": [2]}})
+
+
+def test_a_setting_key_that_is_not_a_str_is_named_with_its_path() -> None:
+    with pytest.raises(InvalidFingerprintError, match=r"setting key 1 at 'processor.crop'"):
+        ProcessorFingerprint.from_settings("proc", "1.0", {"processor": {"crop": {1: "x"}}})
+
+
+def test_spatial_merge_size_is_read_from_the_vision_config() -> None:
+    """Objects and mappings both give the vision merge size; no vision config gives None."""
+    obj = SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2))
+    assert spatial_merge_size(obj) == 2
+    assert spatial_merge_size({"vision_config": {"spatial_merge_size": 3}}) == 3
+    assert spatial_merge_size({"text_config": {}}) is None

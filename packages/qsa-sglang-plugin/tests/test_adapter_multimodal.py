@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from qsa_mm_prefix import Modality, ProcessorFingerprint, PromptIdentity, content_digest
+from qsa_mm_prefix import (
+    InvalidFingerprintError,
+    Modality,
+    ProcessorFingerprint,
+    PromptIdentity,
+    content_digest,
+)
 from qsa_pytest.processes import hang_guard_s
 from qsa_sglang_plugin import (
     AdapterError,
@@ -22,7 +28,6 @@ from qsa_sglang_plugin import (
     mm_items_from_sglang,
     processor_fingerprint_from_sglang,
     prompt_identity_from_sglang,
-    spatial_merge_size_of,
 )
 
 MERGE = 2
@@ -333,13 +338,5 @@ def test_processor_payload_is_preferred_and_must_be_canonical() -> None:
     assert len({a.digest, b.digest, c.digest}) == 3
     with pytest.raises(AdapterError, match="exposes neither"):
         processor_fingerprint_from_sglang(object())
-    with pytest.raises(AdapterError, match="not a str"):
+    with pytest.raises(InvalidFingerprintError, match="setting key 1 at 'processor' is not a str"):
         processor_fingerprint_from_sglang(Payload({1: "x"}))
-
-
-def test_spatial_merge_size_is_read_from_vision_config() -> None:
-    """Objects and mappings both give the vision merge size; no vision config gives None."""
-    obj = SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2))
-    assert spatial_merge_size_of(obj) == 2
-    assert spatial_merge_size_of({"vision_config": {"spatial_merge_size": 3}}) == 3
-    assert spatial_merge_size_of({"text_config": {}}) is None

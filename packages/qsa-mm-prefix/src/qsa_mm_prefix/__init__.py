@@ -38,6 +38,7 @@ from qsa_mm_prefix._types import (
     MultimodalItem,
     ProcessorFingerprint,
     PromptIdentity,
+    spatial_merge_size,
 )
 from qsa_mm_prefix._version import __version__
 
@@ -58,6 +59,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "build_prompt_identity",
     "content_digest",
     "image_key",
+    "spatial_merge_size",
     # Constants
     "DEFAULT_PAGE_SIZE",
     "ENCODING_VERSION",

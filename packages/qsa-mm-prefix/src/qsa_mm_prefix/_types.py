@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Final, TypeAlias, TypeGuard
 
 from qsa_core import QWEN38_FLASH_NEXT
@@ -35,6 +36,44 @@ def is_int_at_least(value: object, minimum: int) -> TypeGuard[int]:
 
 def _is_nonempty_str(value: object) -> bool:
     return isinstance(value, str) and value != ""
+
+
+def _canonical(value: object, path: str) -> PreprocessArg:
+    """``value`` as a :data:`PreprocessArg` (:meth:`ProcessorFingerprint.from_settings`)."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if isinstance(value, PurePath):
+        return str(value)
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return str(value)  # torch is not a dependency: its dtype is recognised by name
+    if isinstance(value, Mapping):
+        out: dict[str, PreprocessArg] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                msg = f"setting key {key!r} at {path!r} is not a str; allowed: str keys"
+                raise InvalidFingerprintError(msg)
+            out[key] = _canonical(item, f"{path}.{key}")
+        return out
+    if isinstance(value, list | tuple):
+        return [_canonical(item, f"{path}[{i}]") for i, item in enumerate(value)]
+    return value  # type: ignore[return-value]  # checked by ProcessorFingerprint.create
+
+
+def spatial_merge_size(hf_config: object) -> int | None:
+    """``vision_config.spatial_merge_size`` of an HF checkpoint config (object or mapping).
+
+    ``None`` without a vision config or without the field: spans are then not checked against
+    their grids (:func:`build_prompt_identity`).
+    """
+    vision = getattr(hf_config, "vision_config", None)
+    if vision is None and isinstance(hf_config, Mapping):
+        vision = hf_config.get("vision_config")
+    if vision is None:
+        return None
+    value = vision.get("spatial_merge_size") if isinstance(vision, Mapping) else None
+    if value is None:
+        value = getattr(vision, "spatial_merge_size", None)
+    return None if value is None else int(value)
 
 
 class Modality(enum.Enum):
@@ -138,6 +177,24 @@ class ProcessorFingerprint:
         packer = Packer("preprocess-args")
         packer.argument(dict(args))
         return cls(name=name, version=version, args_encoding=packer.encoded())
+
+    @classmethod
+    def from_settings(
+        cls, name: str, version: str, settings: Mapping[str, object]
+    ) -> ProcessorFingerprint:
+        """Fingerprint a processor from its own account of its settings (e.g. an HF ``to_dict()``).
+
+        The settings are made canonical first: an enum member becomes ``"Class.NAME"``, a path and
+        a ``torch.dtype`` their ``str``, a tuple a list, mappings and sequences item by item;
+        anything else goes to :meth:`create` as it is, which accepts or refuses it.
+
+        Raises:
+            InvalidFingerprintError: a mapping key that is not a ``str`` (named with its path), or
+                what :meth:`create` refuses.
+            UnsupportedArgumentError: a value with no canonical encoding.
+        """
+        args = {key: _canonical(value, key) for key, value in settings.items()}
+        return cls.create(name, version, args)
 
     def __post_init__(self) -> None:
         digest = Packer("processor").text(self.name).text(self.version).blob(self.args_encoding)

@@ -19,7 +19,6 @@ from qsa_sglang_plugin._adapters import (
     mm_items_from_sglang,
     processor_fingerprint_from_sglang,
     prompt_identity_from_sglang,
-    spatial_merge_size_of,
 )
 from qsa_sglang_plugin._errors import (
     ActivationError,
@@ -67,7 +66,6 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "mm_items_from_sglang",
     "processor_fingerprint_from_sglang",
     "prompt_identity_from_sglang",
-    "spatial_merge_size_of",
     # errors
     "ActivationError",
     "AdapterError",

@@ -12,7 +12,6 @@ from qsa_sglang_plugin._adapters._multimodal import (
     mm_items_from_sglang,
     processor_fingerprint_from_sglang,
     prompt_identity_from_sglang,
-    spatial_merge_size_of,
 )
 from qsa_sglang_plugin._adapters._namespace import (
     DIGEST_SERVER_FIELDS,
@@ -32,5 +31,4 @@ __all__ = (
     "mm_items_from_sglang",
     "processor_fingerprint_from_sglang",
     "prompt_identity_from_sglang",
-    "spatial_merge_size_of",
 )

@@ -12,7 +12,6 @@ import importlib.metadata
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import PurePath
 from typing import Any, Final
 
 from qsa_mm_prefix import (
@@ -20,7 +19,6 @@ from qsa_mm_prefix import (
     FeatureSource,
     Modality,
     MultimodalItem,
-    PreprocessArg,
     ProcessorFingerprint,
     PromptIdentity,
     SpanError,
@@ -35,7 +33,6 @@ __all__ = (
     "mm_items_from_sglang",
     "processor_fingerprint_from_sglang",
     "prompt_identity_from_sglang",
-    "spatial_merge_size_of",
 )
 
 logger = logging.getLogger(__name__)
@@ -100,34 +97,6 @@ def _dist_version(name: str) -> str:
         return "absent"
 
 
-def _canonical(value: object, path: str) -> PreprocessArg:
-    """Turn a processor payload into ``PreprocessArg`` values (unknown types pass through).
-
-    Enums become ``"Class.NAME"``, paths and torch dtypes their ``str``, tuples lists; anything
-    else passes through unchanged so that ``ProcessorFingerprint.create`` accepts or refuses it.
-    """
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__qualname__}.{value.name}"
-    if isinstance(value, PurePath):
-        return str(value)
-    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
-        return str(value)
-    if isinstance(value, Mapping):
-        out: dict[str, PreprocessArg] = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                msg = (
-                    f"processor payload key {key!r} at {path or '<root>'} is not a str; "
-                    "allowed: str keys"
-                )
-                raise AdapterError(msg)
-            out[key] = _canonical(item, f"{path}.{key}")
-        return out
-    if isinstance(value, list | tuple):
-        return [_canonical(item, f"{path}[{i}]") for i, item in enumerate(value)]
-    return value  # type: ignore[return-value]  # checked by ProcessorFingerprint.create
-
-
 def processor_fingerprint_from_sglang(
     processor: object,
     *,
@@ -150,7 +119,8 @@ def processor_fingerprint_from_sglang(
 
     Raises:
         AdapterError: The processor exposes neither ``preprocess_fingerprint_payload()`` nor
-            ``to_dict()``, or its payload has a non-``str`` mapping key.
+            ``to_dict()``.
+        qsa_mm_prefix.InvalidFingerprintError: Its payload has a non-``str`` mapping key.
         qsa_mm_prefix.UnsupportedArgumentError: A payload value has no canonical encoding.
     """
     if hasattr(processor, "preprocess_fingerprint_payload"):
@@ -163,16 +133,17 @@ def processor_fingerprint_from_sglang(
             "preprocess_fingerprint_payload() nor to_dict(); its settings cannot be fingerprinted"
         )
         raise AdapterError(msg)
-    args: dict[str, PreprocessArg] = {"processor": _canonical(payload, "processor")}
+    settings: dict[str, object] = {"processor": payload}
     if hf_config is not None:
         cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)  # type: ignore[call-overload]
-        args["model_type"] = _canonical(cfg.get("model_type"), "model_type")
-        args["architectures"] = _canonical(cfg.get("architectures"), "architectures")
+        settings["model_type"] = cfg.get("model_type")
+        settings["architectures"] = cfg.get("architectures")
     if extra:
-        args["extra"] = _canonical(dict(extra), "extra")
+        settings["extra"] = dict(extra)
     kind = type(processor)
     version = f"transformers=={_dist_version('transformers')};sglang=={_dist_version('sglang')}"
-    return ProcessorFingerprint.create(f"{kind.__module__}.{kind.__qualname__}", version, args)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    return ProcessorFingerprint.from_settings(name, version, settings)
 
 
 def engine_processor_fingerprint(
@@ -397,16 +368,3 @@ def prompt_identity_from_sglang(
         page_size=page_size,
         spatial_merge_size=spatial_merge_size,
     )
-
-
-def spatial_merge_size_of(hf_config: Any) -> int | None:
-    """``vision_config.spatial_merge_size`` of a checkpoint config, or ``None`` without one."""
-    vision = getattr(hf_config, "vision_config", None)
-    if vision is None and isinstance(hf_config, Mapping):
-        vision = hf_config.get("vision_config")
-    if vision is None:
-        return None
-    value = vision.get("spatial_merge_size") if isinstance(vision, Mapping) else None
-    if value is None:
-        value = getattr(vision, "spatial_merge_size", None)
-    return None if value is None else int(value)

@@ -79,14 +79,13 @@ from qsa_hostcache import (
     agree_min,
     kv_segments,
 )
-from qsa_mm_prefix import MultimodalPrefixError, ProcessorFingerprint
+from qsa_mm_prefix import MultimodalPrefixError, ProcessorFingerprint, spatial_merge_size
 from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
 from qsa_sglang_plugin._adapters._multimodal import (
     SGLangBypass,
     SGLangBypassReason,
     engine_processor_fingerprint,
     prompt_identity_from_sglang,
-    spatial_merge_size_of,
 )
 from qsa_sglang_plugin._adapters._namespace import cache_namespace_from_sglang, request_salt
 from qsa_sglang_plugin._errors import OffloadRuntimeError
@@ -565,7 +564,7 @@ def build_prefix_cache(
     images = (
         None
         if fingerprint is None
-        else ImageKeying(fingerprint, spatial_merge_size_of(runner.model_config.hf_config))
+        else ImageKeying(fingerprint, spatial_merge_size(runner.model_config.hf_config))
     )
     runtime = PrefixCacheRuntime(
         cache,
