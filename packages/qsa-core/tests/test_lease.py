@@ -16,6 +16,17 @@ _PATH = (
     LeaseState.DECODING,
     LeaseState.DRAINING,
 )
+#: The forward transitions the table allows, written out independently of its own table.
+_LEGAL = {
+    (LeaseState.ALLOCATED, LeaseState.PREFILLING),
+    (LeaseState.PREFILLING, LeaseState.COPYING_TO_HOST),
+    (LeaseState.PREFILLING, LeaseState.DECODING),
+    (LeaseState.PREFILLING, LeaseState.DRAINING),
+    (LeaseState.COPYING_TO_HOST, LeaseState.HOST_READY),
+    (LeaseState.HOST_READY, LeaseState.DECODING),
+    (LeaseState.HOST_READY, LeaseState.DRAINING),
+    (LeaseState.DECODING, LeaseState.DRAINING),
+}
 
 
 def test_full_lifecycle_frees_the_slot() -> None:
@@ -32,6 +43,73 @@ def test_full_lifecycle_frees_the_slot() -> None:
     table.release(h)
     assert table.state(h) is LeaseState.RELEASED
     assert table.num_free == 2
+
+
+def test_a_request_that_stays_on_the_device_decodes_straight_after_prefill() -> None:
+    table = LeaseTable(1)
+    h = table.acquire("a")
+    table.begin_prefill(h)
+    table.begin_decode(h)
+    assert table.state(h) is LeaseState.DECODING
+
+
+def test_a_request_may_end_at_its_first_token_but_not_while_its_copy_is_in_flight() -> None:
+    """Finish from PREFILLING drains; finish from COPYING_TO_HOST is refused, naming the way on."""
+    table = LeaseTable(2)
+    first = table.acquire("a")
+    table.begin_prefill(first)
+    table.finish(first)
+    assert table.state(first) is LeaseState.DRAINING
+    assert not table.is_aborted(first)
+    copying = table.acquire("b")
+    table.begin_prefill(copying)
+    table.begin_copy(copying)
+    with pytest.raises(
+        LeaseError, match=r"'copying_to_host' -> 'draining'.*allowed next state: 'host_ready'"
+    ):
+        table.finish(copying)
+    table.finish_copy(copying)
+    table.finish(copying)  # ended before its first decode step read the host
+    assert table.state(copying) is LeaseState.DRAINING
+
+
+def test_a_lease_is_found_by_its_request_id_and_its_engine_slot_until_released() -> None:
+    table = LeaseTable(2)
+    h = table.acquire("a", engine_slot=7)
+    assert h.engine_slot == 7
+    assert table.find("a") == h
+    assert table.at_engine_slot(7) == h
+    assert table.at_engine_slot(0) is None
+    assert table.find("b") is None
+    table.abort(h)
+    table.release(h)
+    assert table.find("a") is None
+    assert table.at_engine_slot(7) is None
+    again = table.acquire("b", engine_slot=7)  # the engine reuses its slot for the next request
+    assert table.at_engine_slot(7) == again
+
+
+def test_an_engine_slot_of_a_live_lease_is_refused_naming_its_holder() -> None:
+    table = LeaseTable(2)
+    table.acquire("a", engine_slot=3)
+    with pytest.raises(LeaseError, match=r"engine slot 3 of request 'b' belongs to .*'a'"):
+        table.acquire("b", engine_slot=3)
+    assert table.num_free == 1
+    assert table.find("b") is None
+    with pytest.raises(LeaseError, match="engine_slot=-1 is not allowed"):
+        table.acquire("b", engine_slot=-1)
+
+
+@pytest.mark.parametrize("aborted", [False, True])
+def test_ending_a_lease_frees_its_slot_and_counts_it_aborted_or_not(aborted: bool) -> None:
+    table = LeaseTable(1)
+    h = table.acquire("a", engine_slot=0)
+    table.begin_prefill(h)
+    table.begin_decode(h)
+    table.end(h, aborted=aborted)
+    assert table.state(h) is LeaseState.RELEASED
+    assert table.num_free == 1
+    assert table.at_engine_slot(0) is None
 
 
 def test_skipping_a_state_is_illegal() -> None:
@@ -119,15 +197,16 @@ class LeaseMachine(RuleBasedStateMachine):
         self.dead: list[LeaseHandle] = []
         self.counter = 0
 
-    @rule()
-    def acquire(self) -> None:
+    @rule(engine_slot=st.integers(0, 4))
+    def acquire(self, engine_slot: int) -> None:
         self.counter += 1
         live = list(self.model)
-        if len(live) == 3:
+        if len(live) == 3 or any(h.engine_slot == engine_slot for h in live):
             with pytest.raises(LeaseError):
-                self.table.acquire(f"r{self.counter}")
+                self.table.acquire(f"r{self.counter}", engine_slot=engine_slot)
             return
-        h = self.table.acquire(f"r{self.counter}")
+        h = self.table.acquire(f"r{self.counter}", engine_slot=engine_slot)
+        assert self.table.at_engine_slot(engine_slot) == h
         assert all(h.slot != other.slot for other in live)
         assert all(h.generation > d.generation for d in self.dead)
         self.model[h] = LeaseState.ALLOCATED
@@ -136,10 +215,7 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(data=st.data(), to=st.sampled_from(list(LeaseState)))
     def advance(self, data: st.DataObject, to: LeaseState) -> None:
         h = data.draw(st.sampled_from(sorted(self.model, key=lambda x: x.generation)))
-        order = (LeaseState.ALLOCATED, *_PATH)
-        state = self.model[h]
-        legal = state is not LeaseState.DRAINING and to is order[order.index(state) + 1]
-        if legal:
+        if (self.model[h], to) in _LEGAL:
             self.table.advance(h, to)
             self.model[h] = to
         else:
@@ -179,6 +255,8 @@ class LeaseMachine(RuleBasedStateMachine):
         assert set(self.table.live_handles()) == set(self.model)
         for h, s in self.model.items():
             assert self.table.state(h) is s
+            assert self.table.find(h.request_id) == h
+            assert h.engine_slot is None or self.table.at_engine_slot(h.engine_slot) == h
         slots = [h.slot for h in self.model]
         assert len(slots) == len(set(slots))
         assert self.table.num_free == 3 - len(self.model)

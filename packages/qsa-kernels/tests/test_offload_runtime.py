@@ -1,4 +1,4 @@
-"""The request offload runtime: slots bound to rows, one prompt's staging, the planned step.
+"""The request offload runtime: request leases and their rows, one prompt's staging, the step.
 
 The runtime is driven here as an engine's attention backend drives it, with the store on the
 torch reference path (CPU). A restored prefix's copies are stood for by fences that record the
@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qsa_core import LeaseError, LeaseHandle, LeaseState, LeaseTable
 from qsa_kernels import KernelPath
 from qsa_kernels.offload import (
     LOG_EVERY_STEPS,
@@ -45,7 +46,7 @@ def _runtime(
     runtime = OffloadRuntime(
         kv, LAYER_IDS, TOPK, verify=verify, on_counts=None if seen is None else seen.append
     )
-    runtime.bind(SLOT, ROW)
+    assert runtime.admit("r0", SLOT).slot == ROW
     return runtime
 
 
@@ -109,7 +110,7 @@ def test_a_checkpoint_of_the_staged_prefix_reads_it_after_every_restore_copy() -
 
 def test_the_next_prompt_waits_for_copies_still_reading_the_staged_one() -> None:
     runtime = _runtime()
-    runtime.bind(SLOT + 1, ROW + 1)
+    runtime.admit("r1", SLOT + 1)
     kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
     _prefill(runtime, kv, [PREFIX])
     reader = RecordingFence()
@@ -150,12 +151,75 @@ def test_a_staged_prompt_decodes_as_the_store_admitting_it_whole() -> None:
             direct.write_token(ordinal, [ROW], k_new, v_new)
             want, _ = direct.attend(ordinal, [ROW], q.view(1, 4, D), blocks, scale=SCALE)
             assert torch.equal(got, want.reshape(1, -1).to(got.dtype)), (step, layer_id)
-    runtime.release(ROW)
+    runtime.release(_lease(runtime))
     counts = runtime.counts
     assert counts.verified_bytes > 0
     assert counts.differing_bytes == 0
     assert counts.decode_steps == steps
     assert counts.selected_blocks > 0
+
+
+# ---- the lease: one identity, true states --------------------------------------------------------
+
+
+def _lease(runtime: OffloadRuntime, slot: int = SLOT) -> LeaseHandle:
+    handle = runtime.leases.at_engine_slot(slot)
+    assert handle is not None
+    return handle
+
+
+def test_a_lease_prefills_hands_off_and_decodes_in_the_states_that_name_each_step() -> None:
+    """On CPU the hand-off copy runs synchronously: seen complete at once, the lease moves through
+    COPYING_TO_HOST to HOST_READY when the next prompt takes the staging area, and to DECODING at
+    its first planned step; release frees the row and the engine slot."""
+    runtime = _runtime()
+    first = _lease(runtime)
+    assert runtime.leases.state(first) is LeaseState.PREFILLING
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    assert runtime.leases.state(first) is LeaseState.PREFILLING  # staged, not yet handed off
+    second = runtime.admit("r1", SLOT + 1)
+    new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
+    runtime.stage(3, new, new, slot=SLOT + 1, start=0, end=CHUNK)  # claims the staging area
+    assert runtime.leases.state(first) is LeaseState.HOST_READY
+    runtime.plan_decode([SLOT], [PREFIX + 1])
+    assert runtime.leases.state(first) is LeaseState.DECODING
+    assert runtime.leases.state(second) is LeaseState.PREFILLING
+    runtime.release(first)
+    assert runtime.leases.state(first) is LeaseState.RELEASED
+    assert runtime.leases.at_engine_slot(SLOT) is None
+    assert runtime.kv.state(ROW) is RowState.FREE
+    assert runtime.rows_in_use == 1
+
+
+def test_a_request_that_ends_at_its_first_token_gives_its_staged_prompt_and_row_back() -> None:
+    runtime = _runtime()
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    handle = _lease(runtime)
+    runtime.release(handle)
+    assert (runtime.staged_row, runtime.staged_tokens) == (None, 0)
+    assert runtime.kv.state(ROW) is RowState.FREE
+    assert runtime.leases.num_free == runtime.leases.num_slots
+
+
+def test_an_aborted_request_drains_and_frees_its_row_in_any_state() -> None:
+    runtime = _runtime()
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    runtime.plan_decode([SLOT], [PREFIX + 1])
+    runtime.release(_lease(runtime), aborted=True)
+    assert runtime.kv.state(ROW) is RowState.FREE
+    assert runtime.rows_in_use == 0
+    again = runtime.admit("r2", SLOT)  # the engine slot and the row serve the next request
+    assert (again.slot, runtime.leases.state(again)) == (ROW, LeaseState.PREFILLING)
+
+
+def test_a_lease_table_that_is_not_the_stores_rows_is_refused() -> None:
+    geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, 64, 1, D, torch.bfloat16)
+    kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    with pytest.raises(OffloadStateError, match="a lease table of 3 slots for a store of 2 rows"):
+        OffloadRuntime(kv, LAYER_IDS, TOPK, leases=LeaseTable(3))
 
 
 # ---- counts ----------------------------------------------------------------------------------
@@ -171,7 +235,7 @@ def test_every_change_of_the_counts_reaches_the_engine() -> None:
     assert seen[-1].decode_steps == 0
     runtime.plan_decode([SLOT], [PREFIX + 1], pad_to=2)
     assert seen[-1].decode_steps == 1
-    runtime.release(ROW)
+    runtime.release(_lease(runtime))
     assert seen[-1] == runtime.counts
     assert (runtime.counts.rows_in_use, runtime.counts.decode_steps) == (0, 1)
 
@@ -198,20 +262,31 @@ def test_the_block_counters_are_read_every_log_interval() -> None:
 # ---- refusals: each names the values and changes nothing -----------------------------------------
 
 
-def test_a_slot_bound_to_another_row_is_refused() -> None:
+def test_an_engine_slot_that_holds_a_lease_is_refused_naming_its_request() -> None:
     runtime = _runtime()
-    with pytest.raises(OffloadStateError, match=r"request slot 5 is bound to row 0, not 1"):
-        runtime.bind(SLOT, ROW + 1)
+    with pytest.raises(LeaseError, match=r"engine slot 5 of request 'r1' belongs to .*'r0'"):
+        runtime.admit("r1", SLOT)
     assert runtime.rows_in_use == 1
 
 
-def test_a_slot_without_a_row_cannot_prefill_or_decode() -> None:
+def test_a_slot_without_a_lease_cannot_prefill_or_decode() -> None:
     runtime = _runtime()
     new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
-    with pytest.raises(OffloadStateError, match="request slot 9 prefills but holds no lease row"):
+    with pytest.raises(OffloadStateError, match="request slot 9 prefills but holds no lease"):
         runtime.stage(3, new, new, slot=9, start=0, end=CHUNK)
-    with pytest.raises(OffloadStateError, match="request slot 9 decodes but holds no lease row"):
+    with pytest.raises(OffloadStateError, match="request slot 9 decodes but holds no lease"):
         runtime.plan_decode([9], [CHUNK + 1])
+    assert runtime.staged_row is None
+
+
+def test_a_lease_past_its_prefill_cannot_stage_again() -> None:
+    runtime = _runtime()
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    runtime.plan_decode([SLOT], [PREFIX + 1])
+    new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
+    with pytest.raises(OffloadStateError, match="request slot 5 prefills but its lease is 'decod"):
+        runtime.stage(3, new, new, slot=SLOT, start=PREFIX, end=PREFIX + CHUNK)
     assert runtime.staged_row is None
 
 
@@ -267,7 +342,7 @@ def test_a_runtime_that_chooses_tokens_refuses_block_ids_before_writing_the_toke
     geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, 64, 1, D, torch.bfloat16, per_head=True)
     kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
     runtime = OffloadRuntime(kv, LAYER_IDS, None)
-    runtime.bind(SLOT, ROW)
+    runtime.admit("r0", SLOT)
     new = torch.ones(PREFIX, D, dtype=torch.bfloat16)
     runtime.stage(3, new, new, slot=SLOT, start=0, end=PREFIX)
     runtime.stage(7, new, new, slot=SLOT, start=0, end=PREFIX)

@@ -108,7 +108,7 @@ def _offload_backend(runtime: Any) -> Any:
 
 
 def _offload_runtime(shard: Any = None) -> Any:
-    """A runtime of one row bound to :data:`SLOT`, verifying its rows on release."""
+    """A runtime whose row :data:`ROW` is leased to :data:`SLOT`, verifying its rows on release."""
     from qsa_kernels import KernelPath
     from qsa_kernels.offload import OffloadedKV, OffloadGeometry, OffloadRuntime
     from qsa_kernels.sharded import HeadLayout
@@ -118,7 +118,8 @@ def _offload_runtime(shard: Any = None) -> Any:
     runtime = OffloadRuntime(
         kv, LAYER_IDS, TOPK, verify=True, q_heads=HQ, head_layout=HeadLayout.REPLICATED
     )
-    runtime.bind(SLOT, ROW)
+    runtime.admit("idle", SLOT + 1)  # row 0: the request under test prefills in row 1
+    assert runtime.admit("r", SLOT).slot == ROW
     return runtime
 
 
@@ -285,7 +286,8 @@ def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
         result["store_equal"] = _store_equals_shard(cp.qsa_sharded, kv[:, :, :start], rank, world)
         return result
     runtime = cp.qsa_runtime
-    runtime.release(ROW)
+    runtime.release(runtime.leases.at_engine_slot(SLOT))
+    runtime.release(runtime.leases.at_engine_slot(SLOT + 1), aborted=True)
     verified, differing = runtime.counts.verified_bytes, runtime.counts.differing_bytes
     g = runtime.kv.geometry
     tail = start % 4 * len(LAYER_IDS) * g.record_bytes // 4

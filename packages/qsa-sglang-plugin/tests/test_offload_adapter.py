@@ -26,7 +26,7 @@ def _runtime() -> OffloadRuntime:
     kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
     runtime = OffloadRuntime(kv, LAYER_IDS, 16)
     for slot, row in zip(SLOTS, ROWS, strict=True):
-        runtime.bind(slot, row)
+        assert runtime.admit(f"r{slot}", slot).slot == row
     return runtime
 
 

@@ -27,8 +27,10 @@ from qsa_testing import decode_batch, extend_batch, run_on_gloo_ranks
 
 LAYER_IDS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
 ROWS, TOPK, MAX_BLOCKS, HQ, D = 4, 16, 300, 4, 64
-#: Request slot -> (lease row, prompt chunks).
+#: Request slot -> (lease row, prompt chunks). Rows are leased lowest first: row 1 goes to a
+#: request that is admitted and aborted before it prefills (:data:`IDLE_SLOT`).
 REQUESTS = {5: (0, (512, 99)), 9: (2, (40,))}
+IDLE_SLOT = 7
 STEPS = 7
 SEED = 20261202
 SCALE = D**-0.5
@@ -62,8 +64,11 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     total = max(sum(chunks) for _, chunks in REQUESTS.values()) + STEPS
     kv = torch.randn((2, ROWS, len(LAYER_IDS), total, 1, D), generator=gen).to(torch.bfloat16)
     lengths: dict[int, int] = {}
+    idle = None
     for slot, (row, chunks) in REQUESTS.items():
-        runtime.bind(slot, row)
+        if row == 2:
+            idle = runtime.admit("idle", IDLE_SLOT)
+        assert runtime.admit(f"r{slot}", slot).slot == row
         start = 0
         for size in chunks:
             batch = extend_batch([(slot, start, start + size)])
@@ -117,8 +122,12 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     arena_bytes = runtime.host_arena_bytes
     tails = sum(lengths[s] % 4 for s in slots) * len(LAYER_IDS) * geometry.record_bytes // 4
     closed = sum(lengths[s] // 4 for s in slots) * len(LAYER_IDS) * geometry.record_bytes
-    for row in rows:
-        runtime.release(row)
+    for slot in slots:
+        handle = runtime.leases.at_engine_slot(slot)
+        assert handle is not None
+        runtime.release(handle)
+    assert idle is not None
+    runtime.release(idle, aborted=True)
     return {
         "failures": failures,
         "arena_bytes": arena_bytes,

@@ -5,14 +5,30 @@ acquired lease gets the lowest free slot and a generation number that no earlier
 handle that outlives its lease (a late callback after an abort, say) can never act on the slot's
 next tenant: every operation checks the handle's ``(slot, generation)`` against the live lease.
 
+The lease is a request's one identity on a rank: its slot is the request's row in every store
+that keeps per-request state (the offload's arena row, hot caches and tail), its request id is the
+engine's, and its *engine slot* (optional) is the engine's own index of the request (SGLang's
+``req_pool_idx``), so a batch given by engine slots finds its leases
+(:meth:`LeaseTable.at_engine_slot`).
+
 State machine (every other transition raises :class:`~qsa_core.LeaseError`)::
 
     ALLOCATED -> PREFILLING -> COPYING_TO_HOST -> HOST_READY -> DECODING -> DRAINING -> RELEASED
+                 PREFILLING -------------------------------------> DECODING      (stays on device)
+    finish: PREFILLING, HOST_READY or DECODING -> DRAINING (never while a copy is in flight)
     abort: any state before DRAINING -> DRAINING (aborted); abort while DRAINING is a no-op
 
-Guarantees: a slot is owned by at most one live (not released) lease; a lease is released only
-from DRAINING (its copies have been waited on); releasing returns the slot, so after every lease is
-released all slots are free again (nothing leaks); request ids are unique among live leases.
+Each state is true when it is entered: a lease is COPYING_TO_HOST from the moment its prompt's
+copy to the host is issued until the owner of the copy sees it complete (HOST_READY), and DECODING
+once its first decode step is planned with its prompt where that step reads it. A request whose
+K/V never leaves the device goes from PREFILLING to DECODING. Decode steps may be queued on the
+device behind a copy still in flight (stream order keeps them after it): the lease stays
+COPYING_TO_HOST until the copy has completed.
+
+Guarantees: a slot is owned by at most one live (not released) lease, and so is an engine slot; a
+lease is released only from DRAINING (its copies have been waited on); releasing returns the slot,
+so after every lease is released all slots are free again (nothing leaks); request ids are unique
+among live leases.
 """
 
 from __future__ import annotations
@@ -42,14 +58,18 @@ class LeaseState(enum.Enum):
     RELEASED = "released"
 
 
-#: The forward transitions; ``abort`` and ``release`` are handled separately.
-_NEXT: Final[dict[LeaseState, LeaseState]] = {
-    LeaseState.ALLOCATED: LeaseState.PREFILLING,
-    LeaseState.PREFILLING: LeaseState.COPYING_TO_HOST,
-    LeaseState.COPYING_TO_HOST: LeaseState.HOST_READY,
-    LeaseState.HOST_READY: LeaseState.DECODING,
-    LeaseState.DECODING: LeaseState.DRAINING,
-    LeaseState.DRAINING: LeaseState.RELEASED,
+#: The forward transitions from each state; ``abort`` and ``release`` are handled separately.
+_NEXT: Final[dict[LeaseState, tuple[LeaseState, ...]]] = {
+    LeaseState.ALLOCATED: (LeaseState.PREFILLING,),
+    LeaseState.PREFILLING: (
+        LeaseState.COPYING_TO_HOST,
+        LeaseState.DECODING,
+        LeaseState.DRAINING,
+    ),
+    LeaseState.COPYING_TO_HOST: (LeaseState.HOST_READY,),
+    LeaseState.HOST_READY: (LeaseState.DECODING, LeaseState.DRAINING),
+    LeaseState.DECODING: (LeaseState.DRAINING,),
+    LeaseState.DRAINING: (),
 }
 
 
@@ -58,14 +78,16 @@ class LeaseHandle:
     """Identity of one lease; immutable, safe to pass to callbacks.
 
     Attributes:
-        slot: the request slot in ``[0, num_slots)``.
+        slot: the request slot in ``[0, num_slots)``: the request's row in every per-request store.
         generation: unique per lease, increasing in acquisition order.
         request_id: the caller's request id.
+        engine_slot: the engine's own index of the request (SGLang's ``req_pool_idx``), if given.
     """
 
     slot: int
     generation: int
     request_id: str
+    engine_slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -85,7 +107,7 @@ class LeaseTable:
         CapacityError: ``num_slots < 1``.
     """
 
-    __slots__ = ("_by_rid", "_live", "_next_generation", "_num_slots")
+    __slots__ = ("_by_engine_slot", "_by_rid", "_live", "_next_generation", "_num_slots")
 
     def __init__(self, num_slots: int) -> None:
         if not is_int(num_slots) or num_slots < 1:
@@ -94,6 +116,7 @@ class LeaseTable:
         self._num_slots = num_slots
         self._live: dict[int, _Live] = {}
         self._by_rid: dict[str, int] = {}
+        self._by_engine_slot: dict[int, int] = {}
         self._next_generation = 1
 
     @property
@@ -110,15 +133,23 @@ class LeaseTable:
         """Handles of every live lease, by slot."""
         return tuple(self._live[s].handle for s in sorted(self._live))
 
-    def acquire(self, request_id: str) -> LeaseHandle:
+    def acquire(self, request_id: str, *, engine_slot: int | None = None) -> LeaseHandle:
         """Take the lowest free slot for ``request_id``; the lease starts ALLOCATED.
 
+        Args:
+            request_id: the engine's request id.
+            engine_slot: the engine's own index of the request, found again by
+                :meth:`at_engine_slot` (None: the engine names requests by id only).
+
         Raises:
-            LeaseError: ``request_id`` is not a str, no free slot, or ``request_id`` already holds
-                a live lease.
+            LeaseError: ``request_id`` is not a str, ``engine_slot`` is not a non-negative int,
+                no free slot, or ``request_id`` or ``engine_slot`` already belongs to a live lease.
         """
         if not isinstance(request_id, str):  # callers without a type checker
             msg = f"request_id={request_id!r} is not allowed; it must be a str"  # type: ignore[unreachable]
+            raise LeaseError(msg)
+        if engine_slot is not None and (not is_int(engine_slot) or engine_slot < 0):
+            msg = f"engine_slot={engine_slot!r} is not allowed; it must be an integer >= 0 or None"
             raise LeaseError(msg)
         if request_id in self._by_rid:
             msg = (
@@ -126,18 +157,37 @@ class LeaseTable:
                 f"{self._by_rid[request_id]!r}"
             )
             raise LeaseError(msg)
+        if engine_slot is not None and engine_slot in self._by_engine_slot:
+            holder = self._live[self._by_engine_slot[engine_slot]].handle
+            msg = (
+                f"engine slot {engine_slot!r} of request {request_id!r} belongs to the live lease "
+                f"of request {holder.request_id!r} (slot {holder.slot!r})"
+            )
+            raise LeaseError(msg)
         slot = next((s for s in range(self._num_slots) if s not in self._live), None)
         if slot is None:
             msg = f"no free slot for request {request_id!r}: all {self._num_slots} slots are leased"
             raise LeaseError(msg)
-        handle = LeaseHandle(slot, self._next_generation, request_id)
+        handle = LeaseHandle(slot, self._next_generation, request_id, engine_slot)
         self._next_generation += 1
         self._live[slot] = _Live(handle, LeaseState.ALLOCATED)
         self._by_rid[request_id] = slot
+        if engine_slot is not None:
+            self._by_engine_slot[engine_slot] = slot
         logger.debug(
             "lease acquired: slot=%d generation=%d rid=%r", slot, handle.generation, request_id
         )
         return handle
+
+    def find(self, request_id: str) -> LeaseHandle | None:
+        """The live lease of ``request_id``, or None."""
+        slot = self._by_rid.get(request_id)
+        return None if slot is None else self._live[slot].handle
+
+    def at_engine_slot(self, engine_slot: int) -> LeaseHandle | None:
+        """The live lease acquired with ``engine_slot``, or None."""
+        slot = self._by_engine_slot.get(engine_slot)
+        return None if slot is None else self._live[slot].handle
 
     def state(self, handle: LeaseHandle) -> LeaseState:
         """State of the lease ``handle`` names; RELEASED once it is gone.
@@ -165,9 +215,9 @@ class LeaseTable:
                 to leave early and :meth:`release` to end a drained lease).
         """
         live = self._get(handle, f"advance to {target.value}")
-        expected = _NEXT.get(live.state)
-        if target is LeaseState.RELEASED or expected is not target:
-            allowed = "none" if expected is None else repr(expected.value)
+        expected = _NEXT[live.state]
+        if target not in expected:
+            allowed = ", ".join(repr(s.value) for s in expected) or "none"
             msg = (
                 f"illegal lease transition {live.state.value!r} -> {target.value!r} for "
                 f"{handle!r}; allowed next state: {allowed}"
@@ -189,11 +239,15 @@ class LeaseTable:
         self.advance(handle, LeaseState.HOST_READY)
 
     def begin_decode(self, handle: LeaseHandle) -> None:
-        """HOST_READY -> DECODING."""
+        """HOST_READY -> DECODING, or PREFILLING -> DECODING where the K/V stays on the device."""
         self.advance(handle, LeaseState.DECODING)
 
     def finish(self, handle: LeaseHandle) -> None:
-        """DECODING -> DRAINING (the request finished normally)."""
+        """PREFILLING, HOST_READY or DECODING -> DRAINING: the request ended normally.
+
+        A request may end at its first token (from PREFILLING) or before its first decode step
+        read the host (HOST_READY), never while its copy to the host is in flight.
+        """
         self.advance(handle, LeaseState.DRAINING)
 
     def abort(self, handle: LeaseHandle) -> None:
@@ -223,6 +277,23 @@ class LeaseTable:
             raise LeaseError(msg)
         del self._live[handle.slot]
         del self._by_rid[handle.request_id]
+        if handle.engine_slot is not None:
+            del self._by_engine_slot[handle.engine_slot]
+
+    def end(self, handle: LeaseHandle, *, aborted: bool = False) -> None:
+        """The request gave its slot back: DRAINING (finished, or aborted), then RELEASED.
+
+        For an owner with no copy of the lease in flight (a request whose K/V stayed on the
+        device); an owner of copies waits for them first.
+
+        Raises:
+            LeaseError: stale handle, or a normal end from a state :meth:`finish` refuses.
+        """
+        if aborted:
+            self.abort(handle)
+        else:
+            self.finish(handle)
+        self.release(handle)
 
     def check_invariants(self) -> None:
         """Verify the table's internal consistency.
@@ -246,6 +317,11 @@ class LeaseTable:
         if len(self._by_rid) != len(self._live):
             msg = f"{len(self._by_rid)} request ids but {len(self._live)} live leases"
             raise LeaseError(msg)
+        for engine_slot, slot in self._by_engine_slot.items():
+            holder = self._live.get(slot)
+            if holder is None or holder.handle.engine_slot != engine_slot:
+                msg = f"engine slot {engine_slot!r} index disagrees with lease slot {slot!r}"
+                raise LeaseError(msg)
 
     def _get(self, handle: LeaseHandle, action: str) -> _Live:
         live = self._live.get(handle.slot)

@@ -1,21 +1,27 @@
-"""One rank's request offload: request slots bound to rows, a prompt's staging, the decode step.
+"""One rank's request offload: request leases and their rows, a prompt's staging, the decode step.
 
 :class:`OffloadRuntime` is what an engine's attention backend calls; it knows nothing of the
-engine. An engine names each running request by a *slot* (SGLang's ``req_pool_idx``) and gives
-each one a *row* of the store (:class:`OffloadedKV`), one per running request:
+engine. Each running request holds one lease of the runtime's :class:`qsa_core.LeaseTable`
+(:attr:`OffloadRuntime.leases`), acquired by the engine with its own index of the request (its
+*engine slot*, SGLang's ``req_pool_idx``); the lease's slot is the request's row of the store
+(:class:`OffloadedKV`). The lease is the request's one identity and its state is true:
 
-- **Prefill.** Each chunk's K/V is written to one prompt's GPU staging area (:meth:`stage`),
-  which the engine's prefill kernels read as the prompt's context. One prompt is staged at a
-  time; a restored prefix fills the area first (:meth:`stage_prefix`, by copies a layer's first
-  reader waits for, :meth:`fill_staging_until`).
-- **Hand-off.** The staged prompt goes to its row (complete blocks to the host arena, the open
-  block to the tail) when its first decode step is planned or when the next prompt claims the
-  staging area, whichever comes first.
-- **Decode.** Each step is planned outside any CUDA graph (:meth:`plan_decode`: the hand-off,
+- **Prefill** (PREFILLING). Each chunk's K/V is written to one prompt's GPU staging area
+  (:meth:`stage`), which the engine's prefill kernels read as the prompt's context. One prompt is
+  staged at a time; a restored prefix fills the area first (:meth:`stage_prefix`, by copies a
+  layer's first reader waits for, :meth:`fill_staging_until`).
+- **Hand-off** (COPYING_TO_HOST, then HOST_READY). The staged prompt goes to its row (complete
+  blocks to the host arena on a side stream, the open block to the tail) when its first decode
+  step is planned or when the next prompt claims the staging area, whichever comes first; the
+  lease is HOST_READY once the runtime sees the copy complete (it looks at every planned step,
+  without waiting; decode steps queued before then run after the copy in stream order).
+- **Decode** (DECODING from the first step planned once the host holds the prompt). Each step is
+  planned outside any CUDA graph (:meth:`plan_decode`: the hand-off,
   the rows, the store's fixed step buffers); each layer's :meth:`decode_layer` (the QSA indexer's
   blocks) or :meth:`decode_tokens` (tokens chosen per KV head) then reads only those buffers, so
   it can be captured once per batch size and replayed.
-- **Release.** :meth:`release` frees the row when the request gives its slot back.
+- **Release** (DRAINING, RELEASED). :meth:`release` waits for a hand-off copy still in flight,
+  frees the row and ends the lease, when the request gives its engine slot back.
 
 Under a shard group (``kv.shard``) each rank's arena holds its own pages and a decode layer
 all-gathers the group's queries, attends every head of the group over the rank's own blocks and
@@ -41,6 +47,7 @@ from typing import Final, Protocol
 
 import torch
 
+from qsa_core import LeaseHandle, LeaseState, LeaseTable
 from qsa_kernels._errors import KernelInputError, QSAKernelError
 from qsa_kernels.expand import complete_blocks
 from qsa_kernels.offload._store import OffloadedKV, OffloadGeometry, RowState
@@ -68,8 +75,9 @@ LOG_EVERY_STEPS: Final = 256
 class OffloadStateError(QSAKernelError, RuntimeError):
     """A call the runtime's rows do not allow.
 
-    For example a slot without a row, a row whose length disagrees with the engine's, or a prompt
-    the staging area does not hold. The message names the slot, row and token counts involved.
+    For example an engine slot without a lease, a row whose length disagrees with the engine's, or a
+    prompt the staging area does not hold. The message names the slot, row and token counts
+    involved.
     """
 
 
@@ -85,7 +93,7 @@ class OffloadCounts:
     """What one runtime has done since it was built.
 
     Attributes:
-        rows_in_use: rows bound to a request slot now.
+        rows_in_use: rows held by a live lease now.
         decode_steps: decode steps planned (captures excluded).
         selected_blocks: complete blocks the decode layers selected, all layers, as of the last
             read of the device counters.
@@ -104,7 +112,7 @@ class OffloadCounts:
 
 
 class OffloadRuntime:
-    """The offloaded K/V of one rank, and the engine's request slots mapped to its rows.
+    """The offloaded K/V of one rank and the leases of the requests whose rows it holds.
 
     Args:
         kv: the rows, hot caches, tails and host arena.
@@ -119,9 +127,12 @@ class OffloadRuntime:
             ``N x q_heads`` in the group) or REPLICATED (CP over the TP group: every rank all
             ``q_heads``).
         on_counts: called with the runtime's :class:`OffloadCounts` whenever they change.
+        leases: the requests' leases, one slot per row of ``kv`` (default: a table of its own);
+            the engine acquires each request's lease there, with its engine slot.
 
     Raises:
-        OffloadStateError: a shard group without ``q_heads`` or ``block_topk``.
+        OffloadStateError: a shard group without ``q_heads`` or ``block_topk``, or ``leases``
+            whose slots are not the store's rows.
     """
 
     def __init__(
@@ -134,9 +145,14 @@ class OffloadRuntime:
         q_heads: int | None = None,
         head_layout: HeadLayout = HeadLayout.SHARDED,
         on_counts: Callable[[OffloadCounts], None] | None = None,
+        leases: LeaseTable | None = None,
     ) -> None:
         self.kv = kv
         g = kv.geometry
+        if leases is not None and leases.num_slots != g.rows:
+            msg = f"a lease table of {leases.num_slots!r} slots for a store of {g.rows!r} rows"
+            raise OffloadStateError(msg)
+        self.leases = LeaseTable(g.rows) if leases is None else leases
         self._exchange: ShardedDecodeBuffers | None = None
         if kv.shard is not None:
             if q_heads is None or block_topk is None:
@@ -155,8 +171,10 @@ class OffloadRuntime:
         shape = (g.layers, g.max_tokens, g.kv_heads, g.head_dim)
         self.staging_k = torch.zeros(shape, dtype=g.dtype, device=kv.device)
         self.staging_v = torch.zeros(shape, dtype=g.dtype, device=kv.device)
-        self._staged_row: int | None = None
+        self._staged: LeaseHandle | None = None  # the lease whose prompt is staged
         self._staged_tokens = 0
+        # Hand-off copies not yet seen complete, by lease (``None``: completed synchronously).
+        self._copies: dict[LeaseHandle, torch.cuda.Event] = {}
         # Copies still reading the staged prompt (checkpoints on their way to the host).
         self._staging_readers: list[CopyFence] = []
         # Copies still writing a staged layer (a restored prefix on its way in), by ordinal.
@@ -171,7 +189,6 @@ class OffloadRuntime:
             )
         self._ordinal = dict(layer_ordinal)
         self._block_topk = block_topk
-        self._row_of_slot: dict[int, int] = {}
         self._rows: tuple[int, ...] = ()  # the planned step's rows, padding last
         self._pending_counts = torch.zeros(2, dtype=torch.int64, device=kv.device)
         self._counts = OffloadCounts()
@@ -196,8 +213,8 @@ class OffloadRuntime:
 
     @property
     def rows_in_use(self) -> int:
-        """Rows bound to a request slot."""
-        return len(self._row_of_slot)
+        """Rows held by a live lease."""
+        return self.leases.num_slots - self.leases.num_free
 
     @property
     def counts(self) -> OffloadCounts:
@@ -206,30 +223,47 @@ class OffloadRuntime:
 
     # ---- the request lifecycle -------------------------------------------------------------------
 
-    def bind(self, slot: int, row: int) -> None:
-        """A request got the engine's slot ``slot`` and the store's row ``row``.
+    def admit(self, request_id: str, engine_slot: int) -> LeaseHandle:
+        """A request starts its prefill: its lease (PREFILLING), whose slot is its row.
 
         Raises:
-            OffloadStateError: ``slot`` is bound to another row.
+            qsa_core.LeaseError: no free row, or ``request_id`` or ``engine_slot`` already holds
+                a live lease (the message names the holder).
         """
-        held = self._row_of_slot.get(slot)
-        if held is not None and held != row:
-            msg = f"request slot {slot!r} is bound to row {held!r}, not {row!r}"
-            raise OffloadStateError(msg)
-        self._row_of_slot[slot] = row
+        handle = self.leases.acquire(request_id, engine_slot=engine_slot)
+        self.leases.begin_prefill(handle)
         self._count(rows_in_use=self.rows_in_use)
+        return handle
 
-    def release(self, row: int) -> None:
-        """The request of row ``row`` gave its slot back (finish, abort, retraction)."""
-        for slot in [s for s, r in self._row_of_slot.items() if r == row]:
-            del self._row_of_slot[slot]
-        self._count(rows_in_use=self.rows_in_use)  # before the verification's counts
-        if self._staged_row == row:
-            self._staged_row, self._staged_tokens = None, 0
+    def release(self, handle: LeaseHandle, *, aborted: bool = False) -> None:
+        """The request gave its engine slot back (finish, abort, retraction): end its lease.
+
+        A hand-off copy still in flight is waited for (HOST_READY), the row is freed (with
+        verification, compared first), and the lease drains and is released.
+
+        Raises:
+            qsa_core.LeaseError: ``handle`` is not a live lease of :attr:`leases`.
+        """
+        state = self.leases.state(handle)
+        event = self._copies.pop(handle, None)
+        if event is not None:
+            event.synchronize()  # ended within its prompt's copy: rare, and bounded by the copy
+        if state is LeaseState.COPYING_TO_HOST:
+            self.leases.finish_copy(handle)
+        if self._staged == handle:
+            self._staged, self._staged_tokens = None, 0
+        row = handle.slot
+        verify = self.kv.state(row) is RowState.ACTIVE and self._resident is not None
+        if aborted or self.leases.state(handle) is LeaseState.ALLOCATED:
+            self.leases.abort(handle)
+        else:
+            self.leases.finish(handle)
+        self._count(rows_in_use=self.rows_in_use - 1)  # before the verification's counts
+        if verify:
+            self._verify(row)
         if self.kv.state(row) is RowState.ACTIVE:
-            if self._resident is not None:
-                self._verify(row)
             self.kv.release(row)
+        self.leases.release(handle)
         self.flush_counters()  # once per request: the one device read outside the log interval
 
     # ---- prefill: the staging area ---------------------------------------------------------------
@@ -237,7 +271,7 @@ class OffloadRuntime:
     @property
     def staged_row(self) -> int | None:
         """The row whose prompt is in the staging area, if any."""
-        return self._staged_row
+        return None if self._staged is None else self._staged.slot
 
     @property
     def staged_tokens(self) -> int:
@@ -253,7 +287,7 @@ class OffloadRuntime:
             layer_id: the engine's layer id.
             k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``, ``N >= end - start``) keys of the chunk.
             v: its values, shaped like ``k``.
-            slot: the prefilling request's slot.
+            slot: the prefilling request's engine slot.
             start: tokens of the prompt before the chunk (all already staged).
             end: the chunk's end.
 
@@ -262,20 +296,18 @@ class OffloadRuntime:
             the geometry's dtype.
 
         Raises:
-            OffloadStateError: ``slot`` holds no row, the prompt outgrows the staging area, or
-                tokens before ``start`` are not staged.
+            OffloadStateError: ``slot`` holds no lease, its lease is past its prefill, the prompt
+                outgrows the staging area, or tokens before ``start`` are not staged.
         """
         ordinal = self._ordinal_of(layer_id)
-        row = self._row_of_slot.get(slot)
-        if row is None:
-            msg = f"request slot {slot!r} prefills but holds no lease row"
-            raise OffloadStateError(msg)
+        handle = self._prefilling(slot)
+        row = handle.slot
         g = self.kv.geometry
         if end > g.max_tokens:
             msg = f"a prompt of {end!r} tokens exceeds the staging area ({g.max_tokens!r})"
             raise OffloadStateError(msg)
-        if self._staged_row != row:
-            self._claim_staging(row)
+        if self._staged != handle:
+            self._claim_staging(handle)
         self._filled(ordinal)
         if start > self._staged_tokens:
             msg = (
@@ -298,10 +330,10 @@ class OffloadRuntime:
         Raises:
             OffloadStateError: the staging area does not hold ``tokens`` tokens of ``row``.
         """
-        if self._staged_row != row or not 0 < tokens <= self._staged_tokens:
+        if self.staged_row != row or not 0 < tokens <= self._staged_tokens:
             msg = (
                 f"row {row!r} asks for {tokens!r} staged tokens; the staging area holds "
-                f"{self._staged_tokens!r} tokens of row {self._staged_row!r}"
+                f"{self._staged_tokens!r} tokens of row {self.staged_row!r}"
             )
             raise OffloadStateError(msg)
         self._filled()
@@ -325,7 +357,8 @@ class OffloadRuntime:
         or by copies it names per layer with :meth:`fill_staging_until`.
 
         Raises:
-            OffloadStateError: the prefix does not fit the staging area.
+            OffloadStateError: the prefix does not fit the staging area, or ``row`` is not the
+                row of a prefilling lease.
         """
         g = self.kv.geometry
         if not 0 < tokens <= g.max_tokens:
@@ -334,7 +367,11 @@ class OffloadRuntime:
                 f"{g.max_tokens!r}"
             )
             raise OffloadStateError(msg)
-        self._claim_staging(row)
+        handle = next((h for h in self.leases.live_handles() if h.slot == row), None)
+        if handle is None or self.leases.state(handle) is not LeaseState.PREFILLING:
+            msg = f"row {row!r} restores a prefix but holds no prefilling lease ({handle!r})"
+            raise OffloadStateError(msg)
+        self._claim_staging(handle)
         self._staged_tokens = tokens
         return self._layer_views(tokens)
 
@@ -362,32 +399,39 @@ class OffloadRuntime:
     ) -> None:
         """Plan one decode step: hand off a prompt that starts decoding, then the step's rows.
 
+        A lease still PREFILLING hands its prompt off (COPYING_TO_HOST); hand-off copies seen
+        complete make their leases HOST_READY, and a HOST_READY lease in the step DECODING.
+
         Args:
-            slots: the step's requests, by slot (none while a CUDA graph is captured).
+            slots: the step's requests, by engine slot (none while a CUDA graph is captured).
             seq_lens: each request's length with the token this step adds.
             pad_to: the batch size of a captured CUDA graph the step replays (or is captured
                 as): free rows pad the step to it, their work masked.
             capture: the step is being captured; it is not counted.
 
         Raises:
-            OffloadStateError: a slot holds no row, a row's length is not its request's, or the
+            OffloadStateError: a slot holds no lease, a row's length is not its request's, or the
                 store refuses the plan (naming why).
         """
+        self._poll_copies()
         rows = []
         for slot, seq_len in zip(slots, seq_lens, strict=True):
-            row = self._row_of_slot.get(slot)
-            if row is None:
-                msg = f"request slot {slot!r} decodes but holds no lease row"
+            handle = self.leases.at_engine_slot(slot)
+            if handle is None:
+                msg = f"request slot {slot!r} decodes but holds no lease"
                 raise OffloadStateError(msg)
+            row = handle.slot
             held = seq_len - 1  # every token before the one this step adds
-            if self.kv.state(row) is RowState.FREE:
-                self._hand_off(row, held)
+            if self.leases.state(handle) is LeaseState.PREFILLING:
+                self._hand_off(handle, held)
             elif self.kv.length(row) != held:
                 msg = (
                     f"row {row!r} (request slot {slot!r}) holds {self.kv.length(row)!r} tokens; "
                     f"the engine decodes token {held!r}"
                 )
                 raise OffloadStateError(msg)
+            if self.leases.state(handle) is LeaseState.HOST_READY:
+                self.leases.begin_decode(handle)
             rows.append(row)
         try:
             self._rows = self.kv.advance(rows, pad_to=pad_to)
@@ -552,16 +596,28 @@ class OffloadRuntime:
             [self.staging_v[i, :tokens] for i in layers],
         )
 
-    def _claim_staging(self, row: int) -> None:
-        """Give the staging area to ``row``, first handing off a prompt still waiting in it."""
-        held = self._staged_row
-        if held is not None and self.kv.state(held) is RowState.FREE:
+    def _prefilling(self, slot: int) -> LeaseHandle:
+        """The lease of engine slot ``slot``, which must be prefilling."""
+        handle = self.leases.at_engine_slot(slot)
+        if handle is None:
+            msg = f"request slot {slot!r} prefills but holds no lease"
+            raise OffloadStateError(msg)
+        state = self.leases.state(handle)
+        if state is not LeaseState.PREFILLING:
+            msg = f"request slot {slot!r} prefills but its lease is {state.value!r} ({handle!r})"
+            raise OffloadStateError(msg)
+        return handle
+
+    def _claim_staging(self, handle: LeaseHandle) -> None:
+        """Give the staging area to ``handle``, first handing off a prompt still waiting in it."""
+        held = self._staged
+        if held is not None and self.leases.state(held) is LeaseState.PREFILLING:
             self._hand_off(held, self._staged_tokens)
         self._filled()  # the next prompt overwrites what they write and what the readers read
         for fence in self._staging_readers:
             fence.wait()
         self._staging_readers.clear()
-        self._staged_row, self._staged_tokens = row, 0
+        self._staged, self._staged_tokens = handle, 0
 
     def _filled(self, ordinal: int | None = None) -> None:
         """Order the current stream after the copies filling one staged layer (None: all)."""
@@ -574,21 +630,38 @@ class OffloadRuntime:
         for fence in fences:
             fence.wait()
 
-    def _hand_off(self, row: int, tokens: int) -> None:
-        """The staged prompt of ``row`` (its first ``tokens`` tokens) into the row."""
-        if self._staged_row != row or self._staged_tokens != tokens:
+    def _hand_off(self, handle: LeaseHandle, tokens: int) -> None:
+        """The staged prompt of ``handle`` (its first ``tokens`` tokens) into its row.
+
+        The lease is COPYING_TO_HOST until the copy is seen complete (at once when it ran
+        synchronously).
+        """
+        row = handle.slot
+        if self._staged != handle or self._staged_tokens != tokens:
             msg = (
                 f"row {row!r} starts decoding after {tokens!r} tokens, but the staging area "
-                f"holds {self._staged_tokens!r} tokens of row {self._staged_row!r}"
+                f"holds {self._staged_tokens!r} tokens of row {self.staged_row!r}"
             )
             raise OffloadStateError(msg)
         self._filled()
-        self.kv.admit(row, self.staging_k[:, :tokens], self.staging_v[:, :tokens])
+        copy = self.kv.admit(row, self.staging_k[:, :tokens], self.staging_v[:, :tokens])
+        self.leases.begin_copy(handle)
+        if copy is None:
+            self.leases.finish_copy(handle)
+        else:
+            self._copies[handle] = copy
         if self._resident is not None:
             self._resident[0][row, :, :tokens] = self.staging_k[:, :tokens]
             self._resident[1][row, :, :tokens] = self.staging_v[:, :tokens]
-        self._staged_row, self._staged_tokens = None, 0
+        self._staged, self._staged_tokens = None, 0
         logger.debug("offload: row %d took a %d-token prompt", row, tokens)
+
+    def _poll_copies(self) -> None:
+        """Leases whose hand-off copy has completed become HOST_READY (no waiting)."""
+        for handle, event in list(self._copies.items()):
+            if event.query():  # type: ignore[no-untyped-call]
+                del self._copies[handle]
+                self.leases.finish_copy(handle)
 
     def _verify(self, row: int) -> None:
         """Compare a row's arena and tail with its resident copy (one device sync, diagnostics)."""

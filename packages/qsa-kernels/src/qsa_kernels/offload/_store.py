@@ -73,10 +73,10 @@ __all__ = ("KVComparison", "OffloadGeometry", "OffloadedKV", "RowState")
 class RowState(enum.Enum):
     """Occupancy of one request row of the store (its arena row, hot cache and tail).
 
-    ``ACTIVE`` from :meth:`OffloadedKV.admit` to :meth:`OffloadedKV.release`, ``FREE`` otherwise.
-    It is not a request lease: a request's lifecycle (prefill, hand-off, decode, drain) is its
-    :class:`qsa_core.LeaseState` in a :class:`qsa_core.LeaseTable` (the plugin uses the lease's slot
-    as the row).
+    ``ACTIVE`` from :meth:`OffloadedKV.admit` to :meth:`OffloadedKV.release`, ``FREE`` otherwise:
+    the store's own guard. It is not a request's state: that is its :class:`qsa_core.LeaseState`
+    in :attr:`OffloadRuntime.leases <qsa_kernels.offload.OffloadRuntime.leases>`, whose slot is the
+    row.
     """
 
     FREE = "free"
@@ -467,7 +467,7 @@ class OffloadedKV:
         v: torch.Tensor,
         *,
         prefix: torch.Tensor | None = None,
-    ) -> None:
+    ) -> torch.cuda.Event | None:
         """Take a prefilled prompt into a free row: complete blocks to host, the open block to tail.
 
         With ``prefix`` (the records of a cached prefix, e.g. restored from a host prefix cache),
@@ -482,6 +482,10 @@ class OffloadedKV:
             prefix: ``[L, P, 2, 4, Hkv, D]`` records of the first ``P`` complete blocks
                 (``4 P`` tokens), any device, the geometry's dtype; ``None`` for no prefix
                 (always with per-head records).
+
+        Returns:
+            The event that completes the copy to the host (on a side stream), or None when the
+            copy ran synchronously. Later steps of this store are ordered after it themselves.
         """
         self._check_row(row)
         if self._states[row] is not RowState.FREE:
@@ -531,15 +535,10 @@ class OffloadedKV:
             token_ids = (owned.to(k.device).unsqueeze(1) - prefix_blocks) * BLOCK_TOKENS
             token_ids = token_ids + torch.arange(BLOCK_TOKENS, device=k.device)
             send_k, send_v = (x.index_select(1, token_ids.view(-1)) for x in (k, v))
-        self._remember(
-            self._kernels.offload(
-                send_k.contiguous(),
-                send_v.contiguous(),
-                self.host_arena,
-                row,
-                first_block=first_block,
-            )
+        copied = self._kernels.offload(
+            send_k.contiguous(), send_v.contiguous(), self.host_arena, row, first_block=first_block
         )
+        self._remember(copied)
         closed = tokens // BLOCK_TOKENS * BLOCK_TOKENS
         open_tokens = tokens - closed
         self.tail[:, row].zero_()
@@ -548,6 +547,7 @@ class OffloadedKV:
             self.tail[:, row, 0, 1, :open_tokens] = v[:, closed - first :]
         self._lengths[row] = tokens
         self._states[row] = RowState.ACTIVE
+        return copied
 
     def export_prefix(self, row: int, blocks: int) -> torch.Tensor:
         """The records of a row's first ``blocks`` complete blocks, for a host prefix cache.

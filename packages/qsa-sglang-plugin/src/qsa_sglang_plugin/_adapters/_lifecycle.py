@@ -29,7 +29,7 @@ def radix_cache_factory(ctx: Any) -> Any:
     cache = create_unified_radix_cache(ctx, cache_class=HiSparseRadixCache)
     switches = current_switches()
     if switches.offload:  # p2-offload or DS-Offload: one runtime per model runner
-        cache.qsa_offload = runtime_of(ctx.tp_worker.model_runner)
+        cache.use_offload(runtime_of(ctx.tp_worker.model_runner))
         if switches.prefix_cache_mb > 0:  # p2-offload only (the switches refuse it otherwise)
             cache.qsa_prefix = build_prefix_cache(
                 ctx,

@@ -5,10 +5,13 @@ SGLang tells its tree cache about every request that holds a KV row: the row is 
 (``maybe_hand_to_session``, once per prefill chunk), a prefill chunk or the whole prompt ends
 (``checkpoint``), and the row is given back (``on_release``, on finish, abort — also in the middle
 of a chunked prefill — and retraction). :class:`HiSparseRadixCache` maps those calls onto one
-:class:`qsa_core.LeaseTable` per scheduler, so every request that got a row holds exactly one lease
-until SGLang releases the row, and every lease is released. The offload runtime binds and
-releases its rows on the same transitions, and the host prefix cache matches, loads back,
-restores and publishes there (:mod:`._prefix`).
+:class:`qsa_core.LeaseTable` per scheduler (with an offload, the runtime's own,
+:attr:`OffloadRuntime.leases`), so every request that got a row holds exactly one lease, found by
+its request id and its ``req_pool_idx``, until SGLang releases the row, and every lease is released.
+With an offload the runtime moves the lease through the hand-off (:meth:`OffloadRuntime.admit`,
+``plan_decode``, :meth:`OffloadRuntime.release`); without one the prompt stays on the device and
+the lease goes from PREFILLING to DECODING when the prompt's last chunk is checkpointed. The host
+prefix cache matches, loads back, restores and publishes on the same calls (:mod:`._prefix`).
 
 Operators see the leases on SGLang's Prometheus endpoint (``--enable-metrics``):
 ``qsa_hisparse_live_leases`` and ``qsa_hisparse_leases_released_total{outcome}``.
@@ -24,10 +27,11 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_parallel
 
-from qsa_core import LeaseHandle, LeaseState, LeaseTable
+from qsa_core import LeaseState, LeaseTable
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime
+from qsa_sglang_plugin._errors import OffloadRuntimeError
 from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND
 
 __all__ = ("HiSparseRadixCache", "LeaseOutcome")
@@ -75,11 +79,18 @@ class HiSparseRadixCache(UnifiedRadixCache):
         super().__init__(*args, **kwargs)
         slots = int(self.req_to_token_pool.size)
         self.qsa_leases = LeaseTable(slots)
-        self.qsa_offload: OffloadRuntime | None = None  # set by the factory with an offload
+        self.qsa_offload: OffloadRuntime | None = None  # set by use_offload
         self.qsa_prefix: PrefixCacheRuntime | None = None  # set with the prefix cache on
-        self._qsa_by_rid: dict[str, LeaseHandle] = {}
         self._qsa_metrics = _Metrics(int(get_parallel().tp_rank))
         logger.info("%s lifecycle: %d lease slots", RADIX_CACHE_BACKEND, slots)
+
+    def use_offload(self, runtime: OffloadRuntime) -> None:
+        """Leases are the offload runtime's from now on (before any request arrives)."""
+        if self.qsa_leases.num_free != self.qsa_leases.num_slots:
+            msg = f"{RADIX_CACHE_BACKEND}: an offload attached while leases are live"
+            raise OffloadRuntimeError(msg)
+        self.qsa_offload = runtime
+        self.qsa_leases = runtime.leases
 
     # ---- SGLang's prefix-cache calls (the host prefix cache, when it is on) -----------------
 
@@ -123,54 +134,54 @@ class HiSparseRadixCache(UnifiedRadixCache):
 
     def maybe_hand_to_session(self, req: Any) -> None:
         super().maybe_hand_to_session(req)
-        if req.rid in self._qsa_by_rid:  # a later chunk of a prompt that holds its lease
+        if self.qsa_leases.find(req.rid) is not None:  # a later chunk of a leased prompt
             return
-        handle = self.qsa_leases.acquire(req.rid)
-        self.qsa_leases.begin_prefill(handle)
-        self._qsa_by_rid[req.rid] = handle
-        self._qsa_metrics.live.inc()
+        engine_slot = int(req.kv.req_pool_idx)
         if self.qsa_offload is not None:
-            self.qsa_offload.bind(int(req.kv.req_pool_idx), handle.slot)
+            handle = self.qsa_offload.admit(req.rid, engine_slot)
+        else:
+            handle = self.qsa_leases.acquire(req.rid, engine_slot=engine_slot)
+            self.qsa_leases.begin_prefill(handle)
+        self._qsa_metrics.live.inc()
         if self.qsa_prefix is not None:
             self.qsa_prefix.restore_row(req, handle.slot)
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         super().checkpoint(req, up_to=up_to, **kwargs)
-        handle = self._qsa_by_rid.get(req.rid)
+        handle = self.qsa_leases.find(req.rid)
         if handle is None:
             return
         prompt = len(req.origin_input_ids)
         if self.qsa_prefix is not None and not req.finished() and up_to <= prompt:
             self.qsa_prefix.publish(req, handle.slot, up_to)
-        if up_to >= prompt:
-            self._to_decoding(handle)
+        on_device = self.qsa_offload is None  # the prompt stays on the device: nothing copies
+        if on_device and up_to >= prompt and self.qsa_leases.state(handle) is LeaseState.PREFILLING:
+            self.qsa_leases.begin_decode(handle)
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         if self.qsa_prefix is not None:
             self.qsa_prefix.forget(req)
-        handle = self._qsa_by_rid.pop(req.rid, None)
+        handle = self.qsa_leases.find(req.rid)
         if handle is None:
             msg = f"request {req.rid!r} released a KV row without holding a lease"
-            raise RuntimeError(msg)
+            raise OffloadRuntimeError(msg)
         outcome = _outcome(req)
+        aborted = outcome is not LeaseOutcome.FINISHED
         if self.qsa_offload is not None:
-            self.qsa_offload.release(handle.slot)
-        if outcome is LeaseOutcome.FINISHED:
-            self._to_decoding(handle)
-            self.qsa_leases.finish(handle)
+            self.qsa_offload.release(handle, aborted=aborted)  # waits for its copy, ends the lease
         else:
-            self.qsa_leases.abort(handle)
-        self.qsa_leases.release(handle)
+            self.qsa_leases.end(handle, aborted=aborted)
         # The outcome first: a reader that sees no live lease sees every outcome counted.
         self._qsa_metrics.released[outcome].inc()
         self._qsa_metrics.live.dec()
-        if self.qsa_prefix is not None and not self._qsa_by_rid:
+        if self.qsa_prefix is not None and not self.qsa_leases.live_handles():
             self.qsa_prefix.settle()
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
 
     def reset(self) -> None:
-        live = getattr(self, "_qsa_by_rid", None)
+        leases = getattr(self, "qsa_leases", None)
+        live = [] if leases is None else [h.request_id for h in leases.live_handles()]
         if live:
             # SGLang flushes only when idle, so a live lease here belongs to a request it
             # lost track of: keep everything as it is rather than free rows still leased.
@@ -185,12 +196,3 @@ class HiSparseRadixCache(UnifiedRadixCache):
         prefix = getattr(self, "qsa_prefix", None)
         if prefix is not None:
             prefix.invalidate()
-
-    # ---- helpers -----------------------------------------------------------------------------
-
-    def _to_decoding(self, handle: LeaseHandle) -> None:
-        """Prompt complete: the hand-off point (instant until the K/V moves to the host)."""
-        if self.qsa_leases.state(handle) is LeaseState.PREFILLING:
-            self.qsa_leases.begin_copy(handle)
-            self.qsa_leases.finish_copy(handle)
-            self.qsa_leases.begin_decode(handle)
