@@ -15,7 +15,10 @@ and attends exactly over those. This subpackage holds:
   CUDA-graph form with the lengths on the device (:func:`ds_heavy_decode_split`; the token
   choice alone: :func:`ds_positions_fixed`);
 * DS-Offload (:class:`DSOffloadedKV`): the K/V history in the host arena, the label cache on the
-  device, the selected tokens' blocks fetched into the hot cache.
+  device, the selected tokens' blocks fetched into the hot cache;
+* the decode runtime of an engine's attention backend (:class:`DSDecodeRuntime`): each step's
+  dense and sparse rows, the eager, captured and offloaded decode of each layer over the engine's
+  token slots, label writes, and the counts (:class:`DSCounts`).
 """
 
 from qsa_kernels.double_sparsity._calibrate import calibrate_channels
@@ -38,14 +41,23 @@ from qsa_kernels.double_sparsity._decode import (
     ds_positions,
     ds_positions_fixed,
 )
-from qsa_kernels.double_sparsity._errors import ChannelConfigError, DSConfigError
+from qsa_kernels.double_sparsity._errors import ChannelConfigError, DSConfigError, DSStateError
 from qsa_kernels.double_sparsity._label_cache import LabelCache
 from qsa_kernels.double_sparsity._offload import DSOffloadedKV
+from qsa_kernels.double_sparsity._runtime import (
+    DecodePath,
+    DenseLengths,
+    DSCounts,
+    DSDecodeRuntime,
+    StepKind,
+    StepMode,
+)
 
 __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     # -- Errors --
     "ChannelConfigError",
     "DSConfigError",
+    "DSStateError",
     # -- Options and calibration --
     "CHANNEL_CONFIG_MAX_BYTES",
     "ChannelConfig",
@@ -67,4 +79,11 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ds_positions_fixed",
     # -- Offload --
     "DSOffloadedKV",
+    # -- Decode runtime --
+    "DSCounts",
+    "DSDecodeRuntime",
+    "DecodePath",
+    "DenseLengths",
+    "StepKind",
+    "StepMode",
 )

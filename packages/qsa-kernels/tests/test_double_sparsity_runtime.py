@@ -1,0 +1,353 @@
+"""Double sparsity's decode runtime, driven as an engine's attention backend drives it.
+
+On CPU (the torch references), over a pool like SGLang's: K and V in two ``[N, Hkv, D]`` buffers,
+each request's tokens at scattered slots, a label cache by the same slots, and a token table of
+request slots. DS-Offload runs over an :class:`OffloadRuntime` whose twin is driven directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from qsa_kernels import KernelPath
+from qsa_kernels.double_sparsity import (
+    DSConfig,
+    DSCounts,
+    DSDecodeRuntime,
+    DSStateError,
+    LabelCache,
+    StepKind,
+    ds_decode_split_reference,
+    ds_heavy_decode_split_reference,
+    ds_positions,
+    ds_positions_fixed,
+)
+from qsa_kernels.offload import OffloadedKV, OffloadGeometry, OffloadRuntime
+
+HQ, HKV, D, C = 4, 2, 16, 4
+LAYERS = 2
+SCALE = D**-0.5
+CONFIG = DSConfig(heavy_channel_num=C, heavy_token_num=8, sparse_decode_threshold=24)
+SHORT, LONG = 10, 40  # dense (below the threshold), sparse
+
+
+class _Pool:
+    """An engine's pool of ``LAYERS`` layers: split K/V buffers, labels and a token table.
+
+    Request slot ``r`` of the token table holds ``lengths[r]`` scattered token slots; the label
+    cache is written through the runtime, as the engine's key writes do.
+    """
+
+    def __init__(self, lengths: list[int], *, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        total = sum(lengths)
+        slots = 3 + total + 7  # padding slots before and after, as SGLang leaves them
+        order = torch.randperm(total, generator=gen) + 3
+        self.k = torch.zeros(LAYERS, slots, HKV, D, dtype=torch.bfloat16)
+        self.v = torch.zeros(LAYERS, slots, HKV, D, dtype=torch.bfloat16)
+        channels = torch.stack(
+            [torch.stack([torch.randperm(D, generator=gen)[:C] for _ in range(HKV)])] * LAYERS
+        ).to(torch.int32)
+        self.labels = LabelCache(channels, rows=1, max_tokens=slots)
+        width = max(lengths) + 5  # the table is wider than any row
+        self.table = torch.zeros(len(lengths) + 1, width, dtype=torch.int32)  # slot 0 unused
+        self.lengths = lengths
+        self.gen = gen
+        start = 0
+        for r, n in enumerate(lengths, start=1):
+            self.table[r, :n] = order[start : start + n].to(torch.int32)
+            start += n
+            for layer in range(LAYERS):
+                self.k[layer, self.table[r, :n].long()] = self._values(n)
+                self.v[layer, self.table[r, :n].long()] = self._values(n)
+        self.slots = torch.arange(1, len(lengths) + 1)  # the batch's request slots
+
+    def _values(self, *shape: int) -> torch.Tensor:
+        """bf16 values in {-0.5, ..., 0.5}: label scores are exact, so no selection ties differ."""
+        return (torch.randint(-2, 3, (*shape, HKV, D), generator=self.gen).float() / 4).to(
+            torch.bfloat16
+        )
+
+    def runtime(
+        self,
+        *,
+        offload: OffloadRuntime | None = None,
+        on_counts: Callable[[DSCounts], None] | None = None,
+    ) -> DSDecodeRuntime:
+        """A runtime over the pool, its labels written from the pool's keys."""
+        runtime = DSDecodeRuntime(self.labels, CONFIG, offload=offload, on_counts=on_counts)
+        for layer in range(LAYERS):
+            for r, n in enumerate(self.lengths, start=1):
+                slots = self.table[r, :n]
+                runtime.write_labels(layer, slots, self.k[layer, slots.long()].reshape(n, -1))
+        return runtime
+
+    def queries(self) -> torch.Tensor:
+        return torch.randn(len(self.lengths), HQ, D, generator=self.gen)
+
+
+def _dense_attention(pool: _Pool, layer: int, q: torch.Tensor, row: int) -> torch.Tensor:
+    """fp32 attention of one batch row over every token of its context: ``[Hq, D]``."""
+    slots = pool.table[row + 1, : pool.lengths[row]].long()
+    k = pool.k[layer, slots].float().repeat_interleave(HQ // HKV, dim=1)  # [n, Hq, D]
+    v = pool.v[layer, slots].float().repeat_interleave(HQ // HKV, dim=1)
+    scores = torch.einsum("hd,nhd->hn", q[row].to(torch.bfloat16).float(), k) * SCALE
+    return torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+
+
+# ---- eager steps ---------------------------------------------------------------------------------
+
+
+def test_an_all_dense_step_leaves_its_layers_to_the_engines_dense_attention() -> None:
+    """Every row below the threshold: the engine's dense attention decodes the step (the runtime
+    refuses to), and each row is counted dense."""
+    pool = _Pool([SHORT, SHORT + 3])
+    runtime = pool.runtime()
+    assert runtime.plan_step(pool.lengths, pool.table, pool.slots) is StepKind.DENSE
+    assert runtime.step_kind is StepKind.DENSE
+    assert runtime.counts == DSCounts(eager_steps=1, dense_rows=2)
+    with pytest.raises(DSStateError, match=r"decode needs an eager resident step .* 'dense'"):
+        runtime.decode(0, pool.queries(), pool.k[0], pool.v[0], SCALE)
+
+
+def test_a_step_with_a_long_row_decodes_every_row_as_ds_decode_split() -> None:
+    """One row above the threshold: every row goes through the split-buffer decode over the
+    batch's slot table cut to its longest row, bit for bit, back in the queries' dtype; the short
+    row attends every token of its context."""
+    pool = _Pool([SHORT, LONG], seed=1)
+    runtime = pool.runtime()
+    assert runtime.plan_step(pool.lengths, pool.table, pool.slots) is StepKind.SPARSE
+    assert runtime.counts == DSCounts(eager_steps=1, dense_rows=1, sparse_rows=1)
+    for layer in range(LAYERS):
+        q = pool.queries()  # fp32: attended in bf16
+        got = runtime.decode(layer, q, pool.k[layer], pool.v[layer], SCALE)
+        want = ds_decode_split_reference(
+            q.to(torch.bfloat16),
+            pool.k[layer],
+            pool.v[layer],
+            pool.labels.layer(layer),
+            pool.labels.channels[layer],
+            pool.table[pool.slots, :LONG],
+            pool.lengths,
+            config=CONFIG,
+            scale=SCALE,
+        )
+        assert got.dtype == torch.float32
+        assert torch.equal(got, want.out.to(torch.float32))
+        torch.testing.assert_close(
+            got[0], _dense_attention(pool, layer, q, 0), atol=2e-2, rtol=2e-2
+        )
+
+
+def test_labels_are_written_from_flat_or_per_head_keys_alike() -> None:
+    pool = _Pool([SHORT])
+    runtime = pool.runtime()
+    twin = LabelCache(pool.labels.channels, rows=1, max_tokens=pool.labels.max_tokens)
+    slots = pool.table[1, :SHORT]
+    keys = pool.k[1, slots.long()]
+    twin.write_slots(1, slots, keys)
+    assert torch.equal(pool.labels.layer(1), twin.layer(1))
+    runtime.write_labels(1, slots, torch.zeros_like(keys))  # [N, Hkv, D]
+    assert not bool(pool.labels.layer(1)[slots.long()].any())
+
+
+# ---- captured steps ------------------------------------------------------------------------------
+
+
+def test_the_captured_step_picks_each_rows_output_by_the_refreshed_mask() -> None:
+    """Captured at SGLang's fill length (every row dense), replayed with one sparse row: the
+    replay's mask picks the heavy-token output for that row and the dense attention's for the
+    others; the dense attention is given the sparse row at length 1; padding is not counted."""
+    pool = _Pool([LONG, SHORT, 1], seed=2)  # the last row pads the batch
+    runtime = pool.runtime()
+    runtime.init_graph_state(8)
+    fill = torch.ones(3, dtype=torch.int32)
+    assert runtime.plan_graph_step(fill, capture=True) is None
+    assert runtime.step_kind is StepKind.CAPTURED
+    assert runtime.counts == DSCounts()  # a capture is not a step
+    runtime.capture_tables(pool.table, pool.slots)
+
+    seq_lens = torch.tensor(pool.lengths, dtype=torch.int32)
+    dense = runtime.plan_graph_step(seq_lens, pool.lengths, padding=1)
+    assert dense is not None
+    assert dense.host == (1, SHORT, 1)
+    assert dense.seq_lens.tolist() == [1, SHORT, 1]
+    assert runtime.counts == DSCounts(graph_steps=1, dense_rows=1, sparse_rows=1)
+    q = pool.queries().to(torch.bfloat16)
+    dense_out = torch.full((3, HQ * D), 7.0, dtype=torch.bfloat16)  # the engine's dense output
+    got = runtime.decode_captured(0, q, pool.k[0], pool.v[0], seq_lens, dense_out, SCALE)
+    heavy = ds_heavy_decode_split_reference(
+        q,
+        pool.k[0],
+        pool.v[0],
+        pool.labels.layer(0),
+        pool.labels.channels[0],
+        pool.table[pool.slots],
+        seq_lens,
+        heavy_token_num=CONFIG.heavy_token_num,
+        scale=SCALE,
+    ).out.reshape(3, -1)
+    assert got.shape == dense_out.shape
+    assert torch.equal(got[0], heavy[0])
+    assert torch.equal(got[1:], dense_out[1:])
+
+    all_dense = torch.tensor([SHORT, SHORT, 1], dtype=torch.int32)
+    assert runtime.plan_graph_step(all_dense, all_dense.tolist(), padding=1) is None
+    assert runtime.counts == DSCounts(graph_steps=2, dense_rows=3, sparse_rows=1)
+    got = runtime.decode_captured(0, q, pool.k[0], pool.v[0], all_dense, dense_out, SCALE)
+    assert torch.equal(got, dense_out)  # the dense attention's own graph, bit for bit
+
+
+# ---- DS-Offload ----------------------------------------------------------------------------------
+
+
+def _offloads(pool: _Pool) -> list[OffloadRuntime]:
+    """Two offload runtimes holding the pool's prompts at request slots 1.., rows 0.. (each
+    prompt staged as a prefill stages it, handed off by the next prompt or the first step)."""
+    blocks = math.ceil((max(pool.lengths) + 1) / 4) + 1
+    geometry = OffloadGeometry(
+        LAYERS,
+        len(pool.lengths),
+        CONFIG.hot_blocks(),
+        blocks,
+        HKV,
+        D,
+        torch.bfloat16,
+        per_head=True,
+    )
+    offloads = []
+    for _ in range(2):
+        kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+        offload = OffloadRuntime(kv, {layer: layer for layer in range(LAYERS)}, None)
+        for row, n in enumerate(pool.lengths):
+            offload.bind(row + 1, row)
+            slots = pool.table[row + 1, :n].long()
+            for layer in range(LAYERS):
+                k, v = pool.k[layer, slots], pool.v[layer, slots]
+                offload.stage(layer, k, v, slot=row + 1, start=0, end=n)
+        offloads.append(offload)
+    return offloads
+
+
+def test_an_offloaded_step_attends_the_tokens_ds_positions_chooses() -> None:
+    """Eagerly every row, dense or sparse, attends the host-sized lists of ds_positions through
+    the offload's decode_tokens, bit for bit as the offload driven directly."""
+    pool = _Pool([SHORT, LONG], seed=3)
+    mine, direct = _offloads(pool)
+    runtime = pool.runtime(offload=mine)
+    slots, lengths = pool.slots.tolist(), [n + 1 for n in pool.lengths]
+    for offload in (mine, direct):
+        offload.plan_decode(slots, lengths)
+    new = [pool._values(2) for _ in range(LAYERS)]
+    pool.table[pool.slots, torch.tensor(pool.lengths)] = torch.tensor([1, 2], dtype=torch.int32)
+    for layer in range(LAYERS):  # the new token's label at its slot, as the engine writes it
+        runtime.write_labels(layer, torch.tensor([1, 2]), new[layer])
+    assert runtime.plan_step(lengths, pool.table, pool.slots) is StepKind.OFFLOADED
+    assert runtime.counts == DSCounts(eager_steps=1, dense_rows=1, sparse_rows=1)
+    for layer in range(LAYERS):
+        q = pool.queries().to(torch.bfloat16)
+        k = v = new[layer].reshape(2, -1)
+        got = runtime.decode_offloaded(layer, q, k, v, SCALE)
+        positions = ds_positions(
+            q,
+            pool.labels.layer(layer),
+            pool.labels.channels[layer],
+            pool.table[pool.slots, : max(lengths)],
+            lengths,
+            config=CONFIG,
+            reference=True,
+        )
+        want = direct.decode_tokens(layer, q, k, v, positions, SCALE)
+        assert torch.equal(got, want.reshape(2, HQ, D))
+
+
+def test_a_captured_offloaded_step_chooses_fixed_lists_with_the_plans_lengths() -> None:
+    """In a captured step the lists have the fixed width and the lengths are the offload plan's,
+    read inside the step; the hot caches are not checked on the host."""
+    pool = _Pool([SHORT, LONG], seed=4)
+    mine, direct = _offloads(pool)
+    runtime = pool.runtime(offload=mine)
+    runtime.init_graph_state(4)
+    slots, lengths = pool.slots.tolist(), [n + 1 for n in pool.lengths]
+    for offload in (mine, direct):
+        offload.plan_decode(slots, lengths, pad_to=2)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    assert runtime.plan_graph_step(seq_lens, capture=True) is None
+    token = torch.zeros(2, HKV * D, dtype=torch.bfloat16)
+    with pytest.raises(DSStateError, match=r"decode_offloaded before .* capture_tables"):
+        runtime.decode_offloaded(0, pool.queries(), token, token, SCALE)
+    pool.table[pool.slots, torch.tensor(pool.lengths)] = torch.tensor([1, 2], dtype=torch.int32)
+    runtime.capture_tables(pool.table, pool.slots)  # the new token's slots in the table
+    assert runtime.step_kind is StepKind.OFFLOADED
+    new = [pool._values(2) for _ in range(LAYERS)]
+    for layer in range(LAYERS):
+        runtime.write_labels(layer, torch.tensor([1, 2]), new[layer])
+        q = pool.queries().to(torch.bfloat16)
+        k = v = new[layer].reshape(2, -1)
+        got = runtime.decode_offloaded(layer, q, k, v, SCALE)
+        positions = ds_positions_fixed(
+            q,
+            pool.labels.layer(layer),
+            pool.labels.channels[layer],
+            pool.table[pool.slots],
+            direct.kv.step_lengths,
+            config=CONFIG,
+            reference=True,
+        )
+        assert positions.shape[2] == CONFIG.fixed_width()
+        want = direct.decode_tokens(layer, q, k, v, positions, SCALE, checked=False)
+        assert torch.equal(got, want.reshape(2, HQ, D))
+    dense = runtime.plan_graph_step(seq_lens, lengths)  # a replay: every row at 1
+    assert dense is not None
+    assert dense.host == (1, 1)
+    assert dense.seq_lens.tolist() == [1, 1]
+
+
+# ---- the order of calls and the counts -----------------------------------------------------------
+
+
+def test_a_call_before_its_steps_plan_is_refused_naming_the_call() -> None:
+    pool = _Pool([SHORT, LONG])
+    runtime = pool.runtime()
+    q = pool.queries()
+    with pytest.raises(DSStateError, match=r"before its step's plan \(plan_step or plan_graph"):
+        runtime.step_kind  # noqa: B018 (the property raises)
+    with pytest.raises(DSStateError, match=r"decode needs .* not planned"):
+        runtime.decode(0, q, pool.k[0], pool.v[0], SCALE)
+    with pytest.raises(DSStateError, match=r"decode_captured outside a captured resident step"):
+        runtime.decode_captured(0, q, pool.k[0], pool.v[0], torch.ones(2), q, SCALE)
+    with pytest.raises(DSStateError, match=r"decode_offloaded needs DS-Offload's runtime"):
+        runtime.decode_offloaded(0, q, q, q, SCALE)
+    with pytest.raises(DSStateError, match=r"plan_graph_step before init_graph_state"):
+        runtime.plan_graph_step(torch.ones(2, dtype=torch.int32), capture=True)
+    runtime.init_graph_state(2)
+    runtime.plan_graph_step(torch.ones(2, dtype=torch.int32), capture=True)
+    with pytest.raises(DSStateError, match=r"decode_captured before capture_tables"):
+        runtime.decode_captured(0, q, pool.k[0], pool.v[0], torch.ones(2), q, SCALE)
+    runtime.plan_step(pool.lengths, pool.table, pool.slots)
+    runtime.clear_step()  # an extend batch
+    with pytest.raises(DSStateError, match=r"decode needs .* not planned"):
+        runtime.decode(0, q, pool.k[0], pool.v[0], SCALE)
+
+
+def test_every_change_of_the_counts_reaches_on_counts() -> None:
+    pool = _Pool([SHORT, LONG])
+    seen: list[DSCounts] = []
+    runtime = pool.runtime(on_counts=seen.append)
+    assert seen == [DSCounts()]
+    runtime.plan_step(pool.lengths, pool.table, pool.slots)
+    runtime.init_graph_state(4)
+    padded = torch.tensor([LONG, 1], dtype=torch.int32)
+    runtime.plan_graph_step(padded, capture=True)  # not counted
+    runtime.plan_graph_step(padded, [LONG, 1], padding=2)  # only padding rows: not a step
+    runtime.plan_graph_step(padded, [LONG, 1], padding=1)
+    assert seen == [
+        DSCounts(),
+        DSCounts(eager_steps=1, dense_rows=1, sparse_rows=1),
+        DSCounts(eager_steps=1, graph_steps=1, dense_rows=1, sparse_rows=2),
+    ]
+    assert runtime.counts == seen[-1]
