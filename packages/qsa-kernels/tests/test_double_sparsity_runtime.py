@@ -224,7 +224,7 @@ def _offloads(pool: _Pool) -> list[OffloadRuntime]:
         kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
         offload = OffloadRuntime(kv, {layer: layer for layer in range(LAYERS)}, None)
         for row, n in enumerate(pool.lengths):
-            offload.bind(row + 1, row)
+            assert offload.admit(f"r{row}", row + 1).slot == row
             slots = pool.table[row + 1, :n].long()
             for layer in range(LAYERS):
                 k, v = pool.k[layer, slots], pool.v[layer, slots]
