@@ -1,4 +1,5 @@
-"""Capacity plan against the original plugin's reported figures, and the fit search."""
+"""Capacity plan: each part against its formula computed here, what the engine allocates, and the
+fit search."""
 
 from __future__ import annotations
 
@@ -55,32 +56,68 @@ def test_host_kv_is_one_and_a_half_gib_per_request() -> None:
     assert plan.offloaded.host_bytes == 8 * 12 * 65536 * 2048
 
 
-def test_staging_and_index_pools_match_the_original_byte_counts() -> None:
-    """Raw staging 1,611,251,712 B and index 1,610,661,888 B per GPU for eight requests."""
-    off = _plan().offloaded
-    assert off.part(MemoryPartKind.PREFILL_AREA).nbytes == 1_611_251_712
-    assert off.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == 1_610_661_888
+#: One record at TP2 FP8: 4 tokens x (K and V) x 1 KV head per rank x 256 x 1 B.
+RECORD = 4 * 2 * 1 * 256 * 1
+#: 4-token blocks of a 262,144-token context.
+NB = CTX // 4
 
 
-@pytest.mark.parametrize(
-    ("n", "fixed"), [(2, 1_611_141_312), (4, 1_611_227_520), (8, 1_611_399_936)]
-)
-def test_fixed_bytes_match_the_original_pool_sizing(n: int, fixed: int) -> None:
-    """Staging + one index pad page + pending ring equals the original fixed bytes for N=2/4/8."""
-    off = _plan(n).offloaded
-    index_pad = 64 * 768
-    ring = off.part(MemoryPartKind.PENDING_RING).nbytes
-    assert off.part(MemoryPartKind.PREFILL_AREA).nbytes + index_pad + ring == fixed
+def test_staging_is_one_prompt_of_every_qsa_layer_in_whole_blocks() -> None:
+    """12 layers x 65,536 blocks x 2 KiB = 1.5 GiB whatever the request count; a context that
+    ends inside a block stages that block whole. The index pool is unchanged."""
+    for n in (1, 8):
+        off = _plan(n).offloaded
+        assert off.part(MemoryPartKind.PREFILL_AREA).nbytes == 12 * NB * RECORD == 1536 * MIB
+    odd = _plan(context_len=100_003).offloaded
+    assert odd.part(MemoryPartKind.PREFILL_AREA).nbytes == 12 * 25_001 * RECORD
+    assert _plan().offloaded.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == 1_610_661_888
 
 
-def test_hot_cache_is_2048_plus_64_blocks_per_layer_per_request() -> None:
-    """4.125 MiB per layer per request, 49.5 MiB per request, 396 MiB (384 MiB core) for eight."""
+def test_hot_caches_hold_their_slots_and_one_tail_record_per_layer_and_request() -> None:
+    """2,048 slots + 1 tail per (layer, request): 12 x 8 x 2,049 records = 384.1875 MiB."""
     plan = _plan()
     assert plan.hot_slots == 2048
-    assert plan.offloaded.part(MemoryPartKind.HOT_CACHE).nbytes == 396 * MIB
-    assert _plan(1).offloaded.part(MemoryPartKind.HOT_CACHE).nbytes == int(49.5 * MIB)
-    core = _plan(reserved_hot_slots=0).offloaded.part(MemoryPartKind.HOT_CACHE).nbytes
-    assert core == 384 * MIB
+    hot = plan.offloaded.part(MemoryPartKind.HOT_CACHE).nbytes
+    assert hot == 12 * 8 * 2049 * RECORD == 402_849_792
+    assert _plan(1).offloaded.part(MemoryPartKind.HOT_CACHE).nbytes == 12 * 2049 * RECORD
+    assert _plan(hot_slots=512).offloaded.part(MemoryPartKind.HOT_CACHE).nbytes == (
+        12 * 8 * 513 * RECORD
+    )
+
+
+def test_residency_tables_hold_a_block_id_and_stamp_per_slot_and_a_slot_per_block() -> None:
+    """12 x 8 x (2,048 x (4 + 8) + 65,536 x 4) B = 26.25 MiB."""
+    tables = _plan().offloaded.part(MemoryPartKind.RESIDENCY_TABLES).nbytes
+    assert tables == 12 * 8 * (2048 * 12 + NB * 4) == 27_525_120
+
+
+def test_the_fixed_bytes_are_staging_hot_caches_tails_and_tables() -> None:
+    """What pool sizing charges with offload: 2,040,987,648 B at 8 requests; a token then costs
+    its 768 B of index alone, without offload its 6,144 B of raw K/V too."""
+    plan = _plan()
+    off = plan.offloaded
+    parts = (
+        MemoryPartKind.PREFILL_AREA,
+        MemoryPartKind.HOT_CACHE,
+        MemoryPartKind.RESIDENCY_TABLES,
+    )
+    fixed = 12 * NB * RECORD + 12 * 8 * 2049 * RECORD + 12 * 8 * (2048 * 12 + NB * 4)
+    assert sum(off.part(k).nbytes for k in parts) == fixed == 2_040_987_648
+    assert plan.offload.fixed_device_bytes() == fixed
+    assert plan.offload.fixed_device_bytes(verify=True) == fixed + 8 * 12 * NB * RECORD
+    assert plan.index_bytes_per_token == 768
+    assert plan.resident_token_bytes == 768 + 6144
+
+
+def test_hot_slots_are_capped_at_a_contexts_blocks_but_never_below_the_topk() -> None:
+    """A 4,096-token context has 1,024 blocks: 1,024 hot slots; a 1,000-token one 250 blocks,
+    but one step's 512 must fit."""
+    assert _plan(context_len=4096).hot_slots == 1024
+    assert _plan(context_len=1000).hot_slots == 512
+    assert _plan(context_len=4096, hot_slots=4096).hot_slots == 1024
+    assert _plan(context_len=CTX, hot_slots=4096).hot_slots == 4096
+    assert hot_cache_slots(512, context_len=4096) == 1024
+    assert hot_cache_slots(512, 600, context_len=1000) == 512
 
 
 def test_hot_cache_slots_default_to_four_selections_and_refuse_less_than_one() -> None:
@@ -115,6 +152,7 @@ def test_resident_raw_kv_of_eight_requests_is_twelve_gib() -> None:
     assert res.part(MemoryPartKind.RAW_KV).nbytes == (8 * CTX + 64) * 6144
     assert res.host_bytes == 0
     assert res.part(MemoryPartKind.HOT_CACHE).nbytes == 0
+    assert res.part(MemoryPartKind.RESIDENCY_TABLES).nbytes == 0
     assert res.part(MemoryPartKind.PREFILL_AREA).nbytes == 0
 
 
@@ -160,14 +198,18 @@ def test_default_setup_fits_eight_offloaded_and_five_resident() -> None:
 
 def test_cache_sharding_divides_the_host_arena_and_multiplies_what_it_fits() -> None:
     """TP8 (four ranks per K/V head), groups of 4: a 262,144-token request's 65,536 blocks are
-    4,096 pages, 1,024 per rank; the 12 GiB of host a rank had for 8 requests holds 32."""
+    4,096 pages, 1,024 per rank; the 12 GiB of host a rank had for 8 requests holds 32. Without
+    offload each rank stores a quarter of the raw K/V (6,144 / 4 = 1,536 B per token)."""
     plain = _plan(tp_size=8, gpu_budget_bytes=64 * GIB)
     sharded = _plan(tp_size=8, gpu_budget_bytes=64 * GIB, sharding_size=4)
     assert sharded.host_bytes_per_request * 4 == plain.host_bytes_per_request
     assert sharded.offloaded.part(MemoryPartKind.HOST_ARENA).nbytes == 8 * 12 * 16384 * 2048
     assert plain.max_requests_offloaded == 8
     assert sharded.max_requests_offloaded == 32
-    assert sharded.max_requests_resident == plain.max_requests_resident  # not sharded
+    assert sharded.resident_token_bytes == 768 + 6144 // 4
+    raw = sharded.resident.part(MemoryPartKind.RAW_KV).nbytes
+    assert raw == (8 * CTX + 64) * 1536
+    assert sharded.max_requests_resident > plain.max_requests_resident
     assert "offloaded K/V sharded over 4 ranks" in render_plan(sharded)
     with pytest.raises(PlacementError, match=r"sharding_size=4 .*allowed: \[1\]"):
         _plan(sharding_size=4)  # TP2: one rank per K/V head
@@ -194,7 +236,7 @@ def test_rendered_table_names_every_part_and_the_fit() -> None:
     for kind in MemoryPartKind:
         assert kind.value in text
     assert "12.000 GiB" in text
-    assert "396.000 MiB" in text
+    assert "384.188 MiB" in text
     assert "offloaded 8, resident 5" in text
 
 

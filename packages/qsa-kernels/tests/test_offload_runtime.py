@@ -354,3 +354,27 @@ def test_a_runtime_that_chooses_tokens_refuses_block_ids_before_writing_the_toke
         runtime.decode_layer(3, q, token, token, blocks, SCALE)
     assert int(kv.step_lengths[0]) == PREFIX + 1  # the plan stands
     assert not bool(kv.tail.eq(5.0).any())  # the new token was not written
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_fixed_device_bytes_are_what_a_runtime_allocates(per_head: bool) -> None:
+    """Staging, hot caches, tails and tables: the figure pool sizing charges (qsa-core's
+    ``OffloadSizes``) equals the bytes of the runtime's and its store's device tensors."""
+    geometry = OffloadGeometry(2, 3, 5, 7, 2, D, torch.bfloat16, per_head=per_head)
+    kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    runtime = OffloadRuntime(kv, LAYER_IDS, None)
+    tables = kv.tables
+    tensors = (
+        runtime.staging_k,
+        runtime.staging_v,
+        kv.hot,
+        kv.tail,
+        tables.slot_block,
+        tables.slot_stamp,
+        tables.block_slot,
+    )
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    assert OffloadRuntime.fixed_device_bytes(geometry) == allocated
+    assert OffloadRuntime.fixed_device_bytes(geometry, verify=True) == (
+        allocated + geometry.host_bytes
+    )

@@ -217,9 +217,10 @@ def test_plan_at_the_originals_flags_matches_qsa_core(resolve: Resolve) -> None:
     off = plan.offloaded
     assert (plan.raw_bytes_per_token, plan.index_bytes_per_token) == (6144, 768)
     assert plan.host_bytes_per_request == 1536 * MIB
-    assert off.part(MemoryPartKind.PREFILL_AREA).nbytes == 1_611_251_712
+    # Staging: 12 layers x 65,536 blocks x 2 KiB; hot caches: 8 x 12 x (2,048 slots + 1 tail).
+    assert off.part(MemoryPartKind.PREFILL_AREA).nbytes == 12 * 65_536 * 2048 == 1536 * MIB
     assert off.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == 1_610_661_888
-    assert off.part(MemoryPartKind.HOT_CACHE).nbytes == 396 * MIB
+    assert off.part(MemoryPartKind.HOT_CACHE).nbytes == 8 * 12 * 2049 * 2048
     assert (plan.max_requests_offloaded, plan.max_requests_resident) == (8, 5)
 
 

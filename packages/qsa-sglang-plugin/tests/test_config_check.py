@@ -549,4 +549,4 @@ def test_the_runtime_sizes_hot_caches_from_the_switch_clipped_to_a_contexts_bloc
     if switch is not None:
         env["SGLANG_QSA_HISPARSE_HOT_BLOCKS"] = str(switch)
     monkeypatch.setattr(_offload, "current_switches", lambda: parse_switches(env))
-    assert _offload._qsa_hot_slots(512, context_len) == slots
+    assert _offload.qsa_hot_slots(512, context_len) == slots

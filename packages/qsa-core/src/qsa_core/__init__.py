@@ -36,6 +36,12 @@ from qsa_core._jsonfile import (
 )
 from qsa_core._lease import LeaseHandle, LeaseState, LeaseTable
 from qsa_core._merge import TopKCandidate, candidate_sort_key, merge_topk, topk_reference
+from qsa_core._offload_sizes import (
+    OffloadSizes,
+    ds_offload_sizes,
+    label_bytes_per_token,
+    sharded_token_bytes,
+)
 from qsa_core._placement import ShardPlacement
 from qsa_core._profile import (
     ALLOWED_BLOCK_TOPK,
@@ -90,10 +96,14 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "MemoryPart",
     "MemoryPartKind",
     "MemoryTier",
+    "OffloadSizes",
+    "ds_offload_sizes",
     "format_bytes",
     "hot_cache_slots",
+    "label_bytes_per_token",
     "plan_capacity",
     "render_plan",
+    "sharded_token_bytes",
     # requests
     "check_prompt",
     # files users name

@@ -1,10 +1,17 @@
 """Capacity plan: the bytes of every per-rank memory part, with and without host KV offload.
 
-All figures are per TP rank, in bytes, and exact integer arithmetic from the profile:
+All figures are per TP rank, in bytes, and exact integer arithmetic from the profile. They are
+what the engine allocates: the offload's buffers come from :class:`OffloadSizes` (the arithmetic
+the offload's store allocates by and the engine's pool sizing charges), with ``Ls = qsa_layers``
+record layers of one 4-token block of every KV head, ``NB = ceil(L / ratio)`` blocks of a
+context, ``S`` hot slots and ``block_bytes`` per record:
 
-* raw K/V (resident only, GPU): ``(R × L + page) × raw_bytes_per_token``;
+* raw K/V (resident only, GPU): ``(R × L + page) × raw_bytes_per_token``; under resident cache
+  sharding over ``N`` ranks ``(R × L + page) × ceil(raw_bytes_per_token / N)``
+  (:func:`sharded_token_bytes`);
 * compressed index-K (GPU, never offloaded, replicated on every rank):
-  ``(R × L + page) × index_bytes_per_token``;
+  ``(R × L + page) × index_bytes_per_token``; with offload it is all a token costs in the
+  engine's pool;
 * pending ring (GPU): ``R × (qsa_layers × ratio × index_kv_heads × index_head_dim × 2 B + ratio × 3
   × 8 B)`` (bf16 raw index keys plus their int64 3-axis RoPE positions);
 * GDN recurrent state (GPU, fp32): ``slots × linear_layers × (value_heads / TP) × key_dim ×
@@ -13,19 +20,23 @@ All figures are per TP rank, in bytes, and exact integer arithmetic from the pro
   ``conv_dim = 2 × key_heads × key_dim + value_heads × value_dim``;
 * PLE short-conv state (GPU, bf16, replicated): ``slots × ple_layers × hidden × hc_count ×
   (ple_kernel - 1) × ngram × 2 B``;
-* prefill area (offload only, GPU): one request's raw K/V staging plus 5 tail rows per lease and
-  one padding page: ``(L + 5 × R + page) × raw_bytes_per_token``;
-* hot caches (offload only, GPU): ``R × qsa_layers × (hot_slots + reserved_hot_slots) ×
-  bytes_per_block``;
-* host arena (offload only, pinned host): ``R × qsa_layers × ceil(L / ratio) × bytes_per_block``;
-  with cache sharding over ``N`` ranks, the blocks of the busiest rank
-  (:meth:`ShardPlacement.blocks_on_rank`: whole 16-block pages, every ``N``-th).
+* prefill staging (offload only, GPU): one prompt of every QSA layer in whole blocks,
+  ``Ls × NB × block_bytes``;
+* hot caches and tails (offload only, GPU): ``Ls × R × (S + 1) × block_bytes`` (one open-block
+  tail record per layer and request);
+* residency tables (offload only, GPU): ``Ls × R × (S × 12 + NB × 4)`` bytes;
+* host arena (offload only, pinned host): ``R × Ls × NB × block_bytes``; with cache sharding over
+  ``N`` ranks, the blocks of the busiest rank (:meth:`ShardPlacement.blocks_on_rank`: whole
+  16-block pages, every ``N``-th).
 
 ``R`` is the request count, ``L`` the context length in tokens, ``slots`` the recurrent-state
-slots (``R`` unless given). With the Qwen3.8-Flash-Next TP2 FP8 setup of 8 × 262,144 tokens this
-reproduces the original plugin's figures: 1.5 GiB host K/V per request, 12 GiB host arena,
-1,611,251,712 B raw staging, 1,610,661,888 B index, 396 MiB hot caches and fixed bytes
-(staging + index pad + ring) of 1,611,399,936 B.
+slots (``R`` unless given). ``S`` is :func:`hot_cache_slots`: 4 × the block top-k unless given,
+no more than a context's blocks and never fewer than the top-k. Staging, hot caches, tails and
+tables are the fixed bytes the engine's pool sizing charges before it sizes the index pool
+(:meth:`OffloadSizes.fixed_device_bytes`). With the Qwen3.8-Flash-Next TP2 FP8 setup of 8 ×
+262,144 tokens: 6,144 B raw and 768 B index per token, 1.5 GiB host K/V per request (12 GiB for
+eight), staging 1.5 GiB, hot caches and tails 384.188 MiB, tables 26.25 MiB: 2,040,987,648 B of
+fixed device bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from typing import Final
 
 from qsa_core._checks import is_int
 from qsa_core._errors import CapacityError
+from qsa_core._offload_sizes import OffloadSizes, context_blocks, sharded_token_bytes
 from qsa_core._placement import ShardPlacement
 from qsa_core._profile import KVDType, QSAProfile
 
@@ -50,8 +62,6 @@ __all__ = (
     "plan_capacity",
 )
 
-#: Raw K/V rows each lease keeps after the staging region (row 0 padding, 4 open-block rows).
-_TAIL_ROWS_PER_LEASE = 5
 #: Bytes of one pending-ring RoPE coordinate (3 axes × int64).
 _ROPE_POSITION_BYTES = 3 * 8
 _RING_DTYPE_BYTES = 2  # the pending ring is always bf16
@@ -81,7 +91,8 @@ class MemoryPartKind(enum.Enum):
     CONV_STATE = "GDN conv state"
     PLE_STATE = "PLE short-conv state"
     PREFILL_AREA = "prefill staging"
-    HOT_CACHE = "hot caches"
+    HOT_CACHE = "hot caches + tails"
+    RESIDENCY_TABLES = "residency tables"
     HOST_ARENA = "host K/V arena"
 
 
@@ -146,14 +157,14 @@ class CapacityPlan:
         host_budget_bytes: pinned host bytes available, per rank.
         context_len: tokens per request.
         num_requests: requests to plan for.
-        hot_slots: hot block slots per request per layer (``>= block_topk``).
-        reserved_hot_slots: extra hot slots per request per layer (newest closed block, padding).
+        hot_slots: hot block slots per request per layer (:func:`hot_cache_slots`).
         state_slots: recurrent-state slots (``None``: one per request).
         offloaded: the layout with host KV offload.
         resident: the layout with all raw K/V on the GPU.
         max_requests_offloaded: most requests of ``context_len`` that fit with offload.
         max_requests_resident: most requests of ``context_len`` that fit without offload.
-        sharding_size: ranks of a shard group that store the offloaded K/V once (1 = off).
+        sharding_size: ranks of a shard group that store the K/V once (1 = off): the
+            offloaded K/V's host arena, or the resident raw K/V, divides by it.
     """
 
     profile: QSAProfile
@@ -165,7 +176,6 @@ class CapacityPlan:
     context_len: int
     num_requests: int
     hot_slots: int
-    reserved_hot_slots: int
     state_slots: int | None
     offloaded: MemoryLayout
     resident: MemoryLayout
@@ -182,6 +192,29 @@ class CapacityPlan:
     def index_bytes_per_token(self) -> int:
         """Compressed index bytes per token (every rank)."""
         return self.profile.index_bytes_per_token(self.index_dtype)
+
+    @property
+    def resident_token_bytes(self) -> int:
+        """A token's price in the engine's pool without offload (index + raw, sharded)."""
+        return sharded_token_bytes(
+            self.raw_bytes_per_token, self.index_bytes_per_token, self.sharding_size
+        )
+
+    @property
+    def offload(self) -> OffloadSizes:
+        """The offload's buffers for ``num_requests`` rows of ``context_len`` tokens.
+
+        ``offload.fixed_device_bytes()`` is the fixed overhead the engine's pool sizing charges
+        with offload, where a token costs :attr:`index_bytes_per_token` alone.
+        """
+        return _offload_sizes(
+            self.profile,
+            tp_size=self.tp_size,
+            kv_dtype=self.kv_dtype,
+            context_len=self.context_len,
+            num_requests=self.num_requests,
+            hot_slots=self.hot_slots,
+        )
 
     @property
     def bytes_per_block(self) -> int:
@@ -206,6 +239,28 @@ def _host_blocks(profile: QSAProfile, context_len: int, sharding_size: int = 1) 
     return placement.blocks_on_rank(blocks, 0)
 
 
+def _offload_sizes(
+    profile: QSAProfile,
+    *,
+    tp_size: int,
+    kv_dtype: KVDType,
+    context_len: int,
+    num_requests: int,
+    hot_slots: int,
+) -> OffloadSizes:
+    """The offload's sizes: every QSA layer, one record per block of the rank's KV heads."""
+    return OffloadSizes.for_context(
+        layers=profile.num_qsa_layers,
+        rows=num_requests,
+        context_len=context_len,
+        hot_slots=hot_slots,
+        kv_heads=profile.kv_heads_per_rank(tp_size),
+        head_dim=profile.head_dim,
+        element_bytes=kv_dtype.itemsize,
+        block_tokens=profile.compress_ratio,
+    )
+
+
 def _split(total: int, tp_size: int, name: str) -> int:
     if total % tp_size != 0:
         msg = f"{name}={total!r} does not split over tp_size={tp_size!r}; it must be a multiple"
@@ -222,7 +277,6 @@ def _layout(
     context_len: int,
     num_requests: int,
     hot_slots: int,
-    reserved_hot_slots: int,
     state_slots: int,
     offloaded: bool,
     sharding_size: int,
@@ -231,8 +285,16 @@ def _layout(
     n, ctx, page = num_requests, context_len, p.page_size
     raw_tok = p.raw_kv_bytes_per_token(kv_dtype, tp_size)
     idx_tok = p.index_bytes_per_token(index_dtype)
-    block = p.bytes_per_block(kv_dtype, tp_size)
-    layers = p.num_qsa_layers
+    resident_raw = sharded_token_bytes(raw_tok, idx_tok, sharding_size) - idx_tok
+    sizes = _offload_sizes(
+        p,
+        tp_size=tp_size,
+        kv_dtype=kv_dtype,
+        context_len=ctx,
+        num_requests=n,
+        hot_slots=hot_slots,
+    )
+    block, layers, nb = sizes.record_bytes, sizes.store_layers, sizes.max_blocks
     gpu, host = MemoryTier.GPU, MemoryTier.HOST
 
     ring_per_req = (
@@ -263,16 +325,14 @@ def _layout(
         * p.ngram_size
         * _CONV_STATE_BYTES
     )
-    staging_tokens = ctx + _TAIL_ROWS_PER_LEASE * n + page
-    hot_total = hot_slots + reserved_hot_slots
     host_blocks = _host_blocks(p, ctx, sharding_size)
 
     parts = (
         MemoryPart(
             MemoryPartKind.RAW_KV,
             gpu,
-            0 if offloaded else (n * ctx + page) * raw_tok,
-            "offloaded to host" if offloaded else f"({n}×{ctx} + {page}) tok × {raw_tok} B",
+            0 if offloaded else (n * ctx + page) * resident_raw,
+            "offloaded to host" if offloaded else f"({n}×{ctx} + {page}) tok × {resident_raw} B",
         ),
         MemoryPart(
             MemoryPartKind.COMPRESSED_INDEX,
@@ -304,21 +364,29 @@ def _layout(
         MemoryPart(
             MemoryPartKind.PREFILL_AREA,
             gpu,
-            staging_tokens * raw_tok if offloaded else 0,
-            f"({ctx} + {_TAIL_ROWS_PER_LEASE}×{n} + {page}) tok × {raw_tok} B"
+            sizes.staging_bytes if offloaded else 0,
+            f"{layers} layers × {nb} blocks × {block} B"
             if offloaded
             else "prefill writes the raw K/V pool",
         ),
         MemoryPart(
             MemoryPartKind.HOT_CACHE,
             gpu,
-            n * layers * hot_total * block if offloaded else 0,
-            f"{n} req × {layers} layers × {hot_total} blocks × {block} B" if offloaded else "none",
+            sizes.cache_bytes if offloaded else 0,
+            f"{n} req × {layers} layers × ({hot_slots} + 1) blocks × {block} B"
+            if offloaded
+            else "none",
+        ),
+        MemoryPart(
+            MemoryPartKind.RESIDENCY_TABLES,
+            gpu,
+            sizes.table_bytes if offloaded else 0,
+            f"{n} req × {layers} layers × ({hot_slots} × 12 + {nb} × 4) B" if offloaded else "none",
         ),
         MemoryPart(
             MemoryPartKind.HOST_ARENA,
             host,
-            n * layers * host_blocks * block if offloaded else 0,
+            sizes.arena_bytes(host_blocks) if offloaded else 0,
             f"{n} req × {layers} layers × {host_blocks} blocks × {block} B"
             if offloaded
             else "none",
@@ -333,14 +401,19 @@ def _check_int_at_least(name: str, value: int, minimum: int = 1) -> None:
         raise CapacityError(msg)
 
 
-def hot_cache_slots(block_topk: int, hot_slots: int | None = None) -> int:
-    """Hot-cache block slots per (request, QSA layer).
+def hot_cache_slots(
+    block_topk: int, hot_slots: int | None = None, *, context_len: int | None = None
+) -> int:
+    """Hot-cache block slots per (request, QSA layer), as the offload allocates them.
 
-    ``hot_slots``, by default :data:`HOT_SLOTS_PER_TOPK` × ``block_topk``.
+    ``hot_slots``, by default :data:`HOT_SLOTS_PER_TOPK` × ``block_topk``; with
+    ``context_len``, no more than a context's 4-token blocks (a hot cache never holds more) but
+    never fewer than ``block_topk`` (one step's selection).
 
     Raises:
-        CapacityError: ``block_topk`` is not a positive int, or ``hot_slots`` is not an int of at
-            least ``block_topk`` (one step's selection must fit).
+        CapacityError: ``block_topk`` is not a positive int, ``hot_slots`` is not an int of at
+            least ``block_topk`` (one step's selection must fit), or ``context_len`` is not a
+            positive int.
     """
     _check_int_at_least("block_topk", block_topk)
     slots = HOT_SLOTS_PER_TOPK * block_topk if hot_slots is None else hot_slots
@@ -350,7 +423,10 @@ def hot_cache_slots(block_topk: int, hot_slots: int | None = None) -> int:
             f"{block_topk!r} (one step's selection)"
         )
         raise CapacityError(msg)
-    return slots
+    if context_len is None:
+        return slots
+    _check_int_at_least("context_len", context_len)
+    return max(block_topk, min(slots, context_blocks(context_len)))
 
 
 def plan_capacity(
@@ -364,7 +440,6 @@ def plan_capacity(
     num_requests: int,
     index_dtype: KVDType = KVDType.BF16,
     hot_slots: int | None = None,
-    reserved_hot_slots: int = 64,
     state_slots: int | None = None,
     sharding_size: int = 1,
 ) -> CapacityPlan:
@@ -379,12 +454,12 @@ def plan_capacity(
         context_len: tokens per request.
         num_requests: requests to plan for.
         index_dtype: compressed index dtype (bf16 by default).
-        hot_slots: hot block slots per request per layer (default :func:`hot_cache_slots`).
-        reserved_hot_slots: extra hot slots per request per layer (default 64).
+        hot_slots: hot block slots per request per layer (default 4 × the block top-k); capped
+            as the offload caps it (:func:`hot_cache_slots` with ``context_len``).
         state_slots: recurrent-state slots (default: one per request; when given, the fit search
             uses ``max(state_slots, R)``).
-        sharding_size: TP ranks of one K/V head that share its offloaded K/V (the host arena
-            divides by it; :meth:`ShardPlacement.for_tp` rules).
+        sharding_size: TP ranks of one K/V head that share its K/V (the offloaded host arena
+            and the resident raw K/V divide by it; :meth:`ShardPlacement.for_tp` rules).
 
     Returns:
         The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.
@@ -400,7 +475,6 @@ def plan_capacity(
     _check_int_at_least("num_requests", num_requests, minimum=0)
     _check_int_at_least("gpu_budget_bytes", gpu_budget_bytes, minimum=0)
     _check_int_at_least("host_budget_bytes", host_budget_bytes, minimum=0)
-    _check_int_at_least("reserved_hot_slots", reserved_hot_slots, minimum=0)
     dtypes: tuple[tuple[str, object], ...] = (("kv_dtype", kv_dtype), ("index_dtype", index_dtype))
     for name, dtype in dtypes:
         if not isinstance(dtype, KVDType):
@@ -410,7 +484,7 @@ def plan_capacity(
                 "flag with KVDType.parse"
             )
             raise CapacityError(msg)
-    hot = hot_cache_slots(profile.block_topk, hot_slots)
+    hot = hot_cache_slots(profile.block_topk, hot_slots, context_len=context_len)
     if state_slots is not None:
         _check_int_at_least("state_slots", state_slots, minimum=0)
     profile.kv_heads_per_rank(tp_size)
@@ -425,7 +499,6 @@ def plan_capacity(
             context_len=context_len,
             num_requests=n,
             hot_slots=hot,
-            reserved_hot_slots=reserved_hot_slots,
             state_slots=slots,
             offloaded=offloaded,
             sharding_size=sharding_size,
@@ -457,7 +530,6 @@ def plan_capacity(
         context_len=context_len,
         num_requests=num_requests,
         hot_slots=hot,
-        reserved_hot_slots=reserved_hot_slots,
         state_slots=state_slots,
         offloaded=layout(num_requests, True, slots),
         resident=layout(num_requests, False, slots),

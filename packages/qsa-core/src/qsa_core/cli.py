@@ -118,7 +118,6 @@ def build_parser(prog: str = "qsa-plan") -> argparse.ArgumentParser:
     plan.add_argument(
         "--hot-slots", type=int, default=None, help="hot blocks per layer and request (None: auto)"
     )
-    plan.add_argument("--reserved-hot-slots", type=int, default=64, help="extra hot slots")
     plan.add_argument(
         "--state-slots", type=int, default=None, help="recurrent-state slots (None: auto)"
     )
@@ -157,7 +156,6 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "qsa-plan") -> int:
             context_len=args.context_len,
             num_requests=args.requests,
             hot_slots=args.hot_slots,
-            reserved_hot_slots=args.reserved_hot_slots,
             state_slots=args.state_slots,
         )
     except (QSAConfigError, CapacityError, JSONFileError) as exc:

@@ -200,11 +200,10 @@ class OffloadRuntime:
         """Device bytes a runtime of ``geometry`` allocates once (staging, hot caches, tails).
 
         The staging area holds one prompt of every layer; with ``verify``, the resident copy of
-        every row too (the arena's size, on the device).
+        every row too (the arena's size, on the device):
+        :meth:`qsa_core.OffloadSizes.fixed_device_bytes`.
         """
-        staging = geometry.store_layers * geometry.max_blocks * geometry.record_bytes
-        resident = geometry.host_bytes if verify else 0
-        return staging + resident + geometry.device_bytes
+        return geometry.sizes.fixed_device_bytes(verify=verify)
 
     @property
     def host_arena_bytes(self) -> int:

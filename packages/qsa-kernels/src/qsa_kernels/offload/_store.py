@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from qsa_core import OffloadSizes
 from qsa_kernels._checks import KV_DTYPES
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS
@@ -130,6 +131,25 @@ class OffloadGeometry:
             raise KernelInputError(msg)
 
     @property
+    def sizes(self) -> OffloadSizes:
+        """The same sizes for qsa-core's arithmetic (:class:`qsa_core.OffloadSizes`).
+
+        Every byte count below is computed there, once: the engine's pool sizing and the
+        capacity plan read the same figures.
+        """
+        return OffloadSizes(
+            layers=self.layers,
+            rows=self.rows,
+            hot_slots=self.hot_slots,
+            max_blocks=self.max_blocks,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            element_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            per_head=self.per_head,
+            block_tokens=BLOCK_TOKENS,
+        )
+
+    @property
     def max_tokens(self) -> int:
         """Tokens one row can hold (``NB × 4``)."""
         return self.max_blocks * BLOCK_TOKENS
@@ -142,7 +162,7 @@ class OffloadGeometry:
     @property
     def store_layers(self) -> int:
         """Record layers ``Ls`` of the arena, hot caches and tails: ``L``, or ``L × Hkv``."""
-        return self.layers * self.kv_heads // self.record_heads
+        return self.sizes.store_layers
 
     @property
     def record_shape(self) -> tuple[int, int, int, int]:
@@ -152,8 +172,7 @@ class OffloadGeometry:
     @property
     def record_bytes(self) -> int:
         """Bytes of one record (one block of one record layer, K and V)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * BLOCK_TOKENS * self.record_heads * self.head_dim * element
+        return self.sizes.record_bytes
 
     @property
     def host_bytes(self) -> int:
@@ -172,19 +191,17 @@ class OffloadGeometry:
 
     def arena_bytes(self, shard: ShardGroup | None = None) -> int:
         """Bytes of one rank's host arena: ``R × Ls ×`` :meth:`arena_blocks` records."""
-        return self.rows * self.store_layers * self.arena_blocks(shard) * self.record_bytes
+        return self.sizes.arena_bytes(self.arena_blocks(shard))
 
     @property
     def device_bytes(self) -> int:
         """Device bytes :class:`OffloadedKV` allocates: hot caches, tails and residency tables.
 
         ``Ls × R × (S + 1)`` records, plus ``Ls × R × S`` int32 block ids and int64 stamps and
-        ``Ls × R × NB`` int32 slots (a bound: a shard's slot maps cover its own blocks).
+        ``Ls × R × NB`` int32 slots (a bound: a shard's slot maps cover its own blocks)
+        (:attr:`qsa_core.OffloadSizes.device_bytes`).
         """
-        caches = self.store_layers * self.rows * (self.hot_slots + 1) * self.record_bytes
-        per_slot = 4 + 8  # an int32 block id and an int64 stamp
-        tables = self.store_layers * self.rows * (self.hot_slots * per_slot + self.max_blocks * 4)
-        return caches + tables
+        return self.sizes.device_bytes
 
 
 @dataclass(frozen=True, slots=True)

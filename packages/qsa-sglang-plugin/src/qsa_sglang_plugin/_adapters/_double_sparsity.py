@@ -21,7 +21,7 @@ sparsity's decode steps over the pool's token slots). SGLang's calls map onto th
 
 The label cache (``[L, N, Hkv, C]`` over the pool's ``N`` slots) costs ``L * Hkv * C`` 16-bit
 values per token slot (``C / (2 D)`` of the K/V bytes, 12.5 % at 32 of 128 channels):
-:func:`price_label_cache` adds them to the price of a token in SGLang's pool sizing.
+:func:`._pool_sizing.price_label_cache` adds them to the price of a token in SGLang's pool sizing.
 
 **DS-Offload** (``SGLANG_QSA_DS_OFFLOAD=1``): the K/V history lives in pinned host memory through
 ``p2-offload``'s :class:`qsa_kernels.offload.OffloadRuntime` and lifecycle (the ``qsa_hisparse``
@@ -43,12 +43,11 @@ from typing import Any
 
 import torch
 
+import qsa_core
 from qsa_kernels.double_sparsity import DecodePath, DSCounts, DSDecodeRuntime, StepKind, StepMode
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
 from qsa_sglang_plugin._adapters._offload import (
-    arena_rows,
-    ds_offload_geometry,
     plan_decode,
     runtime_of,
     stage_chunk,
@@ -65,7 +64,6 @@ __all__ = (
     "create_backend",
     "label_bytes_per_token",
     "label_dtype",
-    "price_label_cache",
 )
 
 logger = logging.getLogger(__name__)
@@ -85,51 +83,8 @@ def label_bytes_per_token(
     layers: int, kv_heads: int, switches: DoubleSparsitySwitches, kv_dtype: torch.dtype
 ) -> int:
     """GPU bytes of one token slot's label rows: ``layers x kv_heads x C`` label values."""
-    return layers * kv_heads * switches.heavy_channel_num * label_dtype(kv_dtype).itemsize
-
-
-def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitches) -> None:
-    """Price a token slot in SGLang's pool sizing (``DefaultPoolConfigurator``).
-
-    Its label rows beside its K/V; with DS-Offload its label rows alone, and the offload's device
-    buffers (staging, hot caches, tails, tables) as fixed overhead.
-    """
-    from sglang.srt.runtime_context import get_parallel
-
-    model_config = kvc.model_config
-    text_config = model_config.hf_text_config.to_dict()
-    layers, _, _, _ = ds_geometry(text_config)
-    kv_heads = int(model_config.get_num_kv_heads(get_parallel().attn_tp_size))  # this rank's
-    labels = label_bytes_per_token(layers, kv_heads, switches, kvc.kv_cache_dtype)
-    kv = int(configurator._cell_size)
-    if not switches.offload:
-        configurator._cell_size = kv + labels
-        logger.info(
-            "qsa_ds: pool sizing charges %d B per token (%d B of K/V and %d B of labels)",
-            kv + labels,
-            kv,
-            labels,
-        )
-        return
-    geometry = ds_offload_geometry(
-        text_config,
-        switches,
-        rows=arena_rows(kvc),
-        context_len=int(model_config.context_len),
-        kv_heads=kv_heads,
-        dtype=kvc.kv_cache_dtype,
-    )
-    fixed = OffloadRuntime.fixed_device_bytes(geometry, verify=current_switches().verify_offload)
-    configurator._cell_size = labels
-    configurator._fixed_overhead_bytes += fixed
-    logger.info(
-        "qsa_ds: DS-Offload: pool sizing charges %d B per token of labels (was %d B of K/V and "
-        "%d B of labels) plus %.1f MiB fixed (staging, hot caches, tails, tables)",
-        labels,
-        kv,
-        labels,
-        fixed / (1 << 20),
-    )
+    element = label_dtype(kv_dtype).itemsize
+    return qsa_core.label_bytes_per_token(layers, kv_heads, switches.heavy_channel_num, element)
 
 
 def create_backend(runner: Any) -> Any:

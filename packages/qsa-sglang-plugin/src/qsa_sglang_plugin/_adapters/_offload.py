@@ -12,10 +12,9 @@ decode step, rows; engine-neutral). This module translates SGLang's objects to i
   through :meth:`OffloadRuntime.decode_layer`;
 - the ``qsa_hisparse`` tree cache (:mod:`._lifecycle`), which binds a request's ``req_pool_idx``
   to its lease row (:meth:`OffloadRuntime.bind`) and releases the row when SGLang frees it;
-- pool sizing (:func:`price_offloaded_pool`, the AFTER hook on ``DefaultPoolConfigurator``): a
-  token costs its compressed index alone, the runtime's staging, hot caches, tails and tables
-  are fixed overhead (:meth:`OffloadRuntime.fixed_device_bytes`), and SGLang's full-KV pool is a
-  one-page stub (:mod:`._kv_pool`);
+- the geometry pool sizing prices (:func:`offload_geometry`, :func:`qsa_hot_slots`,
+  :func:`ds_offload_geometry`; the pricing itself is :mod:`._pool_sizing`'s), and SGLang's
+  full-KV pool is a one-page stub (:mod:`._kv_pool`);
 - the runtime's construction from the model runner (:func:`runtime_of`): its geometry from the
   model and pools, its shard group under ``SGLANG_QSA_CACHE_SHARDING=N`` (the TP ranks holding
   copies of one K/V head, :func:`._qsa_common.shard_group`), the query-head layout under
@@ -47,7 +46,7 @@ from typing import Any
 
 import torch
 
-from qsa_core import format_bytes, hot_cache_slots
+from qsa_core import CapacityError, ds_offload_sizes, format_bytes, hot_cache_slots
 from qsa_kernels import BLOCK_TOKENS, KernelInputError
 from qsa_kernels.offload import OffloadCounts, OffloadedKV, OffloadGeometry, OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
@@ -67,7 +66,7 @@ __all__ = (
     "ds_offload_geometry",
     "offload_geometry",
     "plan_decode",
-    "price_offloaded_pool",
+    "qsa_hot_slots",
     "runtime_of",
     "stage_chunk",
 )
@@ -177,15 +176,14 @@ def _blocks(tokens: int) -> int:
     return math.ceil(tokens / BLOCK_TOKENS)
 
 
-def _qsa_hot_slots(block_topk: int, context_len: int) -> int:
+def qsa_hot_slots(block_topk: int, context_len: int) -> int:
     """Hot-cache slots per (request, QSA layer).
 
-    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` or qsa-core's default (:func:`qsa_core.hot_cache_slots`),
-    but no more than a context's blocks (never fewer than one step's selection). Start-up has
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` or qsa-core's default, no more than a context's blocks
+    and never fewer than one step's selection (:func:`qsa_core.hot_cache_slots`). Start-up has
     checked the switch against ``block_topk``.
     """
-    slots = hot_cache_slots(block_topk, current_switches().hot_blocks)
-    return max(block_topk, min(slots, _blocks(context_len)))
+    return hot_cache_slots(block_topk, current_switches().hot_blocks, context_len=context_len)
 
 
 def arena_rows(kvc: Any) -> int:
@@ -264,7 +262,7 @@ def _qsa_layout(runner: Any) -> OffloadLayout:
         layers=len(layer_ordinal),
         rows=int(runner.req_to_token_pool.size),
         context_len=int(runner.model_config.context_len),
-        hot_slots=_qsa_hot_slots(int(profile.block_topk), int(runner.model_config.context_len)),
+        hot_slots=qsa_hot_slots(int(profile.block_topk), int(runner.model_config.context_len)),
         kv_heads=int(full.head_num),
         head_dim=int(full.head_dim),
         dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
@@ -285,15 +283,29 @@ def ds_offload_geometry(
 
     Every attention layer, one record per (block, KV head), so a head's chosen token moves only
     that head's bytes, and per-head hot caches that hold the blocks one step may read
-    (:meth:`DSConfig.hot_blocks`, at most a whole context).
+    (:meth:`DSConfig.hot_blocks`, at most a whole context: :func:`qsa_core.ds_offload_sizes`).
+
+    Raises:
+        ConfigurationError: the library refuses a size (naming it).
     """
     layers, _, _, head_dim = ds_geometry(text_config)
-    hot = min(ds_config(switches).hot_blocks(), _blocks(context_len))
+    try:
+        sizes = ds_offload_sizes(
+            layers=layers,
+            rows=rows,
+            context_len=context_len,
+            hot_blocks=ds_config(switches).hot_blocks(),
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            element_bytes=torch.empty((), dtype=dtype).element_size(),
+        )
+    except CapacityError as exc:
+        raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
     return offload_geometry(
         layers=layers,
         rows=rows,
         context_len=context_len,
-        hot_slots=hot,
+        hot_slots=sizes.hot_slots,
         kv_heads=kv_heads,
         head_dim=head_dim,
         dtype=dtype,
@@ -395,43 +407,3 @@ def runtime_of(runner: Any) -> OffloadRuntime:
     if runtime is None:
         runtime = runner.qsa_offload_runtime = _build_runtime(runner)
     return runtime
-
-
-def price_offloaded_pool(configurator: Any, kvc: Any) -> None:
-    """Price SGLang's pools with p2-offload (``DefaultPoolConfigurator`` just built them).
-
-    With a QSA model, a token costs only its compressed index (``_compute_qsa_cell_size``);
-    staging, hot caches, tails and tables are fixed overhead.
-    """
-    from sglang.srt.configs.hybrid_arch import mambaish_config
-    from sglang.srt.runtime_context import get_parallel
-
-    model_config = kvc.model_config
-    hybrid = mambaish_config(model_config)
-    if hybrid is None:
-        return
-    layers = len(hybrid.full_attention_layer_ids)
-    profile = qsa_profile_of(model_config)
-    geometry = offload_geometry(
-        layers=layers,
-        rows=arena_rows(kvc),
-        context_len=int(model_config.context_len),
-        hot_slots=_qsa_hot_slots(int(profile.block_topk), int(model_config.context_len)),
-        kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),
-        head_dim=int(model_config.head_dim),
-        dtype=kvc.kv_cache_dtype,
-    )
-    resident = int(configurator._cell_size)
-    index_only = int(
-        configurator._compute_qsa_cell_size(hf_config=model_config.hf_config, num_layers=layers)
-    )
-    fixed = OffloadRuntime.fixed_device_bytes(geometry, verify=_verification_requested())
-    configurator._cell_size = index_only
-    configurator._fixed_overhead_bytes += fixed
-    logger.info(
-        "offload: pool sizing charges %d B per token (was %d B with the QSA layers' K/V) plus "
-        "%s fixed (staging, hot caches, tails, tables)",
-        index_only,
-        resident,
-        format_bytes(fixed),
-    )

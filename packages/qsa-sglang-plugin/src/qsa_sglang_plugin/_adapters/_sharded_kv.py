@@ -54,7 +54,6 @@ from qsa_sglang_plugin._switches import current_switches
 __all__ = (
     "attend_extend",
     "attend_extend_cp",
-    "price_sharded_pool",
     "sharded_store_of",
 )
 
@@ -272,47 +271,3 @@ def sharded_store_of(runner: Any) -> ShardedKVStore:
     if store is None:
         store = runner.qsa_sharded_kv = _build_store(runner)
     return store
-
-
-def price_sharded_pool(configurator: Any, kvc: Any) -> None:
-    """Price SGLang's pools with resident cache sharding (``DefaultPoolConfigurator`` built them).
-
-    A token costs its compressed index and ``1 / N`` of its raw K/V; the transport buffers are
-    fixed overhead.
-    """
-    from sglang.srt.configs.hybrid_arch import mambaish_config
-    from sglang.srt.runtime_context import get_parallel
-
-    model_config = kvc.model_config
-    hybrid = mambaish_config(model_config)
-    if hybrid is None:
-        return
-    sharding = current_switches().cache_sharding
-    layers = len(hybrid.full_attention_layer_ids)
-    resident = int(configurator._cell_size)
-    index_only = int(
-        configurator._compute_qsa_cell_size(hf_config=model_config.hf_config, num_layers=layers)
-    )
-    raw = resident - index_only
-    cell = index_only + -(-raw // sharding)
-    rows = kvc.server_args.max_running_requests
-    fixed = ShardedKVStore.transport_bytes(
-        world_size=sharding,
-        max_rows=int(rows) if rows is not None else 1,
-        block_topk=int(qsa_profile_of(model_config).block_topk),
-        q_heads=int(model_config.get_num_attention_heads(get_parallel().attn_tp_size)),
-        head_dim=int(model_config.head_dim),
-        layout=group_head_layout(),
-    )
-    configurator._cell_size = cell
-    configurator._fixed_overhead_bytes += fixed
-    logger.info(
-        "cache sharding: pool sizing charges %d B per token (was %d B: %d B of raw K/V over %d "
-        "ranks, %d B of index and state) plus %s of transport buffers",
-        cell,
-        resident,
-        raw,
-        sharding,
-        index_only,
-        format_bytes(fixed),
-    )

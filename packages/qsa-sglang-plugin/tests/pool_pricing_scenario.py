@@ -1,0 +1,180 @@
+"""SGLang's real pool configurator, repriced by the plugin's hook, beside qsa-core's figures.
+
+Usage: ``python pool_pricing_scenario.py <directory>``. Runs in a fresh process (it publishes
+SGLang's process-wide runtime context): for each feature it resolves a real ``ServerArgs`` on CPU,
+builds SGLang's ``ModelConfig``, ``KVCacheConfigurator`` and ``DefaultPoolConfigurator`` as a
+model runner does, runs the plugin's AFTER hook on the configurator, and reports the price SGLang
+will size its pools by next to what the capacity plan (QSA) or the doctor and qsa-core
+(double sparsity) say for the same flags. The last stdout line is a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+CHANNELS = Path(__file__).with_name("data") / "tiny-llama-channels.json"
+#: The double-sparsity switches of the engine tests (8 heavy channels of 16, 64 heavy tokens).
+DS_SWITCHES = {
+    "SGLANG_QSA_DS_CHANNEL_CONFIG": str(CHANNELS),
+    "SGLANG_QSA_DS_HEAVY_CHANNELS": "8",
+    "SGLANG_QSA_DS_HEAVY_TOKENS": "64",
+    "SGLANG_QSA_DS_THRESHOLD": "1024",
+}
+ROWS, CONTEXT = 4, 4096
+SIZING = ["--max-running-requests", str(ROWS), "--context-length", str(CONTEXT)]
+
+
+def _priced(model_dir: Path, switches: dict[str, str], *flags: str) -> dict[str, Any]:
+    """Build SGLang's configurator for ``flags``; price it with the plugin under ``switches``."""
+    import torch
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
+        SpecAuxHiddenStateConfig,
+    )
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from qsa_sglang_plugin._adapters._namespace import resolved_args
+    from qsa_sglang_plugin._adapters._pool_sizing import after_pool_configurator_init
+    from qsa_sglang_plugin._switches import current_switches
+
+    for name in [n for n in os.environ if n.startswith("SGLANG_QSA_")]:
+        del os.environ[name]
+    os.environ.update(switches)
+    current_switches.cache_clear()
+    args = ["--model-path", str(model_dir), "--device", "cpu", "--disable-radix-cache", *flags]
+    server_args = prepare_server_args(args)
+    server_args.resolve_once()
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    model_config = ModelConfig.from_server_args(server_args)
+    layers = int(model_config.num_hidden_layers)
+    kvc = KVCacheConfigurator(
+        device="cpu",
+        gpu_id=0,
+        attn_dp_size=1,
+        pp_size=1,
+        pp_group=None,
+        model=None,
+        model_config=model_config,
+        server_args=server_args,
+        kv_cache_dtype=torch.bfloat16,
+        kv_cache_dtype_str="auto",
+        model_dtype=torch.bfloat16,
+        page_size=int(resolved_args(server_args).page_size or 1),
+        sliding_window_size=None,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+        is_draft_worker=False,
+        post_capture_kv_active=False,
+        spec_aux_config=SpecAuxHiddenStateConfig(),
+        is_hybrid_swa=False,
+        is_hybrid_swa_compress=False,
+        use_mla_backend=False,
+        layer_info=ModelLayerInfo(start_layer=0, end_layer=layers, num_effective_layers=layers),
+        forward_stream=None,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+        memory_pool_config=None,
+    )
+    configurator = DefaultPoolConfigurator(kvc)
+    before = (int(configurator._cell_size), int(configurator._fixed_overhead_bytes))
+    after_pool_configurator_init(None, configurator, kvc)
+    return {
+        "server_args": server_args,
+        "sglang_token_bytes": before[0],
+        "token_bytes": int(configurator._cell_size),
+        "fixed_bytes": int(configurator._fixed_overhead_bytes) - before[1],
+    }
+
+
+def _plan(priced: dict[str, Any], text_config: Any, sharding: int = 1) -> dict[str, int]:
+    from qsa_core import MemoryPartKind
+    from qsa_sglang_plugin import capacity_plan_from_sglang
+
+    plan = capacity_plan_from_sglang(
+        priced["server_args"], text_config, 1 << 40, 1 << 40, sharding_size=sharding
+    )
+    fixed_parts = (
+        MemoryPartKind.PREFILL_AREA,
+        MemoryPartKind.HOT_CACHE,
+        MemoryPartKind.RESIDENCY_TABLES,
+    )
+    return {
+        "offloaded_token_bytes": plan.index_bytes_per_token,
+        "resident_token_bytes": plan.resident_token_bytes,
+        "offloaded_fixed_bytes": sum(plan.offloaded.part(k).nbytes for k in fixed_parts),
+    }
+
+
+def _doctor_labels(model_dir: Path, switches: dict[str, str]) -> dict[str, int]:
+    """The label and K/V bytes per token the doctor's double-sparsity line prints."""
+    from qsa_sglang_plugin._switches import parse_switches
+    from qsa_sglang_plugin.doctor import _check_double_sparsity
+
+    check = _check_double_sparsity(parse_switches(switches), str(model_dir))
+    assert check is not None
+    found = re.search(r"labels add (\d+) B per token to (\d+) B", check.detail)
+    assert found is not None, check.detail
+    return {"labels": int(found.group(1)), "kv": int(found.group(2))}
+
+
+def main(directory: str) -> dict[str, Any]:
+    """Every feature's price beside the figures printed for it."""
+    from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, install_from_environment
+
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
+    install_from_environment()
+    from qsa_core import ds_offload_sizes
+    from qsa_testing import tiny_llama, tiny_qwen4_exp
+
+    qwen, llama = tiny_qwen4_exp(), tiny_llama()
+    qwen_dir, llama_dir = qwen.write(Path(directory)), llama.write(Path(directory))
+    report: dict[str, Any] = {}
+
+    compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
+    offload = _priced(qwen_dir, {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}, *SIZING)
+    report["p2-offload"] = {**_plan(offload, qwen.text_config), **offload}
+
+    # Two K/V heads on four TP ranks: each head's two copies form a shard group.
+    sharding = {**compat, "SGLANG_QSA_CACHE_SHARDING": "2"}
+    sharded = _priced(qwen_dir, sharding, "--tp-size", "4", *SIZING)
+    report["resident sharding"] = {**_plan(sharded, qwen.text_config, sharding=2), **sharded}
+
+    ds = _priced(llama_dir, DS_SWITCHES, *SIZING)
+    report["double sparsity"] = {**_doctor_labels(llama_dir, DS_SWITCHES), **ds}
+
+    ds_offload_switches = {**DS_SWITCHES, "SGLANG_QSA_DS_OFFLOAD": "1"}
+    ds_offload = _priced(llama_dir, ds_offload_switches, *SIZING)
+    text = llama.text_config
+    heavy, threshold = 64, 1024
+    sizes = ds_offload_sizes(
+        layers=int(text["num_hidden_layers"]),
+        rows=ROWS,
+        context_len=CONTEXT,
+        # DSConfig.hot_blocks: a dense row's context or a sparse row's heavy tokens, in blocks.
+        hot_blocks=max(heavy, max(threshold - 1, heavy) // 4),
+        kv_heads=int(text["num_key_value_heads"]),
+        head_dim=int(text["head_dim"]),
+        element_bytes=2,
+    )
+    report["DS-Offload"] = {
+        **_doctor_labels(llama_dir, ds_offload_switches),
+        "offload_fixed_bytes": sizes.fixed_device_bytes(),
+        **ds_offload,
+    }
+    for case in report.values():
+        del case["server_args"]
+    return report
+
+
+if __name__ == "__main__":
+    sys.stdout.write(json.dumps(main(sys.argv[1])) + "\n")
