@@ -10,8 +10,8 @@ decode step, rows; engine-neutral). This module translates SGLang's objects to i
   step is planned from the ``ForwardBatch`` (:func:`plan_decode`, outside the captured graph
   under decode CUDA graphs, SGLang's padding rows becoming free rows) and each QSA layer decodes
   through :meth:`OffloadRuntime.decode_layer`;
-- the ``qsa_hisparse`` tree cache (:mod:`._lifecycle`), which binds a request's ``req_pool_idx``
-  to its lease row (:meth:`OffloadRuntime.bind`) and releases the row when SGLang frees it;
+- the ``qsa_hisparse`` tree cache (:mod:`._lifecycle`), which admits a request's lease with its
+  ``req_pool_idx`` (:meth:`OffloadRuntime.admit`) and releases it when SGLang frees the row;
 - the geometry pool sizing prices (:func:`offload_geometry`, :func:`qsa_hot_slots`,
   :func:`ds_offload_geometry`; the pricing itself is :mod:`._pool_sizing`'s), and SGLang's
   full-KV pool is a one-page stub (:mod:`._kv_pool`);
