@@ -26,7 +26,7 @@ from qsa_kernels.double_sparsity import (
     ds_positions,
     ds_positions_fixed,
 )
-from qsa_kernels.offload import OffloadedKV, OffloadGeometry, OffloadRuntime
+from qsa_kernels.offload import OffloadGeometry, OffloadRuntime, PerHeadOffloadedKV
 
 HQ, HKV, D, C = 4, 2, 16, 4
 LAYERS = 2
@@ -221,7 +221,7 @@ def _offloads(pool: _Pool) -> list[OffloadRuntime]:
     )
     offloads = []
     for _ in range(2):
-        kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+        kv = PerHeadOffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
         offload = OffloadRuntime(kv, {layer: layer for layer in range(LAYERS)}, None)
         for row, n in enumerate(pool.lengths):
             assert offload.admit(f"r{row}", row + 1).slot == row

@@ -20,6 +20,7 @@ from qsa_kernels.offload import (
     OffloadGeometry,
     OffloadRuntime,
     OffloadStateError,
+    PerHeadOffloadedKV,
     RowState,
 )
 
@@ -340,7 +341,7 @@ def test_a_hand_off_of_a_prompt_that_is_not_staged_is_refused() -> None:
 
 def test_a_runtime_that_chooses_tokens_refuses_block_ids_before_writing_the_token() -> None:
     geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, 64, 1, D, torch.bfloat16, per_head=True)
-    kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    kv = PerHeadOffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
     runtime = OffloadRuntime(kv, LAYER_IDS, None)
     runtime.admit("r0", SLOT)
     new = torch.ones(PREFIX, D, dtype=torch.bfloat16)
@@ -361,7 +362,8 @@ def test_the_fixed_device_bytes_are_what_a_runtime_allocates(per_head: bool) -> 
     """Staging, hot caches, tails and tables: the figure pool sizing charges (qsa-core's
     ``OffloadSizes``) equals the bytes of the runtime's and its store's device tensors."""
     geometry = OffloadGeometry(2, 3, 5, 7, 2, D, torch.bfloat16, per_head=per_head)
-    kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    store = PerHeadOffloadedKV if per_head else OffloadedKV
+    kv = store(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
     runtime = OffloadRuntime(kv, LAYER_IDS, None)
     tables = kv.tables
     tensors = (
@@ -378,3 +380,20 @@ def test_the_fixed_device_bytes_are_what_a_runtime_allocates(per_head: bool) -> 
     assert OffloadRuntime.fixed_device_bytes(geometry, verify=True) == (
         allocated + geometry.host_bytes
     )
+
+
+def test_a_runtime_that_reads_blocks_refuses_chosen_tokens_before_writing_the_token() -> None:
+    """decode_tokens on a store of every head's records is refused, naming why, and the step's
+    token stays unwritten."""
+    runtime = _runtime()
+    new = torch.ones(PREFIX, D, dtype=torch.bfloat16)
+    for layer_id in LAYER_IDS:
+        runtime.stage(layer_id, new, new, slot=SLOT, start=0, end=PREFIX)
+    runtime.plan_decode([SLOT], [PREFIX + 1])
+    token = torch.full((1, D), 5.0, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4 * D, dtype=torch.bfloat16)
+    positions = torch.zeros((1, 1, 4), dtype=torch.int32)
+    with pytest.raises(OffloadStateError, match="decode_tokens takes tokens chosen per KV head"):
+        runtime.decode_tokens(3, q, token, token, positions, SCALE)
+    assert int(runtime.kv.step_lengths[0]) == PREFIX + 1  # the plan stands
+    assert not bool(runtime.kv.tail.eq(5.0).any())  # the new token was not written

@@ -1,4 +1,4 @@
-"""OffloadedKV's own contract: where appended tokens land, and bad calls that change nothing."""
+"""The stores' own contract: where appended tokens land, and bad calls that change nothing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from qsa_kernels import KernelPath
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.offload import OffloadedKV, OffloadGeometry, RowState
+from qsa_kernels.offload import OffloadedKV, OffloadGeometry, PerHeadOffloadedKV, RowState
 
 _L, _ROWS, _HKV, _D = 2, 3, 1, 16
 
@@ -329,7 +329,7 @@ def test_attend_tokens_reads_each_heads_own_tokens_from_hot_cache_and_tail(
     chosen tokens."""
     hkv, d, hq = 2, 16, 4
     geometry = OffloadGeometry(_L, 4, 6, 8, hkv, d, torch.bfloat16, per_head=True)
-    store = OffloadedKV(geometry, torch.device(kernel_device), path=path)
+    store = PerHeadOffloadedKV(geometry, torch.device(kernel_device), path=path)
     g = torch.Generator().manual_seed(5)
     history = {2: 13, 0: 6}  # row -> prompt tokens; 13 + 1 closes no block, 6 + 1 neither
     keys, values = {}, {}
@@ -380,7 +380,7 @@ def test_attend_tokens_reads_each_heads_own_tokens_from_hot_cache_and_tail(
 def test_token_blocks_refuses_more_blocks_than_a_hot_cache_holds() -> None:
     """A head whose tokens span more closed blocks than hot_slots is refused, naming both."""
     geometry = OffloadGeometry(1, 1, 2, 8, 1, 16, torch.bfloat16, per_head=True)
-    store = OffloadedKV(geometry, torch.device("cpu"))
+    store = PerHeadOffloadedKV(geometry, torch.device("cpu"))
     store.admit(0, torch.zeros(1, 20, 1, 16).bfloat16(), torch.zeros(1, 20, 1, 16).bfloat16())
     store.advance([0])
     two = torch.tensor([[[0, 1, 4, 5]]], dtype=torch.int32)  # 4 tokens of 2 blocks: they fit
@@ -390,24 +390,20 @@ def test_token_blocks_refuses_more_blocks_than_a_hot_cache_holds() -> None:
         store.token_blocks([0], positions)
 
 
-def test_token_reads_need_per_head_records_and_block_reads_refuse_them() -> None:
-    """Token lists per head need per-head records; whole-block attention refuses them."""
-    every_head = OffloadedKV(
-        OffloadGeometry(1, 1, 2, 8, 2, 16, torch.bfloat16), torch.device("cpu")
-    )
-    every_head.admit(0, torch.zeros(1, 9, 2, 16).bfloat16(), torch.zeros(1, 9, 2, 16).bfloat16())
-    every_head.advance([0])
-    with pytest.raises(KernelInputError, match=r"token_blocks .*per_head=True"):
-        every_head.token_blocks([0], torch.zeros(1, 2, 1, dtype=torch.int32))
-    geometry = OffloadGeometry(1, 1, 2, 8, 2, 16, torch.bfloat16, per_head=True)
-    per_head = OffloadedKV(geometry, torch.device("cpu"))
-    per_head.admit(0, torch.zeros(1, 9, 2, 16).bfloat16(), torch.zeros(1, 9, 2, 16).bfloat16())
-    per_head.begin_step()
-    per_head.advance([0])
-    with pytest.raises(KernelInputError, match="attend takes blocks for every KV head"):
-        per_head.attend(0, [0], torch.zeros(1, 2, 16).bfloat16(), torch.zeros(1, 1).int())
-    with pytest.raises(KernelInputError, match="one per head"):
-        per_head.export_prefix(0, 1)
+def test_each_record_layout_has_its_own_store_and_refuses_the_other_geometry() -> None:
+    """Token lists per head are the per-head store's, whole blocks and prefixes the all-head
+    store's: neither class has the other's calls, and each refuses the other's geometry by its
+    ``per_head`` value."""
+    every_head = OffloadGeometry(1, 1, 2, 8, 2, 16, torch.bfloat16)
+    per_head = OffloadGeometry(1, 1, 2, 8, 2, 16, torch.bfloat16, per_head=True)
+    with pytest.raises(KernelInputError, match=r"per_head=True .*PerHeadOffloadedKV"):
+        OffloadedKV(per_head, torch.device("cpu"))
+    with pytest.raises(KernelInputError, match=r"per_head=False"):
+        PerHeadOffloadedKV(every_head, torch.device("cpu"))
+    for call in ("token_blocks", "attend_tokens"):
+        assert not hasattr(OffloadedKV, call), call
+    for call in ("attend", "export_prefix"):
+        assert not hasattr(PerHeadOffloadedKV, call), call
 
 
 def test_per_head_records_hold_each_heads_tokens_and_cost_the_same_bytes(
@@ -417,7 +413,9 @@ def test_per_head_records_hold_each_heads_tokens_and_cost_the_same_bytes(
     a prompt and decode steps that close a block; the arena's bytes equal the all-heads store's."""
     hkv = 3
     shape = (_L, _ROWS, 4, 4, hkv, _D, torch.bfloat16)
-    per_head = OffloadedKV(OffloadGeometry(*shape, per_head=True), torch.device(kernel_device))
+    per_head = PerHeadOffloadedKV(
+        OffloadGeometry(*shape, per_head=True), torch.device(kernel_device)
+    )
     every_head = OffloadedKV(OffloadGeometry(*shape), torch.device(kernel_device))
     assert per_head.geometry.host_bytes == every_head.geometry.host_bytes
     assert per_head.geometry.record_shape == (2, 4, 1, _D)

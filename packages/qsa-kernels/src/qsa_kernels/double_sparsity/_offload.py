@@ -1,16 +1,17 @@
 """DS-Offload: double sparsity over host-offloaded K/V.
 
-The full K/V history of every request row lives in the pinned host arena of an
-:class:`~qsa_kernels.offload.OffloadedKV`; only the label cache (``C`` of ``D`` channels of each
-key) and the per-row hot caches stay on the device. The store keeps one record per (block, KV
-head) (:attr:`OffloadGeometry.per_head`), so a head's choice moves only its own bytes. A decode
+The full K/V history of every request row lives in the pinned host arena of a
+:class:`~qsa_kernels.offload.PerHeadOffloadedKV`; only the label cache (``C`` of ``D`` channels of
+each key) and the per-row hot caches stay on the device. The store keeps one record per (block,
+KV head) (:attr:`OffloadGeometry.per_head`), so a head's choice moves only its own bytes. A decode
 step of one layer scores every token from the label cache, keeps the heavy tokens per KV head,
 fetches each head's 4-token blocks that hold them (one fetch for every head, through the fetch
 kernel and each head's hot-cache LRU), and attends only to the selected tokens: from the hot
 cache for closed blocks, from the open-block tail for the newest ``seq_len % 4`` tokens. The
 result equals resident double sparsity (:func:`ds_decode`).
-The data path is :meth:`OffloadedKV.token_blocks` and :meth:`OffloadedKV.attend_tokens`; this
-class adds the row-indexed label cache and the selection.
+The data path is :meth:`PerHeadOffloadedKV.token_blocks` and
+:meth:`PerHeadOffloadedKV.attend_tokens`; this class adds the row-indexed label cache and the
+selection.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from qsa_kernels._errors import KernelInputError
 from qsa_kernels.double_sparsity._config import DSConfig
 from qsa_kernels.double_sparsity._decode import DSDecodeOutput, ds_positions, ds_positions_fixed
 from qsa_kernels.double_sparsity._label_cache import LabelCache
-from qsa_kernels.offload import OffloadedKV, OffloadGeometry
+from qsa_kernels.offload import OffloadGeometry, PerHeadOffloadedKV
 
 __all__ = ("DSOffloadedKV",)
 
@@ -31,7 +32,7 @@ __all__ = ("DSOffloadedKV",)
 class DSOffloadedKV:
     """Double-sparsity K/V of one rank with the K/V history on the host.
 
-    Composes an :class:`~qsa_kernels.offload.OffloadedKV` of per-head records (``kv``: host
+    Composes a :class:`~qsa_kernels.offload.PerHeadOffloadedKV` (``kv``, per-head records: host
     arena ``[R, L Hkv, NB, 2, 4, 1, D]``, hot caches ``[L Hkv, R, S, 2, 4, 1, D]``, open-block
     tails) and a device :class:`LabelCache` (``labels``: ``[L, R * NB * 4, Hkv, C]``).
 
@@ -71,7 +72,7 @@ class DSOffloadedKV:
             )
             raise KernelInputError(msg)
         self.config = config
-        self.kv = OffloadedKV(geometry, device)
+        self.kv = PerHeadOffloadedKV(geometry, device)
         self.labels = LabelCache(
             channels,
             rows=geometry.rows,

@@ -1,11 +1,18 @@
-"""One rank's request offload: the store (host arena, hot caches, open-block tails) and its runtime.
+"""One rank's request offload: the planner, the stores (host arena, hot caches, tails), the runtime.
 
-:class:`OffloadedKV` composes the decode-path kernels (fetch, write-back, sparse decode, LSE
-merge) into the data path of one rank; :class:`OffloadRuntime` is what an engine's attention
-backend calls: request slots bound to rows, one prompt's staging, the hand-off, the planned
-decode step and its counters.
+The planner (host side: rows, their lengths, the planned decode step and its padding rows) and
+the stores (device side, one per record layout) split like a manager and its workers: the stores
+compose the decode-path kernels (fetch, write-back, sparse decode, LSE merge) into the data path
+of one rank. :class:`OffloadedKV` keeps one record per block of every KV head and attends QSA's
+block selection (under a shard group over the rank's own pages); :class:`PerHeadOffloadedKV`
+keeps one record per KV head and attends tokens chosen per head (double sparsity).
+:class:`OffloadRuntime` is what an engine's attention backend calls: request slots bound to rows,
+one prompt's staging, the hand-off, the planned decode step and its counters.
 """
 
+from qsa_kernels.offload._block_store import OffloadedKV
+from qsa_kernels.offload._head_store import PerHeadOffloadedKV
+from qsa_kernels.offload._plan import RowState
 from qsa_kernels.offload._runtime import (
     LOG_EVERY_STEPS,
     CopyFence,
@@ -13,7 +20,7 @@ from qsa_kernels.offload._runtime import (
     OffloadRuntime,
     OffloadStateError,
 )
-from qsa_kernels.offload._store import KVComparison, OffloadedKV, OffloadGeometry, RowState
+from qsa_kernels.offload._store import KVComparison, OffloadGeometry
 
 __all__ = (
     "LOG_EVERY_STEPS",
@@ -24,5 +31,6 @@ __all__ = (
     "OffloadRuntime",
     "OffloadStateError",
     "OffloadedKV",
+    "PerHeadOffloadedKV",
     "RowState",
 )

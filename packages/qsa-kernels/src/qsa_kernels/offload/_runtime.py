@@ -4,7 +4,8 @@
 engine. Each running request holds one lease of the runtime's :class:`qsa_core.LeaseTable`
 (:attr:`OffloadRuntime.leases`), acquired by the engine with its own index of the request (its
 *engine slot*, SGLang's ``req_pool_idx``); the lease's slot is the request's row of the store
-(:class:`OffloadedKV`). The lease is the request's one identity and its state is true:
+(:class:`OffloadedKV` or :class:`PerHeadOffloadedKV`). The lease is the request's one identity and
+its state is true:
 
 - **Prefill** (PREFILLING). Each chunk's K/V is written to one prompt's GPU staging area
   (:meth:`stage`), which the engine's prefill kernels read as the prompt's context. One prompt is
@@ -50,7 +51,10 @@ import torch
 from qsa_core import LeaseHandle, LeaseState, LeaseTable
 from qsa_kernels._errors import KernelInputError, QSAKernelError
 from qsa_kernels.expand import complete_blocks
-from qsa_kernels.offload._store import OffloadedKV, OffloadGeometry, RowState
+from qsa_kernels.offload._block_store import OffloadedKV
+from qsa_kernels.offload._head_store import PerHeadOffloadedKV
+from qsa_kernels.offload._plan import RowState
+from qsa_kernels.offload._store import OffloadGeometry
 from qsa_kernels.sharded import (
     HeadLayout,
     ShardedDecodeBuffers,
@@ -115,7 +119,8 @@ class OffloadRuntime:
     """The offloaded K/V of one rank and the leases of the requests whose rows it holds.
 
     Args:
-        kv: the rows, hot caches, tails and host arena.
+        kv: the rows, hot caches, tails and host arena: records of every KV head (QSA's
+            blocks), or per-head records (tokens chosen per KV head).
         layer_ordinal: the engine's layer id of each offloaded layer -> its index in ``kv``
             (``[0, L)``).
         block_topk: width of the QSA indexer's block selection (512 for Qwen3.8-Flash-Next);
@@ -137,7 +142,7 @@ class OffloadRuntime:
 
     def __init__(
         self,
-        kv: OffloadedKV,
+        kv: OffloadedKV | PerHeadOffloadedKV,
         layer_ordinal: Mapping[int, int],
         block_topk: int | None,
         *,
@@ -465,7 +470,7 @@ class OffloadRuntime:
         Returns:
             ``[B, Hq * D]`` attention output, in ``q``'s dtype.
         """
-        if self._block_topk is None:  # refused before the token is written
+        if self._block_topk is None or not isinstance(self.kv, OffloadedKV):  # before the token
             msg = "decode_layer takes a QSA indexer's blocks; this runtime chooses tokens"
             raise OffloadStateError(msg)
         ordinal = self._append(layer_id, k, v)
@@ -502,8 +507,8 @@ class OffloadRuntime:
 
         Double sparsity's form of :meth:`decode_layer`: the new token goes to the tail (a block it
         closes to the host arena), then each KV head attends the tokens it chose, whose blocks
-        are fetched into that head's hot cache (:meth:`OffloadedKV.token_blocks`; no host read
-        while the chosen lists fit a hot cache, or with ``checked=False``).
+        are fetched into that head's hot cache (:meth:`PerHeadOffloadedKV.token_blocks`; no host
+        read while the chosen lists fit a hot cache, or with ``checked=False``).
 
         Args:
             layer_id: the engine's layer id.
@@ -520,6 +525,9 @@ class OffloadRuntime:
         Returns:
             ``[B, Hq * D]`` attention output, in ``q``'s dtype.
         """
+        if not isinstance(self.kv, PerHeadOffloadedKV):  # refused before the token is written
+            msg = "decode_tokens takes tokens chosen per KV head; this runtime's store reads blocks"
+            raise OffloadStateError(msg)
         ordinal = self._append(layer_id, k, v)
         rows = self._rows
         try:

@@ -48,7 +48,13 @@ import torch
 
 from qsa_core import CapacityError, ds_offload_sizes, format_bytes, hot_cache_slots
 from qsa_kernels import BLOCK_TOKENS, KernelInputError
-from qsa_kernels.offload import OffloadCounts, OffloadedKV, OffloadGeometry, OffloadRuntime
+from qsa_kernels.offload import (
+    OffloadCounts,
+    OffloadedKV,
+    OffloadGeometry,
+    OffloadRuntime,
+    PerHeadOffloadedKV,
+)
 from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
 from qsa_sglang_plugin._adapters._qsa_common import (
     group_head_layout,
@@ -347,7 +353,12 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
             f"lower --max-running-requests={rows} or --context-length={context_len}"
         )
         raise ConfigurationError(msg)
-    kv = OffloadedKV(geometry, torch.device(runner.device), shard=shard)
+    device = torch.device(runner.device)
+    kv = (  # DS-Offload's per-head records take no shard group (its switches refuse one)
+        OffloadedKV(geometry, device, shard=shard)
+        if ds is None
+        else PerHeadOffloadedKV(geometry, device)
+    )
     verify = _verification_requested()
     parallel = get_parallel()
     metrics = _Metrics(int(parallel.tp_rank), int(kv.host_arena.nbytes))
