@@ -216,6 +216,49 @@ def test_an_aborted_request_drains_and_frees_its_row_in_any_state() -> None:
     assert (again.slot, runtime.leases.state(again)) == (ROW, LeaseState.PREFILLING)
 
 
+@pytest.mark.gpu
+def test_on_cuda_a_lease_is_copying_until_its_hand_off_copy_is_seen_complete() -> None:
+    """The prompt's copy runs on a side stream: the lease is COPYING_TO_HOST when the first step
+    is planned, and DECODING only at a plan after the copy completed; a release while it copies
+    waits for it, and the row's host bytes equal the prompt's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    device = torch.device("cuda")
+    geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, 64, 1, D, torch.bfloat16)
+    kv = OffloadedKV(geometry, device, path=KernelPath.TRITON)
+    runtime = OffloadRuntime(kv, LAYER_IDS, TOPK, verify=True)
+    prompt = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D), device=device).to(torch.bfloat16)
+
+    def decode_step(seq_len: int) -> None:
+        runtime.plan_decode([SLOT], [seq_len])
+        for layer_id in LAYER_IDS:
+            q = torch.randn((1, 4 * D), device=device).to(torch.bfloat16)
+            new = torch.randn((1, D), device=device).to(torch.bfloat16)
+            blocks = torch.full((1, TOPK), -1, dtype=torch.int32, device=device)
+            blocks[0, 0] = 0
+            runtime.decode_layer(layer_id, q, new, new, blocks, SCALE)
+
+    first = runtime.admit("r0", SLOT)
+    _prefill(runtime, prompt, [PREFIX])
+    # The side stream's copy starts after this queued work.
+    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+    decode_step(PREFIX + 1)
+    assert runtime.leases.state(first) is LeaseState.COPYING_TO_HOST
+    torch.cuda.synchronize()
+    decode_step(PREFIX + 2)
+    assert runtime.leases.state(first) is LeaseState.DECODING
+    runtime.release(first)
+    second = runtime.admit("r1", SLOT)
+    _prefill(runtime, prompt, [PREFIX])
+    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+    decode_step(PREFIX + 1)
+    assert runtime.leases.state(second) is LeaseState.COPYING_TO_HOST
+    runtime.release(second)  # waits for the copy, then verifies the row byte for byte
+    assert runtime.leases.state(second) is LeaseState.RELEASED
+    assert runtime.counts.differing_bytes == 0
+    assert runtime.counts.verified_bytes > 0
+
+
 def test_a_lease_table_that_is_not_the_stores_rows_is_refused() -> None:
     geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, 64, 1, D, torch.bfloat16)
     kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
