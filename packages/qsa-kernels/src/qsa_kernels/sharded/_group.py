@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from qsa_core import ShardPlacement
+from qsa_core import QSAProfile, ShardPlacement
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._path import KernelPath
 
@@ -65,6 +66,51 @@ class ShardGroup:
         world = dist.get_world_size(group)
         placement = ShardPlacement(world, blocks_per_page, compress_ratio)
         return cls(placement, dist.get_rank(group), group)
+
+    @classmethod
+    def join_tp(
+        cls,
+        profile: QSAProfile,
+        tp_ranks: Sequence[int],
+        tp_rank: int,
+        sharding_size: int,
+        *,
+        attn_cp_size: int = 1,
+    ) -> ShardGroup | None:
+        """This TP rank's shard group of ``sharding_size`` ranks, or None when it is 1.
+
+        Every rank of the TP group must call it alike: it creates every group of
+        :meth:`qsa_core.ShardPlacement.tp_groups` in that order (``torch.distributed.new_group``
+        is collective over the default group, with its backend) and keeps its own.
+
+        Args:
+            profile: the model's QSA profile (its K/V heads and page geometry).
+            tp_ranks: the default group's rank of each TP rank, in TP order.
+            tp_rank: this rank's index in ``tp_ranks``.
+            sharding_size: ranks that store one K/V head's raw K/V once.
+            attn_cp_size: attention CP over the TP group (every rank holds every head).
+
+        Raises:
+            qsa_core.PlacementError: ``sharding_size`` does not fit ``len(tp_ranks)``.
+            KernelInputError: ``tp_rank`` is not an index of ``tp_ranks``.
+        """
+        if sharding_size == 1:
+            return None
+        size = len(tp_ranks)
+        given: object = tp_rank  # callers without a type checker
+        if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < size:
+            msg = f"tp_rank={tp_rank!r} is not allowed; allowed: 0..{size - 1}"
+            raise KernelInputError(msg)
+        placement = ShardPlacement.for_tp(profile, size, sharding_size, attn_cp_size=attn_cp_size)
+        mine: ShardGroup | None = None
+        for members in ShardPlacement.tp_groups(
+            profile, size, sharding_size, attn_cp_size=attn_cp_size
+        ):
+            group = dist.new_group([tp_ranks[i] for i in members])
+            if tp_rank in members and isinstance(group, dist.ProcessGroup):
+                mine = cls(placement, members.index(tp_rank), group)
+        assert mine is not None  # tp_groups covers every rank
+        return mine
 
     @property
     def world_size(self) -> int:

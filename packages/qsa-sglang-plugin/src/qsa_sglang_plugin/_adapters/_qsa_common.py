@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from qsa_core import QSAProfile, ShardPlacement
+from qsa_core import QSAProfile
 from qsa_kernels import BLOCK_TOKENS
 from qsa_kernels.sharded import HeadLayout, ShardGroup
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
@@ -120,14 +120,12 @@ def qsa_profile_of(model_config: Any) -> Any:
 def shard_group(runner: Any, sharding: int) -> ShardGroup | None:
     """This rank's shard group (``SGLANG_QSA_CACHE_SHARDING``), or None when it is off.
 
-    Every TP rank creates every group, in the order :meth:`ShardPlacement.tp_groups` lists them
-    (``torch.distributed.new_group`` is collective over the default group), with the default
-    group's backend. Under SGLang's prefill CP over the TP group every rank holds every K/V head,
-    so the groups are runs of any TP ranks (:func:`group_head_layout`).
+    :meth:`ShardGroup.join_tp` over SGLang's TP group, every rank alike. Under SGLang's prefill
+    CP over the TP group every rank holds every K/V head, so the groups are runs of any TP ranks
+    (:func:`group_head_layout`).
     """
     if sharding == 1:
         return None
-    import torch.distributed as dist
     from sglang.srt.distributed.parallel_state import get_tp_group
     from sglang.srt.runtime_context import get_parallel
 
@@ -136,16 +134,9 @@ def shard_group(runner: Any, sharding: int) -> ShardGroup | None:
         runner.model_config.hf_text_config.to_dict(), page_size=int(runner.server_args.page_size)
     )
     cp = int(get_parallel().attn_cp_size)
-    placement = ShardPlacement.for_tp(profile, tp.world_size, sharding, attn_cp_size=cp)
-    mine: ShardGroup | None = None
-    for members in ShardPlacement.tp_groups(profile, tp.world_size, sharding, attn_cp_size=cp):
-        group = dist.new_group([tp.ranks[i] for i in members])
-        if tp.rank_in_group in members and isinstance(group, dist.ProcessGroup):
-            mine = ShardGroup(placement, members.index(tp.rank_in_group), group)
-    if mine is None:  # tp_groups covers every rank
-        msg = f"TP rank {tp.rank_in_group!r} is in no shard group of {sharding!r} ranks"
-        raise OffloadRuntimeError(msg)
-    return mine
+    return ShardGroup.join_tp(
+        profile, list(tp.ranks), int(tp.rank_in_group), sharding, attn_cp_size=cp
+    )
 
 
 def group_head_layout() -> HeadLayout:
