@@ -35,7 +35,7 @@ current stream, in order. Nothing here allocates pinned memory after constructio
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -98,6 +98,7 @@ class OffloadGeometry:
     head_dim: int
     dtype: torch.dtype
     per_head: bool = False
+    _sizes: OffloadSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("layers", "rows", "hot_slots", "max_blocks", "kv_heads", "head_dim"):
@@ -115,6 +116,18 @@ class OffloadGeometry:
         if not isinstance(per_head, bool):
             msg = f"per_head={self.per_head!r} is not allowed; allowed: True or False"
             raise KernelInputError(msg)
+        sizes = OffloadSizes(
+            layers=self.layers,
+            rows=self.rows,
+            hot_slots=self.hot_slots,
+            max_blocks=self.max_blocks,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            element_bytes=self.dtype.itemsize,
+            per_head=self.per_head,
+            block_tokens=BLOCK_TOKENS,
+        )
+        object.__setattr__(self, "_sizes", sizes)  # once: decode layers read store_layers
 
     @property
     def sizes(self) -> OffloadSizes:
@@ -123,17 +136,7 @@ class OffloadGeometry:
         Every byte count below is computed there, once: the engine's pool sizing and the
         capacity plan read the same figures.
         """
-        return OffloadSizes(
-            layers=self.layers,
-            rows=self.rows,
-            hot_slots=self.hot_slots,
-            max_blocks=self.max_blocks,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            element_bytes=torch.empty((), dtype=self.dtype).element_size(),
-            per_head=self.per_head,
-            block_tokens=BLOCK_TOKENS,
-        )
+        return self._sizes
 
     @property
     def max_tokens(self) -> int:
