@@ -259,6 +259,20 @@ def test_on_cuda_a_lease_is_copying_until_its_hand_off_copy_is_seen_complete() -
     assert runtime.counts.verified_bytes > 0
 
 
+def test_a_second_release_of_a_lease_is_refused_and_changes_nothing() -> None:
+    runtime = _runtime()
+    first = _lease(runtime)
+    runtime.release(first)
+    second = runtime.admit("r1", SLOT)
+    kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    _prefill(runtime, kv, [PREFIX])
+    with pytest.raises(LeaseError, match="stale lease handle"):
+        runtime.release(first)
+    assert runtime.leases.state(second) is LeaseState.PREFILLING
+    assert (runtime.staged_row, runtime.staged_tokens) == (second.slot, PREFIX)
+    assert runtime.rows_in_use == 1
+
+
 def test_a_lease_table_that_is_not_the_stores_rows_is_refused() -> None:
     geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, 64, 1, D, torch.bfloat16)
     kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)

@@ -242,32 +242,26 @@ class OffloadRuntime:
     def release(self, handle: LeaseHandle, *, aborted: bool = False) -> None:
         """The request gave its engine slot back (finish, abort, retraction): end its lease.
 
-        A hand-off copy still in flight is waited for (HOST_READY), the row is freed (with
-        verification, compared first), and the lease drains and is released.
+        A hand-off copy still in flight is waited for (HOST_READY), the lease drains and is
+        released, then the row is compared with its resident copy (verification) and freed.
 
         Raises:
-            qsa_core.LeaseError: ``handle`` is not a live lease of :attr:`leases`.
+            qsa_core.LeaseError: ``handle`` is not a live lease of :attr:`leases`, or it never
+                prefilled and ``aborted`` is False (nothing changes).
         """
-        state = self.leases.state(handle)
         event = self._copies.pop(handle, None)
         if event is not None:
             event.synchronize()  # ended within its prompt's copy: rare, and bounded by the copy
-        if state is LeaseState.COPYING_TO_HOST:
             self.leases.finish_copy(handle)
         if self._staged == handle:
             self._staged, self._staged_tokens = None, 0
+        self.leases.end(handle, aborted=aborted)
+        self._count(rows_in_use=self.rows_in_use)  # before the verification's counts
         row = handle.slot
-        verify = self.kv.state(row) is RowState.ACTIVE and self._resident is not None
-        if aborted or self.leases.state(handle) is LeaseState.ALLOCATED:
-            self.leases.abort(handle)
-        else:
-            self.leases.finish(handle)
-        self._count(rows_in_use=self.rows_in_use - 1)  # before the verification's counts
-        if verify:
-            self._verify(row)
         if self.kv.state(row) is RowState.ACTIVE:
+            if self._resident is not None:
+                self._verify(row)
             self.kv.release(row)
-        self.leases.release(handle)
         self.flush_counters()  # once per request: the one device read outside the log interval
 
     # ---- prefill: the staging area ---------------------------------------------------------------

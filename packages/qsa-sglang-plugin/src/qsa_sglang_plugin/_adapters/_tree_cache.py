@@ -175,7 +175,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         # The outcome first: a reader that sees no live lease sees every outcome counted.
         self._qsa_metrics.released[outcome].inc()
         self._qsa_metrics.live.dec()
-        if self.qsa_prefix is not None and not self.qsa_leases.live_handles():
+        if self.qsa_prefix is not None and self.qsa_leases.num_free == self.qsa_leases.num_slots:
             self.qsa_prefix.settle()
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
 
