@@ -103,7 +103,7 @@ class OffloadGeometry:
     def __post_init__(self) -> None:
         for name in ("layers", "rows", "hot_slots", "max_blocks", "kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 msg = f"{name}={value!r} is not allowed; it must be a positive integer"
                 raise KernelInputError(msg)
         if self.hot_slots > MAX_HOT_SLOTS:
