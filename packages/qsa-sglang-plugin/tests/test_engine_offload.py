@@ -65,9 +65,11 @@ RETRACTING = EngineConfig(
     server_args={**OFFLOAD_ARGS, "context_length": 1024, "max_total_tokens": 1536},
 )
 #: Pools sized by SGLang from its memory budget (no --max-total-tokens), as an operator runs them.
-#: SGLang measures the budget as the machine's free memory, so whatever else runs moves it; 5 %
-#: (about 0.9 GB on the 2-core machine) keeps that movement small beside it.
-SIZED_BY_MEMORY = {"max_total_tokens": None, "mem_fraction_static": 0.05}
+#: SGLang's budget is the free memory after the weights load less ``1 - fraction`` of the free
+#: memory before: about 0.9 GB here, and whatever else the machine runs moves it by as much, so
+#: engines are compared per byte of their own budget (:class:`SizedPools`).
+MEM_FRACTION_STATIC = 0.05
+SIZED_BY_MEMORY = {"max_total_tokens": None, "mem_fraction_static": MEM_FRACTION_STATIC}
 
 
 def _with_fixed_pools(args: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,6 +110,37 @@ CONCURRENT = tuple(
 BF16_NOISE = BF16_LOGIT_STEP
 
 _MAX_TOKENS = re.compile(r"max_total_num_tokens=(\d+)")
+_FREE_BEFORE_WEIGHTS = re.compile(r"Load weight begin\. avail mem=([\d.]+) GB")
+_FREE_AFTER_WEIGHTS = re.compile(r"Load weight end\..*?avail mem=([\d.]+) GB")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SizedPools:
+    """What SGLang sized an engine's pools to (:data:`SIZED_BY_MEMORY`), from its start-up log.
+
+    Attributes:
+        tokens: ``max_total_num_tokens``, the token capacity it chose.
+        budget_gb: the budget it chose them for, in GB as SGLang logs them: the free memory once
+            the weights loaded less ``1 - MEM_FRACTION_STATIC`` of the free memory before (each
+            logged to 0.01 GB, so within about 0.01 GB).
+    """
+
+    tokens: int
+    budget_gb: float
+
+    @classmethod
+    def of(cls, engine: Engine) -> SizedPools:
+        log = engine.log_path.read_text(encoding="utf-8", errors="replace")
+        found = [p.findall(log) for p in (_MAX_TOKENS, _FREE_BEFORE_WEIGHTS, _FREE_AFTER_WEIGHTS)]
+        assert all(found), f"no pool sizing in {engine.log_path}"
+        tokens, before, after = found
+        budget = float(after[-1]) - (1 - MEM_FRACTION_STATIC) * float(before[-1])
+        assert budget > 0, f"SGLang's budget {budget} GB in {engine.log_path}"
+        return cls(int(tokens[-1]), budget)
+
+    @property
+    def tokens_per_gb(self) -> float:
+        return self.tokens / self.budget_gb
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,18 +150,18 @@ class References:
 
     Attributes:
         text: :data:`UPSTREAM_SAME_CHUNKS`'s answers, by request.
-        resident_tokens: the token capacity :data:`UPSTREAM_SAME_CHUNKS` sized from its budget.
+        resident: the pools :data:`UPSTREAM_SAME_CHUNKS` sized from its budget.
     """
 
     text: dict[GenerateRequest, Generation]
-    resident_tokens: int
+    resident: SizedPools
 
 
 @pytest.fixture(scope="module")
 def references(engines: EnginePool) -> References:
     requests = (*SPARSE_PROMPTS, *CONCURRENT, REPEATED_PROMPT)
     text = dict(zip(requests, engines.generate_all(UPSTREAM_SAME_CHUNKS, requests), strict=True))
-    return References(text, _max_total_tokens(engines.engine(UPSTREAM_SAME_CHUNKS)))
+    return References(text, SizedPools.of(engines.engine(UPSTREAM_SAME_CHUNKS)))
 
 
 @pytest.fixture(scope="module")
@@ -432,13 +465,6 @@ def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
     assert _value(engine, "qsa_hisparse_offload_differing_bytes_total") == 0
 
 
-def _max_total_tokens(engine: Engine) -> int:
-    """The token capacity SGLang chose for its pools, from its start-up log."""
-    found = _MAX_TOKENS.findall(engine.log_path.read_text(encoding="utf-8", errors="replace"))
-    assert found, f"no max_total_num_tokens in {engine.log_path}"
-    return int(found[-1])
-
-
 # ---- the host prefix cache -----------------------------------------------------------------------
 
 #: Checkpoints of the tiny model take about 0.6 MB per 1,024 tokens (512 B of K/V and 64 B of
@@ -460,12 +486,13 @@ def test_the_same_memory_budget_holds_more_tokens_and_serves_them_alike(
     request = SPARSE_PROMPTS[0]
     engine = engines.engine(PREFIX_CACHE)
     got = engine.generate(dataclasses.replace(request, cache_salt=uuid.uuid4().hex))
-    offloaded = _max_total_tokens(engine)
+    offloaded = SizedPools.of(engine)
     log = engine.log_path.read_text(encoding="utf-8", errors="replace")
     assert "offload: pool sizing charges" in log
     # The tiny model's QSA layer: 512 B of K/V and 64 B of index per token; staging, hot caches,
-    # tails and tables are a fixed few MiB.
-    assert offloaded > 5 * references.resident_tokens, (offloaded, references.resident_tokens)
+    # tails and tables are a fixed 20 MiB. Per byte of budget, about 9x the tokens.
+    ratio = offloaded.tokens_per_gb / references.resident.tokens_per_gb
+    assert ratio > 5, (offloaded, references.resident)
     assert got.cached_tokens == 0
     assert_same_generation(references.text[request], got, atol=BF16_NOISE, what="sized by memory")
 
