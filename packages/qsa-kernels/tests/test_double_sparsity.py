@@ -184,6 +184,22 @@ def test_label_cache_upcasts_fp8_keys() -> None:
     assert torch.equal(cache.layer(0)[:5], label_keys_reference(k.to(torch.bfloat16), channels[0]))
 
 
+@pytest.mark.parametrize(
+    ("kv_dtype", "label"),
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float8_e4m3fn, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_label_dtype_keeps_16_bit_keys_and_upcasts_the_rest_to_bf16(
+    kv_dtype: torch.dtype, label: torch.dtype
+) -> None:
+    assert LabelCache.dtype_for(kv_dtype) is label
+    LabelCache(torch.zeros(1, 1, 2, dtype=torch.int32), rows=1, max_tokens=4, dtype=label)
+
+
 def test_label_cache_slot_table_addresses_rows_back_to_back() -> None:
     """slots(rows, w)[b, t] = rows[b] * max_tokens + t."""
     cache = LabelCache(torch.zeros(1, 1, 2, dtype=torch.int32), rows=4, max_tokens=12)

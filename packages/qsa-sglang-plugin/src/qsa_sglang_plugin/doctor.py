@@ -296,8 +296,8 @@ def _check_double_sparsity(
         return Check(name, Status.WARN, str(exc))
     import torch
 
+    from qsa_core import label_bytes_per_token
     from qsa_kernels.double_sparsity import DSConfigError
-    from qsa_sglang_plugin._adapters._double_sparsity import label_bytes_per_token
     from qsa_sglang_plugin._config_check import ds_channels, ds_geometry
 
     nested = config.get("text_config")
@@ -310,7 +310,9 @@ def _check_double_sparsity(
         rank_heads = int(ds_channels(ds, text).for_tp_rank(tp_size, 0).channels.shape[1])
     except DSConfigError as exc:
         return Check(name, Status.FAIL, f"{named} is refused at --tp-size={tp_size}: {exc}")
-    labels = label_bytes_per_token(layers, rank_heads, ds, torch.bfloat16)
+    labels = label_bytes_per_token(
+        layers, rank_heads, ds.heavy_channel_num, torch.bfloat16.itemsize
+    )
     kv = layers * 2 * rank_heads * head_dim * torch.bfloat16.itemsize
     per_rank = f" (each of {tp_size} TP ranks holds {rank_heads})" if tp_size > 1 else ""
     detail = (

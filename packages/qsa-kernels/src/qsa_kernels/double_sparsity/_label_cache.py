@@ -63,6 +63,14 @@ class LabelCache:
             (layers, rows * max_tokens, hkv, c), dtype=dtype, device=self.device
         )
 
+    @staticmethod
+    def dtype_for(kv_dtype: torch.dtype) -> torch.dtype:
+        """The label dtype of keys stored as ``kv_dtype``: the same when 16-bit, else bf16.
+
+        FP8 keys (and any other) are upcast into bf16 labels, unscaled.
+        """
+        return kv_dtype if kv_dtype in _LABEL_DTYPES else torch.bfloat16
+
     @property
     def layers(self) -> int:
         """Attention layers ``L``."""

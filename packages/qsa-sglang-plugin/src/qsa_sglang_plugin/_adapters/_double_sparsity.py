@@ -2,35 +2,12 @@
 
 With ``SGLANG_QSA_DS_CHANNEL_CONFIG`` set and ``--attention-backend qsa_ds``, SGLang's attention
 registry builds :class:`DoubleSparsityBackend` (:func:`create_backend`): the platform's dense
-backend (``triton`` on CUDA, ``torch_native`` on CPU), which keeps prefill and every dense decode
-exactly as upstream, around :class:`qsa_kernels.double_sparsity.DSDecodeRuntime` (double
-sparsity's decode steps over the pool's token slots). SGLang's calls map onto the runtime:
-
-- ``init_forward_metadata``: a decode batch's host ``seq_lens``, the runner's ``req_to_token``
-  and its ``req_pool_indices`` -> ``plan_step``; an extend batch -> ``clear_step``.
-- ``init_cuda_graph_state`` -> ``init_graph_state``; ``init_forward_metadata_out_graph`` ->
-  ``plan_graph_step``, the dense backend's metadata built over the lengths it returns (a copy of
-  the batch's ``seq_lens``, ``seq_lens_cpu``, ``seq_lens_sum``); ``init_forward_metadata_in_graph``
-  -> ``capture_tables``.
-- ``forward_extend`` / ``forward_decode``: the keys written at ``out_cache_loc`` ->
-  ``write_labels``; a decode layer by ``step_kind``: the dense backend (``DENSE``); SGLang's K/V
-  write, then ``decode`` over the layer's pool buffers (``SPARSE``); the dense backend, then
-  ``decode_captured`` (``CAPTURED``); ``decode_offloaded`` (``OFFLOADED``).
-- ``DSCounts`` -> ``qsa_hisparse_ds_decode_rows_total{path}``,
-  ``qsa_hisparse_ds_decode_steps_total{mode}``.
-
-The label cache (``[L, N, Hkv, C]`` over the pool's ``N`` slots) costs ``L * Hkv * C`` 16-bit
-values per token slot (``C / (2 D)`` of the K/V bytes, 12.5 % at 32 of 128 channels):
-:func:`._pool_sizing.price_label_cache` adds them to the price of a token in SGLang's pool sizing.
-
-**DS-Offload** (``SGLANG_QSA_DS_OFFLOAD=1``): the K/V history lives in pinned host memory through
-``p2-offload``'s :class:`qsa_kernels.offload.OffloadRuntime` and lifecycle (the ``qsa_hisparse``
-tree cache); SGLang's K/V pool holds one page (:mod:`._kv_pool`), a token costs only its labels.
-Each decode step is planned in the offload runtime first (:func:`._offload.plan_decode`); prefill
-writes the chunk to the staging area and the dense backend attends over it (:class:`_DSOffload`).
-
-Limits: no speculative decoding (start-up refuses it). Under tensor parallelism each rank keeps
-the labels and channels of its own K/V heads (:meth:`ChannelConfig.for_tp_rank`).
+backend (``triton`` on CUDA, ``torch_native`` on CPU) around
+:class:`qsa_kernels.double_sparsity.DSDecodeRuntime`. This module only maps SGLang's calls onto the
+runtime (which call goes where: ``docs/architecture.md``, "Each feature's path"; the design:
+``docs/double-sparsity.md``) and, with DS-Offload (``SGLANG_QSA_DS_OFFLOAD=1``), points the
+dense backend's prefill at the offload's staging area (:class:`_DSOffload`). ``DSCounts`` become
+``qsa_hisparse_ds_decode_rows_total{path}`` and ``qsa_hisparse_ds_decode_steps_total{mode}``.
 """
 
 from __future__ import annotations
@@ -43,28 +20,15 @@ from typing import Any
 
 import torch
 
-import qsa_core
 from qsa_kernels.double_sparsity import DecodePath, DSCounts, DSDecodeRuntime, StepKind, StepMode
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
-from qsa_sglang_plugin._adapters._offload import (
-    plan_decode,
-    runtime_of,
-    stage_chunk,
-)
+from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of, stage_chunk
 from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
 from qsa_sglang_plugin._errors import AdapterError
-from qsa_sglang_plugin._switches import (
-    ENV_DS_CHANNEL_CONFIG,
-    DoubleSparsitySwitches,
-    current_switches,
-)
+from qsa_sglang_plugin._switches import ENV_DS_CHANNEL_CONFIG, current_switches
 
-__all__ = (
-    "create_backend",
-    "label_bytes_per_token",
-    "label_dtype",
-)
+__all__ = ("create_backend",)
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +36,6 @@ logger = logging.getLogger(__name__)
 METRIC_PREFIX = "qsa_hisparse_ds"
 #: The dense backend the wrapper decodes through, per device type.
 DENSE_BACKENDS = {"cuda": "triton", "cpu": "torch_native"}
-
-
-def label_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """The label cache's dtype for a K/V pool of ``kv_dtype``: the same when 16-bit, else bf16."""
-    return kv_dtype if kv_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
-def label_bytes_per_token(
-    layers: int, kv_heads: int, switches: DoubleSparsitySwitches, kv_dtype: torch.dtype
-) -> int:
-    """GPU bytes of one token slot's label rows: ``layers x kv_heads x C`` label values."""
-    element = label_dtype(kv_dtype).itemsize
-    return qsa_core.label_bytes_per_token(layers, kv_heads, switches.heavy_channel_num, element)
 
 
 def create_backend(runner: Any) -> Any:
@@ -122,7 +73,7 @@ def create_backend(runner: Any) -> Any:
         channels.channels,
         rows=1,
         max_tokens=slots,
-        dtype=label_dtype(pool.dtype),
+        dtype=LabelCache.dtype_for(pool.dtype),
         device=device,
     )
     offload = _DSOffload(dense, dense_name, runtime_of(runner)) if switches.offload else None

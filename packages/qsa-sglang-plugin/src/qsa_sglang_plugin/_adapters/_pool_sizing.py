@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from qsa_core import format_bytes, sharded_token_bytes
+from qsa_core import format_bytes, label_bytes_per_token, sharded_token_bytes
 from qsa_sglang_plugin._switches import (
     DoubleSparsitySwitches,
     HiSparseMode,
@@ -158,7 +158,7 @@ def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitc
     """
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_sglang_plugin._adapters._double_sparsity import label_bytes_per_token
+    from qsa_kernels.double_sparsity import LabelCache
     from qsa_sglang_plugin._adapters._offload import arena_rows, ds_offload_geometry
     from qsa_sglang_plugin._config_check import ds_geometry
 
@@ -166,7 +166,8 @@ def price_label_cache(configurator: Any, kvc: Any, switches: DoubleSparsitySwitc
     text_config = model_config.hf_text_config.to_dict()
     layers, _, _, _ = ds_geometry(text_config)
     kv_heads = int(model_config.get_num_kv_heads(get_parallel().attn_tp_size))  # this rank's
-    labels = label_bytes_per_token(layers, kv_heads, switches, kvc.kv_cache_dtype)
+    element = LabelCache.dtype_for(kvc.kv_cache_dtype).itemsize
+    labels = label_bytes_per_token(layers, kv_heads, switches.heavy_channel_num, element)
     kv = int(configurator._cell_size)
     if not switches.offload:
         configurator._cell_size = kv + labels
