@@ -165,6 +165,13 @@ def _mrope_section(head_dim: int, partial_rotary_factor: float) -> list[int]:
     return [half - 2 * third, third, third]
 
 
+#: One PLE layer on the second layer, a GDN layer, as Qwen3.8-Flash-Next's ``ple_layer_ids=[2]``
+#: (one-indexed), with a small n-gram table (its heads' primes follow 1,000 instead of
+#: 20,000,000). Its short-conv window and n-gram history live in the request's Mamba slot, so
+#: every engine test of a tiny Qwen4Exp carries them through offload, checkpoints and restores.
+_TINY_PLE: Final = {"ple_layer_ids": [2], "ngram_vocab_size_base": 1000}
+
+
 def tiny_qwen4_exp(
     *,
     kv_heads: int = 2,
@@ -174,6 +181,8 @@ def tiny_qwen4_exp(
     vision: bool = False,
 ) -> TinyModel:
     """A Qwen4Exp whose every fourth layer is a QSA layer (by default 3 GDN layers, 1 QSA layer).
+
+    Its second layer carries a PLE layer (:data:`_TINY_PLE`), as the real model's does.
 
     Args:
         kv_heads: K/V heads of the QSA layer, 2 (Qwen3.8-Flash-Next) or 1 (one TP2 rank's share).
@@ -211,7 +220,7 @@ def tiny_qwen4_exp(
         kv_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        widths={"num_hidden_layers": 4 * qsa_layers},
+        widths={"num_hidden_layers": 4 * qsa_layers, **_TINY_PLE},
     )
     return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config), vision=vision)
 
