@@ -10,7 +10,9 @@ Ops (``<op>/triton.py`` beside ``<op>/reference.py``):
 * decode data path: :mod:`qsa_kernels.fetch`, :mod:`qsa_kernels.writeback`,
   :mod:`qsa_kernels.sparse_decode`, :mod:`qsa_kernels.lse_merge`;
 * selection: :mod:`qsa_kernels.indexer_topk`, :mod:`qsa_kernels.expand`,
-  :mod:`qsa_kernels.topk_merge`, :mod:`qsa_kernels.ds_label`.
+  :mod:`qsa_kernels.topk_merge`, :mod:`qsa_kernels.ds_label`;
+* embeddings: :mod:`qsa_kernels.int8_rows` (INT8-row tables, such as the PLE n-gram table, and
+  the gather that reads the rows a batch names from host memory).
 
 Composed paths (they call the ops' public functions): :mod:`qsa_kernels.offload` (one rank's
 offloaded K/V), :mod:`qsa_kernels.sharded` (QSA cache sharding), :mod:`qsa_kernels.cp`
