@@ -39,6 +39,8 @@ from qsa_hostcache._prompts import (
     agree_min,
     kv_segments,
 )
+from qsa_hostcache._requests import PromptKeys
+from qsa_hostcache._segments import INDEX_SEGMENT, StateSegments, compressed_slots, segment_buffer
 from qsa_hostcache._stats import CacheStats, StatSeries
 from qsa_hostcache._version import __version__
 
@@ -71,7 +73,13 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "Claim",
     "Agree",
     "agree_min",
+    "PromptKeys",
+    # what a prompt's checkpoint holds
     "kv_segments",
+    "INDEX_SEGMENT",
+    "compressed_slots",
+    "StateSegments",
+    "segment_buffer",
     # errors
     "HostCacheError",
     "CacheConfigError",

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import array
 import ctypes
+import dataclasses
+import json
 import reprlib
 import struct
 import sys
@@ -120,6 +122,26 @@ class CacheNamespace:
             raise InvalidKeyError(
                 f"tp_rank must lie in [0, {self.tp_size!r}), got {self.tp_rank!r}"
             )
+
+    def for_request(
+        self,
+        *,
+        cache_salt: str | None = None,
+        lora_id: str | None = None,
+        extra_key: str | None = None,
+    ) -> CacheNamespace:
+        """This namespace with one request's part: its cache salt, adapter (LoRA) and extra key.
+
+        ``salt`` becomes the canonical JSON object of the three
+        (``{"cache_salt":...,"extra_key":...,"lora":...}``, sorted keys, no spaces); with all
+        three ``None`` the namespace is returned unchanged, so such a request shares the
+        engine's keys. ``""`` is a salt, different from ``None``.
+        """
+        parts = {"cache_salt": cache_salt, "lora": lora_id, "extra_key": extra_key}
+        if all(v is None for v in parts.values()):
+            return self
+        salt = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+        return dataclasses.replace(self, salt=salt)
 
     def material(self) -> bytes:
         """Canonical, length-prefixed encoding of every field (the bytes a match compares)."""
