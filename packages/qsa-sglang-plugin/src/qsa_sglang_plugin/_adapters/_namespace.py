@@ -23,7 +23,6 @@ __all__ = (
     "cache_namespace_from_sglang",
     "config_digest_from_sglang",
     "kv_storage_dtype",
-    "request_salt",
     "resolved_args",
 )
 
@@ -138,16 +137,6 @@ def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def request_salt(
-    *, cache_salt: str | None = None, lora_id: str | None = None, extra_key: str | None = None
-) -> str | None:
-    """A request's part of the namespace: a JSON object of the three, or ``None`` if all unset."""
-    parts = {"cache_salt": cache_salt, "lora": lora_id, "extra_key": extra_key}
-    if all(v is None for v in parts.values()):
-        return None
-    return json.dumps(parts, sort_keys=True, separators=(",", ":"))
-
-
 def cache_namespace_from_sglang(
     server_args: Any,
     model_config: Any,
@@ -171,8 +160,8 @@ def cache_namespace_from_sglang(
     Returns:
         ``model`` = ``--model-path`` plus ``@--revision`` when set; ``dtype`` = the K/V storage
         dtype (``auto`` -> the model dtype); ``tp_size``/``tp_rank``; ``config_digest`` =
-        :func:`config_digest_from_sglang`; ``salt`` = a JSON object of the request's salt, LoRA
-        and extra key, or ``None`` when all three are unset.
+        :func:`config_digest_from_sglang`; ``salt`` the request's
+        (:meth:`qsa_hostcache.CacheNamespace.for_request`).
 
     Raises:
         AdapterError: no model path, an unknown KV dtype or a config without a dtype.
@@ -187,12 +176,10 @@ def cache_namespace_from_sglang(
     revision = getattr(view, "revision", None)
     model = f"{model_path}@{revision}" if revision else str(model_path)
     dtype = kv_storage_dtype(str(view.kv_cache_dtype), _model_dtype(model_config))
-    salt = request_salt(cache_salt=cache_salt, lora_id=lora_id, extra_key=extra_key)
     return CacheNamespace(
         model=model,
         dtype=dtype,
         tp_size=int(view.tp_size),
         tp_rank=tp_rank,
         config_digest=config_digest_from_sglang(server_args, model_config),
-        salt=salt,
-    )
+    ).for_request(cache_salt=cache_salt, lora_id=lora_id, extra_key=extra_key)
