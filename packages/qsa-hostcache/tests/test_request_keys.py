@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 
 import pytest
@@ -21,6 +22,7 @@ from qsa_hostcache import (
     SegmentSpec,
     StateSegments,
     compressed_slots,
+    config_digest,
     segment_buffer,
 )
 
@@ -152,3 +154,10 @@ def test_prompt_counts_describe_their_own_counters() -> None:
         "publish_errors",
     ]
     assert all(s.counter and s.help for s in series)
+
+
+def test_a_config_digest_is_the_sha256_of_canonical_json_whatever_the_key_order() -> None:
+    """The digest's bytes are pinned: a namespace built before must still match."""
+    expected = hashlib.sha256(b'{"a":[1,2],"b":"torch.bfloat16"}').hexdigest()
+    assert config_digest({"b": torch.bfloat16, "a": [1, 2]}) == expected
+    assert config_digest({"a": [1, 2], "b": "torch.bfloat16"}) == expected

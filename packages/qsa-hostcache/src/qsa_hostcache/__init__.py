@@ -27,6 +27,7 @@ from qsa_hostcache._keys import (
     PageHash,
     PageHasher,
     PrefixKey,
+    config_digest,
     page_keys,
     token_bytes,
 )
@@ -48,6 +49,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "__version__",
     # keys
     "CacheNamespace",
+    "config_digest",
     "PrefixKey",
     "PageHash",
     "PageHasher",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import array
 import ctypes
 import dataclasses
+import hashlib
 import json
 import reprlib
 import struct
@@ -69,6 +70,19 @@ def _field(value: str | None) -> bytes:
         return b"\xff\xff\xff\xff"
     raw = value.encode("utf-8")
     return len(raw).to_bytes(4, "little") + raw
+
+
+def _canonical_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def config_digest(settings: Mapping[str, object]) -> str:
+    """A :attr:`CacheNamespace.config_digest`: SHA-256 (hex) of ``settings`` as canonical JSON.
+
+    Sorted keys, no spaces; a value JSON cannot hold is written as its ``str``. Two engines
+    whose settings are equal get the same digest in every process.
+    """
+    return hashlib.sha256(_canonical_json(settings).encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +154,7 @@ class CacheNamespace:
         parts = {"cache_salt": cache_salt, "lora": lora_id, "extra_key": extra_key}
         if all(v is None for v in parts.values()):
             return self
-        salt = json.dumps(parts, sort_keys=True, separators=(",", ":"))
-        return dataclasses.replace(self, salt=salt)
+        return dataclasses.replace(self, salt=_canonical_json(parts))
 
     def material(self) -> bytes:
         """Canonical, length-prefixed encoding of every field (the bytes a match compares)."""

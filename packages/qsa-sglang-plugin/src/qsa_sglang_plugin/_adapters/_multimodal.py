@@ -45,18 +45,10 @@ def engine_processor_fingerprint(
 ) -> ProcessorFingerprint | None:
     """The fingerprint of the image processor this engine's requests go through, if any.
 
-    Call it in a scheduler process (SGLang's runtime context is published): it loads the Hugging
-    Face processor with the arguments SGLang's scheduler loads it with, and fingerprints its image
-    processor with the checkpoint config and the settings SGLang applies around it (the
-    image-processor backend, the feature transport).
-
-    Args:
-        server_args: the engine's ``ServerArgs``.
-        model_config: the engine's ``ModelConfig``.
-
-    Returns:
-        ``None`` for a model without images, an engine that skips its tokenizer (no processor
-        runs there) or a processor that does not load (logged): image prompts then bypass.
+    In a scheduler process: loads the HF processor as SGLang's scheduler does and fingerprints
+    its image processor with the model config, the image-processor backend and the feature
+    transport. ``None`` (image prompts bypass) for a model without images, an engine that skips
+    its tokenizer, or a processor that does not load (logged).
     """
     if not getattr(model_config, "is_multimodal", False) or server_args.skip_tokenizer_init:
         return None

@@ -1,15 +1,11 @@
 """The host prefix cache inside SGLang: SGLang's requests and pools -> ``qsa_hostcache`` calls.
 
-With ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB > 0`` (and ``p2-offload``), one
-:class:`PrefixCacheRuntime` per scheduler (TP rank) translates the ``qsa_hisparse`` tree cache's
-calls (:mod:`._tree_cache`) onto :class:`qsa_hostcache.PromptCheckpoints` (lookups, loads,
-restores, publishes, each agreed by the TP ranks; the weights-version check) and
-:class:`qsa_hostcache.PromptKeys` (each request's key, its images' page extras and bypass from
-``qsa_mm_prefix.prompt_page_extras``). What stays here is SGLang's: a ``Req``'s fields, where
-each segment of a checkpoint (``qsa_hostcache``'s ``_segments`` module) comes from in SGLang's
-pools (the offload's staging area, ``qsa_compressed_k_buffer_pool`` through ``req_to_token``,
-``MambaPool.get_cpu_copy`` / ``load_cpu_copy``), the token-slot allocator, SGLang's
-``ignore_eos`` admission and the Prometheus series. The calls, the checkpoint and the keys:
+One :class:`PrefixCacheRuntime` per scheduler (``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB > 0``, with
+``p2-offload``) turns the ``qsa_hisparse`` tree cache's calls (:mod:`._tree_cache`) into
+:class:`qsa_hostcache.PromptCheckpoints` and :class:`qsa_hostcache.PromptKeys` calls (page
+extras from ``qsa_mm_prefix.prompt_page_extras``). It keeps what is SGLang's: a ``Req``'s
+fields, where each checkpoint segment comes from in SGLang's pools, the token-slot allocator,
+SGLang's ``ignore_eos`` admission and the series. The calls and the checkpoint:
 ``docs/plugin.md`` ("The host prefix cache").
 """
 
@@ -100,21 +96,16 @@ class PrefixCacheRuntime:
     """The host prefix cache of one scheduler and the SGLang state it checkpoints.
 
     Args:
-        cache: the checkpoints (one host arena).
-        offload: the offload runtime, whose staging area holds the prompt being prefilled.
-        kv_pool: SGLang's ``QSATokenToKVPool`` (the compressed index keys).
-        req_to_token_pool: SGLang's ``HybridReqToTokenPool`` (request rows; the recurrent state
-            pool ``mamba_pool``, if the model has one).
-        allocator: SGLang's token-slot allocator (KV slots for a loaded prefix).
+        cache, offload: the checkpoints (one host arena); the offload, whose staging area holds
+            the prompt being prefilled.
+        kv_pool, req_to_token_pool, allocator: SGLang's ``QSATokenToKVPool`` (the compressed
+            index keys), ``HybridReqToTokenPool`` (rows; ``mamba_pool``, the recurrent state,
+            if any) and token-slot allocator (KV slots for a loaded prefix).
         namespace: this rank's namespace without a request's salt.
-        tp_group: SGLang's TP ``GroupCoordinator`` (``None`` or one rank: no agreement needed).
-        tp_rank: this rank, for the metrics' labels.
-        weight_version: the served weights' version now (SGLang's ``weight_version``); read
-            before every lookup and publish.
-        processor: the fingerprint of the image processor (``None``: image prompts bypass,
-            ``no-processor``).
-        spatial_merge_size: the vision tower's patch merge, to check each image's span against
-            its grid (``None``: not checked).
+        tp_group, tp_rank: SGLang's TP ``GroupCoordinator`` (``None``: one rank); this rank.
+        weight_version: the served weights' version now, read before every lookup and publish.
+        processor, spatial_merge_size: the image processor's fingerprint (``None``: image
+            prompts bypass, ``no-processor``) and the vision tower's patch merge.
         ignore_eos_loads: whether SGLang loads a host hit for an ``ignore_eos`` request (only
             with its radix cache enabled); when not, such requests are not matched.
     """
@@ -168,17 +159,8 @@ class PrefixCacheRuntime:
 
     # ---- keys ------------------------------------------------------------------------------------
 
-    def bypass_reason(self, req: Any) -> BypassReason | None:
-        """Why ``req`` cannot be keyed, or ``None`` when it can."""
-        reason = self._keys.bypass(req)
-        return None if reason is None else BypassReason(reason)
-
     def key(self, req: Any, tokens: Any) -> PrefixKey:
-        """The key of ``tokens`` (``req``'s first token ids) in ``req``'s namespace.
-
-        Raises:
-            qsa_hostcache.InvalidKeyError: ``req`` bypasses (:meth:`bypass_reason`).
-        """
+        """The key of ``tokens`` (``req``'s first token ids) in ``req``'s namespace."""
         namespace = self._namespace.for_request(
             cache_salt=getattr(req, "cache_salt", None),
             lora_id=getattr(req, "lora_id", None),
@@ -204,11 +186,9 @@ class PrefixCacheRuntime:
     def lookup(self, req: Any, tokens: Any) -> int:
         """Tokens of the longest checkpoint that is a prefix of ``tokens`` (0 on a miss).
 
-        Args:
-            req: SGLang's ``Req``.
-            tokens: the ids SGLang matches (at most the prompt less its last token).
+        ``tokens``: the ids SGLang matches (at most the prompt less its last token).
         """
-        if self.bypass_reason(req) is not None:
+        if self._keys.bypass(req) is not None:
             return self._checkpoints.lookup(None)
         if self._unloadable(req):
             return 0  # the same answer on every rank: the request's own sampling parameters
@@ -220,9 +200,7 @@ class PrefixCacheRuntime:
     def load_back(self, req: Any, tokens: int) -> bool:
         """Pin ``req``'s checkpoint of ``tokens`` tokens, take KV slots, restore the index.
 
-        Returns:
-            True when every rank did (the slots are :meth:`prefix_slots`); False when any could
-            not (nothing is held: the request computes its prompt).
+        False when any rank could not (nothing is held: the request computes its prompt).
         """
 
         def claim(lease: Lease) -> Claim[torch.Tensor] | None:
@@ -248,10 +226,8 @@ class PrefixCacheRuntime:
     def restore_row(self, req: Any, row: int) -> None:
         """Fill the loaded prefix's K/V and recurrent state into ``req``'s new row and slot.
 
-        The recurrent state first: SGLang's ``load_cpu_copy`` synchronizes the device, which must
-        not wait for the K/V. Then each QSA layer's K/V is restored by copies of its own, which
-        that layer's prefill waits for (:meth:`OffloadRuntime.fill_staging_until`): the copies
-        run while the layers before it compute.
+        The state first (SGLang's ``load_cpu_copy`` synchronizes the device, which must not wait
+        for the K/V); then each layer's K/V, which that layer's prefill waits for.
         """
         lease = self._checkpoints.take(req.rid)
         if lease is None:
@@ -272,16 +248,10 @@ class PrefixCacheRuntime:
         logger.debug("prefix cache: %r resumes after %d cached tokens", req.rid, tokens)
 
     def publish(self, req: Any, row: int, up_to: int) -> bool:
-        """Checkpoint ``req``'s first ``up_to`` tokens, if that is a whole number of pages.
-
-        Returns:
-            True when the checkpoint was committed on every rank (matchable once its copies
-            finish); False when it was skipped (not page-aligned, bypassed, already cached, no
-            room on some rank) or failed (logged; the request is served either way).
-        """
+        """Checkpoint ``req``'s first ``up_to`` tokens (whole pages); True if every rank did."""
         if up_to < self.cache.page_size or up_to % self.cache.page_size:
             return False
-        if self.bypass_reason(req) is not None:
+        if self._keys.bypass(req) is not None:
             return False
 
         def gather() -> dict[str, torch.Tensor]:
@@ -321,11 +291,10 @@ class PrefixCacheRuntime:
     # ---- internals -------------------------------------------------------------------------------
 
     def _unloadable(self, req: Any) -> bool:
-        """Whether SGLang would admit ``req`` without loading a hit, so a lookup is wasted.
+        """Whether SGLang admits ``req`` without loading a hit (a lookup would be wasted).
 
-        SGLang 0.5.23 admits an ``ignore_eos`` request through
-        ``PrefillAdder.add_one_req_ignore_eos`` whenever the radix cache is disabled (as the
-        offload requires): that path never calls ``init_load_back``. Counted once per request.
+        SGLang 0.5.23's ``PrefillAdder.add_one_req_ignore_eos`` (radix cache disabled, as the
+        offload requires) never calls ``init_load_back``. Counted once per request.
         """
         if self._ignore_eos_loads:
             return False
@@ -347,11 +316,7 @@ class PrefixCacheRuntime:
             buf[groups] = rows[layer]
 
     def _state_slot(self, req: Any) -> torch.Tensor:
-        """``[1]`` physical index of ``req``'s recurrent state slot.
-
-        Raises:
-            OffloadRuntimeError: ``req`` holds no state slot (SGLang freed it).
-        """
+        """``[1]`` physical index of ``req``'s recurrent state slot (refused once freed)."""
         index = req.kv.mamba_pool_idx
         if index is None:
             msg = f"request {req.rid!r} holds no recurrent state slot"
@@ -366,18 +331,10 @@ class PrefixCacheRuntime:
 def build_prefix_cache(
     ctx: Any, tree_cache: Any, offload: OffloadRuntime, *, budget_bytes: int, max_entries: int
 ) -> PrefixCacheRuntime:
-    """The prefix cache of one scheduler.
-
-    Args:
-        ctx: SGLang's ``TreeCacheBuildContext``.
-        tree_cache: the ``qsa_hisparse`` tree cache built from it (its page size, pools and
-            allocator are the scheduler's).
-        offload: the model runner's offload runtime.
-        budget_bytes: host bytes for checkpoints on this rank.
-        max_entries: checkpoints kept at most.
+    """The prefix cache of one scheduler (SGLang's ``TreeCacheBuildContext``, its tree cache).
 
     Raises:
-        qsa_hostcache.ArenaAllocationError: the host cannot allocate (or pin) the budget.
+        qsa_hostcache.ArenaAllocationError: the host cannot allocate (or pin) ``budget_bytes``.
     """
     from sglang.srt.runtime_context import get_parallel, get_serving
 
