@@ -73,7 +73,7 @@ class StateSegments:
     def segments(self, state: Any) -> dict[str, torch.Tensor]:
         """``state.<j>`` -> the state's ``j``-th tensor leaf (contiguous)."""
         tensors = [x for x in pytree.tree_leaves(state) if isinstance(x, torch.Tensor)]
-        return {name: t.contiguous() for name, t in zip(self.names, tensors, strict=True)}
+        return {f"state.{j}": t.contiguous() for j, t in enumerate(tensors)}
 
     def rebuild(self, segments: Mapping[str, torch.Tensor]) -> Any:
         """The state of ``segments`` (:meth:`segments`' names), in the sample's structure."""
