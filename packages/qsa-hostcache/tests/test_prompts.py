@@ -159,7 +159,7 @@ def test_a_load_any_rank_cannot_claim_gives_everything_back_on_every_rank() -> N
     assert value is None
     assert given_back == [5]
     assert cache.stats().pinned_entries == 0
-    assert checkpoints.counts.load_failures == 1
+    assert checkpoints.counts.load_back_failures == 1
     assert checkpoints.take("req-1") is None
 
 

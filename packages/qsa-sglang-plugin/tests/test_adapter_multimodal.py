@@ -1,4 +1,5 @@
-"""SGLang's real multimodal items -> qsa-mm-prefix items, fingerprints and page identities."""
+"""SGLang's real multimodal items -> qsa-mm-prefix items and page identities; fingerprints of a
+real HF processor."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 from qsa_mm_prefix import (
+    Bypass,
+    BypassReason,
     InvalidFingerprintError,
     Modality,
     ProcessorFingerprint,
@@ -21,14 +24,8 @@ from qsa_mm_prefix import (
     content_digest,
 )
 from qsa_pytest.processes import hang_guard_s
-from qsa_sglang_plugin import (
-    AdapterError,
-    SGLangBypass,
-    SGLangBypassReason,
-    mm_items_from_sglang,
-    processor_fingerprint_from_sglang,
-    prompt_identity_from_sglang,
-)
+from qsa_sglang_plugin import mm_items_from_sglang, prompt_identity_from_sglang
+from qsa_sglang_plugin._adapters._multimodal import PROCESSING_PACKAGES
 
 MERGE = 2
 PROCESSOR = ProcessorFingerprint.create("Qwen2VLImageProcessorFast", "test", {"max_pixels": 1024})
@@ -80,7 +77,7 @@ def test_image_item_maps_odd_span_grid_and_bf16_bytes(sgl: ModuleType) -> None:
     """Inclusive offsets (5, 11) give start 5, length 7; bf16 pixels are hashed as their bytes."""
     item = _image(sgl, 5, 11, seed=3)
     items = mm_items_from_sglang(sgl.MultimodalInputs(mm_items=[item]))
-    assert not isinstance(items, SGLangBypass)
+    assert not isinstance(items, Bypass)
     (mapped,) = items
     assert (mapped.modality, mapped.start, mapped.length) == (Modality.IMAGE, 5, 7)
     assert mapped.grid == (1, 2, 14)
@@ -143,12 +140,12 @@ def test_text_prompt_has_only_empty_page_identities(sgl: ModuleType) -> None:
     [
         (
             lambda s: [_image(s, 0, 9), s.MultimodalDataItem(modality=s.Modality.VIDEO)],
-            SGLangBypassReason.VIDEO,
+            BypassReason.VIDEO,
             1,
         ),
         (
             lambda s: [s.MultimodalDataItem(modality=s.Modality.AUDIO, offsets=[(0, 3)])],
-            SGLangBypassReason.AUDIO,
+            BypassReason.AUDIO,
             0,
         ),
         (
@@ -160,51 +157,51 @@ def test_text_prompt_has_only_empty_page_identities(sgl: ModuleType) -> None:
                     precomputed_embeddings=torch.zeros(4, 8),
                 )
             ],
-            SGLangBypassReason.PRECOMPUTED_EMBEDDING,
+            BypassReason.PRECOMPUTED_EMBEDDING,
             0,
         ),
         (
             lambda s: [_image(s, 0, 3, precomputed_embeddings=torch.zeros(4, 8))],
-            SGLangBypassReason.PRECOMPUTED_EMBEDDING,
+            BypassReason.PRECOMPUTED_EMBEDDING,
             0,
         ),
         (
             lambda s: [_image(s, 0, 3, format=s.MultimodalInputFormat.PROCESSOR_OUTPUT)],
-            SGLangBypassReason.CALLER_FEATURES,
+            BypassReason.CALLER_FEATURES,
             0,
         ),
         (
             lambda s: [_image(s, 0, 9), _image(s, 20, 29, offsets=[(20, 24), (40, 44)])],
-            SGLangBypassReason.MULTI_SPAN,
+            BypassReason.MULTI_SPAN,
             1,
         ),
-        (lambda s: [_image(s, 0, 3, offsets=None)], SGLangBypassReason.NO_SPAN, 0),
-        (lambda s: [_image(s, 0, 3, offsets=[])], SGLangBypassReason.NO_SPAN, 0),
-        (lambda s: [_image(s, 0, 3, offsets=[(9, 4)])], SGLangBypassReason.BAD_SPAN, 0),
-        (lambda s: [_image(s, 0, 3, offsets=[(-2, 4)])], SGLangBypassReason.BAD_SPAN, 0),
+        (lambda s: [_image(s, 0, 3, offsets=None)], BypassReason.NO_SPAN, 0),
+        (lambda s: [_image(s, 0, 3, offsets=[])], BypassReason.NO_SPAN, 0),
+        (lambda s: [_image(s, 0, 3, offsets=[(9, 4)])], BypassReason.BAD_SPAN, 0),
+        (lambda s: [_image(s, 0, 3, offsets=[(-2, 4)])], BypassReason.BAD_SPAN, 0),
         (
             lambda s: [
                 _image(s, 0, 3, model_specific_data={"image_grid_thw": torch.ones(2, 3).long()})
             ],
-            SGLangBypassReason.BAD_GRID,
+            BypassReason.BAD_GRID,
             0,
         ),
         (
             lambda s: [
                 _image(s, 0, 3, model_specific_data={"image_grid_thw": torch.tensor([1, 0, 4])})
             ],
-            SGLangBypassReason.BAD_GRID,
+            BypassReason.BAD_GRID,
             0,
         ),
-        (lambda s: [_image(s, 0, 3, feature=None)], SGLangBypassReason.MISSING_CONTENT, 0),
+        (lambda s: [_image(s, 0, 3, feature=None)], BypassReason.MISSING_CONTENT, 0),
         (
             lambda s: [_image(s, 0, 3, feature=torch.empty(16, 12, device="meta"))],
-            SGLangBypassReason.CONTENT_ON_DEVICE,
+            BypassReason.CONTENT_ON_DEVICE,
             0,
         ),
         (
             lambda s: [_image(s, 0, 3, feature=[torch.zeros(16, 12)])],
-            SGLangBypassReason.UNSUPPORTED_CONTENT,
+            BypassReason.UNSUPPORTED_CONTENT,
             0,
         ),
     ],
@@ -227,12 +224,12 @@ def test_text_prompt_has_only_empty_page_identities(sgl: ModuleType) -> None:
     ],
 )
 def test_unidentifiable_items_bypass_with_reason_and_index(
-    sgl: ModuleType, build: Any, reason: SGLangBypassReason, index: int
+    sgl: ModuleType, build: Any, reason: BypassReason, index: int
 ) -> None:
     """Each item the adapter cannot identify exactly bypasses the prompt; no item list leaks."""
     req = _req(sgl, 200, *build(sgl))
     got = prompt_identity_from_sglang(req, processor=PROCESSOR)
-    assert isinstance(got, SGLangBypass)
+    assert isinstance(got, Bypass)
     assert (got.reason, got.item_index, got.reusable) == (reason, index, False)
     assert mm_items_from_sglang(req.multimodal_inputs) == got
 
@@ -291,6 +288,10 @@ def test_same_inputs_in_a_fresh_process_give_the_same_page_identities(sgl: Modul
     assert json.loads(out.strip().splitlines()[-1]) == [p.hex() for p in here.page_identities]
 
 
+def _fingerprint(processor: object, **kwargs: Any) -> ProcessorFingerprint:
+    return ProcessorFingerprint.from_processor(processor, packages=PROCESSING_PACKAGES, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def hf_processor_cls(sgl: ModuleType) -> Any:
     """A real HF Qwen2-VL image processor class (constructible offline from its defaults)."""
@@ -304,20 +305,18 @@ def hf_processor_cls(sgl: ModuleType) -> Any:
 def test_processor_fingerprint_follows_output_changing_settings(hf_processor_cls: Any) -> None:
     """Equal settings fingerprint equally; a resize bound, mean or model type changes it."""
     cfg = {"model_type": "qwen4_exp", "architectures": ["Qwen4ExpForConditionalGeneration"]}
-    base = processor_fingerprint_from_sglang(hf_processor_cls(), hf_config=cfg)
-    again = processor_fingerprint_from_sglang(hf_processor_cls(), hf_config=cfg)
+    base = _fingerprint(hf_processor_cls(), hf_config=cfg)
+    again = _fingerprint(hf_processor_cls(), hf_config=cfg)
     assert base.digest == again.digest
     assert base.name.startswith("transformers.")
     assert base.name.endswith(".Qwen2VLImageProcessor")
     assert "transformers==" in base.version
     assert "sglang==0.5.23" in base.version
     others = [
-        processor_fingerprint_from_sglang(hf_processor_cls(merge_size=4), hf_config=cfg),
-        processor_fingerprint_from_sglang(hf_processor_cls(image_mean=[0.5] * 3), hf_config=cfg),
-        processor_fingerprint_from_sglang(
-            hf_processor_cls(), hf_config={**cfg, "model_type": "qwen2_vl"}
-        ),
-        processor_fingerprint_from_sglang(hf_processor_cls(), hf_config=cfg, extra={"rev": "b"}),
+        _fingerprint(hf_processor_cls(merge_size=4), hf_config=cfg),
+        _fingerprint(hf_processor_cls(image_mean=[0.5] * 3), hf_config=cfg),
+        _fingerprint(hf_processor_cls(), hf_config={**cfg, "model_type": "qwen2_vl"}),
+        _fingerprint(hf_processor_cls(), hf_config=cfg, extra={"rev": "b"}),
     ]
     assert len({base.digest, *(o.digest for o in others)}) == 5
 
@@ -332,11 +331,11 @@ def test_processor_payload_is_preferred_and_must_be_canonical() -> None:
         def preprocess_fingerprint_payload(self) -> object:
             return self.payload
 
-    a = processor_fingerprint_from_sglang(Payload({"image_config": {"max_pixels": 10}}))
-    b = processor_fingerprint_from_sglang(Payload({"image_config": {"max_pixels": 11}}))
-    c = processor_fingerprint_from_sglang(Payload({"dtype": torch.bfloat16, "t": (1, 2)}))
+    a = _fingerprint(Payload({"image_config": {"max_pixels": 10}}))
+    b = _fingerprint(Payload({"image_config": {"max_pixels": 11}}))
+    c = _fingerprint(Payload({"dtype": torch.bfloat16, "t": (1, 2)}))
     assert len({a.digest, b.digest, c.digest}) == 3
-    with pytest.raises(AdapterError, match="exposes neither"):
-        processor_fingerprint_from_sglang(object())
+    with pytest.raises(InvalidFingerprintError, match="exposes neither"):
+        _fingerprint(object())
     with pytest.raises(InvalidFingerprintError, match="setting key 1 at 'processor' is not a str"):
-        processor_fingerprint_from_sglang(Payload({1: "x"}))
+        _fingerprint(Payload({1: "x"}))

@@ -27,6 +27,7 @@ from qsa_hostcache._keys import (
     PageHash,
     PageHasher,
     PrefixKey,
+    config_digest,
     page_keys,
     token_bytes,
 )
@@ -39,6 +40,8 @@ from qsa_hostcache._prompts import (
     agree_min,
     kv_segments,
 )
+from qsa_hostcache._requests import PromptKeys
+from qsa_hostcache._segments import INDEX_SEGMENT, StateSegments, compressed_slots, segment_buffer
 from qsa_hostcache._stats import CacheStats, StatSeries
 from qsa_hostcache._version import __version__
 
@@ -46,6 +49,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "__version__",
     # keys
     "CacheNamespace",
+    "config_digest",
     "PrefixKey",
     "PageHash",
     "PageHasher",
@@ -71,7 +75,13 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "Claim",
     "Agree",
     "agree_min",
+    "PromptKeys",
+    # what a prompt's checkpoint holds
     "kv_segments",
+    "INDEX_SEGMENT",
+    "compressed_slots",
+    "StateSegments",
+    "segment_buffer",
     # errors
     "HostCacheError",
     "CacheConfigError",

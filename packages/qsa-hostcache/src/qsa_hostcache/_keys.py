@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import array
 import ctypes
+import dataclasses
+import hashlib
+import json
 import reprlib
 import struct
 import sys
@@ -67,6 +70,19 @@ def _field(value: str | None) -> bytes:
         return b"\xff\xff\xff\xff"
     raw = value.encode("utf-8")
     return len(raw).to_bytes(4, "little") + raw
+
+
+def _canonical_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def config_digest(settings: Mapping[str, object]) -> str:
+    """A :attr:`CacheNamespace.config_digest`: SHA-256 (hex) of ``settings`` as canonical JSON.
+
+    Sorted keys, no spaces; a value JSON cannot hold is written as its ``str``. Two engines
+    whose settings are equal get the same digest in every process.
+    """
+    return hashlib.sha256(_canonical_json(settings).encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +136,25 @@ class CacheNamespace:
             raise InvalidKeyError(
                 f"tp_rank must lie in [0, {self.tp_size!r}), got {self.tp_rank!r}"
             )
+
+    def for_request(
+        self,
+        *,
+        cache_salt: str | None = None,
+        lora_id: str | None = None,
+        extra_key: str | None = None,
+    ) -> CacheNamespace:
+        """This namespace with one request's part: its cache salt, adapter (LoRA) and extra key.
+
+        ``salt`` becomes the canonical JSON object of the three
+        (``{"cache_salt":...,"extra_key":...,"lora":...}``, sorted keys, no spaces); with all
+        three ``None`` the namespace is returned unchanged, so such a request shares the
+        engine's keys. ``""`` is a salt, different from ``None``.
+        """
+        parts = {"cache_salt": cache_salt, "lora": lora_id, "extra_key": extra_key}
+        if all(v is None for v in parts.values()):
+            return self
+        return dataclasses.replace(self, salt=_canonical_json(parts))
 
     def material(self) -> bytes:
         """Canonical, length-prefixed encoding of every field (the bytes a match compares)."""

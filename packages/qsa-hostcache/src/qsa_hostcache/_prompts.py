@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Final, Generic, TypeVar
 
 import torch
 
@@ -35,6 +35,8 @@ from qsa_hostcache._cache import HostPrefixCache, Lease
 from qsa_hostcache._errors import CheckpointTooLarge, HostCacheError
 from qsa_hostcache._keys import PrefixKey
 from qsa_hostcache._layout import SegmentSpec
+from qsa_hostcache._segments import segment_buffer
+from qsa_hostcache._stats import StatSeries
 
 __all__ = ("Agree", "Claim", "PromptCheckpoints", "PromptCounts", "agree_min", "kv_segments")
 
@@ -92,22 +94,38 @@ def kv_segments(
     return segments
 
 
+_COUNT_HELP: Final = {
+    "loads": "Requests that resumed from a checkpoint (their tokens count as cached).",
+    "loaded_tokens": "Prompt tokens served from checkpoints instead of computed.",
+    "load_back_failures": "Hits that could not be loaded back (the request recomputed its prompt).",
+    "publish_errors": "Checkpoints that failed while being written (the request was served).",
+}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PromptCounts:
-    """What the engine's calls did, beyond the cache's own :class:`CacheStats`.
+    """What the engine's calls did, beyond the cache's own :class:`CacheStats` (all counters).
 
     Attributes:
         loads: prompts that resumed from a checkpoint.
         loaded_tokens: their tokens, served from checkpoints instead of computed.
-        load_failures: hits that could not be loaded on every rank (the prompt was computed).
+        load_back_failures: hits that could not be loaded on every rank (the prompt was
+            computed).
         publish_errors: checkpoints that failed while being gathered or written (logged; the
             request was served either way).
     """
 
     loads: int = 0
     loaded_tokens: int = 0
-    load_failures: int = 0
+    load_back_failures: int = 0
     publish_errors: int = 0
+
+    @staticmethod
+    def series() -> tuple[StatSeries, ...]:
+        """Every field, in declaration order, as a counter with its help text."""
+        return tuple(
+            StatSeries(f.name, True, _COUNT_HELP[f.name]) for f in dataclasses.fields(PromptCounts)
+        )
 
 
 class PromptCheckpoints(Generic[T]):
@@ -184,7 +202,7 @@ class PromptCheckpoints(Generic[T]):
                 claimed.undo()
             if lease is not None:
                 lease.release()
-            self._count(load_failures=self._counts.load_failures + 1)
+            self._count(load_back_failures=self._counts.load_back_failures + 1)
             logger.info("prefix cache: %r recomputes its %d cached tokens", holder, key.num_tokens)
             return None
         assert lease is not None
@@ -215,6 +233,22 @@ class PromptCheckpoints(Generic[T]):
     def restore(self, lease: Lease, into: Mapping[str, torch.Tensor]) -> None:
         """Restore segments into ``into`` and order the current stream after the copies."""
         self.cache.restore(lease, into).wait()
+
+    def restore_new(
+        self, lease: Lease, names: Iterable[str], device: torch.device | str
+    ) -> dict[str, torch.Tensor]:
+        """The segments ``names`` in new tensors on ``device``, as they were published.
+
+        Each tensor has its segment's published dtype and shape; the current stream is ordered
+        after the copies (:meth:`restore`).
+
+        Raises:
+            SegmentError: a segment was published without a dtype or shape, or is not in the
+                checkpoint.
+        """
+        into = {name: segment_buffer(lease.match.segment(name), device) for name in names}
+        self.restore(lease, into)
+        return into
 
     def restore_kv(
         self,

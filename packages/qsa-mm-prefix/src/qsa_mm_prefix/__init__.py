@@ -7,10 +7,13 @@ identity a prefix cache mixes into that page's key: empty for pages without imag
 overlapping images' keys and overlap offsets otherwise. Video, audio, precomputed embeddings and
 caller-supplied features make a prompt not reusable, with the reason.
 
-Engine-agnostic: a serving engine describes its items as :class:`MultimodalItem` values. Hashing is
+Engine-agnostic: a serving engine reads its own items' fields and describes each with
+:func:`describe_item` (or builds :class:`MultimodalItem` values itself);
+:func:`prompt_page_extras` gives a prompt's page extras or its :class:`BypassReason`. Hashing is
 XXH3-128 with explicit seeds, independent of the process and of ``PYTHONHASHSEED``.
 """
 
+from qsa_mm_prefix._describe import collect_items, describe_item, prompt_page_extras
 from qsa_mm_prefix._encoding import ENCODING_VERSION, KEY_BYTES, PreprocessArg
 from qsa_mm_prefix._errors import (
     ContentError,
@@ -51,6 +54,8 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "MultimodalItem",
     "PreprocessArg",
     "ProcessorFingerprint",
+    "describe_item",
+    "collect_items",
     # Identity
     "Bypass",
     "BypassReason",
@@ -59,6 +64,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "build_prompt_identity",
     "content_digest",
     "image_key",
+    "prompt_page_extras",
     "spatial_merge_size",
     # Constants
     "DEFAULT_PAGE_SIZE",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import importlib.metadata
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Final, TypeAlias, TypeGuard
@@ -36,6 +37,13 @@ def is_int_at_least(value: object, minimum: int) -> TypeGuard[int]:
 
 def _is_nonempty_str(value: object) -> bool:
     return isinstance(value, str) and value != ""
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 def _canonical(value: object, path: str) -> PreprocessArg:
@@ -110,13 +118,37 @@ class FeatureSource(enum.Enum):
 
 
 class BypassReason(enum.Enum):
-    """Why a prompt gets no identity and must never be matched or captured."""
+    """Why a prompt gets no identity and must never be matched or captured.
 
+    One list for every layer that decides it: an item's media or features
+    (:func:`build_prompt_identity`), an engine's item that is not one exact
+    :class:`MultimodalItem` (:func:`describe_item`), and the prompt as a whole
+    (:func:`prompt_page_extras`). The values are the label values operators see.
+    """
+
+    # the item's media or features
     VIDEO = "video"
     AUDIO = "audio"
     PRECOMPUTED_EMBEDDING = "precomputed-embedding"
     CALLER_FEATURES = "caller-features"
     MISSING_CONTENT = "missing-content"
+    # an engine's item that cannot be described exactly
+    UNKNOWN_MODALITY = "unknown-modality"
+    NO_SPAN = "no-span"
+    MULTI_SPAN = "multi-span"
+    BAD_SPAN = "bad-span"
+    BAD_GRID = "bad-grid"
+    CONTENT_ON_DEVICE = "content-on-device"
+    UNSUPPORTED_CONTENT = "unsupported-content"
+    # the prompt as a whole
+    INPUT_EMBEDS = "input-embeds"
+    """Embeddings given instead of token ids."""
+    EMBED_OVERRIDES = "embed-overrides"
+    """Positional embedding overrides: the same ids carry other vectors."""
+    NO_PROCESSOR = "no-processor"
+    """Media, but no processor fingerprint on this engine."""
+    INVALID_MULTIMODAL = "invalid-multimodal"
+    """Media items whose spans or grids contradict the prompt (logged as an engine bug)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +227,54 @@ class ProcessorFingerprint:
         """
         args = {key: _canonical(value, key) for key, value in settings.items()}
         return cls.create(name, version, args)
+
+    @classmethod
+    def from_processor(
+        cls,
+        processor: object,
+        *,
+        hf_config: object | None = None,
+        extra: Mapping[str, object] | None = None,
+        packages: Sequence[str] = ("transformers",),
+    ) -> ProcessorFingerprint:
+        """Fingerprint a processor object by its own account of its output-changing settings.
+
+        ``name`` is the processor's ``module.qualname``; ``version`` pins each of ``packages``
+        (``"transformers==4.57.1;sglang==0.5.23"``: their processing code is part of the output,
+        ``absent`` for one not installed). The settings are the processor's
+        ``preprocess_fingerprint_payload()`` when it has one (the payload an engine's own
+        processor hashes into its artifact keys), else its ``to_dict()`` (an HF image
+        processor); plus the checkpoint's ``model_type`` and ``architectures`` from
+        ``hf_config`` (its ``to_dict()``, or a mapping) and any ``extra`` settings, all made
+        canonical by :meth:`from_settings`.
+
+        Raises:
+            InvalidFingerprintError: the processor has neither method, or its payload has a
+                non-``str`` mapping key.
+            UnsupportedArgumentError: a payload value has no canonical encoding.
+        """
+        if hasattr(processor, "preprocess_fingerprint_payload"):
+            payload = processor.preprocess_fingerprint_payload()
+        elif hasattr(processor, "to_dict"):
+            payload = processor.to_dict()
+        else:
+            msg = (
+                f"processor {type(processor).__qualname__!r} exposes neither "
+                "preprocess_fingerprint_payload() nor to_dict(); "
+                "its settings cannot be fingerprinted"
+            )
+            raise InvalidFingerprintError(msg)
+        settings: dict[str, object] = {"processor": payload}
+        if hf_config is not None:
+            to_dict = getattr(hf_config, "to_dict", None)
+            cfg = to_dict() if callable(to_dict) else dict(hf_config)  # type: ignore[call-overload]
+            settings["model_type"] = cfg.get("model_type")
+            settings["architectures"] = cfg.get("architectures")
+        if extra:
+            settings["extra"] = dict(extra)
+        kind = type(processor)
+        version = ";".join(f"{name}=={_dist_version(name)}" for name in packages)
+        return cls.from_settings(f"{kind.__module__}.{kind.__qualname__}", version, settings)
 
     def __post_init__(self) -> None:
         digest = Packer("processor").text(self.name).text(self.version).blob(self.args_encoding)
@@ -312,13 +392,28 @@ class ImageKey:
 class Bypass:
     """Why a prompt is not reusable, and which item made it so.
 
+    Has the ``reusable`` / ``bypass_reason`` surface of :class:`PromptIdentity`, so a caller can
+    test either with ``if not identity.reusable``.
+
     Attributes:
         reason: The bypass class.
         item_index: Index of the first offending item in the engine's item list.
+        detail: The offending value, for logs (e.g. ``"offsets=[(3, 9), (20, 40)]"``).
     """
 
     reason: BypassReason
     item_index: int
+    detail: str = ""
+
+    @property
+    def reusable(self) -> bool:
+        """Always ``False``."""
+        return False
+
+    @property
+    def bypass_reason(self) -> BypassReason:
+        """The bypass class."""
+        return self.reason
 
 
 @dataclass(frozen=True, slots=True)

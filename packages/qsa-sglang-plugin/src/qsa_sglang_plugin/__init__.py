@@ -11,13 +11,10 @@ machine before serving.
 from qsa_sglang_plugin._activation import ActivationRecord, activate
 from qsa_sglang_plugin._adapters import (
     DIGEST_SERVER_FIELDS,
-    SGLangBypass,
-    SGLangBypassReason,
     cache_namespace_from_sglang,
     capacity_plan_from_sglang,
     config_digest_from_sglang,
     mm_items_from_sglang,
-    processor_fingerprint_from_sglang,
     prompt_identity_from_sglang,
 )
 from qsa_sglang_plugin._errors import (
@@ -58,13 +55,10 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "parse_switches",
     # adapters from SGLang objects to the libraries
     "DIGEST_SERVER_FIELDS",
-    "SGLangBypass",
-    "SGLangBypassReason",
     "cache_namespace_from_sglang",
     "capacity_plan_from_sglang",
     "config_digest_from_sglang",
     "mm_items_from_sglang",
-    "processor_fingerprint_from_sglang",
     "prompt_identity_from_sglang",
     # errors
     "ActivationError",

@@ -7,10 +7,7 @@ module import time.
 
 from qsa_sglang_plugin._adapters._capacity import capacity_plan_from_sglang
 from qsa_sglang_plugin._adapters._multimodal import (
-    SGLangBypass,
-    SGLangBypassReason,
     mm_items_from_sglang,
-    processor_fingerprint_from_sglang,
     prompt_identity_from_sglang,
 )
 from qsa_sglang_plugin._adapters._namespace import (
@@ -22,13 +19,10 @@ from qsa_sglang_plugin._adapters._namespace import (
 
 __all__ = (
     "DIGEST_SERVER_FIELDS",
-    "SGLangBypass",
-    "SGLangBypassReason",
     "cache_namespace_from_sglang",
     "capacity_plan_from_sglang",
     "config_digest_from_sglang",
     "kv_storage_dtype",
     "mm_items_from_sglang",
-    "processor_fingerprint_from_sglang",
     "prompt_identity_from_sglang",
 )

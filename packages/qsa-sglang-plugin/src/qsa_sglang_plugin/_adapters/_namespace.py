@@ -1,14 +1,11 @@
 """SGLang server arguments and model config -> ``qsa_hostcache.CacheNamespace``.
 
-The namespace holds everything besides token ids and image identities that must agree for two
-prefixes to share cached bytes. What goes into the config digest, and what is left out, is listed
-in :data:`DIGEST_SERVER_FIELDS` and ``docs/plugin.md`` ("Adapters").
+Which SGLang fields change a checkpoint's bytes, and which are left out and why:
+``docs/plugin.md`` ("Adapters", "Namespace").
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import TYPE_CHECKING, Any, Final
 
 from qsa_core import KVDType
@@ -23,17 +20,11 @@ __all__ = (
     "cache_namespace_from_sglang",
     "config_digest_from_sglang",
     "kv_storage_dtype",
-    "request_salt",
     "resolved_args",
 )
 
 #: ``ServerArgs`` fields (resolved values) that change the bytes a checkpoint holds for given
-#: tokens: the storage layout (page size, KV dtype), the weights actually loaded (model dtype,
-#: quantization and its scale file, load format: ``dummy`` loads random weights), the recurrent
-#: state dtype, and the kernels whose rounding reaches later layers' K/V and state (attention
-#: backends, deterministic mode). Left out on purpose: context length, chunk size, request and
-#: memory limits, CUDA graphs, radix/hierarchical cache flags, ports, logging and sampling
-#: defaults. They cap or schedule work but do not change the bytes computed for a token prefix.
+#: tokens: storage layout, the weights loaded, the state dtype, kernels whose rounding carries.
 DIGEST_SERVER_FIELDS: Final = (
     "page_size",
     "kv_cache_dtype",
@@ -96,14 +87,10 @@ def _model_dtype(model_or_hf_config: Any) -> str:
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
-    """The K/V storage dtype as torch names it: ``auto`` is the model dtype.
-
-    The spellings are :class:`qsa_core.KVDType`'s (the configuration check refuses any other
-    ``--kv-cache-dtype`` before a namespace is made).
+    """The K/V storage dtype as torch names it (``auto``: the model dtype).
 
     Raises:
-        AdapterError: a ``--kv-cache-dtype`` that is not one of
-            :meth:`qsa_core.KVDType.sglang_flag_values`.
+        AdapterError: a ``--kv-cache-dtype`` not in :meth:`qsa_core.KVDType.sglang_flag_values`.
     """
     key = str(kv_cache_dtype).strip().lower()
     if key == "auto":
@@ -117,13 +104,13 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
 
 
 def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
-    """SHA-256 (hex) over the checkpoint config and :data:`DIGEST_SERVER_FIELDS`.
+    """:func:`qsa_hostcache.config_digest` of the HF config, model dtype and server fields.
 
-    The whole HF config (``to_dict()``, ``--json-model-override-args`` already applied) goes in:
-    any field of it can change the model's arithmetic, and listing a subset would miss the next
-    one; only :data:`IGNORED_CONFIG_KEYS` are dropped. Values are encoded as canonical JSON
-    (sorted keys; non-JSON values by ``str``).
+    The whole HF config (overrides applied) less :data:`IGNORED_CONFIG_KEYS`: any other field
+    can change the arithmetic. The server fields are :data:`DIGEST_SERVER_FIELDS`.
     """
+    from qsa_hostcache import config_digest
+
     view = resolved_args(server_args)
     payload = {
         "hf_config": {
@@ -134,18 +121,7 @@ def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
         "model_dtype": _model_dtype(model_config),
         "server": {name: getattr(view, name, None) for name in DIGEST_SERVER_FIELDS},
     }
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def request_salt(
-    *, cache_salt: str | None = None, lora_id: str | None = None, extra_key: str | None = None
-) -> str | None:
-    """A request's part of the namespace: a JSON object of the three, or ``None`` if all unset."""
-    parts = {"cache_salt": cache_salt, "lora": lora_id, "extra_key": extra_key}
-    if all(v is None for v in parts.values()):
-        return None
-    return json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    return config_digest(payload)
 
 
 def cache_namespace_from_sglang(
@@ -157,22 +133,12 @@ def cache_namespace_from_sglang(
     lora_id: str | None = None,
     extra_key: str | None = None,
 ) -> CacheNamespace:
-    """The host prefix cache namespace of one TP rank (and, with the keywords, one request).
+    """The namespace of one TP rank (and, with the keywords, one request's salt).
 
-    Args:
-        server_args: SGLang's resolved ``ServerArgs`` (or an object with the same fields).
-        model_config: SGLang's ``ModelConfig`` (its ``hf_config`` and ``dtype`` are read) or the
-            checkpoint's HF config.
-        tp_rank: This rank, in ``[0, --tp-size)``.
-        cache_salt: The request's ``cache_salt``, if any.
-        lora_id: The request's LoRA adapter id or path, if any.
-        extra_key: The request's ``extra_key``, if any.
-
-    Returns:
-        ``model`` = ``--model-path`` plus ``@--revision`` when set; ``dtype`` = the K/V storage
-        dtype (``auto`` -> the model dtype); ``tp_size``/``tp_rank``; ``config_digest`` =
-        :func:`config_digest_from_sglang`; ``salt`` = a JSON object of the request's salt, LoRA
-        and extra key, or ``None`` when all three are unset.
+    ``model`` is ``--model-path`` plus ``@--revision`` when set; ``dtype`` the K/V storage dtype;
+    ``config_digest`` :func:`config_digest_from_sglang` of ``server_args`` and ``model_config``
+    (SGLang's ``ModelConfig`` or an HF config); the salt
+    :meth:`qsa_hostcache.CacheNamespace.for_request`'s.
 
     Raises:
         AdapterError: no model path, an unknown KV dtype or a config without a dtype.
@@ -187,12 +153,10 @@ def cache_namespace_from_sglang(
     revision = getattr(view, "revision", None)
     model = f"{model_path}@{revision}" if revision else str(model_path)
     dtype = kv_storage_dtype(str(view.kv_cache_dtype), _model_dtype(model_config))
-    salt = request_salt(cache_salt=cache_salt, lora_id=lora_id, extra_key=extra_key)
     return CacheNamespace(
         model=model,
         dtype=dtype,
         tp_size=int(view.tp_size),
         tp_rank=tp_rank,
         config_digest=config_digest_from_sglang(server_args, model_config),
-        salt=salt,
-    )
+    ).for_request(cache_salt=cache_salt, lora_id=lora_id, extra_key=extra_key)

@@ -1,20 +1,11 @@
 """The ``qsa_hisparse`` radix-cache backend: SGLang's unified radix cache plus one lease a request.
 
-Imported only when SGLang builds its tree cache (:func:`._lifecycle.radix_cache_factory`).
-SGLang tells its tree cache about every request that holds a KV row: the row is allocated
-(``maybe_hand_to_session``, once per prefill chunk), a prefill chunk or the whole prompt ends
-(``checkpoint``), and the row is given back (``on_release``, on finish, abort — also in the middle
-of a chunked prefill — and retraction). :class:`HiSparseRadixCache` maps those calls onto one
-:class:`qsa_core.LeaseTable` per scheduler (with an offload, the runtime's own,
-:attr:`OffloadRuntime.leases`), so every request that got a row holds exactly one lease, found by
-its request id and its ``req_pool_idx``, until SGLang releases the row, and every lease is released.
-With an offload the runtime moves the lease through the hand-off (:meth:`OffloadRuntime.admit`,
-``plan_decode``, :meth:`OffloadRuntime.release`); without one the prompt stays on the device and
-the lease goes from PREFILLING to DECODING when the prompt's last chunk is checkpointed. The host
-prefix cache matches, loads back, restores and publishes on the same calls (:mod:`._prefix`).
-
-Operators see the leases on SGLang's Prometheus endpoint (``--enable-metrics``):
-``qsa_hisparse_live_leases`` and ``qsa_hisparse_leases_released_total{outcome}``.
+Imported only when SGLang builds its tree cache (:func:`._lifecycle.radix_cache_factory`). SGLang's
+row calls (``maybe_hand_to_session``, ``checkpoint``, ``on_release``) map onto one
+:class:`qsa_core.LeaseTable` per scheduler (with an offload, :attr:`OffloadRuntime.leases`), its
+prefix-cache calls onto :class:`._prefix.PrefixCacheRuntime`; the lease's path:
+``docs/architecture.md`` ("A request from admission to release"). Series:
+``qsa_hisparse_live_leases``, ``qsa_hisparse_leases_released_total{outcome}``.
 """
 
 from __future__ import annotations
