@@ -454,3 +454,64 @@ def test_a_runtime_that_reads_blocks_refuses_chosen_tokens_before_writing_the_to
         runtime.decode_tokens(3, q, token, token, positions, SCALE)
     assert int(runtime.kv.step_lengths[0]) == PREFIX + 1  # the plan stands
     assert not bool(runtime.kv.tail.eq(5.0).any())  # the new token was not written
+
+
+def test_every_count_is_described_once_as_a_series() -> None:
+    """``OffloadCounts.series`` names every field, in order, once; only the rows in use are a
+    value now (a gauge), the rest only grow (counters)."""
+    import dataclasses
+
+    series = OffloadCounts.series()
+    assert [s.field for s in series] == [f.name for f in dataclasses.fields(OffloadCounts)]
+    assert [s.field for s in series if not s.counter] == ["rows_in_use"]
+    assert len({s.name for s in series}) == len(series)
+    assert all(s.help.endswith(".") for s in series)
+
+
+def test_the_description_names_the_arena_and_the_device_buffers() -> None:
+    """The start-up line gives the arena's bytes and sizes and the fixed device bytes."""
+    from qsa_core import format_bytes
+
+    runtime = _runtime()
+    g = runtime.kv.geometry
+    text = runtime.describe()
+    assert text.startswith(f"host arena {format_bytes(g.host_bytes)} (2 rows x 2 attention")
+    assert "all-head records, bfloat16, pageable); on cpu: staging, hot caches (16 blocks" in text
+    assert text.endswith(format_bytes(OffloadRuntime.fixed_device_bytes(g)))
+    assert runtime.describe_sharding() is None
+
+
+@pytest.mark.parametrize("prefix", [0, 20])
+def test_prefill_stages_the_chunk_and_attends_over_the_staged_prompt(prefix: int) -> None:
+    """The chunk's rows over the staged prompt equal the context attention over the whole
+    prompt, and the staging area holds the chunk."""
+    from qsa_kernels.context import PrefillKernels, attend_context
+
+    runtime = _runtime()
+    gen = torch.Generator().manual_seed(prefix)
+    tokens, chunk, hq = prefix + 12, 12, 4
+    k = torch.randn((tokens, 1, D), generator=gen).to(torch.bfloat16)
+    v = torch.randn((tokens, 1, D), generator=gen).to(torch.bfloat16)
+    q = torch.randn((chunk, hq, D), generator=gen).to(torch.bfloat16)
+    # each row's distinct causal positions, -1 padded to 8
+    picks = torch.full((chunk, 8), -1)
+    for row, p in enumerate(range(prefix, tokens)):
+        chosen = torch.randperm(p + 1, generator=gen)[:8]
+        picks[row, : chosen.numel()] = chosen
+    kernels = PrefillKernels.reference()
+    if prefix:
+        runtime.stage(3, k[:prefix], v[:prefix], slot=SLOT, start=0, end=prefix)
+    got = runtime.prefill(
+        3,
+        q,
+        k[prefix:],
+        v[prefix:],
+        picks,
+        slot=SLOT,
+        start=prefix,
+        end=tokens,
+        scale=SCALE,
+        kernels=kernels,
+    )
+    assert torch.equal(runtime.staging_k[0, prefix:tokens], k[prefix:])
+    assert torch.equal(got, attend_context(q, k, v, picks, SCALE, kernels))

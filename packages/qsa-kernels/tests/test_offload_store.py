@@ -432,3 +432,66 @@ def test_per_head_records_hold_each_heads_tokens_and_cost_the_same_bytes(
         for head in range(hkv):
             want = k[layer, 4:8, head].cpu()
             assert torch.equal(arena[layer * hkv + head, 1, 0, :, 0], want)
+
+
+def test_a_geometry_for_a_context_holds_its_open_last_block() -> None:
+    """``for_context`` gives ``ceil(context / 4)`` arena blocks: 4,097 tokens need 1,025."""
+    geometry = OffloadGeometry.for_context(
+        layers=2,
+        rows=3,
+        context_len=4097,
+        hot_slots=16,
+        kv_heads=1,
+        head_dim=64,
+        dtype=torch.bfloat16,
+    )
+    assert (geometry.max_blocks, geometry.max_tokens) == (1025, 4100)
+    assert not geometry.per_head
+
+
+def test_a_per_head_geometry_caps_its_hot_cache_at_a_contexts_blocks() -> None:
+    """Per-head records for double sparsity: hot caches of the blocks one step may read, but no
+    more than the context holds (qsa-core's ``ds_offload_sizes``)."""
+
+    def geometry(context_len: int) -> OffloadGeometry:
+        return OffloadGeometry.per_head_for_context(
+            layers=2,
+            rows=1,
+            context_len=context_len,
+            hot_blocks=300,
+            kv_heads=2,
+            head_dim=64,
+            dtype=torch.bfloat16,
+        )
+
+    wide, short = geometry(4096), geometry(40)
+    assert wide.per_head
+    assert (wide.hot_slots, wide.store_layers) == (300, 4)
+    assert (short.hot_slots, short.max_blocks) == (10, 10)
+
+
+def test_a_per_head_geometry_refuses_qsa_cores_refusal_as_its_own_error() -> None:
+    """A size qsa-core refuses comes back as the package's input error, with qsa-core's text."""
+    with pytest.raises(KernelInputError, match="hot_blocks=0"):
+        OffloadGeometry.per_head_for_context(
+            layers=2,
+            rows=1,
+            context_len=64,
+            hot_blocks=0,
+            kv_heads=2,
+            head_dim=64,
+            dtype=torch.bfloat16,
+        )
+
+
+def test_an_arena_larger_than_the_hosts_memory_is_refused_with_its_sizes() -> None:
+    """The refusal names the arena's bytes and the product that makes them; unknown or enough
+    memory passes."""
+    geometry = OffloadGeometry(2, 3, 16, 100, 1, 64, torch.bfloat16)
+    geometry.check_host_memory(None)
+    geometry.check_host_memory(geometry.host_bytes)
+    with pytest.raises(KernelInputError) as refused:
+        geometry.check_host_memory(geometry.host_bytes - 1)
+    text = str(refused.value)
+    assert f"(3 rows x 2 record layers x 100 blocks x {geometry.record_bytes} B)" in text
+    assert "available" in text

@@ -1,4 +1,4 @@
-"""``attend_context`` on the GPU: upstream's CUDA prefill kernel against its CPU reference path.
+"""``qsa_kernels.context.attend_context`` on the GPU with upstream's kernels: CUDA against CPU.
 
 The offload backend attends a prefill chunk over its staging area with upstream's chunk-prefill
 Triton kernel, one entry for a plain chunk after a prefix, and with context-parallel prefill one
@@ -65,7 +65,8 @@ def test_the_kernel_attends_each_ranks_zigzag_rows_as_the_reference(
     within the kernel's bf16 precision."""
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_sglang_plugin._adapters._qsa_common import attend_context
+    from qsa_kernels.context import attend_context
+    from qsa_sglang_plugin._adapters._qsa_common import prefill_kernels, zigzag_entries
 
     size = 777
     gen = torch.Generator().manual_seed(SEED + world + prefix)
@@ -75,6 +76,7 @@ def test_the_kernel_attends_each_ranks_zigzag_rows_as_the_reference(
     q = torch.randn((size, HQ, D), generator=gen).to(torch.bfloat16)
     picks = _selection(prefix, end, gen)
     cuda = torch.device("cuda")
+    kernels = prefill_kernels()
     for rank in range(world):
         if world == 1:
             rows_q, rows_picks, meta = q, picks, None
@@ -84,8 +86,15 @@ def test_the_kernel_attends_each_ranks_zigzag_rows_as_the_reference(
             meta = batch.attn_cp_metadata
             rows_q = strategy.shard_hidden_states(q, batch)
             rows_picks = strategy.shard_hidden_states(picks, batch)
-        want = attend_context(rows_q, k, v, rows_picks, SCALE)
+        want = attend_context(rows_q, k, v, rows_picks, SCALE, kernels)
+        zigzag = None if meta is None else zigzag_entries(meta)
         got = attend_context(
-            rows_q.to(cuda), k.to(cuda), v.to(cuda), rows_picks.to(cuda), SCALE, meta
+            rows_q.to(cuda),
+            k.to(cuda),
+            v.to(cuda),
+            rows_picks.to(cuda),
+            SCALE,
+            kernels,
+            zigzag=zigzag,
         )
         torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=ATOL)

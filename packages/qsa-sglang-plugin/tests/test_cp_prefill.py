@@ -302,17 +302,14 @@ def _scenario(store: Store, rank: int, world: int) -> dict[str, Any]:
 
 
 def _two_request_refusal(strategy: Any) -> str:
-    """What ``attend_context`` says to zigzag metadata of two requests (one context expected)."""
-    from qsa_sglang_plugin._adapters._qsa_common import attend_context
+    """What the offload and the sharded store say to zigzag metadata of two requests (one
+    context expected)."""
+    from qsa_sglang_plugin._adapters._qsa_common import zigzag_entries
     from qsa_sglang_plugin._errors import OffloadRuntimeError
 
     meta = strategy.build_metadata(30, [40, 30], [20, 10])
-    rows = int(meta.total_q_prev_tokens + meta.total_q_next_tokens)
-    q = torch.zeros((rows, HQ, D), dtype=torch.bfloat16)
-    kv = torch.zeros((70, HKV, D), dtype=torch.bfloat16)
-    picks = torch.full((rows, 4 * TOPK + 3), -1, dtype=torch.int32)
     try:
-        attend_context(q, kv, kv, picks, SCALE, meta)
+        zigzag_entries(meta)
     except OffloadRuntimeError as exc:
         return str(exc)
     return "attended"
@@ -395,8 +392,8 @@ def test_every_rank_keeps_the_prompt_it_should(ranks: tuple[Store, list[Any]]) -
 def test_context_attention_refuses_a_cp_batch_of_several_requests(
     ranks: tuple[Store, list[Any]],
 ) -> None:
-    """``attend_context`` attends one request's contiguous context: SGLang's zigzag metadata of
-    two requests is refused by name, before any kernel runs."""
+    """Attention over one request's contiguous context: SGLang's zigzag metadata of two
+    requests is refused by name (``zigzag_entries``), before any kernel runs."""
     _, results = ranks
     for result in results:
         assert "batch of 2 requests" in result["two_requests"]

@@ -18,6 +18,7 @@ from qsa_kernels.offload._runtime import (
     CopyFence,
     OffloadCounts,
     OffloadRuntime,
+    OffloadSeries,
     OffloadStateError,
 )
 from qsa_kernels.offload._store import KVComparison, OffloadGeometry
@@ -29,6 +30,7 @@ __all__ = (
     "OffloadCounts",
     "OffloadGeometry",
     "OffloadRuntime",
+    "OffloadSeries",
     "OffloadStateError",
     "OffloadedKV",
     "PerHeadOffloadedKV",

@@ -48,8 +48,9 @@ from typing import Final, Protocol
 
 import torch
 
-from qsa_core import LeaseHandle, LeaseState, LeaseTable
+from qsa_core import LeaseHandle, LeaseState, LeaseTable, format_bytes
 from qsa_kernels._errors import KernelInputError, QSAKernelError
+from qsa_kernels.context import PrefillKernels, ZigzagEntries, attend_chunks, attend_context
 from qsa_kernels.expand import complete_blocks
 from qsa_kernels.offload._block_store import OffloadedKV
 from qsa_kernels.offload._head_store import PerHeadOffloadedKV
@@ -67,6 +68,7 @@ __all__ = (
     "CopyFence",
     "OffloadCounts",
     "OffloadRuntime",
+    "OffloadSeries",
     "OffloadStateError",
 )
 
@@ -113,6 +115,66 @@ class OffloadCounts:
     fetched_blocks: int = 0
     verified_bytes: int = 0
     differing_bytes: int = 0
+
+    @staticmethod
+    def series() -> tuple[OffloadSeries, ...]:
+        """Every field as a metric, in declaration order: its name, kind and help text."""
+        return _SERIES
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OffloadSeries:
+    """One field of :class:`OffloadCounts` as a metric.
+
+    Attributes:
+        field: the field's name (``decode_steps``...).
+        name: the metric's name after an engine's prefix (``offload_decode_steps``; a counter's
+            without the ``_total`` its exposition adds).
+        counter: True for a monotonic counter, False for a gauge (a value now).
+        help: one line that says what it counts, for the metric's help text.
+    """
+
+    field: str
+    name: str
+    counter: bool
+    help: str
+
+
+_SERIES: Final = (
+    OffloadSeries(
+        "rows_in_use", "offload_rows_in_use", False, "Host arena rows that hold a request's K/V."
+    ),
+    OffloadSeries(
+        "decode_steps",
+        "offload_decode_steps",
+        True,
+        "Decode steps served from the host arena.",
+    ),
+    OffloadSeries(
+        "selected_blocks",
+        "selected_blocks",
+        True,
+        "Complete blocks the indexer selected, all layers.",
+    ),
+    OffloadSeries(
+        "fetched_blocks",
+        "fetched_blocks",
+        True,
+        "Selected blocks that missed the hot cache and were read from the host arena.",
+    ),
+    OffloadSeries(
+        "verified_bytes",
+        "offload_verified_bytes",
+        True,
+        "K/V bytes of released rows compared with their resident copy (verification on).",
+    ),
+    OffloadSeries(
+        "differing_bytes",
+        "offload_differing_bytes",
+        True,
+        "Compared K/V bytes that differed from their resident copy (verification on).",
+    ),
+)
 
 
 class OffloadRuntime:
@@ -209,6 +271,36 @@ class OffloadRuntime:
         :meth:`qsa_core.OffloadSizes.fixed_device_bytes`.
         """
         return geometry.sizes.fixed_device_bytes(verify=verify)
+
+    def describe(self) -> str:
+        """One line of what the runtime holds, for an engine's start-up log.
+
+        The host arena (rows, layers, blocks, record layout, dtype, pinned or pageable) and the
+        device's fixed buffers: staging, hot caches, tails and tables.
+        """
+        g, kv = self.kv.geometry, self.kv
+        return (
+            f"host arena {format_bytes(g.arena_bytes(kv.shard))} ({g.rows} rows x {g.layers} "
+            f"attention layers x {g.arena_blocks(kv.shard)} blocks, "
+            f"{'per-head' if g.per_head else 'all-head'} records, "
+            f"{str(g.dtype).removeprefix('torch.')}, "
+            f"{'pinned' if kv.host_arena.is_pinned() else 'pageable'}); on {kv.device}: staging, "
+            f"hot caches ({g.hot_slots} blocks per request, layer and "
+            f"{'KV head' if g.per_head else 'every KV head'}), tails and tables "
+            f"{format_bytes(self.fixed_device_bytes(g))}"
+        )
+
+    def describe_sharding(self) -> str | None:
+        """One line of the arena's share under a shard group (None without one)."""
+        shard, g = self.kv.shard, self.kv.geometry
+        if shard is None:
+            return None
+        return (
+            f"cache sharding over {shard.world_size} ranks (this rank is {shard.rank} of its "
+            f"group): the host arena holds every {shard.world_size}-th page of "
+            f"{shard.placement.blocks_per_page} blocks, {format_bytes(g.arena_bytes(shard))} of "
+            f"{format_bytes(g.host_bytes)} per rank"
+        )
 
     @property
     def host_arena_bytes(self) -> int:
@@ -318,6 +410,52 @@ class OffloadRuntime:
         self.staging_v[ordinal, start:end] = v[:n].reshape(n, g.kv_heads, g.head_dim)
         self._staged_tokens = end
         return self.staging_k[ordinal, :end], self.staging_v[ordinal, :end]
+
+    def prefill(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        indices: torch.Tensor,
+        *,
+        slot: int,
+        start: int,
+        end: int,
+        scale: float,
+        kernels: PrefillKernels,
+        zigzag: ZigzagEntries | None = None,
+    ) -> torch.Tensor:
+        """Stage one layer's chunk (:meth:`stage`) and attend its query rows over the prompt.
+
+        A whole prompt in one chunk attends over the chunk itself with the no-prefix kernel on
+        CUDA (:func:`~qsa_kernels.context.attend_chunks`); otherwise the rows attend over the
+        staging area (:func:`~qsa_kernels.context.attend_context`), under context parallelism
+        as this rank's ``zigzag`` entries of a chunk every rank stages whole.
+
+        Args:
+            layer_id: the engine's layer id.
+            q: ``[T, Hq, D]`` the chunk's query rows (this rank's zigzag rows with ``zigzag``).
+            k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``) keys of the chunk, ``N >= end - start``.
+            v: its values, shaped like ``k``.
+            indices: ``[T, W]`` the indexer's token positions per row, ``-1`` padded.
+            slot: the prefilling request's engine slot.
+            start: tokens of the prompt before the chunk.
+            end: the chunk's end.
+            scale: softmax scale.
+            kernels: the engine's prefill kernels.
+            zigzag: this rank's zigzag entries of the chunk, or None.
+
+        Returns:
+            ``[T, Hq, D]`` in ``q``'s dtype.
+
+        Raises:
+            OffloadStateError: as :meth:`stage`.
+        """
+        staged_k, staged_v = self.stage(layer_id, k, v, slot=slot, start=start, end=end)
+        if zigzag is None and start == 0 and q.is_cuda:  # the whole prompt: the no-prefix kernel
+            return attend_chunks(q, k, v, indices, [int(q.shape[0])], scale, kernels)
+        return attend_context(q, staged_k, staged_v, indices, scale, kernels, zigzag=zigzag)
 
     def staged_layers(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, ``[tokens, Hkv, D]`` views of ``row``'s first ``tokens`` staged tokens.

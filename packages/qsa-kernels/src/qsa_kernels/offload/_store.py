@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from qsa_core import OffloadSizes
+from qsa_core import CapacityError, OffloadSizes, ds_offload_sizes, format_bytes
 from qsa_kernels._checks import KV_DTYPES
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS
@@ -128,6 +128,97 @@ class OffloadGeometry:
             block_tokens=BLOCK_TOKENS,
         )
         object.__setattr__(self, "_sizes", sizes)  # once: decode layers read store_layers
+
+    @classmethod
+    def for_context(
+        cls,
+        *,
+        layers: int,
+        rows: int,
+        context_len: int,
+        hot_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        per_head: bool = False,
+    ) -> OffloadGeometry:
+        """The arena, hot caches and tails of ``rows`` requests of up to ``context_len`` tokens.
+
+        ``max_blocks`` is ``ceil(context_len / 4)``; the other sizes are the fields'.
+
+        Raises:
+            KernelInputError: a size the geometry refuses (named).
+        """
+        return cls(
+            layers=layers,
+            rows=rows,
+            hot_slots=hot_slots,
+            max_blocks=-(-context_len // BLOCK_TOKENS),
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            per_head=per_head,
+        )
+
+    @classmethod
+    def per_head_for_context(
+        cls,
+        *,
+        layers: int,
+        rows: int,
+        context_len: int,
+        hot_blocks: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> OffloadGeometry:
+        """Per-head records (tokens chosen per KV head, double sparsity) for ``context_len``.
+
+        Every layer ``layers`` keeps one record per (block, KV head), so a head's chosen token
+        moves only that head's bytes; each head's hot cache holds the ``hot_blocks`` one step may
+        read, at most a whole context (:func:`qsa_core.ds_offload_sizes`).
+
+        Raises:
+            KernelInputError: a size qsa-core or the geometry refuses (named).
+        """
+        try:
+            sizes = ds_offload_sizes(
+                layers=layers,
+                rows=rows,
+                context_len=context_len,
+                hot_blocks=hot_blocks,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                element_bytes=dtype.itemsize,
+            )
+        except CapacityError as exc:
+            raise KernelInputError(str(exc)) from exc
+        return cls.for_context(
+            layers=layers,
+            rows=rows,
+            context_len=context_len,
+            hot_slots=sizes.hot_slots,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            per_head=True,
+        )
+
+    def check_host_memory(self, available: int | None, shard: ShardGroup | None = None) -> None:
+        """Refuse an arena larger than the host memory ``available`` (bytes; None: unknown).
+
+        Raises:
+            KernelInputError: :meth:`arena_bytes` of ``shard`` exceed ``available``; the
+                message gives the arena's product of sizes.
+        """
+        arena = self.arena_bytes(shard)
+        if available is not None and arena > available:
+            msg = (
+                f"the host arena needs {format_bytes(arena)} ({self.rows} rows x "
+                f"{self.store_layers} record layers x {self.arena_blocks(shard)} blocks x "
+                f"{self.record_bytes} B) but the host has {format_bytes(available)} available"
+            )
+            raise KernelInputError(msg)
 
     @property
     def sizes(self) -> OffloadSizes:

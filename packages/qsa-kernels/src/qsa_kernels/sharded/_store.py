@@ -8,13 +8,15 @@ prefix with :meth:`ShardedKVStore.prefill`, and prices the fixed buffers with
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from qsa_core import format_bytes
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS
 from qsa_kernels._path import KernelPath
+from qsa_kernels.context import PrefillKernels, ZigzagEntries, attend_chunks, attend_context
 from qsa_kernels.expand import complete_blocks
 from qsa_kernels.sharded._attention import owner_sparse_decode, owner_sparse_prefill
 from qsa_kernels.sharded._buffers import HeadLayout, ShardedDecodeBuffers
@@ -73,6 +75,7 @@ class ShardedKVStore:
     ) -> None:
         self.shard = shard
         self.path = path
+        self.device = device
         self._ordinal = dict(layer_ordinal)
         self._block_topk = block_topk
         self.kv_heads, self.head_dim = kv_heads, head_dim
@@ -105,6 +108,16 @@ class ShardedKVStore:
     def buffer_bytes(self) -> int:
         """Bytes of the transport buffers (decode and prefill)."""
         return self._decode_buffers.nbytes + self._prefill_buffers.nbytes
+
+    def describe(self) -> str:
+        """One line of what this rank stores, for an engine's start-up log."""
+        shard = self.shard
+        return (
+            f"rank {shard.rank} of a group of {shard.world_size} stores "
+            f"{format_bytes(self.nbytes)} of the QSA layers' raw K/V on {self.device} "
+            f"({format_bytes(self.nbytes * shard.world_size)} unsharded); transport buffers "
+            f"{format_bytes(self.buffer_bytes)}; kernels: {self.path.resolve(self.device).value}"
+        )
 
     def layer(self, layer_id: int) -> torch.Tensor:
         """``[NS_local, 2, 4, Hkv, D]`` this rank's records of one QSA layer."""
@@ -212,6 +225,106 @@ class ShardedKVStore:
             path=self.path,
         )
         return out.reshape(tokens, -1).to(q.dtype)
+
+    def extend(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        indices: torch.Tensor,
+        *,
+        slots: torch.Tensor,
+        extend_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        slot_table: torch.Tensor,
+        table_rows: torch.Tensor,
+        scale: float,
+        kernels: PrefillKernels,
+    ) -> torch.Tensor:
+        """One layer of a prefill batch: store the owned rows, attend every query token.
+
+        Requests with no prefix attend over their own chunk, which every rank holds whole, with
+        the engine's no-prefix kernel (:func:`~qsa_kernels.context.attend_chunks`); when any
+        request has a prefix each request attends owner-side (:meth:`prefill`), in the batch's
+        order on every rank.
+
+        Args:
+            layer_id: the engine's layer id.
+            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's query heads, ``T`` valid rows.
+            k: ``[>= T, Hkv * D]`` the chunks' keys, packed in the batch's order.
+            v: their values.
+            indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per query.
+            slots: ``[>= T]`` the logical slot of each new token.
+            extend_lens: each request's new tokens, summing to ``T``.
+            seq_lens: each request's length with them (the first ``len(extend_lens)`` read).
+            slot_table: ``[R, S]`` the engine's logical slot of each (table row, position).
+            table_rows: ``[B]`` each request's row of ``slot_table``.
+            scale: softmax scale.
+            kernels: the engine's prefill kernels.
+
+        Returns:
+            ``[T, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
+        """
+        tokens = int(indices.shape[0])
+        self.write(layer_id, k[:tokens], v[:tokens], slots[:tokens])
+        extend = [int(n) for n in extend_lens]
+        lengths = [int(n) for n in seq_lens][: len(extend)]
+        heads = q.reshape(tokens, -1, self.head_dim)
+        if lengths == extend:
+            out = attend_chunks(heads, k, v, indices, extend, scale, kernels)
+            return out.reshape(tokens, -1).to(q.dtype)
+        parts, start = [], 0
+        for i, (length, count) in enumerate(zip(lengths, extend, strict=True)):
+            rows = slice(start, start + count)
+            positions = torch.arange(length - count, length, device=q.device)
+            slot_row = slot_table[table_rows[i], :length]
+            parts.append(
+                self.prefill(layer_id, heads[rows], indices[rows], positions, slot_row, scale)
+            )
+            start += count
+        return torch.cat(parts).to(q.dtype)
+
+    def extend_zigzag(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        indices: torch.Tensor,
+        *,
+        slots: torch.Tensor,
+        zigzag: ZigzagEntries,
+        scale: float,
+        kernels: PrefillKernels,
+    ) -> torch.Tensor:
+        """One request's whole prompt under zigzag context parallelism: this rank's rows.
+
+        The gathered chunk's owned rows go to the store; this rank's zigzag rows attend over
+        the chunk, which every rank holds whole (:func:`~qsa_kernels.context.attend_context`).
+
+        Args:
+            layer_id: the engine's layer id.
+            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's zigzag rows, every head.
+            k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``) the gathered chunk's keys, token order.
+            v: its values.
+            indices: ``[T, W]`` the indexer's token positions per row.
+            slots: ``[>= N]`` the logical slot of each token of the chunk.
+            zigzag: this rank's entries.
+            scale: softmax scale.
+            kernels: the engine's prefill kernels.
+
+        Returns:
+            ``[T, Hq * D]`` in ``q``'s dtype.
+        """
+        rows, tokens = int(indices.shape[0]), int(k.shape[0])
+        self.write(layer_id, k, v, slots[:tokens])
+        shape = (tokens, self.kv_heads, self.head_dim)
+        heads = q.reshape(rows, -1, self.head_dim)
+        out = attend_context(
+            heads, k.reshape(shape), v.reshape(shape), indices, scale, kernels, zigzag=zigzag
+        )
+        return out.reshape(rows, -1).to(q.dtype)
 
     @staticmethod
     def transport_bytes(

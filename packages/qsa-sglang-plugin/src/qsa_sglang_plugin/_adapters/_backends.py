@@ -5,7 +5,7 @@ Imported only when SGLang builds an attention backend (the AFTER hook on
 plugin activates would run ahead of SGLang's own import order.
 
 - :class:`PluginQSABackend`: upstream's backend with its attention entries narrowed to the
-  subclasses' ``_attend_extend``, ``_attend_extend_cp`` and ``_attend_decode``.
+  subclasses' ``_prefill`` and ``_decode``.
 - :class:`HiSparseOffloadBackend` (``p2-offload``, :mod:`._offload`): prefill over the staging
   area, decode from the host arena, each step planned from the ``ForwardBatch``.
 - :class:`HiSparseShardedBackend` (resident cache sharding, :mod:`._sharded_kv`): the raw K/V in
@@ -20,14 +20,11 @@ import torch
 from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
 from sglang.srt.layers.cp.utils import ContextParallelStrategyKind, get_cp_strategy, is_cp_active
 from sglang.srt.runtime_context import get_stream
+from torch import Tensor
 
-from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of, stage_chunk
-from qsa_sglang_plugin._adapters._qsa_common import attend_context
-from qsa_sglang_plugin._adapters._sharded_kv import (
-    attend_extend,
-    attend_extend_cp,
-    sharded_store_of,
-)
+from qsa_sglang_plugin._adapters._offload import extend_span, plan_decode, runtime_of
+from qsa_sglang_plugin._adapters._qsa_common import prefill_kernels, zigzag_entries
+from qsa_sglang_plugin._adapters._sharded_kv import attend_extend, sharded_store_of
 from qsa_sglang_plugin._errors import OffloadRuntimeError
 
 __all__ = ("HiSparseOffloadBackend", "HiSparseShardedBackend", "PluginQSABackend")
@@ -38,12 +35,12 @@ class PluginQSABackend(upstream.QwenSparseAttnBackend):
 
     Decode takes the indexer's block ids as they are (the block expansion is deferred), both
     entries require the indexer's selection, a context-parallel prefill gathers the chunk's K/V
-    as upstream does and hands the subclass this rank's rows (``_attend_extend_cp``, refused
-    unless the subclass serves CP), and the extend output is padded to the query rows as
-    upstream pads it. A subclass implements
-    ``_attend_extend(q [T, Hq, D], k, v, layer, forward_batch, topk_indices) -> [T, Hq * D]``
-    over the ``T`` rows the indexer selected for, and ``_attend_decode(q, k, v, layer,
-    forward_batch, topk_indices) -> [B, Hq * D]``; ``feature`` names it in refusals.
+    as upstream does and hands the subclass this rank's rows (``cp=True``), and the extend
+    output is padded to the query rows as upstream pads it. A subclass implements
+    ``_prefill(layer, forward_batch, q [T, Hq, D], k, v, topk_indices, cp=) -> [T, Hq * D]``
+    over the ``T`` rows the indexer selected for (with ``cp``, ``k``/``v`` ``[N, Hkv, D]`` the
+    chunk gathered in token order) and ``_decode(layer, forward_batch, q, k, v, topk_indices)
+    -> [B, Hq * D]``; ``feature`` names it in refusals.
     """
 
     feature = "the plugin's QSA backend"
@@ -53,15 +50,15 @@ class PluginQSABackend(upstream.QwenSparseAttnBackend):
 
     def forward_extend(  # noqa: PLR0917 (upstream's signature)
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer: Any,
         forward_batch: Any,
         save_kv_cache: bool = True,
-        topk_indices: torch.Tensor | None = None,
+        topk_indices: Tensor | None = None,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         del save_kv_cache, kwargs  # the K/V goes to the plugin's store, not the pool
         if topk_indices is None:
             msg = "QSA sparse attention requires topk_indices"
@@ -74,27 +71,26 @@ class PluginQSABackend(upstream.QwenSparseAttnBackend):
             )
         q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
         rows, valid = q.shape[0], topk_indices.shape[0]  # DP attention may pad q
-        out = self._attend_extend(q[:valid], k, v, layer, forward_batch, topk_indices)
-        padded: torch.Tensor = self._pad_extend_output(out, rows)
+        out = self._prefill(layer, forward_batch, q[:valid], k, v, topk_indices, cp=False)
+        padded: Tensor = self._pad_extend_output(out, rows)
         return padded
 
     def _forward_extend_cp(  # noqa: PLR0917 (upstream's signature)
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer: Any,
         forward_batch: Any,
-        topk_indices: torch.Tensor,
+        topk_indices: Tensor,
         save_kv_cache: bool,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """Prefill CP (SGLang's zigzag CP over the TP group), for this rank's rows.
 
         This rank holds the query, K/V and selection rows of its two zigzag blocks of the
         chunk. The chunk's new K/V is all-gathered into token order (or joined from the gather
         ``prefetch_cp_kv`` started on its side stream), and the subclass stores all of it
-        and attends this rank's rows (``_attend_extend_cp``), as upstream writes the whole
-        chunk into every rank's pool.
+        and attends this rank's rows, as upstream writes the whole chunk into every rank's pool.
         """
         del save_kv_cache
         strategy = get_cp_strategy()
@@ -106,7 +102,7 @@ class PluginQSABackend(upstream.QwenSparseAttnBackend):
         q = q.reshape(-1, layer.tp_q_head_num, layer.head_dim)
         rows = q.shape[0]
         local = int(meta.total_q_prev_tokens + meta.total_q_next_tokens)
-        pending: tuple[int, torch.Tensor, torch.Tensor] | None = self._cp_kv_pending  # type: ignore[has-type]
+        pending: tuple[int, Tensor, Tensor] | None = self._cp_kv_pending  # type: ignore[has-type]
         self._cp_kv_pending = None
         if pending is not None:
             torch.cuda.current_stream().wait_stream(get_stream("qsa_cp_kv"))
@@ -119,49 +115,40 @@ class PluginQSABackend(upstream.QwenSparseAttnBackend):
                 raise OffloadRuntimeError(msg)
         else:
             k_full, v_full = upstream._gather_cp_kv(layer, k, v, forward_batch)
-        out = self._attend_extend_cp(
-            q[:local], k_full, v_full, layer, forward_batch, topk_indices[:local]
+        out = self._prefill(
+            layer, forward_batch, q[:local], k_full, v_full, topk_indices[:local], cp=True
         )
         if pending is not None:  # the gathered K/V's memory is the side stream's
             get_stream("qsa_cp_kv").wait_stream(torch.cuda.current_stream())
-        padded: torch.Tensor = self._pad_extend_output(out, rows)
+        padded: Tensor = self._pad_extend_output(out, rows)
         return padded
-
-    def _attend_extend_cp(  # noqa: PLR0917
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
-        topk_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """``[T, Hq, D]``: this rank's zigzag rows over the chunk's gathered K/V.
-
-        ``k``/``v`` are ``[N, Hkv, D]`` in token order; a subclass that serves CP implements
-        it.
-        """
-        del q, k, v, layer, forward_batch, topk_indices
-        msg = f"context-parallel prefill is not wired with {self.feature}"
-        raise OffloadRuntimeError(msg)
 
     def forward_decode(  # noqa: PLR0917 (upstream's signature)
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         layer: Any,
         forward_batch: Any,
         save_kv_cache: bool = True,
-        topk_indices: torch.Tensor | None = None,
+        topk_indices: Tensor | None = None,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         del save_kv_cache, kwargs  # the token goes to the plugin's store, not the pool
         if topk_indices is None:
             msg = "QSA sparse attention requires topk_indices"
             raise ValueError(msg)
-        out: torch.Tensor = self._attend_decode(q, k, v, layer, forward_batch, topk_indices)
-        return out
+        return self._decode(layer, forward_batch, q, k, v, topk_indices)
+
+    def _prefill(  # noqa: PLR0917
+        self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, *, cp: bool
+    ) -> Tensor:
+        raise NotImplementedError
+
+    def _decode(  # noqa: PLR0917
+        self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor
+    ) -> Tensor:
+        raise NotImplementedError
 
 
 class HiSparseOffloadBackend(PluginQSABackend):
@@ -184,66 +171,31 @@ class HiSparseOffloadBackend(PluginQSABackend):
         if forward_batch.forward_mode.is_decode():
             plan_decode(self.qsa_runtime, forward_batch, graph=True, capture=in_capture)
 
-    def _attend_extend(  # noqa: PLR0917
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
-        topk_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Upstream's prefill attention, over the staging area instead of the KV pool."""
-        staged_k, staged_v, prefix = stage_chunk(
-            self.qsa_runtime, layer.layer_id, k, v, forward_batch
-        )
-        if prefix == 0 and q.is_cuda:  # the chunk is the whole prompt: the no-prefix kernel
-            rows = q.shape[0]
-            cu_q = torch.tensor([0, rows], dtype=torch.int32, device=q.device)
-            out: torch.Tensor = upstream.sparse_gqa_fwd_interface_triton(
-                q.contiguous(),
-                k[:rows].contiguous(),
-                v[:rows].contiguous(),
-                int(staged_k.shape[0]),
-                topk_indices.to(torch.int32).contiguous(),
-                cu_q,
-                layer.scaling,
-            )
-            return out
-        return attend_context(q, staged_k, staged_v, topk_indices, layer.scaling)
-
-    def _attend_extend_cp(  # noqa: PLR0917
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
-        topk_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Prefill CP: stage the whole gathered chunk, attend this rank's zigzag rows.
-
-        Every rank so holds the whole prompt, and the hand-off is the same on every rank.
-        """
-        staged_k, staged_v, _ = stage_chunk(self.qsa_runtime, layer.layer_id, k, v, forward_batch)
-        return attend_context(
-            q, staged_k, staged_v, topk_indices, layer.scaling, forward_batch.attn_cp_metadata
+    def _prefill(  # noqa: PLR0917
+        self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, *, cp: bool
+    ) -> Tensor:
+        """Upstream's prefill kernels over the staging area (CP: the whole chunk staged)."""
+        slot, start, end = extend_span(batch)
+        zigzag = zigzag_entries(batch.attn_cp_metadata) if cp else None
+        return self.qsa_runtime.prefill(
+            layer.layer_id,
+            q,
+            k,
+            v,
+            idx,
+            slot=slot,
+            start=start,
+            end=end,
+            scale=layer.scaling,
+            kernels=prefill_kernels(),
+            zigzag=zigzag,
         )
 
-    def _attend_decode(  # noqa: PLR0917
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
-        topk_indices: torch.Tensor,
-    ) -> torch.Tensor:
+    def _decode(  # noqa: PLR0917
+        self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor
+    ) -> Tensor:
         """The token to the tail, then attention from the host arena (the planned step)."""
-        del forward_batch
-        return self.qsa_runtime.decode_layer(
-            layer.layer_id, q, k, v, topk_indices, float(layer.scaling)
-        )
+        return self.qsa_runtime.decode_layer(layer.layer_id, q, k, v, idx, float(layer.scaling))
 
 
 class HiSparseShardedBackend(PluginQSABackend):
@@ -256,7 +208,7 @@ class HiSparseShardedBackend(PluginQSABackend):
         self.qsa_sharded = sharded_store_of(runner)
         # The decode step's slot table, once per step for every layer: upstream's own
         # metadata rows eagerly, a gather inside the captured step under CUDA graphs.
-        self._decode_slots: torch.Tensor | None = None
+        self._decode_slots: Tensor | None = None
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         super().init_forward_metadata(forward_batch)
@@ -268,70 +220,22 @@ class HiSparseShardedBackend(PluginQSABackend):
         indices = forward_batch.req_pool_indices.long()
         self._decode_slots = self.req_to_token[indices]
 
-    def _attend_extend(  # noqa: PLR0917
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
-        topk_indices: torch.Tensor,
-    ) -> torch.Tensor:
+    def _prefill(  # noqa: PLR0917
+        self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, *, cp: bool
+    ) -> Tensor:
         """The chunk's owned rows to the store, then upstream's or the owners' attention."""
+        store, scale = self.qsa_sharded, float(layer.scaling)
         return attend_extend(
-            self.qsa_sharded,
-            layer.layer_id,
-            q,
-            k,
-            v,
-            topk_indices,
-            forward_batch,
-            self.req_to_token,
-            float(layer.scaling),
+            store, layer.layer_id, q, k, v, idx, batch, self.req_to_token, scale, cp=cp
         )
 
-    def _attend_extend_cp(  # noqa: PLR0917
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
-        topk_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """The gathered chunk's owned rows to the store, then this rank's zigzag rows."""
-        return attend_extend_cp(
-            self.qsa_sharded,
-            layer.layer_id,
-            q,
-            k,
-            v,
-            topk_indices,
-            forward_batch,
-            self.req_to_token,
-            float(layer.scaling),
-        )
-
-    def _attend_decode(  # noqa: PLR0917
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
-        topk_indices: torch.Tensor,
-    ) -> torch.Tensor:
+    def _decode(  # noqa: PLR0917
+        self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor
+    ) -> Tensor:
         """The new token to its owner, then owner-side attention over the selection."""
         if self._decode_slots is None:
             msg = "cache sharding: a decode step before its metadata"
             raise OffloadRuntimeError(msg)
-        runtime = self.qsa_sharded
-        runtime.write(layer.layer_id, k, v, forward_batch.out_cache_loc)
-        return runtime.decode(
-            layer.layer_id,
-            q,
-            topk_indices,
-            forward_batch.seq_lens,
-            self._decode_slots,
-            float(layer.scaling),
-        )
+        store, scale = self.qsa_sharded, float(layer.scaling)
+        store.write(layer.layer_id, k, v, batch.out_cache_loc)
+        return store.decode(layer.layer_id, q, idx, batch.seq_lens, self._decode_slots, scale)

@@ -1,53 +1,27 @@
-"""``p2-offload`` inside SGLang: the QSA layers' K/V off SGLang's pool, history in host memory.
+"""``p2-offload`` inside SGLang: SGLang's objects turned into :class:`OffloadRuntime` calls.
 
-The offload itself is :class:`qsa_kernels.offload.OffloadRuntime` (staging, hand-off, the planned
-decode step, rows; engine-neutral). This module translates SGLang's objects to its calls:
-
-- the attention backend (:class:`._backends.HiSparseOffloadBackend`), a subclass of upstream's
-  ``QwenSparseAttnBackend`` that the AFTER hook on ``attn_backend_wrapper`` (:mod:`._qsa_backend`)
-  puts in the hybrid GDN backend's full-attention place. An extend batch stages its chunk
-  (:func:`stage_chunk`) and attends with upstream's kernels over the staged prompt; a decode
-  step is planned from the ``ForwardBatch`` (:func:`plan_decode`, outside the captured graph
-  under decode CUDA graphs, SGLang's padding rows becoming free rows) and each QSA layer decodes
-  through :meth:`OffloadRuntime.decode_layer`;
-- the ``qsa_hisparse`` tree cache (:mod:`._lifecycle`), which admits a request's lease with its
-  ``req_pool_idx`` (:meth:`OffloadRuntime.admit`) and releases it when SGLang frees the row;
-- the geometry pool sizing prices (:func:`offload_geometry`, :func:`qsa_hot_slots`,
-  :func:`ds_offload_geometry`; the pricing itself is :mod:`._pool_sizing`'s), and SGLang's
-  full-KV pool is a one-page stub (:mod:`._kv_pool`);
-- the runtime's construction from the model runner (:func:`runtime_of`): its geometry from the
-  model and pools, its shard group under ``SGLANG_QSA_CACHE_SHARDING=N`` (the TP ranks holding
-  copies of one K/V head, :func:`._qsa_common.shard_group`), the query-head layout under
-  SGLang's prefill CP (``HeadLayout.REPLICATED``: every rank holds every head), and
-  ``SGLANG_QSA_HISPARSE_VERIFY=1`` (a resident copy of every row compared byte for byte on
-  release: the tests' proof of the bytes on the host).
-
-Under SGLang's QSA prefill CP (``--enable-prefill-cp``, zigzag over the TP group) every rank
-stages the whole gathered chunk and attends its own zigzag rows over the staging area
-(:func:`._qsa_common.attend_context`), so every rank holds, hands off and offloads the whole
-prompt.
-
-Operators see the runtime's counts (:class:`qsa_kernels.offload.OffloadCounts`) as
-``qsa_hisparse_host_arena_bytes``, ``qsa_hisparse_offload_rows_in_use``,
-``qsa_hisparse_offload_decode_steps_total``, ``qsa_hisparse_selected_blocks_total``,
-``qsa_hisparse_fetched_blocks_total`` (selected blocks that missed the hot cache) and, with
-verification, ``qsa_hisparse_offload_{verified,differing}_bytes_total`` on SGLang's Prometheus
-endpoint, and a log line with the hot-cache hit rate every
-:data:`qsa_kernels.offload.LOG_EVERY_STEPS` decode steps.
+The offload itself (staging, hand-off, the planned decode step, rows, counts) is
+:class:`qsa_kernels.offload.OffloadRuntime` (docs/plugin.md, "p2-offload"). This module reads
+SGLang's objects for it: a ``ForwardBatch`` into a planned decode step (:func:`plan_decode`, the
+CUDA graph runner's padded view included) and into one request's prefill chunk
+(:func:`extend_span`, :func:`stage_chunk`), SGLang's pools and model config into
+the runtime's geometry (:func:`offload_geometry`, :func:`qsa_hot_slots`,
+:func:`ds_offload_geometry`; priced by :mod:`._pool_sizing`), and the model runner into one
+runtime (:func:`runtime_of`: its shard group, head layout, ``SGLANG_QSA_HISPARSE_VERIFY=1``).
+The runtime's :class:`~qsa_kernels.offload.OffloadCounts` become ``qsa_hisparse_*`` series on
+SGLang's Prometheus endpoint (:meth:`OffloadCounts.series`), with
+``qsa_hisparse_host_arena_bytes``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from qsa_core import CapacityError, ds_offload_sizes, format_bytes, hot_cache_slots
-from qsa_kernels import BLOCK_TOKENS, KernelInputError
+from qsa_core import format_bytes, hot_cache_slots
+from qsa_kernels import KernelInputError
 from qsa_kernels.offload import (
     OffloadCounts,
     OffloadedKV,
@@ -67,9 +41,9 @@ from qsa_sglang_plugin._hostmem import meminfo_bytes
 from qsa_sglang_plugin._switches import DoubleSparsitySwitches, current_switches
 
 __all__ = (
-    "OffloadLayout",
     "arena_rows",
     "ds_offload_geometry",
+    "extend_span",
     "offload_geometry",
     "plan_decode",
     "qsa_hot_slots",
@@ -79,44 +53,30 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
+_PREFIX = "qsa_hisparse"
+
 
 class _Metrics:
     """The runtime's :class:`OffloadCounts` as Prometheus series of one TP rank."""
 
     def __init__(self, tp_rank: int, arena_bytes: int) -> None:
         make = RankMetrics(tp_rank)
-        gauge, counter = make.gauge, make.counter
-        gauge(
-            "qsa_hisparse_host_arena_bytes", "Bytes of the host arena of the QSA layers' K/V."
+        make.gauge(
+            f"{_PREFIX}_host_arena_bytes", "Bytes of the host arena of the QSA layers' K/V."
         ).set(arena_bytes)
-        self._rows_in_use = gauge(
-            "qsa_hisparse_offload_rows_in_use", "Host arena rows that hold a request's K/V."
-        )
+        series = OffloadCounts.series()
+        self._gauges = {
+            s.field: make.gauge(f"{_PREFIX}_{s.name}", s.help) for s in series if not s.counter
+        }
         self._counters = {
-            "decode_steps": counter(
-                "qsa_hisparse_offload_decode_steps", "Decode steps served from the host arena."
-            ),
-            "selected_blocks": counter(
-                "qsa_hisparse_selected_blocks", "Complete blocks the indexer selected, all layers."
-            ),
-            "fetched_blocks": counter(
-                "qsa_hisparse_fetched_blocks",
-                "Selected blocks that missed the hot cache and were read from the host arena.",
-            ),
-            "verified_bytes": counter(
-                "qsa_hisparse_offload_verified_bytes",
-                "K/V bytes of released rows compared with their resident copy (verification on).",
-            ),
-            "differing_bytes": counter(
-                "qsa_hisparse_offload_differing_bytes",
-                "Compared K/V bytes that differed from their resident copy (verification on).",
-            ),
+            s.field: make.counter(f"{_PREFIX}_{s.name}", s.help) for s in series if s.counter
         }
         self._seen = OffloadCounts()
 
     def update(self, counts: OffloadCounts) -> None:
-        """Set the gauge and advance each counter by what ``counts`` added since the last call."""
-        self._rows_in_use.set(counts.rows_in_use)
+        """Set the gauges and advance each counter by what ``counts`` added since the last call."""
+        for field, gauge in self._gauges.items():
+            gauge.set(getattr(counts, field))
         advance_counters(self._counters, counts, self._seen)
         self._seen = counts
 
@@ -144,14 +104,8 @@ def plan_decode(
     )
 
 
-def stage_chunk(
-    runtime: OffloadRuntime, layer_id: int, k: torch.Tensor, v: torch.Tensor, forward_batch: Any
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Stage one layer's chunk of an extend batch (:meth:`OffloadRuntime.stage`).
-
-    Returns:
-        ``(k [T, Hkv, D], v [T, Hkv, D], start)``: the staged prompt up to the chunk's end and
-        how many tokens came before the chunk.
+def extend_span(forward_batch: Any) -> tuple[int, int, int]:
+    """``(engine slot, start, end)`` of an extend batch's one request: its chunk's tokens.
 
     Raises:
         OffloadRuntimeError: the batch extends more than one request (the offload stages one
@@ -165,21 +119,27 @@ def stage_chunk(
         )
         raise OffloadRuntimeError(msg)
     end = int(forward_batch.seq_lens_cpu[0])
-    start = end - int(forward_batch.extend_seq_lens_cpu[0])
-    staged_k, staged_v = runtime.stage(layer_id, k, v, slot=int(slots[0]), start=start, end=end)
+    return int(slots[0]), end - int(forward_batch.extend_seq_lens_cpu[0]), end
+
+
+def stage_chunk(
+    runtime: OffloadRuntime, layer_id: int, k: torch.Tensor, v: torch.Tensor, forward_batch: Any
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Stage one layer's chunk of an extend batch (:meth:`OffloadRuntime.stage`).
+
+    Returns:
+        ``(k [T, Hkv, D], v [T, Hkv, D], start)``: the staged prompt up to the chunk's end and
+        how many tokens came before the chunk.
+
+    Raises:
+        OffloadRuntimeError: as :func:`extend_span`.
+    """
+    slot, start, end = extend_span(forward_batch)
+    staged_k, staged_v = runtime.stage(layer_id, k, v, slot=slot, start=start, end=end)
     return staged_k, staged_v, start
 
 
 # ---- construction --------------------------------------------------------------------------------
-
-
-def _verification_requested() -> bool:
-    return current_switches().verify_offload
-
-
-def _blocks(tokens: int) -> int:
-    """4-token blocks that hold ``tokens`` tokens (the last one may be open)."""
-    return math.ceil(tokens / BLOCK_TOKENS)
 
 
 def qsa_hot_slots(block_topk: int, context_len: int) -> int:
@@ -209,71 +169,16 @@ def arena_rows(kvc: Any) -> int:
     return int(rows)
 
 
-def offload_geometry(
-    *,
-    layers: int,
-    rows: int,
-    context_len: int,
-    hot_slots: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    per_head: bool = False,
-) -> OffloadGeometry:
-    """The arena, hot caches and tails of ``rows`` requests of up to ``context_len`` tokens.
-
-    ``per_head``: one record per (block, KV head), for tokens chosen per head (DS-Offload).
+def offload_geometry(**sizes: Any) -> OffloadGeometry:
+    """:meth:`OffloadGeometry.for_context` of ``sizes`` (its keywords).
 
     Raises:
         ConfigurationError: the library refuses a size (naming it).
     """
     try:
-        return OffloadGeometry(
-            layers=layers,
-            rows=rows,
-            hot_slots=hot_slots,
-            max_blocks=_blocks(context_len),
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            per_head=per_head,
-        )
+        return OffloadGeometry.for_context(**sizes)
     except KernelInputError as exc:
         raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OffloadLayout:
-    """What one model runner's offload holds, from its model and pools.
-
-    Attributes:
-        geometry: the arena, hot caches and tails.
-        layer_ordinal: SGLang layer id of each offloaded attention layer -> its index in the
-            geometry (``[0, L)``).
-        block_topk: the QSA indexer's block selection width; None for double sparsity.
-    """
-
-    geometry: OffloadGeometry
-    layer_ordinal: Mapping[int, int]
-    block_topk: int | None
-
-
-def _qsa_layout(runner: Any) -> OffloadLayout:
-    """The offload of a QSA model's runner: its QSA layers, the indexer's top-k blocks hot."""
-    pool = runner.token_to_kv_pool
-    full = pool.full_kv_pool
-    layer_ordinal = dict(pool.full_attention_layer_id_mapping)
-    profile = qsa_profile_of(runner.model_config)
-    geometry = offload_geometry(
-        layers=len(layer_ordinal),
-        rows=int(runner.req_to_token_pool.size),
-        context_len=int(runner.model_config.context_len),
-        hot_slots=qsa_hot_slots(int(profile.block_topk), int(runner.model_config.context_len)),
-        kv_heads=int(full.head_num),
-        head_dim=int(full.head_dim),
-        dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
-    )
-    return OffloadLayout(geometry, layer_ordinal, int(profile.block_topk))
 
 
 def ds_offload_geometry(
@@ -285,52 +190,57 @@ def ds_offload_geometry(
     kv_heads: int,
     dtype: torch.dtype,
 ) -> OffloadGeometry:
-    """DS-Offload's ``OffloadGeometry``.
-
-    Every attention layer, one record per (block, KV head), so a head's chosen token moves only
-    that head's bytes, and per-head hot caches that hold the blocks one step may read
-    (:meth:`DSConfig.hot_blocks`, at most a whole context: :func:`qsa_core.ds_offload_sizes`).
+    """DS-Offload's geometry (:meth:`OffloadGeometry.per_head_for_context`) of a model config.
 
     Raises:
         ConfigurationError: the library refuses a size (naming it).
     """
     layers, _, _, head_dim = ds_geometry(text_config)
     try:
-        sizes = ds_offload_sizes(
+        return OffloadGeometry.per_head_for_context(
             layers=layers,
             rows=rows,
             context_len=context_len,
             hot_blocks=ds_config(switches).hot_blocks(),
             kv_heads=kv_heads,
             head_dim=head_dim,
-            element_bytes=torch.empty((), dtype=dtype).element_size(),
+            dtype=dtype,
         )
-    except CapacityError as exc:
+    except KernelInputError as exc:
         raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
-    return offload_geometry(
-        layers=layers,
+
+
+def _layout(
+    runner: Any, ds: DoubleSparsitySwitches | None
+) -> tuple[OffloadGeometry, dict[int, int], int | None]:
+    """``(geometry, SGLang layer id -> ordinal, block top-k)`` of the runner's offload.
+
+    A QSA model's QSA layers (the indexer's top-k blocks hot), or every layer under DS.
+    """
+    pool, config = runner.token_to_kv_pool, runner.model_config
+    rows, context_len = int(runner.req_to_token_pool.size), int(config.context_len)
+    if ds is not None:
+        geometry = ds_offload_geometry(
+            config.hf_text_config.to_dict(),
+            ds,
+            rows=rows,
+            context_len=context_len,
+            kv_heads=int(pool.head_num),
+            dtype=pool.dtype,  # the logical dtype
+        )
+        return geometry, {i: i for i in range(geometry.layers)}, None
+    full, topk = pool.full_kv_pool, int(qsa_profile_of(config).block_topk)
+    layer_ordinal = dict(pool.full_attention_layer_id_mapping)
+    geometry = offload_geometry(
+        layers=len(layer_ordinal),
         rows=rows,
         context_len=context_len,
-        hot_slots=sizes.hot_slots,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        per_head=True,
+        hot_slots=qsa_hot_slots(topk, context_len),
+        kv_heads=int(full.head_num),
+        head_dim=int(full.head_dim),
+        dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
     )
-
-
-def _ds_layout(runner: Any, switches: DoubleSparsitySwitches) -> OffloadLayout:
-    """The offload of a double-sparsity model's runner: every attention layer, by layer id."""
-    pool = runner.token_to_kv_pool
-    geometry = ds_offload_geometry(
-        runner.model_config.hf_text_config.to_dict(),
-        switches,
-        rows=int(runner.req_to_token_pool.size),
-        context_len=int(runner.model_config.context_len),
-        kv_heads=int(pool.head_num),
-        dtype=pool.dtype,  # the logical dtype
-    )
-    return OffloadLayout(geometry, {i: i for i in range(geometry.layers)}, None)
+    return geometry, layer_ordinal, topk
 
 
 def _build_runtime(runner: Any) -> OffloadRuntime:
@@ -339,49 +249,37 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
 
     switches = current_switches()
     ds = switches.double_sparsity
-    layout = _qsa_layout(runner) if ds is None else _ds_layout(runner, ds)
-    geometry = layout.geometry
-    rows, context_len = geometry.rows, int(runner.model_config.context_len)
+    geometry, layer_ordinal, block_topk = _layout(runner, ds)
     shard = shard_group(runner, switches.cache_sharding)
-    arena = geometry.arena_bytes(shard)
-    available = meminfo_bytes("MemAvailable")
-    if available is not None and arena > available:
+    try:
+        geometry.check_host_memory(meminfo_bytes("MemAvailable"), shard)
+    except KernelInputError as exc:
         msg = (
-            f"the host arena needs {format_bytes(arena)} ({rows} rows x "
-            f"{geometry.store_layers} record layers x {geometry.arena_blocks(shard)} blocks x "
-            f"{geometry.record_bytes} B) but the host has {format_bytes(available)} available; "
-            f"lower --max-running-requests={rows} or --context-length={context_len}"
+            f"{exc}; lower --max-running-requests={geometry.rows} or "
+            f"--context-length={int(runner.model_config.context_len)}"
         )
-        raise ConfigurationError(msg)
+        raise ConfigurationError(msg) from exc
     device = torch.device(runner.device)
     kv = (  # DS-Offload's per-head records take no shard group (its switches refuse one)
         OffloadedKV(geometry, device, shard=shard)
         if ds is None
         else PerHeadOffloadedKV(geometry, device)
     )
-    verify = _verification_requested()
+    verify = switches.verify_offload
     parallel = get_parallel()
     metrics = _Metrics(int(parallel.tp_rank), int(kv.host_arena.nbytes))
     runtime = OffloadRuntime(
         kv,
-        layout.layer_ordinal,
-        layout.block_topk,
+        layer_ordinal,
+        block_topk,
         verify=verify,
         on_counts=metrics.update,
         q_heads=int(runner.model_config.get_num_attention_heads(parallel.attn_tp_size)),
         head_layout=group_head_layout(),
     )
-    if shard is not None:
-        logger.info(
-            "offload: cache sharding over %d ranks (this rank is %d of its group): the host "
-            "arena holds every %d-th page of %d blocks, %s of %s per rank",
-            shard.world_size,
-            shard.rank,
-            shard.world_size,
-            shard.placement.blocks_per_page,
-            format_bytes(arena),
-            format_bytes(geometry.host_bytes),
-        )
+    sharding = runtime.describe_sharding()
+    if sharding is not None:
+        logger.info("offload: %s", sharding)
     if verify:
         logger.warning(
             "offload: SGLANG_QSA_HISPARSE_VERIFY=1: a resident copy of every row's K/V (%s) is "
@@ -392,20 +290,8 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
     pool = runner.token_to_kv_pool
     full = getattr(pool, "full_kv_pool", pool)  # the QSA pool's MHA leaf, or the MHA pool
     logger.info(
-        "offload: host arena %s (%d rows x %d attention layers x %d blocks, %s records, %s, %s); "
-        "on %s: staging, hot caches (%d blocks per request, layer and %s), tails and tables %s; "
-        "K/V pool %s; kernels: %s",
-        format_bytes(arena),
-        rows,
-        geometry.layers,
-        geometry.arena_blocks(shard),
-        "per-head" if geometry.per_head else "all-head",
-        str(geometry.dtype).removeprefix("torch."),
-        "pinned" if kv.host_arena.is_pinned() else "pageable",
-        kv.device,
-        geometry.hot_slots,
-        "KV head" if geometry.per_head else "every KV head",
-        format_bytes(OffloadRuntime.fixed_device_bytes(geometry)),
+        "offload: %s; K/V pool %s; kernels: %s",
+        runtime.describe(),
         format_bytes(sum(int(n) for n in full.get_kv_size_bytes())),  # (K bytes, V bytes)
         kv.path.value,
     )

@@ -1,95 +1,60 @@
-"""What the plugin's QSA backends share: prefill over one context, the profile, the groups.
+"""What the plugin's QSA backends share: SGLang's prefill kernels, the profile, the groups.
 
-The offload backend and the sharded one (:mod:`._backends`) attend prefill rows over one
-request's contiguous context with upstream's kernels (:func:`attend_context`, also for
-context-parallel rows), read the model's QSA profile (:func:`qsa_profile_of`) and, with cache
-sharding, join the shard group of their TP rank (:func:`shard_group`).
+The offload backend and the sharded one (:mod:`._backends`) attend prefill rows with upstream's
+QSA prefill kernels (:func:`prefill_kernels`) through :mod:`qsa_kernels.context`, SGLang's zigzag
+CP metadata as this rank's entries (:func:`zigzag_entries`), read the model's QSA profile
+(:func:`qsa_profile_of`) and, with cache sharding, join the shard group of their TP rank
+(:func:`shard_group`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from qsa_core import QSAProfile
 from qsa_kernels import BLOCK_TOKENS
+from qsa_kernels.context import PrefillKernels, ZigzagEntries
 from qsa_kernels.sharded import HeadLayout, ShardGroup
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 
 __all__ = (
-    "attend_context",
     "group_head_layout",
+    "prefill_kernels",
     "qsa_profile_of",
     "shard_group",
+    "zigzag_entries",
 )
 
 
-def attend_context(  # noqa: PLR0917 (upstream's kernel order)
-    q: torch.Tensor,
-    context_k: torch.Tensor,
-    context_v: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    cp_metadata: Any = None,
-) -> torch.Tensor:
-    """Prefill rows of one request over its context, with upstream's QSA prefill kernels.
+def prefill_kernels() -> PrefillKernels:
+    """Upstream's QSA prefill kernels: its per-row torch path, no-prefix and chunk kernels."""
+    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
 
-    Args:
-        q: ``[T, Hq, D]`` query rows. Without ``cp_metadata`` they are the context's last ``T``
-            tokens; with it, this rank's two zigzag blocks of the chunk, in that order.
-        context_k: ``[S, Hkv, D]`` keys of the request's first ``S`` tokens, row ``t`` token
-            ``t`` (the offload's staging area, or a whole prompt gathered over CP ranks).
-        context_v: its values.
-        indices: ``[T, W]`` the indexer's selection per row: token positions, ``-1`` padded.
-        scale: softmax scale.
-        cp_metadata: SGLang's ``ZigzagContextParallelMetadata`` of a one-request chunk, or None.
+    return PrefillKernels(
+        upstream.qsa_sparse_attention,
+        upstream.sparse_gqa_fwd_interface_triton,
+        upstream.sparse_gqa_fwd_interface_triton_ck,
+    )
 
-    Returns:
-        ``[T, Hq, D]`` in ``q``'s dtype.
+
+def zigzag_entries(cp_metadata: Any) -> ZigzagEntries:
+    """This rank's entries from SGLang's ``ZigzagContextParallelMetadata`` of one request.
 
     Raises:
-        OffloadRuntimeError: ``cp_metadata`` of a batch of several requests (their contexts are
-            not one contiguous context).
+        OffloadRuntimeError: metadata of a batch of several requests (their contexts are not
+            one contiguous context).
     """
-    if cp_metadata is not None and int(cp_metadata.bs) != 1:
+    if int(cp_metadata.bs) != 1:
         msg = (
             f"a context-parallel batch of {int(cp_metadata.bs)!r} requests attends over one "
             "request's context here; allowed: 1"
         )
         raise OffloadRuntimeError(msg)
-    from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
-
-    tokens = int(context_k.shape[0])
-    if not q.is_cuda:  # upstream's CPU branch, with the context as the pool: slot = position
-        inside = (indices >= 0) & (indices < tokens)
-        slots = torch.where(inside, indices, -1).to(torch.int32)
-        out: torch.Tensor = upstream.qsa_sparse_attention(q, context_k, context_v, slots, scale)
-        return out
-    topk = indices.to(torch.int32).contiguous()
-    if cp_metadata is None:  # one entry: the last T rows, causal from the bottom right
-        device = q.device
-        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=device)
-        cu_k = torch.tensor([0, tokens], dtype=torch.int32, device=device)
-        ends = torch.tensor([tokens], dtype=torch.int32, device=device)
-        max_q = None
-    else:  # one entry per zigzag block; the kernel reads cu_k[e] as the request's base row
-        cu_q = cp_metadata.cu_seqlens_q_combined_tensor
-        cu_k = torch.zeros(2, dtype=torch.int32, device=q.device)
-        ends = cp_metadata.kv_len_combined_tensor
-        max_q = int(cp_metadata.max_seqlen_q_combined)
-    out = upstream.sparse_gqa_fwd_interface_triton_ck(
-        q.contiguous(),
-        context_k.to(q.dtype),
-        context_v.to(q.dtype),
-        topk,
-        cu_q,
-        cu_k,
-        ends,
-        scale,
-        max_q=max_q,
+    return ZigzagEntries(
+        cp_metadata.cu_seqlens_q_combined_tensor,
+        cp_metadata.kv_len_combined_tensor,
+        int(cp_metadata.max_seqlen_q_combined),
     )
-    return out
 
 
 def qsa_profile_of(model_config: Any) -> Any:
