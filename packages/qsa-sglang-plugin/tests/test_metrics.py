@@ -35,3 +35,18 @@ def test_library_counts_advance_their_counters_by_what_they_added() -> None:
     advance_counters(counters, now, before)
     advance_counters(counters, now, now)  # nothing added: nothing counted
     assert REGISTRY.get_sample_value(f"{name}_total", {"tp_rank": "0"}) == 4
+
+
+def test_a_mirror_sets_gauges_and_advances_counters_from_zero_at_its_first_snapshot() -> None:
+    from qsa_kernels.offload import OffloadCounts
+    from qsa_sglang_plugin._adapters._metrics import CountsMirror
+
+    prefix = "qsa_test_mirror"
+    mirror = CountsMirror(RankMetrics(3), prefix, OffloadCounts.series())
+    rank = {"tp_rank": "3"}
+    mirror.update(OffloadCounts(rows_in_use=2, decode_steps=5))
+    mirror.update(OffloadCounts(rows_in_use=1, decode_steps=9, verified_bytes=64))
+    assert REGISTRY.get_sample_value(f"{prefix}_offload_rows_in_use", rank) == 1
+    assert REGISTRY.get_sample_value(f"{prefix}_offload_decode_steps_total", rank) == 9
+    assert REGISTRY.get_sample_value(f"{prefix}_offload_verified_bytes_total", rank) == 64
+    assert REGISTRY.get_sample_value(f"{prefix}_selected_blocks_total", rank) == 0

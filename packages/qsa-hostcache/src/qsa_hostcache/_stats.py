@@ -55,6 +55,11 @@ class StatSeries:
     counter: bool
     help: str
 
+    @property
+    def field(self) -> str:
+        """The field a snapshot holds it in: :attr:`name`."""
+        return self.name
+
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-__all__ = ("RankMetrics", "advance_counters")
+__all__ = ("CountsMirror", "RankMetrics", "Series", "advance_counters")
 
 _Label = TypeVar("_Label", bound=enum.Enum)
 
@@ -68,6 +68,56 @@ class RankMetrics:
 
         family = _family(Counter, name, doc, ("tp_rank", label))
         return {v: family.labels(tp_rank=self._rank, **{label: v.value}) for v in values}
+
+
+class Series(Protocol):
+    """How a library describes one field of its counts as a metric.
+
+    As ``OffloadCounts.series()``, ``CacheStats.series()`` and ``PromptCounts.series()`` do.
+    """
+
+    @property
+    def field(self) -> str: ...  # the snapshot's field
+    @property
+    def name(self) -> str: ...  # the metric's name after the prefix
+    @property
+    def counter(self) -> bool: ...  # a counter (else a gauge)
+    @property
+    def help(self) -> str: ...
+
+
+class CountsMirror:
+    """A library's counts, snapshot after snapshot, as series of one TP rank.
+
+    Each gauge is set to its field; each counter advances by what its field added since the
+    previous snapshot (from zero at the first).
+
+    Args:
+        make: the rank's series maker.
+        prefix: the metric names' prefix (``qsa_hisparse``...).
+        series: the fields to mirror, as the library describes them.
+    """
+
+    def __init__(self, make: RankMetrics, prefix: str, series: Iterable[Series]) -> None:
+        self._gauges: dict[str, Any] = {}
+        self._counters: dict[str, Any] = {}
+        for s in series:
+            if s.counter:
+                self._counters[s.field] = make.counter(f"{prefix}_{s.name}", s.help)
+            else:
+                self._gauges[s.field] = make.gauge(f"{prefix}_{s.name}", s.help)
+        self._seen: object | None = None
+
+    def update(self, now: object) -> None:
+        """Mirror the snapshot ``now`` (a dataclass with every mirrored field)."""
+        for field, gauge in self._gauges.items():
+            gauge.set(int(getattr(now, field)))
+        for field, counter in self._counters.items():
+            before = 0 if self._seen is None else int(getattr(self._seen, field))
+            added = int(getattr(now, field)) - before
+            if added > 0:
+                counter.inc(added)
+        self._seen = now
 
 
 def advance_counters(counters: Mapping[str, Any], now: object, before: object) -> None:

@@ -29,7 +29,7 @@ from qsa_kernels.offload import (
     OffloadRuntime,
     PerHeadOffloadedKV,
 )
-from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
+from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     group_head_layout,
     qsa_profile_of,
@@ -54,31 +54,6 @@ __all__ = (
 logger = logging.getLogger(__name__)
 
 _PREFIX = "qsa_hisparse"
-
-
-class _Metrics:
-    """The runtime's :class:`OffloadCounts` as Prometheus series of one TP rank."""
-
-    def __init__(self, tp_rank: int, arena_bytes: int) -> None:
-        make = RankMetrics(tp_rank)
-        make.gauge(
-            f"{_PREFIX}_host_arena_bytes", "Bytes of the host arena of the QSA layers' K/V."
-        ).set(arena_bytes)
-        series = OffloadCounts.series()
-        self._gauges = {
-            s.field: make.gauge(f"{_PREFIX}_{s.name}", s.help) for s in series if not s.counter
-        }
-        self._counters = {
-            s.field: make.counter(f"{_PREFIX}_{s.name}", s.help) for s in series if s.counter
-        }
-        self._seen = OffloadCounts()
-
-    def update(self, counts: OffloadCounts) -> None:
-        """Set the gauges and advance each counter by what ``counts`` added since the last call."""
-        for field, gauge in self._gauges.items():
-            gauge.set(getattr(counts, field))
-        advance_counters(self._counters, counts, self._seen)
-        self._seen = counts
 
 
 def plan_decode(
@@ -267,7 +242,10 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
     )
     verify = switches.verify_offload
     parallel = get_parallel()
-    metrics = _Metrics(int(parallel.tp_rank), int(kv.host_arena.nbytes))
+    make = RankMetrics(int(parallel.tp_rank))
+    arena_doc = "Bytes of the host arena of the QSA layers' K/V."
+    make.gauge(f"{_PREFIX}_host_arena_bytes", arena_doc).set(int(kv.host_arena.nbytes))
+    metrics = CountsMirror(make, _PREFIX, OffloadCounts.series())
     runtime = OffloadRuntime(
         kv,
         layer_ordinal,

@@ -11,7 +11,6 @@ SGLang's ``ignore_eos`` admission and the series. The calls and the checkpoint:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Mapping
@@ -31,13 +30,12 @@ from qsa_hostcache import (
     PromptCounts,
     PromptKeys,
     StateSegments,
-    StatSeries,
     agree_min,
     compressed_slots,
     kv_segments,
 )
 from qsa_mm_prefix import BypassReason, ProcessorFingerprint, prompt_page_extras, spatial_merge_size
-from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
+from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
 from qsa_sglang_plugin._adapters._multimodal import engine_processor_fingerprint, sglang_items
 from qsa_sglang_plugin._adapters._namespace import cache_namespace_from_sglang
 from qsa_sglang_plugin._errors import OffloadRuntimeError
@@ -59,15 +57,8 @@ class _Metrics:
 
     def __init__(self, tp_rank: int) -> None:
         make = RankMetrics(tp_rank)
-
-        def series(s: StatSeries) -> Any:
-            return (make.counter if s.counter else make.gauge)(f"{METRIC_PREFIX}_{s.name}", s.help)
-
-        stats = CacheStats.series()
-        self._stat_counters = {s.name: series(s) for s in stats if s.counter}
-        self._gauges = {s.name: series(s) for s in stats if not s.counter}
-        self._count_counters = {s.name: series(s) for s in PromptCounts.series()}
-        self._last: tuple[CacheStats, PromptCounts] | None = None
+        self._stats = CountsMirror(make, METRIC_PREFIX, CacheStats.series())
+        self._counts = CountsMirror(make, METRIC_PREFIX, PromptCounts.series())
         self.unloadable = make.counter(
             f"{METRIC_PREFIX}_unloadable_requests",
             "Requests not matched because SGLang admits them without loading a host hit "
@@ -82,14 +73,8 @@ class _Metrics:
 
     def update(self, stats: CacheStats, counts: PromptCounts) -> None:
         """The cache's statistics and the prompt calls' counts, as increments since the last."""
-        counters_at_zero: dict[str, Any] = dict.fromkeys(self._stat_counters, 0)
-        zero = dataclasses.replace(stats, **counters_at_zero)
-        before, counts_before = self._last or (zero, PromptCounts())
-        advance_counters(self._stat_counters, stats, before)
-        advance_counters(self._count_counters, counts, counts_before)
-        for name, gauge in self._gauges.items():
-            gauge.set(int(getattr(stats, name)))
-        self._last = (stats, counts)
+        self._stats.update(stats)
+        self._counts.update(counts)
 
 
 class PrefixCacheRuntime:
