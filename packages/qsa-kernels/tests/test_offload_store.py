@@ -449,6 +449,19 @@ def test_a_geometry_for_a_context_holds_its_open_last_block() -> None:
     assert not geometry.per_head
 
 
+def test_a_geometry_for_an_empty_context_is_refused_naming_the_context() -> None:
+    with pytest.raises(KernelInputError, match="context_len=0"):
+        OffloadGeometry.for_context(
+            layers=2,
+            rows=3,
+            context_len=0,
+            hot_slots=16,
+            kv_heads=1,
+            head_dim=64,
+            dtype=torch.bfloat16,
+        )
+
+
 def test_a_per_head_geometry_caps_its_hot_cache_at_a_contexts_blocks() -> None:
     """Per-head records for double sparsity: hot caches of the blocks one step may read, but no
     more than the context holds (qsa-core's ``ds_offload_sizes``)."""

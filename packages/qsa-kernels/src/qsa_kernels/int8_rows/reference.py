@@ -79,11 +79,6 @@ class Int8RowTable:
         """Row width ``D``."""
         return int(self.values.shape[1])
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of values and scales."""
-        return int(self.values.nbytes + self.scales.nbytes)
-
     def pin(self) -> Int8RowTable:
         """The same table in page-locked host memory (what a device gather reads in place)."""
         return Int8RowTable(self.values.pin_memory(), self.scales.pin_memory())
@@ -155,11 +150,9 @@ def gather_int8_rows_reference(
         KernelInputError: as :func:`check_gather_inputs`.
     """
     end = check_gather_inputs(table, ids, vocab_start, vocab_end)
-    flat = ids.reshape(-1).long().cpu()
+    flat = ids.reshape(-1).long().to(table.values.device)  # read the named rows where they live
     inside = (flat >= vocab_start) & (flat < end)
     local = torch.where(inside, flat - vocab_start, torch.zeros_like(flat))
-    rows = dequantize_int8_rows_reference(
-        Int8RowTable(table.values.cpu()[local], table.scales.cpu()[local])
-    )
+    rows = dequantize_int8_rows_reference(Int8RowTable(table.values[local], table.scales[local]))
     rows[~inside] = 0
     return rows.reshape(*ids.shape, table.dim).to(ids.device)

@@ -144,16 +144,31 @@ class OffloadGeometry:
     ) -> OffloadGeometry:
         """The arena, hot caches and tails of ``rows`` requests of up to ``context_len`` tokens.
 
-        ``max_blocks`` is ``ceil(context_len / 4)``; the other sizes are the fields'.
+        ``max_blocks`` is qsa-core's for that context (:meth:`qsa_core.OffloadSizes.for_context`);
+        the other sizes are the fields'.
 
         Raises:
-            KernelInputError: a size the geometry refuses (named).
+            KernelInputError: a size qsa-core or the geometry refuses (named).
         """
+        try:
+            sizes = OffloadSizes.for_context(
+                layers=layers,
+                rows=rows,
+                context_len=context_len,
+                hot_slots=hot_slots,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                element_bytes=dtype.itemsize,
+                per_head=per_head,
+                block_tokens=BLOCK_TOKENS,
+            )
+        except CapacityError as exc:
+            raise KernelInputError(str(exc)) from exc
         return cls(
             layers=layers,
             rows=rows,
             hot_slots=hot_slots,
-            max_blocks=-(-context_len // BLOCK_TOKENS),
+            max_blocks=sizes.max_blocks,
             kv_heads=kv_heads,
             head_dim=head_dim,
             dtype=dtype,
