@@ -12,6 +12,7 @@ from qsa_hostcache import (
     PrefixKey,
     SegmentSpec,
     TicketState,
+    prompt_segment_spec,
 )
 
 pytestmark = pytest.mark.gpu
@@ -79,6 +80,33 @@ def test_cuda_segments_round_trip_bit_exactly() -> None:
     for name, src in segs.items():
         assert torch.equal(as_bytes(on_gpu[name]), as_bytes(src)), name
         assert torch.equal(as_bytes(on_cpu[name]), as_bytes(src)), name
+
+
+def test_a_checkpoint_extending_another_restores_to_the_device_from_both_arenas_blocks() -> None:
+    """fp8 K/V rows of a prompt at 2 and 5 pages: the longer copies only its rows from the
+    device, and its restore to the device reads the first rows from the shorter's blocks."""
+    cache = HostPrefixCache(64 * MIB, block_bytes=MIB)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kv = torch.randn(5 * 64, 8, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    state = torch.randn(3, 1000, device="cuda", generator=g)
+    for pages in (2, 5):
+        segs = {"k.0": kv[: pages * 64], "state.0": state * pages}
+        specs = [prompt_segment_spec(n, t) for n, t in segs.items()]
+        ticket = cache.reserve(key(pages), specs)
+        assert ticket is not None
+        ticket.write(segs)
+        ticket.commit()
+        assert ticket.wait()
+    assert cache.stats().shared_bytes == 2 * 64 * 8 * 128
+    lease = cache.acquire(key(5))
+    assert lease is not None
+    with lease:
+        k = torch.empty(5 * 64, 8, 128, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.empty(3, 1000, device="cuda")
+        busy_gpu()  # the restore is ordered after it, and the result read after the restore
+        cache.restore(lease, {"k.0": k, "state.0": s}).wait()
+    assert torch.equal(as_bytes(k), as_bytes(kv))
+    assert torch.equal(s, state * 5)
 
 
 def test_checkpoint_is_invisible_until_device_copies_finish() -> None:

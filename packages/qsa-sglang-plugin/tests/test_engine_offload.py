@@ -555,6 +555,7 @@ def test_the_cache_report_credits_the_host_tier(engines: EnginePool) -> None:
 @pytest.mark.engine(PREFIX_CACHE)
 def test_a_multi_turn_chat_reuses_each_earlier_turn(engines: EnginePool) -> None:
     engine = engines.engine(PREFIX_CACHE)
+    shared_before = _prefix_stat(engine, "shared_bytes_total")
     history: tuple[int, ...] = ()
     cached = []
     for turn, new in enumerate((1100, 1000, 1000)):
@@ -565,6 +566,9 @@ def test_a_multi_turn_chat_reuses_each_earlier_turn(engines: EnginePool) -> None
     # Turn 1 (1,100 tokens) is checkpointed at 1,024; turn 2 (2,132) reuses it and is
     # checkpointed at 2,048; turn 3 (3,164) reuses that.
     assert cached == [0, CHUNK, 2 * CHUNK], cached
+    # The checkpoints at 2,048 and 3,072 copied only their last 1,024 tokens' K/V and index
+    # rows; the first 1,024 and 2,048 are read from the shorter ones (512 + 64 B a token).
+    assert _prefix_stat(engine, "shared_bytes_total") - shared_before == 3 * CHUNK * (512 + 64)
 
 
 @pytest.mark.engine(PREFIX_CACHE)

@@ -38,10 +38,16 @@ from qsa_hostcache._prompts import (
     PromptCheckpoints,
     PromptCounts,
     agree_min,
-    kv_segments,
 )
 from qsa_hostcache._requests import PromptKeys
-from qsa_hostcache._segments import INDEX_SEGMENT, StateSegments, compressed_slots, segment_buffer
+from qsa_hostcache._segments import (
+    INDEX_SEGMENT,
+    StateSegments,
+    compressed_slots,
+    kv_segments,
+    prompt_segment_spec,
+    segment_buffer,
+)
 from qsa_hostcache._stats import CacheStats, StatSeries
 from qsa_hostcache._version import __version__
 
@@ -79,6 +85,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # what a prompt's checkpoint holds
     "kv_segments",
     "INDEX_SEGMENT",
+    "prompt_segment_spec",
     "compressed_slots",
     "StateSegments",
     "segment_buffer",

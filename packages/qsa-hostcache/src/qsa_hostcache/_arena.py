@@ -223,11 +223,15 @@ class HostArena:
             event.record(stream)
         return CopyFence(event, self._device)
 
-    def read(self, blocks: tuple[int, ...], items: Sequence[tuple[int, torch.Tensor]]) -> CopyFence:
-        """Copy the checkpoint stored in ``blocks`` into each ``(stream offset, target tensor)``."""
-        on_device = [self._check_device(t) for _, t in items]
-        views = [byte_view(t, writable=True) for _, t in items]
-        for (offset, _), view, dev in zip(items, views, on_device, strict=True):
+    def read(self, items: Sequence[tuple[tuple[int, ...], int, torch.Tensor]]) -> CopyFence:
+        """Copy into each ``(blocks, stream offset, target)`` the checkpoint's bytes from there.
+
+        ``blocks`` hold one checkpoint's stream; a restore reads several checkpoints' blocks
+        when the one it restores extends others.
+        """
+        on_device = [self._check_device(t) for _, _, t in items]
+        views = [byte_view(t, writable=True) for _, _, t in items]
+        for (blocks, offset, _), view, dev in zip(items, views, on_device, strict=True):
             if not dev:
                 self._copy_out(blocks, offset, view, False)
         if not any(on_device):
@@ -237,7 +241,7 @@ class HostArena:
         assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
-            for (offset, tensor), view, dev in zip(items, views, on_device, strict=True):
+            for (blocks, offset, tensor), view, dev in zip(items, views, on_device, strict=True):
                 if dev:
                     self._copy_out(blocks, offset, view, True)
                     tensor.record_stream(stream)

@@ -17,7 +17,7 @@ from types import TracebackType
 
 import torch
 
-from qsa_hostcache._arena import CopyFence, HostArena
+from qsa_hostcache._arena import CopyFence, HostArena, byte_view
 from qsa_hostcache._errors import (
     CacheConfigError,
     InvalidKeyError,
@@ -188,10 +188,16 @@ class PublishTicket:
             raise TicketStateError(
                 f"write needs a 'reserved' ticket; entry {self.entry_id!r} is {self._state.value!r}"
             )
-        items = _placed(
-            self._entry.layout, segments, self._cache._arena, target=False, written=self._written
-        )
-        fence = self._cache._arena.write(self._entry.blocks, items)
+        entry = self._entry
+        items = []
+        for name, tensor in _checked(
+            entry.layout, segments, self._cache._arena, target=False, written=self._written
+        ):
+            # Rows the base holds are not copied again: only the rest goes to this entry's blocks.
+            shared = entry.shared.get(name, 0)
+            tail = tensor[shared:] if shared else tensor
+            items.append((entry.stored.offsets[entry.stored.index(name)], tail))
+        fence = self._cache._arena.write(entry.blocks, items)
         self._fences.append(fence)
         self._written.update(segments)
         return fence
@@ -271,17 +277,18 @@ class PublishTicket:
         )
 
 
-def _placed(
+def _checked(
     layout: CheckpointLayout,
     tensors: Mapping[str, torch.Tensor],
     arena: HostArena,
     *,
     target: bool,
     written: set[str] | frozenset[str] = frozenset(),
-) -> list[tuple[int, torch.Tensor]]:
-    """``(stream offset, tensor)`` for each named tensor; copies nothing.
+) -> list[tuple[str, torch.Tensor]]:
+    """``(segment name, tensor)`` for each named tensor, each checked; copies nothing.
 
-    Each tensor is checked first: the arena can copy it, and it fits its segment.
+    Checked: the name is a segment of ``layout`` not in ``written``, the arena can copy the
+    tensor, and it fits its segment.
 
     Raises:
         SegmentError: An unknown name, a name in ``written``, a tensor the arena cannot copy
@@ -295,7 +302,7 @@ def _placed(
             raise SegmentError(f"segment {name!r} was already written")
         arena.check(tensor, target=target)
         _check_fits(layout.segments[i], tensor)
-        items.append((layout.offsets[i], tensor))
+        items.append((name, tensor))
     return items
 
 
@@ -375,7 +382,9 @@ class HostPrefixCache:
         self._arena = HostArena(
             num_blocks * block_bytes, block_bytes, pin_memory=pin_memory, device=device
         )
-        self._index = PrefixIndex(num_blocks, block_bytes, max_entries, page_size, hasher)
+        self._index = PrefixIndex(
+            num_blocks, block_bytes, max_entries, page_size, hasher, segment_align=segment_align
+        )
         self._committing: list[PublishTicket] = []
 
     # ---- configuration ---------------------------------------------------------------------
@@ -577,9 +586,14 @@ class HostPrefixCache:
         if not lease.active or lease._cache is not self:
             raise LeaseError(f"restore needs an active lease of this cache, got {lease.match!r}")
         entry = lease._entry
-        items = _placed(entry.layout, into, self._arena, target=True)
-        nbytes = sum(t.numel() * t.element_size() for _, t in items)  # each equals its spec's
-        fence = self._arena.read(entry.blocks, items)
+        items = []
+        nbytes = 0
+        for name, tensor in _checked(entry.layout, into, self._arena, target=True):
+            view = byte_view(tensor, writable=True)
+            nbytes += view.numel()
+            for blocks, offset, first, count in entry.sources(name):
+                items.append((blocks, offset, view[first : first + count]))
+        fence = self._arena.read(items)
         with self._lock:
             self._index.counters.restores += 1
             self._index.counters.bytes_out += nbytes

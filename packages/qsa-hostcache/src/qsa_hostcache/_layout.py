@@ -4,6 +4,11 @@ A checkpoint is one logical byte stream: its segments in the order given, each s
 multiple of ``align`` bytes. The stream is stored in ``ceil(total / block_bytes)`` arena blocks
 that need not be adjacent; :func:`plan_extents` turns a segment into the fewest copies by merging
 runs of physically adjacent blocks.
+
+A segment published with ``token_rows`` runs over the checkpoint's tokens along its first
+dimension (a layer's K/V, ``[T, H, D]``; a compressed index, ``[T / ratio, H, D]``): the first rows
+of a longer checkpoint's segment equal a shorter one's, so a checkpoint that extends a cached
+prefix of itself stores only the rows beyond it (:meth:`SegmentSpec.shared_rows`).
 """
 
 from __future__ import annotations
@@ -38,12 +43,16 @@ class SegmentSpec:
         nbytes: Payload size in bytes (>= 0).
         dtype: Optional dtype name (``str(tensor.dtype)``); restore checks it when set.
         shape: Optional shape; restore checks it when set.
+        token_rows: Dimension 0 of ``shape`` runs over the checkpoint's tokens, a fixed number
+            of tokens a row (needs ``shape``); a checkpoint extending another then stores only
+            the rows the other lacks.
     """
 
     name: str
     nbytes: int
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+    token_rows: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -53,15 +62,54 @@ class SegmentSpec:
             raise SegmentError(
                 f"segment {self.name!r}: nbytes must be an int >= 0, got {self.nbytes!r}"
             )
+        if self.token_rows and (not self.shape or (self.shape[0] and self.nbytes % self.shape[0])):
+            raise SegmentError(
+                f"segment {self.name!r}: token_rows needs a shape whose first dimension divides "
+                f"the {self.nbytes!r} bytes into equal rows, got shape {self.shape!r}"
+            )
 
     @classmethod
-    def like(cls, name: str, tensor: TensorLike) -> SegmentSpec:
+    def like(cls, name: str, tensor: TensorLike, *, token_rows: bool = False) -> SegmentSpec:
         """The spec of a segment holding exactly ``tensor`` (its bytes, dtype and shape)."""
         return cls(
             name=name,
             nbytes=tensor.numel() * tensor.element_size(),
             dtype=str(tensor.dtype),
             shape=tuple(int(s) for s in tensor.shape),
+            token_rows=token_rows,
+        )
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row along dimension 0 (0 for a segment without rows)."""
+        rows = self.shape[0] if self.shape else 0
+        return self.nbytes // rows if rows else 0
+
+    def shared_rows(self, num_tokens: int, base: SegmentSpec, base_tokens: int) -> int:
+        """How many of this segment's first rows ``base`` already holds (0: none can be shared).
+
+        ``base`` is the same segment of a checkpoint of this one's first ``base_tokens`` tokens
+        (this one covers ``num_tokens``). Both must be ``token_rows`` segments of one dtype and
+        row shape, with rows in the same proportion to tokens
+        (``base_rows / base_tokens == rows / num_tokens``).
+        """
+        if not (self.token_rows and base.token_rows and self.shape and base.shape):
+            return 0
+        if base.dtype != self.dtype or base.shape[1:] != self.shape[1:]:
+            return 0
+        rows, base_rows = self.shape[0], base.shape[0]
+        if base_rows * num_tokens != rows * base_tokens or base_rows >= rows:
+            return 0
+        return base_rows
+
+    def tail(self, rows: int) -> SegmentSpec:
+        """The spec of this segment without its first ``rows`` rows (what a checkpoint stores)."""
+        if not rows:
+            return self
+        assert self.shape is not None
+        shape = (self.shape[0] - rows, *self.shape[1:])
+        return SegmentSpec(
+            self.name, self.nbytes - rows * self.row_bytes, self.dtype, shape, self.token_rows
         )
 
 

@@ -34,8 +34,7 @@ from qsa_hostcache._arena import CopyFence
 from qsa_hostcache._cache import HostPrefixCache, Lease
 from qsa_hostcache._errors import CheckpointTooLarge, HostCacheError
 from qsa_hostcache._keys import PrefixKey
-from qsa_hostcache._layout import SegmentSpec
-from qsa_hostcache._segments import segment_buffer
+from qsa_hostcache._segments import kv_segments, prompt_segment_spec, segment_buffer
 from qsa_hostcache._stats import StatSeries
 
 __all__ = ("Agree", "Claim", "PromptCheckpoints", "PromptCounts", "agree_min", "kv_segments")
@@ -80,18 +79,6 @@ def agree_min(group: Any) -> Agree:
         return int(t.item())
 
     return agree
-
-
-def kv_segments(
-    k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor], *, first: int = 0
-) -> dict[str, torch.Tensor]:
-    """The K/V segments of a checkpoint: ``k.<i>`` and ``v.<i>`` per attention layer ``i``.
-
-    ``k_layers[j]`` (``[T, Hkv, D]``) is layer ``first + j``: a run of layers, e.g. one.
-    """
-    segments = {f"k.{i}": t for i, t in enumerate(k_layers, start=first)}
-    segments.update({f"v.{i}": t for i, t in enumerate(v_layers, start=first)})
-    return segments
 
 
 _COUNT_HELP: Final = {
@@ -291,7 +278,7 @@ class PromptCheckpoints(Generic[T]):
         try:
             sources = gather()
             ticket = self.cache.reserve(
-                key, [SegmentSpec.like(name, t) for name, t in sources.items()]
+                key, [prompt_segment_spec(name, t) for name, t in sources.items()]
             )
         except CheckpointTooLarge as exc:
             logger.warning("prefix cache: %r: %s", holder, exc)

@@ -7,16 +7,20 @@ segment            contents                                            built by
 =================  ==================================================  =======================
 ``k.<i>, v.<i>``   attention layer ``i``'s raw K/V, ``[T, Hkv, D]``     :func:`kv_segments`
 ``index``          every layer's compressed index keys,                :func:`compressed_slots`
-                   ``[L, T / ratio, Hi, Di]``, one row per group of      names the rows
+                   ``[T / ratio, L, Hi, Di]``, one row per group of      names the rows
                    ``ratio`` tokens
 ``state.<j>``      the request's recurrent state, flattened to its     :class:`StateSegments`
                    tensors (e.g. conv and temporal states)
 =================  ==================================================  =======================
+
+The K/V and the index run over the prompt's tokens along their first dimension
+(:func:`prompt_segment_spec` marks them ``token_rows``), so a checkpoint of a longer prompt stores
+only the rows beyond the checkpoint it extends; the recurrent state is stored whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -25,10 +29,41 @@ from torch.utils import _pytree as pytree
 from qsa_hostcache._errors import SegmentError
 from qsa_hostcache._layout import SegmentSpec
 
-__all__ = ("INDEX_SEGMENT", "StateSegments", "compressed_slots", "segment_buffer")
+__all__ = (
+    "INDEX_SEGMENT",
+    "StateSegments",
+    "compressed_slots",
+    "kv_segments",
+    "prompt_segment_spec",
+    "segment_buffer",
+)
 
 INDEX_SEGMENT: Final = "index"
-"""The segment of every layer's compressed index keys, ``[L, T / ratio, Hi, Di]``."""
+"""The segment of every layer's compressed index keys, ``[T / ratio, L, Hi, Di]``."""
+
+_KV_PREFIXES: Final = ("k.", "v.")
+
+
+def kv_segments(
+    k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor], *, first: int = 0
+) -> dict[str, torch.Tensor]:
+    """The K/V segments of a checkpoint: ``k.<i>`` and ``v.<i>`` per attention layer ``i``.
+
+    ``k_layers[j]`` (``[T, Hkv, D]``) is layer ``first + j``: a run of layers, e.g. one.
+    """
+    segments = {f"{_KV_PREFIXES[0]}{i}": t for i, t in enumerate(k_layers, start=first)}
+    segments.update({f"{_KV_PREFIXES[1]}{i}": t for i, t in enumerate(v_layers, start=first)})
+    return segments
+
+
+def prompt_segment_spec(name: str, tensor: torch.Tensor) -> SegmentSpec:
+    """The spec of a prompt checkpoint's segment ``name`` holding ``tensor``.
+
+    K/V (:func:`kv_segments`) and :data:`INDEX_SEGMENT` are ``token_rows``: their first rows are
+    shared with the checkpoint of a shorter prefix. Any other segment is stored whole.
+    """
+    rows = name == INDEX_SEGMENT or name.startswith(_KV_PREFIXES)
+    return SegmentSpec.like(name, tensor, token_rows=rows)
 
 
 def segment_buffer(spec: SegmentSpec, device: torch.device | str) -> torch.Tensor:

@@ -12,7 +12,11 @@ _COUNTER_HELP: Final = {
     "lookup_tokens": "Tokens in the queries of all lookups.",
     "hit_tokens": "Tokens covered by the checkpoints that lookups found.",
     "publishes": "Checkpoints that became visible.",
-    "bytes_in": "Payload bytes of published checkpoints.",
+    "bytes_in": "Payload bytes copied into published checkpoints.",
+    "shared_bytes": (
+        "Payload bytes of published checkpoints read from the shorter checkpoints they extend "
+        "instead of copied again."
+    ),
     "restores": "Restore calls.",
     "bytes_out": "Payload bytes restored.",
     "evictions": "Checkpoints evicted to make room.",
@@ -30,10 +34,10 @@ _GAUGE_HELP: Final = {
     "entries": "Live checkpoints (reserved, ready and retired).",
     "ready_entries": "Checkpoints that can match.",
     "reserved_entries": "Checkpoints being written.",
-    "retired_entries": "Invalidated checkpoints still pinned by a restore.",
+    "retired_entries": "Invalidated checkpoints still pinned by a restore or extended by one.",
     "pinned_entries": "Checkpoints pinned by at least one lease.",
     "used_bytes": "Arena bytes held by live checkpoints (whole blocks).",
-    "payload_bytes": "Payload bytes of live checkpoints.",
+    "payload_bytes": "Payload bytes live checkpoints store (shared rows counted once).",
     "capacity_bytes": "Arena size in bytes.",
     "block_bytes": "Arena block size in bytes.",
     "max_entries": "Most checkpoints kept at once.",
@@ -71,6 +75,7 @@ class CacheStats:
     hit_tokens: int
     publishes: int
     bytes_in: int
+    shared_bytes: int
     restores: int
     bytes_out: int
     evictions: int

@@ -244,7 +244,7 @@ class PrefixCacheRuntime:
             row_slots = self._req_to_token.req_to_token[int(req.kv.req_pool_idx), :up_to]
             rows = compressed_slots(row_slots, self._ratio)
             buffers = self._kv_pool.qsa_compressed_k_buffer_pool
-            sources[INDEX_SEGMENT] = torch.stack([buf[rows] for buf in buffers])
+            sources[INDEX_SEGMENT] = torch.stack([buf[rows] for buf in buffers], dim=1)
             if self._mamba is not None and self._state is not None:
                 sources.update(
                     self._state.segments(self._mamba.get_cpu_copy(self._state_slot(req)))
@@ -292,13 +292,13 @@ class PrefixCacheRuntime:
         return True
 
     def _restore_index(self, lease: Lease, slots: torch.Tensor) -> None:
-        """The checkpoint's ``[L, T / 4, Hi, Di]`` index keys into the rows of ``slots``."""
+        """The checkpoint's ``[T / 4, L, Hi, Di]`` index keys into the rows of ``slots``."""
         buffers = self._kv_pool.qsa_compressed_k_buffer_pool
         device = buffers[0].device
         rows = self._checkpoints.restore_new(lease, [INDEX_SEGMENT], device)[INDEX_SEGMENT]
         groups = compressed_slots(slots.to(device), self._ratio)
         for layer, buf in enumerate(buffers):
-            buf[groups] = rows[layer]
+            buf[groups] = rows[:, layer]
 
     def _state_slot(self, req: Any) -> torch.Tensor:
         """``[1]`` physical index of ``req``'s recurrent state slot (refused once freed)."""
