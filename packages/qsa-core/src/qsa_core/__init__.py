@@ -43,6 +43,7 @@ from qsa_core._offload_sizes import (
     sharded_token_bytes,
 )
 from qsa_core._placement import ShardPlacement
+from qsa_core._pool_price import PoolPrice
 from qsa_core._profile import (
     ALLOWED_BLOCK_TOPK,
     QWEN38_FLASH_NEXT,
@@ -97,6 +98,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "MemoryPartKind",
     "MemoryTier",
     "OffloadSizes",
+    "PoolPrice",
     "ds_offload_sizes",
     "format_bytes",
     "hot_cache_slots",
