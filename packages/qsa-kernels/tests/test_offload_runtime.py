@@ -172,12 +172,14 @@ def _lease(runtime: OffloadRuntime, slot: int = SLOT) -> LeaseHandle:
 def test_a_lease_prefills_hands_off_and_decodes_in_the_states_that_name_each_step() -> None:
     """On CPU the hand-off copy runs synchronously: seen complete at once, the lease moves through
     COPYING_TO_HOST to HOST_READY when the next prompt takes the staging area, and to DECODING at
-    its first planned step; release frees the row and the engine slot."""
+    its first planned step (the whole prompt written is not yet a hand-off); release frees the
+    row and the engine slot."""
     runtime = _runtime()
     first = _lease(runtime)
     assert runtime.leases.state(first) is LeaseState.PREFILLING
     kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
     _prefill(runtime, kv, [PREFIX])
+    runtime.prompt_written(first, PREFIX, PREFIX)
     assert runtime.leases.state(first) is LeaseState.PREFILLING  # staged, not yet handed off
     second = runtime.admit("r1", SLOT + 1)
     new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)

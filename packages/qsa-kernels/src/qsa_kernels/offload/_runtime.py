@@ -48,7 +48,7 @@ from typing import Final, Protocol
 
 import torch
 
-from qsa_core import LeaseHandle, LeaseState, LeaseTable, format_bytes
+from qsa_core import CountSeries, LeaseHandle, LeaseState, LeaseTable, format_bytes
 from qsa_kernels._errors import KernelInputError, QSAKernelError
 from qsa_kernels.context import PrefillKernels, ZigzagEntries, attend_chunks, attend_context
 from qsa_kernels.expand import complete_blocks
@@ -68,7 +68,6 @@ __all__ = (
     "CopyFence",
     "OffloadCounts",
     "OffloadRuntime",
-    "OffloadSeries",
     "OffloadStateError",
 )
 
@@ -117,58 +116,40 @@ class OffloadCounts:
     differing_bytes: int = 0
 
     @staticmethod
-    def series() -> tuple[OffloadSeries, ...]:
+    def series() -> tuple[CountSeries, ...]:
         """Every field as a metric, in declaration order: its name, kind and help text."""
         return _SERIES
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class OffloadSeries:
-    """One field of :class:`OffloadCounts` as a metric.
-
-    Attributes:
-        field: the field's name (``decode_steps``...).
-        name: the metric's name after an engine's prefix (``offload_decode_steps``; a counter's
-            without the ``_total`` its exposition adds).
-        counter: True for a monotonic counter, False for a gauge (a value now).
-        help: one line that says what it counts, for the metric's help text.
-    """
-
-    field: str
-    name: str
-    counter: bool
-    help: str
-
-
 _SERIES: Final = (
-    OffloadSeries(
+    CountSeries(
         "rows_in_use", "offload_rows_in_use", False, "Host arena rows that hold a request's K/V."
     ),
-    OffloadSeries(
+    CountSeries(
         "decode_steps",
         "offload_decode_steps",
         True,
         "Decode steps served from the host arena.",
     ),
-    OffloadSeries(
+    CountSeries(
         "selected_blocks",
         "selected_blocks",
         True,
         "Complete blocks the indexer selected, all layers.",
     ),
-    OffloadSeries(
+    CountSeries(
         "fetched_blocks",
         "fetched_blocks",
         True,
         "Selected blocks that missed the hot cache and were read from the host arena.",
     ),
-    OffloadSeries(
+    CountSeries(
         "verified_bytes",
         "offload_verified_bytes",
         True,
         "K/V bytes of released rows compared with their resident copy (verification on).",
     ),
-    OffloadSeries(
+    CountSeries(
         "differing_bytes",
         "offload_differing_bytes",
         True,
@@ -326,10 +307,18 @@ class OffloadRuntime:
             qsa_core.LeaseError: no free row, or ``request_id`` or ``engine_slot`` already holds
                 a live lease (the message names the holder).
         """
-        handle = self.leases.acquire(request_id, engine_slot=engine_slot)
-        self.leases.begin_prefill(handle)
+        handle = self.leases.admit(request_id, engine_slot)
         self._count(rows_in_use=self.rows_in_use)
         return handle
+
+    def prompt_written(self, handle: LeaseHandle, tokens: int, prompt_tokens: int) -> None:
+        """``tokens`` of the prompt are staged: nothing moves yet.
+
+        The lease stays PREFILLING until its first decode step is planned (or the next prompt
+        claims the staging area), which hands the prompt off. The same call as
+        :meth:`qsa_core.ResidentRows.prompt_written`, so an engine's lifecycle is one path.
+        """
+        del handle, tokens, prompt_tokens
 
     def release(self, handle: LeaseHandle, *, aborted: bool = False) -> None:
         """The request gave its engine slot back (finish, abort, retraction): end its lease.
