@@ -483,6 +483,24 @@ def test_the_description_names_the_arena_and_the_device_buffers() -> None:
     assert runtime.describe_sharding() is None
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_runtime_for_a_geometry_gets_the_store_of_its_record_layout(per_head: bool) -> None:
+    """Per-head records: a ``PerHeadOffloadedKV``; records of every head: an ``OffloadedKV``;
+    verification's start-up line names the resident copy's bytes and device."""
+    from qsa_core import format_bytes
+
+    geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, 64, 2, D, torch.bfloat16, per_head)
+    runtime = OffloadRuntime.for_geometry(
+        geometry, torch.device("cpu"), LAYER_IDS, None if per_head else TOPK, verify=True
+    )
+    assert type(runtime.kv) is (PerHeadOffloadedKV if per_head else OffloadedKV)
+    assert runtime.describe_verification() == (
+        f"a resident copy of every row's K/V ({format_bytes(geometry.host_bytes)}) is kept on "
+        "cpu and checked against the host arena when each request ends"
+    )
+    assert _runtime().describe_verification() is None
+
+
 @pytest.mark.parametrize("prefix", [0, 20])
 def test_prefill_stages_the_chunk_and_attends_over_the_staged_prompt(prefix: int) -> None:
     """The chunk's rows over the staged prompt equal the context attention over the whole

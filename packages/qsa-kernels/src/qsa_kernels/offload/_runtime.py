@@ -59,6 +59,7 @@ from qsa_kernels.offload._store import OffloadGeometry
 from qsa_kernels.sharded import (
     HeadLayout,
     ShardedDecodeBuffers,
+    ShardGroup,
     gather_group_queries,
     merge_owner_partials,
 )
@@ -243,6 +244,47 @@ class OffloadRuntime:
         self._on_counts = on_counts
         self._report()
 
+    @classmethod
+    def for_geometry(
+        cls,
+        geometry: OffloadGeometry,
+        device: torch.device,
+        layer_ordinal: Mapping[int, int],
+        block_topk: int | None,
+        *,
+        shard: ShardGroup | None = None,
+        verify: bool = False,
+        q_heads: int | None = None,
+        head_layout: HeadLayout = HeadLayout.SHARDED,
+        on_counts: Callable[[OffloadCounts], None] | None = None,
+    ) -> OffloadRuntime:
+        """A runtime over a new store of ``geometry`` on ``device``.
+
+        Per-head records (:attr:`OffloadGeometry.per_head`) get a :class:`PerHeadOffloadedKV`,
+        records of every KV head an :class:`OffloadedKV` (under ``shard``, if given); the other
+        arguments are the constructor's.
+
+        Raises:
+            KernelInputError: a shard group for per-head records (they are not sharded).
+        """
+        if geometry.per_head and shard is not None:
+            msg = "per-head records are not sharded; got a shard group for them"
+            raise KernelInputError(msg)
+        kv = (
+            PerHeadOffloadedKV(geometry, device)
+            if geometry.per_head
+            else OffloadedKV(geometry, device, shard=shard)
+        )
+        return cls(
+            kv,
+            layer_ordinal,
+            block_topk,
+            verify=verify,
+            q_heads=q_heads,
+            head_layout=head_layout,
+            on_counts=on_counts,
+        )
+
     @staticmethod
     def fixed_device_bytes(geometry: OffloadGeometry, *, verify: bool = False) -> int:
         """Device bytes a runtime of ``geometry`` allocates once (staging, hot caches, tails).
@@ -281,6 +323,15 @@ class OffloadRuntime:
             f"group): the host arena holds every {shard.world_size}-th page of "
             f"{shard.placement.blocks_per_page} blocks, {format_bytes(g.arena_bytes(shard))} of "
             f"{format_bytes(g.host_bytes)} per rank"
+        )
+
+    def describe_verification(self) -> str | None:
+        """One line of what verification keeps, for an engine's start-up log (None: off)."""
+        if self._resident is None:
+            return None
+        return (
+            f"a resident copy of every row's K/V ({format_bytes(self.kv.geometry.host_bytes)}) is "
+            f"kept on {self.kv.device} and checked against the host arena when each request ends"
         )
 
     @property
