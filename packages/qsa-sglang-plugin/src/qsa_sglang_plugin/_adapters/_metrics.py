@@ -69,9 +69,9 @@ class RankMetrics:
 
 
 class Series(Protocol):
-    """How a library describes one field of its counts (:class:`qsa_core.CountSeries`).
+    """One field of a library's counts as a metric: :class:`qsa_core.CountSeries`'s fields.
 
-    A series with a ``label`` attribute (name, value) is one member of a labelled family.
+    A ``label`` (name, value), where the series has one, makes it one of a labelled family.
     """
 
     @property
@@ -85,15 +85,10 @@ class Series(Protocol):
 
 
 class CountsMirror:
-    """A library's counts, snapshot after snapshot, as series of one TP rank.
+    """A library's counts (a dataclass), snapshot after snapshot, as ``prefix``'s series.
 
     Each gauge is set to its field; each counter advances by what its field added since the
     previous snapshot (from zero at the first).
-
-    Args:
-        make: the rank's series maker.
-        prefix: the metric names' prefix (``qsa_hisparse``...).
-        series: the fields to mirror, as the library describes them.
     """
 
     def __init__(self, make: RankMetrics, prefix: str, series: Iterable[Series]) -> None:
@@ -108,7 +103,7 @@ class CountsMirror:
         self._seen: object | None = None
 
     def update(self, now: object) -> None:
-        """Mirror the snapshot ``now`` (a dataclass with every mirrored field)."""
+        """Mirror the snapshot ``now``."""
         for field, gauge in self._gauges.items():
             gauge.set(int(getattr(now, field)))
         for field, counter in self._counters.items():

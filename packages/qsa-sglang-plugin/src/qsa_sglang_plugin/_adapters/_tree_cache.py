@@ -30,23 +30,6 @@ __all__ = ("HiSparseRadixCache",)
 logger = logging.getLogger(__name__)
 
 
-class _Metrics:
-    """The lifecycle's Prometheus series, one label set per TP rank."""
-
-    def __init__(self, tp_rank: int) -> None:
-        make = RankMetrics(tp_rank)
-        self.live = make.gauge(
-            "qsa_hisparse_live_leases",
-            "Requests holding a QSA HiSparse lease (a KV row) on this TP rank.",
-        )
-        self.released = make.counters_by(
-            "qsa_hisparse_leases_released",
-            "QSA HiSparse leases given back, by why the request released its row.",
-            "outcome",
-            LeaseOutcome,
-        )
-
-
 def _outcome(req: Any) -> LeaseOutcome:
     if not req.finished():
         return LeaseOutcome.RETRACTED
@@ -64,7 +47,13 @@ class HiSparseRadixCache(UnifiedRadixCache):
         self.qsa_rows: ResidentRows | OffloadRuntime = ResidentRows(slots)
         self.qsa_offload: OffloadRuntime | None = None  # set by use_offload
         self.qsa_prefix: PrefixCacheRuntime | None = None  # set with the prefix cache on
-        self._qsa_metrics = _Metrics(int(get_parallel().tp_rank))
+        make = RankMetrics(int(get_parallel().tp_rank))
+        doc = "Requests holding a QSA HiSparse lease (a KV row) on this TP rank."
+        self._qsa_live = make.gauge("qsa_hisparse_live_leases", doc)
+        doc = "QSA HiSparse leases given back, by why the request released its row."
+        self._qsa_released = make.counters_by(
+            "qsa_hisparse_leases_released", doc, "outcome", LeaseOutcome
+        )
         logger.info("%s lifecycle: %d lease slots", RADIX_CACHE_BACKEND, slots)
 
     def use_offload(self, runtime: OffloadRuntime) -> None:
@@ -124,7 +113,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         if self.qsa_leases.find(req.rid) is not None:  # a later chunk of a leased prompt
             return
         handle = self.qsa_rows.admit(req.rid, int(req.kv.req_pool_idx))
-        self._qsa_metrics.live.inc()
+        self._qsa_live.inc()
         if self.qsa_prefix is not None:
             self.qsa_prefix.restore_row(req, handle.slot)
 
@@ -149,8 +138,8 @@ class HiSparseRadixCache(UnifiedRadixCache):
         outcome = _outcome(req)
         self.qsa_rows.release(handle, aborted=outcome.aborted)  # an offload waits for its copy
         # The outcome first: a reader that sees no live lease sees every outcome counted.
-        self._qsa_metrics.released[outcome].inc()
-        self._qsa_metrics.live.dec()
+        self._qsa_released[outcome].inc()
+        self._qsa_live.dec()
         if self.qsa_prefix is not None and self.qsa_leases.num_free == self.qsa_leases.num_slots:
             self.qsa_prefix.settle()
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
@@ -159,8 +148,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         rows = getattr(self, "qsa_rows", None)
         live = [] if rows is None else [h.request_id for h in rows.leases.live_handles()]
         if live:
-            # SGLang flushes only when idle, so a live lease here belongs to a request it
-            # lost track of: keep everything as it is rather than free rows still leased.
+            # SGLang flushes only when idle: keep rows still leased rather than free them.
             logger.error(
                 "%s: cache flush refused, %d leases are live (requests %r)",
                 RADIX_CACHE_BACKEND,
