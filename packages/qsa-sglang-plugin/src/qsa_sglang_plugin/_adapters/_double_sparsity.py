@@ -243,22 +243,12 @@ class DoubleSparsityBackend:
         """As :meth:`glue_draft_metadata`."""
         return self.glue_draft_metadata()
 
-    def forward(  # noqa: PLR0917
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: Any,
-        forward_batch: Any,
-        save_kv_cache: bool = True,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        """SGLang's entry, as its base backend's: idle, decode, or extend (mixed chunks too)."""
-        if forward_batch.forward_mode.is_idle():
-            return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
-        if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """SGLang's own dispatch (``AttentionBackend.forward``): idle, decode, or extend."""
+        from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+        out: torch.Tensor = AttentionBackend.forward(self, *args, **kwargs)
+        return out
 
     def forward_extend(  # noqa: PLR0917
         self,

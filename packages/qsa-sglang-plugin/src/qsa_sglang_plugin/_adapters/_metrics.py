@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-__all__ = ("CountsMirror", "RankMetrics", "Series")
+if TYPE_CHECKING:
+    from qsa_core import CountSeries
+    from qsa_hostcache import StatSeries
+
+__all__ = ("CountsMirror", "RankMetrics")
 
 _Label = TypeVar("_Label", bound=enum.Enum)
 
@@ -68,30 +72,17 @@ class RankMetrics:
         return {v: self.counter(name, doc, (label, v.value)) for v in values}
 
 
-class Series(Protocol):
-    """One field of a library's counts as a metric: :class:`qsa_core.CountSeries`'s fields.
-
-    A ``label`` (name, value), where the series has one, makes it one of a labelled family.
-    """
-
-    @property
-    def field(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def counter(self) -> bool: ...
-    @property
-    def help(self) -> str: ...
-
-
 class CountsMirror:
     """A library's counts (a dataclass), snapshot after snapshot, as ``prefix``'s series.
 
-    Each gauge is set to its field; each counter advances by what its field added since the
-    previous snapshot (from zero at the first).
+    ``series`` describes the fields (:class:`qsa_core.CountSeries`, or ``qsa_hostcache``'s
+    :class:`~qsa_hostcache.StatSeries`, which has no label). Each gauge is set to its field; each
+    counter advances by what its field added since the previous snapshot (from zero at the first).
     """
 
-    def __init__(self, make: RankMetrics, prefix: str, series: Iterable[Series]) -> None:
+    def __init__(
+        self, make: RankMetrics, prefix: str, series: Iterable[CountSeries | StatSeries]
+    ) -> None:
         self._gauges: dict[str, Any] = {}
         self._counters: dict[str, Any] = {}
         for s in series:

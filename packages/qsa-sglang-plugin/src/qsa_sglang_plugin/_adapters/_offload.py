@@ -124,9 +124,17 @@ def _geometry(build: Callable[..., OffloadGeometry], **sizes: Any) -> OffloadGeo
         raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
 
 
-def offload_geometry(**sizes: Any) -> OffloadGeometry:
-    """:meth:`OffloadGeometry.for_context` of ``sizes`` (a refusal: ConfigurationError)."""
-    return _geometry(OffloadGeometry.for_context, **sizes)
+def offload_geometry(model_config: Any, **sizes: Any) -> OffloadGeometry:
+    """:meth:`OffloadGeometry.for_context` of a QSA model's context and hot slots, and ``sizes``.
+
+    Raises:
+        ConfigurationError: the library refuses a size (naming it).
+    """
+    context_len = int(model_config.context_len)
+    hot_slots = qsa_hot_slots(int(qsa_profile_of(model_config).block_topk), context_len)
+    return _geometry(
+        OffloadGeometry.for_context, context_len=context_len, hot_slots=hot_slots, **sizes
+    )
 
 
 def ds_offload_geometry(
@@ -168,18 +176,16 @@ def _layout(
             dtype=pool.dtype,  # the logical dtype
         )
         return geometry, {i: i for i in range(geometry.layers)}, None
-    full, topk = pool.full_kv_pool, int(qsa_profile_of(config).block_topk)
-    layer_ordinal = dict(pool.full_attention_layer_id_mapping)
+    full, layer_ordinal = pool.full_kv_pool, dict(pool.full_attention_layer_id_mapping)
     geometry = offload_geometry(
+        config,
         layers=len(layer_ordinal),
         rows=rows,
-        context_len=context_len,
-        hot_slots=qsa_hot_slots(topk, context_len),
         kv_heads=int(full.head_num),
         head_dim=int(full.head_dim),
         dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
     )
-    return geometry, layer_ordinal, topk
+    return geometry, layer_ordinal, int(qsa_profile_of(config).block_topk)
 
 
 def _build_runtime(runner: Any) -> OffloadRuntime:

@@ -64,19 +64,16 @@ def _index_bytes_per_token(configurator: Any, kvc: Any, layers: int) -> int:
 def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_sglang_plugin._adapters._offload import arena_rows, offload_geometry, qsa_hot_slots
-    from qsa_sglang_plugin._adapters._qsa_common import qsa_profile_of
+    from qsa_sglang_plugin._adapters._offload import arena_rows, offload_geometry
 
     layers = _qsa_layers(kvc)
     if layers is None:
         return None
     model_config = kvc.model_config
-    context_len = int(model_config.context_len)
     geometry = offload_geometry(
+        model_config,
         layers=layers,
         rows=arena_rows(kvc),
-        context_len=context_len,
-        hot_slots=qsa_hot_slots(int(qsa_profile_of(model_config).block_topk), context_len),
         kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),
         head_dim=int(model_config.head_dim),
         dtype=kvc.kv_cache_dtype,
