@@ -18,22 +18,15 @@ These are the figures :func:`qsa_core.plan_capacity` prints for the same flags.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
-from qsa_core._checks import is_int
-from qsa_core._errors import CapacityError
-from qsa_core._offload_sizes import OffloadSizes, sharded_token_bytes
+from qsa_core._offload_sizes import OffloadSizes, _non_negative, sharded_token_bytes
 from qsa_core._render import format_bytes
 
 __all__ = ("PoolPrice",)
 
-_MIB = 1 << 20
-
-
-def _bytes(**values: int) -> None:
-    for name, value in values.items():
-        if not is_int(value) or value < 0:
-            msg = f"{name}={value!r} is not allowed; it must be an integer >= 0"
-            raise CapacityError(msg)
+#: What an offload's fixed device bytes hold, as the log lines name them.
+_OFFLOAD_BUFFERS: Final = "fixed (staging, hot caches, tails, tables)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +63,12 @@ class PoolPrice:
         Raises:
             CapacityError: a negative byte count.
         """
-        _bytes(resident_token_bytes=resident_token_bytes, index_token_bytes=index_token_bytes)
+        _non_negative("resident_token_bytes", resident_token_bytes)
+        _non_negative("index_token_bytes", index_token_bytes)
         fixed = sizes.fixed_device_bytes(verify=verify)
-        detail = (
-            f"pool sizing charges {index_token_bytes} B per token (was {resident_token_bytes} B "
-            f"with the QSA layers' K/V) plus {format_bytes(fixed)} fixed (staging, hot caches, "
-            "tails, tables)"
-        )
-        return cls(index_token_bytes, fixed, detail)
+        was = f"was {resident_token_bytes} B with the QSA layers' K/V"
+        detail = f"pool sizing charges {index_token_bytes} B per token ({was}) plus "
+        return cls(index_token_bytes, fixed, f"{detail}{format_bytes(fixed)} {_OFFLOAD_BUFFERS}")
 
     @classmethod
     def sharded(
@@ -96,7 +87,7 @@ class PoolPrice:
             CapacityError: a negative byte count, an index dearer than the whole token, or a
                 ``sharding_size`` that is not positive.
         """
-        _bytes(transport_bytes=transport_bytes)
+        _non_negative("transport_bytes", transport_bytes)
         raw = resident_token_bytes - index_token_bytes
         token = sharded_token_bytes(raw, index_token_bytes, sharding_size)
         detail = (
@@ -126,18 +117,17 @@ class PoolPrice:
         Raises:
             CapacityError: a negative byte count.
         """
-        _bytes(kv_token_bytes=kv_token_bytes, label_token_bytes=label_token_bytes)
+        _non_negative("kv_token_bytes", kv_token_bytes)
+        _non_negative("label_token_bytes", label_token_bytes)
         kv, labels = kv_token_bytes, label_token_bytes
+        parts = f"{kv} B of K/V and {labels} B of labels"
         if offload is None:
-            detail = (
-                f"pool sizing charges {kv + labels} B per token ({kv} B of K/V and {labels} B "
-                "of labels)"
-            )
-            return cls(kv + labels, 0, detail)
+            return cls(kv + labels, 0, f"pool sizing charges {kv + labels} B per token ({parts})")
         fixed = offload.fixed_device_bytes(verify=verify)
-        detail = (
-            f"DS-Offload: pool sizing charges {labels} B per token of labels (was {kv} B of K/V "
-            f"and {labels} B of labels) plus {fixed / _MIB:.1f} MiB fixed (staging, hot caches, "
-            "tails, tables)"
+        mib = fixed / (1 << 20)
+        return cls(
+            labels,
+            fixed,
+            f"DS-Offload: pool sizing charges {labels} B per token of labels (was {parts}) plus "
+            f"{mib:.1f} MiB {_OFFLOAD_BUFFERS}",
         )
-        return cls(labels, fixed, detail)
