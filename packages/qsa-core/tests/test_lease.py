@@ -7,7 +7,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from qsa_core import CapacityError, LeaseError, LeaseHandle, LeaseState, LeaseTable
+from qsa_core import (
+    CapacityError,
+    LeaseError,
+    LeaseHandle,
+    LeaseOutcome,
+    LeaseState,
+    LeaseTable,
+    ResidentRows,
+)
 
 _PATH = (
     LeaseState.PREFILLING,
@@ -51,6 +59,39 @@ def test_a_request_that_stays_on_the_device_decodes_straight_after_prefill() -> 
     table.begin_prefill(h)
     table.begin_decode(h)
     assert table.state(h) is LeaseState.DECODING
+
+
+def test_resident_rows_decode_once_the_whole_prompt_is_in_the_pool() -> None:
+    """Admitted PREFILLING; a partial prompt leaves it; the whole prompt decodes; release frees."""
+    rows = ResidentRows(2)
+    h = rows.admit("a", 5)
+    assert (rows.leases.state(h), rows.leases.at_engine_slot(5)) == (LeaseState.PREFILLING, h)
+    rows.prompt_written(h, 64, 100)  # one chunk of two
+    assert rows.leases.state(h) is LeaseState.PREFILLING
+    rows.prompt_written(h, 100, 100)
+    assert rows.leases.state(h) is LeaseState.DECODING
+    rows.prompt_written(h, 100, 100)  # a later checkpoint while decoding changes nothing
+    assert rows.leases.state(h) is LeaseState.DECODING
+    rows.release(h)
+    assert rows.leases.num_free == 2
+    with pytest.raises(LeaseError, match=r"stale lease handle .* cannot advance to draining"):
+        rows.release(h)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "aborted"),
+    [(LeaseOutcome.FINISHED, False), (LeaseOutcome.ABORTED, True), (LeaseOutcome.RETRACTED, True)],
+)
+def test_a_lease_ends_aborted_unless_its_request_finished(
+    outcome: LeaseOutcome, aborted: bool
+) -> None:
+    """An abort or a retraction mid-prompt ends the lease aborted; a finish ends it normally."""
+    assert outcome.aborted is aborted
+    rows = ResidentRows(1)
+    h = rows.admit("a", 0)
+    rows.release(h, aborted=outcome.aborted)
+    assert rows.leases.num_free == 1
+    assert rows.leases.state(h) is LeaseState.RELEASED
 
 
 def test_a_request_may_end_at_its_first_token_but_not_while_its_copy_is_in_flight() -> None:

@@ -351,3 +351,42 @@ def test_every_change_of_the_counts_reaches_on_counts() -> None:
         DSCounts(eager_steps=1, graph_steps=1, dense_rows=1, sparse_rows=2),
     ]
     assert runtime.counts == seen[-1]
+
+
+def test_every_count_is_a_labelled_counter_of_two_families() -> None:
+    """``DSCounts.series`` names every field once: steps by ``mode``, rows by ``path``."""
+    import dataclasses
+
+    series = DSCounts.series()
+    assert sorted(s.field for s in series) == sorted(f.name for f in dataclasses.fields(DSCounts))
+    assert all(s.counter for s in series)
+    assert {(s.name, s.label) for s in series} == {
+        ("decode_steps", ("mode", "eager")),
+        ("decode_steps", ("mode", "graph")),
+        ("decode_rows", ("path", "dense")),
+        ("decode_rows", ("path", "sparse")),
+    }
+    assert len({s.help for s in series if s.name == "decode_rows"}) == 1
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "label_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn, torch.bfloat16)],
+)
+def test_a_runtime_over_an_engines_slots_keeps_one_label_row_per_slot(
+    kv_dtype: torch.dtype, label_dtype: torch.dtype
+) -> None:
+    """``over_slots``: one row of ``slots`` labels per layer, FP8 keys labelled in bf16; the
+    start-up line names the options and the cache's size."""
+    channels = torch.zeros(LAYERS, HKV, C, dtype=torch.int32)
+    runtime = DSDecodeRuntime.over_slots(
+        channels, CONFIG, slots=64, kv_dtype=kv_dtype, device="cpu"
+    )
+    labels = runtime.labels
+    assert (labels.rows, labels.max_tokens, labels.layers) == (1, 64, LAYERS)
+    assert labels.buffer.dtype == label_dtype
+    mib = LAYERS * 64 * HKV * C * 2 / (1 << 20)
+    assert runtime.describe(D) == (
+        f"{C} heavy channels of {D}, 8 heavy tokens, dense below 24 tokens; label cache "
+        f"{LAYERS} layers x 64 slots ({mib:.1f} MiB)"
+    )

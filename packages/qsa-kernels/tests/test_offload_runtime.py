@@ -172,12 +172,14 @@ def _lease(runtime: OffloadRuntime, slot: int = SLOT) -> LeaseHandle:
 def test_a_lease_prefills_hands_off_and_decodes_in_the_states_that_name_each_step() -> None:
     """On CPU the hand-off copy runs synchronously: seen complete at once, the lease moves through
     COPYING_TO_HOST to HOST_READY when the next prompt takes the staging area, and to DECODING at
-    its first planned step; release frees the row and the engine slot."""
+    its first planned step (the whole prompt written is not yet a hand-off); release frees the
+    row and the engine slot."""
     runtime = _runtime()
     first = _lease(runtime)
     assert runtime.leases.state(first) is LeaseState.PREFILLING
     kv = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
     _prefill(runtime, kv, [PREFIX])
+    runtime.prompt_written(first, PREFIX, PREFIX)
     assert runtime.leases.state(first) is LeaseState.PREFILLING  # staged, not yet handed off
     second = runtime.admit("r1", SLOT + 1)
     new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
@@ -479,6 +481,24 @@ def test_the_description_names_the_arena_and_the_device_buffers() -> None:
     assert "all-head records, bfloat16, pageable); on cpu: staging, hot caches (16 blocks" in text
     assert text.endswith(format_bytes(OffloadRuntime.fixed_device_bytes(g)))
     assert runtime.describe_sharding() is None
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_runtime_for_a_geometry_gets_the_store_of_its_record_layout(per_head: bool) -> None:
+    """Per-head records: a ``PerHeadOffloadedKV``; records of every head: an ``OffloadedKV``;
+    verification's start-up line names the resident copy's bytes and device."""
+    from qsa_core import format_bytes
+
+    geometry = OffloadGeometry(len(LAYER_IDS), 2, TOPK, 64, 2, D, torch.bfloat16, per_head)
+    runtime = OffloadRuntime.for_geometry(
+        geometry, torch.device("cpu"), LAYER_IDS, None if per_head else TOPK, verify=True
+    )
+    assert type(runtime.kv) is (PerHeadOffloadedKV if per_head else OffloadedKV)
+    assert runtime.describe_verification() == (
+        f"a resident copy of every row's K/V ({format_bytes(geometry.host_bytes)}) is kept on "
+        "cpu and checked against the host arena when each request ends"
+    )
+    assert _runtime().describe_verification() is None
 
 
 @pytest.mark.parametrize("prefix", [0, 20])

@@ -25,16 +25,21 @@ def test_a_name_asked_for_as_another_kind_is_refused_naming_both() -> None:
     assert REGISTRY.get_sample_value(f"{name}_total", {"tp_rank": "0"}) == 1
 
 
-def test_library_counts_advance_their_counters_by_what_they_added() -> None:
-    from qsa_kernels.offload import OffloadCounts
-    from qsa_sglang_plugin._adapters._metrics import advance_counters
+def test_labelled_series_of_one_name_are_one_family_and_advance_apart() -> None:
+    """``DSCounts``' rows by path: one family ``..._decode_rows{path}``, each path its own."""
+    from qsa_kernels.double_sparsity import DSCounts
+    from qsa_sglang_plugin._adapters._metrics import CountsMirror
 
-    name = "qsa_test_advanced_steps"
-    counters = {"decode_steps": RankMetrics(0).counter(name, "test")}
-    before, now = OffloadCounts(decode_steps=3), OffloadCounts(decode_steps=7, rows_in_use=2)
-    advance_counters(counters, now, before)
-    advance_counters(counters, now, now)  # nothing added: nothing counted
-    assert REGISTRY.get_sample_value(f"{name}_total", {"tp_rank": "0"}) == 4
+    prefix = "qsa_test_labelled"
+    mirror = CountsMirror(RankMetrics(2), prefix, DSCounts.series())
+    mirror.update(DSCounts(eager_steps=1, dense_rows=3))
+    mirror.update(DSCounts(eager_steps=2, dense_rows=3, sparse_rows=4))
+    rows = f"{prefix}_decode_rows_total"
+    assert REGISTRY.get_sample_value(rows, {"tp_rank": "2", "path": "dense"}) == 3
+    assert REGISTRY.get_sample_value(rows, {"tp_rank": "2", "path": "sparse"}) == 4
+    steps = f"{prefix}_decode_steps_total"
+    assert REGISTRY.get_sample_value(steps, {"tp_rank": "2", "mode": "eager"}) == 2
+    assert REGISTRY.get_sample_value(steps, {"tp_rank": "2", "mode": "graph"}) == 0
 
 
 def test_a_mirror_sets_gauges_and_advances_counters_from_zero_at_its_first_snapshot() -> None:

@@ -34,7 +34,7 @@ from qsa_core._jsonfile import (
     JSON_MAX_INT_DIGITS,
     read_json_file,
 )
-from qsa_core._lease import LeaseHandle, LeaseState, LeaseTable
+from qsa_core._lease import LeaseHandle, LeaseOutcome, LeaseState, LeaseTable, ResidentRows
 from qsa_core._merge import TopKCandidate, candidate_sort_key, merge_topk, topk_reference
 from qsa_core._offload_sizes import (
     OffloadSizes,
@@ -43,6 +43,7 @@ from qsa_core._offload_sizes import (
     sharded_token_bytes,
 )
 from qsa_core._placement import ShardPlacement
+from qsa_core._pool_price import PoolPrice
 from qsa_core._profile import (
     ALLOWED_BLOCK_TOPK,
     QWEN38_FLASH_NEXT,
@@ -59,6 +60,7 @@ from qsa_core._residency import (
     plan_residency_batch,
     plan_residency_step,
 )
+from qsa_core._series import CountSeries
 from qsa_core._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
@@ -71,8 +73,10 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "QSAProfile",
     # request lease
     "LeaseHandle",
+    "LeaseOutcome",
     "LeaseState",
     "LeaseTable",
+    "ResidentRows",
     # hot-cache residency contract
     "HotCacheState",
     "ResidencyFill",
@@ -97,6 +101,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "MemoryPartKind",
     "MemoryTier",
     "OffloadSizes",
+    "PoolPrice",
     "ds_offload_sizes",
     "format_bytes",
     "hot_cache_slots",
@@ -106,6 +111,8 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "sharded_token_bytes",
     # requests
     "check_prompt",
+    # counts as metrics
+    "CountSeries",
     # files users name
     "CONFIG_JSON_MAX_BYTES",
     "JSON_MAX_DEPTH",

@@ -41,7 +41,7 @@ from typing import Final
 from qsa_core._checks import is_int
 from qsa_core._errors import CapacityError, LeaseError
 
-__all__ = ("LeaseHandle", "LeaseState", "LeaseTable")
+__all__ = ("LeaseHandle", "LeaseOutcome", "LeaseState", "LeaseTable", "ResidentRows")
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,19 @@ class LeaseState(enum.Enum):
     DECODING = "decoding"
     DRAINING = "draining"
     RELEASED = "released"
+
+
+class LeaseOutcome(enum.StrEnum):
+    """Why a request gave its lease back."""
+
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    RETRACTED = "retracted"  # the engine took the request back to run it again later
+
+    @property
+    def aborted(self) -> bool:
+        """The lease ends aborted: anything but a normal finish."""
+        return self is not LeaseOutcome.FINISHED
 
 
 #: The forward transitions from each state; ``abort`` and ``release`` are handled separately.
@@ -177,6 +190,16 @@ class LeaseTable:
         logger.debug(
             "lease acquired: slot=%d generation=%d rid=%r", slot, handle.generation, request_id
         )
+        return handle
+
+    def admit(self, request_id: str, engine_slot: int | None = None) -> LeaseHandle:
+        """A request starts its prefill: :meth:`acquire`, then PREFILLING.
+
+        Raises:
+            LeaseError: as :meth:`acquire`.
+        """
+        handle = self.acquire(request_id, engine_slot=engine_slot)
+        self.begin_prefill(handle)
         return handle
 
     def find(self, request_id: str) -> LeaseHandle | None:
@@ -332,3 +355,48 @@ class LeaseTable:
             )
             raise LeaseError(msg)
         return live
+
+
+class ResidentRows:
+    """The leases of requests whose K/V stays on the device (no offload).
+
+    The calls an engine makes over a request's life, the same as
+    ``qsa_kernels.offload.OffloadRuntime``'s, so its lifecycle code is one path with or without
+    an offload: :meth:`admit` at the first prefill chunk, :meth:`prompt_written` after each
+    chunk, :meth:`release` when the request gives its engine slot back.
+
+    Args:
+        num_slots: request slots (the engine's request rows).
+
+    Raises:
+        CapacityError: ``num_slots < 1``.
+    """
+
+    __slots__ = ("leases",)
+
+    def __init__(self, num_slots: int) -> None:
+        self.leases = LeaseTable(num_slots)
+
+    def admit(self, request_id: str, engine_slot: int) -> LeaseHandle:
+        """The request's lease, PREFILLING (:meth:`LeaseTable.admit`)."""
+        return self.leases.admit(request_id, engine_slot)
+
+    def prompt_written(self, handle: LeaseHandle, tokens: int, prompt_tokens: int) -> None:
+        """``tokens`` of the prompt's ``prompt_tokens`` are in the engine's pool.
+
+        Once the whole prompt is, a PREFILLING lease decodes (nothing is copied); a lease past
+        its prompt (a checkpoint while it decodes) is left as it is.
+
+        Raises:
+            LeaseError: ``handle`` is not a live lease of :attr:`leases`.
+        """
+        if tokens >= prompt_tokens and self.leases.state(handle) is LeaseState.PREFILLING:
+            self.leases.begin_decode(handle)
+
+    def release(self, handle: LeaseHandle, *, aborted: bool = False) -> None:
+        """The request gave its engine slot back: its lease drains and is released.
+
+        Raises:
+            LeaseError: as :meth:`LeaseTable.end`.
+        """
+        self.leases.end(handle, aborted=aborted)

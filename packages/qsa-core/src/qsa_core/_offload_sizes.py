@@ -49,6 +49,12 @@ def _positive(name: str, value: object) -> None:
         raise CapacityError(msg)
 
 
+def _non_negative(name: str, value: object) -> None:
+    if not is_int(value) or value < 0:
+        msg = f"{name}={value!r} is not allowed; it must be an integer >= 0"
+        raise CapacityError(msg)
+
+
 def context_blocks(tokens: int, block_tokens: int = _BLOCK_TOKENS) -> int:
     """Blocks that hold ``tokens`` tokens (the last one may be open)."""
     return -(-tokens // block_tokens)
@@ -85,9 +91,7 @@ class OffloadSizes:
     block_tokens: int = _BLOCK_TOKENS
 
     def __post_init__(self) -> None:
-        if not is_int(self.rows) or self.rows < 0:
-            msg = f"rows={self.rows!r} is not allowed; it must be an integer >= 0"
-            raise CapacityError(msg)
+        _non_negative("rows", self.rows)
         for name in (
             "layers",
             "hot_slots",
@@ -252,9 +256,7 @@ def sharded_token_bytes(raw_bytes: int, index_bytes: int, sharding_size: int) ->
     Raises:
         CapacityError: a negative byte count or a ``sharding_size`` that is not positive.
     """
-    for name, value in (("raw_bytes", raw_bytes), ("index_bytes", index_bytes)):
-        if not is_int(value) or value < 0:
-            msg = f"{name}={value!r} is not allowed; it must be an integer >= 0"
-            raise CapacityError(msg)
+    _non_negative("raw_bytes", raw_bytes)
+    _non_negative("index_bytes", index_bytes)
     _positive("sharding_size", sharding_size)
     return index_bytes + -(-raw_bytes // sharding_size)

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from qsa_core import CountSeries
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.double_sparsity._config import DSConfig
 from qsa_kernels.double_sparsity._decode import (
@@ -121,6 +122,22 @@ class DSCounts:
     graph_steps: int = 0
     dense_rows: int = 0
     sparse_rows: int = 0
+
+    @staticmethod
+    def series() -> tuple[CountSeries, ...]:
+        """Every field as a counter: ``decode_steps`` by ``mode``, ``decode_rows`` by ``path``."""
+        steps_help = "Decode steps with at least one real row, by how they ran."
+        rows_help = "Decode rows, once per step, by how they attended."
+        return (
+            *(
+                CountSeries(f"{m.value}_steps", "decode_steps", True, steps_help, ("mode", m.value))
+                for m in StepMode
+            ),
+            *(
+                CountSeries(f"{p.value}_rows", "decode_rows", True, rows_help, ("path", p.value))
+                for p in DecodePath
+            ),
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -198,6 +215,44 @@ class DSDecodeRuntime:
         self._counts = DSCounts()
         self._on_counts = on_counts
         self._report()
+
+    @classmethod
+    def over_slots(
+        cls,
+        channels: torch.Tensor,
+        config: DSConfig,
+        *,
+        slots: int,
+        kv_dtype: torch.dtype,
+        device: torch.device | str,
+        offload: OffloadRuntime | None = None,
+        on_counts: Callable[[DSCounts], None] | None = None,
+    ) -> DSDecodeRuntime:
+        """A runtime over an engine's ``slots`` token slots (one label row per slot).
+
+        Args:
+            channels: ``[L, Hkv, C]`` this rank's heavy channels (:attr:`ChannelConfig.channels`).
+            config: the double-sparsity options.
+            slots: the engine's token slots, its padding slots included.
+            kv_dtype: the dtype the engine stores keys in (labels: :meth:`LabelCache.dtype_for`).
+            device: where the label cache lives.
+            offload: as the constructor's.
+            on_counts: as the constructor's.
+        """
+        labels = LabelCache(
+            channels, rows=1, max_tokens=slots, dtype=LabelCache.dtype_for(kv_dtype), device=device
+        )
+        return cls(labels, config, offload=offload, on_counts=on_counts)
+
+    def describe(self, head_dim: int) -> str:
+        """One line of the options and the label cache, for an engine's start-up log."""
+        c, labels = self.config, self.labels
+        mib = labels.buffer.numel() * labels.buffer.element_size() / (1 << 20)
+        return (
+            f"{c.heavy_channel_num} heavy channels of {head_dim}, {c.heavy_token_num} heavy "
+            f"tokens, dense below {c.sparse_decode_threshold} tokens; label cache "
+            f"{labels.layers} layers x {labels.max_tokens} slots ({mib:.1f} MiB)"
+        )
 
     @property
     def counts(self) -> DSCounts:

@@ -18,7 +18,6 @@ from qsa_kernels.offload._runtime import (
     CopyFence,
     OffloadCounts,
     OffloadRuntime,
-    OffloadSeries,
     OffloadStateError,
 )
 from qsa_kernels.offload._store import KVComparison, OffloadGeometry
@@ -30,7 +29,6 @@ __all__ = (
     "OffloadCounts",
     "OffloadGeometry",
     "OffloadRuntime",
-    "OffloadSeries",
     "OffloadStateError",
     "OffloadedKV",
     "PerHeadOffloadedKV",

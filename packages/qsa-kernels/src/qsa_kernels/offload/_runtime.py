@@ -48,7 +48,7 @@ from typing import Final, Protocol
 
 import torch
 
-from qsa_core import LeaseHandle, LeaseState, LeaseTable, format_bytes
+from qsa_core import CountSeries, LeaseHandle, LeaseState, LeaseTable, format_bytes
 from qsa_kernels._errors import KernelInputError, QSAKernelError
 from qsa_kernels.context import PrefillKernels, ZigzagEntries, attend_chunks, attend_context
 from qsa_kernels.expand import complete_blocks
@@ -59,6 +59,7 @@ from qsa_kernels.offload._store import OffloadGeometry
 from qsa_kernels.sharded import (
     HeadLayout,
     ShardedDecodeBuffers,
+    ShardGroup,
     gather_group_queries,
     merge_owner_partials,
 )
@@ -68,7 +69,6 @@ __all__ = (
     "CopyFence",
     "OffloadCounts",
     "OffloadRuntime",
-    "OffloadSeries",
     "OffloadStateError",
 )
 
@@ -117,58 +117,40 @@ class OffloadCounts:
     differing_bytes: int = 0
 
     @staticmethod
-    def series() -> tuple[OffloadSeries, ...]:
+    def series() -> tuple[CountSeries, ...]:
         """Every field as a metric, in declaration order: its name, kind and help text."""
         return _SERIES
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class OffloadSeries:
-    """One field of :class:`OffloadCounts` as a metric.
-
-    Attributes:
-        field: the field's name (``decode_steps``...).
-        name: the metric's name after an engine's prefix (``offload_decode_steps``; a counter's
-            without the ``_total`` its exposition adds).
-        counter: True for a monotonic counter, False for a gauge (a value now).
-        help: one line that says what it counts, for the metric's help text.
-    """
-
-    field: str
-    name: str
-    counter: bool
-    help: str
-
-
 _SERIES: Final = (
-    OffloadSeries(
+    CountSeries(
         "rows_in_use", "offload_rows_in_use", False, "Host arena rows that hold a request's K/V."
     ),
-    OffloadSeries(
+    CountSeries(
         "decode_steps",
         "offload_decode_steps",
         True,
         "Decode steps served from the host arena.",
     ),
-    OffloadSeries(
+    CountSeries(
         "selected_blocks",
         "selected_blocks",
         True,
         "Complete blocks the indexer selected, all layers.",
     ),
-    OffloadSeries(
+    CountSeries(
         "fetched_blocks",
         "fetched_blocks",
         True,
         "Selected blocks that missed the hot cache and were read from the host arena.",
     ),
-    OffloadSeries(
+    CountSeries(
         "verified_bytes",
         "offload_verified_bytes",
         True,
         "K/V bytes of released rows compared with their resident copy (verification on).",
     ),
-    OffloadSeries(
+    CountSeries(
         "differing_bytes",
         "offload_differing_bytes",
         True,
@@ -262,6 +244,47 @@ class OffloadRuntime:
         self._on_counts = on_counts
         self._report()
 
+    @classmethod
+    def for_geometry(
+        cls,
+        geometry: OffloadGeometry,
+        device: torch.device,
+        layer_ordinal: Mapping[int, int],
+        block_topk: int | None,
+        *,
+        shard: ShardGroup | None = None,
+        verify: bool = False,
+        q_heads: int | None = None,
+        head_layout: HeadLayout = HeadLayout.SHARDED,
+        on_counts: Callable[[OffloadCounts], None] | None = None,
+    ) -> OffloadRuntime:
+        """A runtime over a new store of ``geometry`` on ``device``.
+
+        Per-head records (:attr:`OffloadGeometry.per_head`) get a :class:`PerHeadOffloadedKV`,
+        records of every KV head an :class:`OffloadedKV` (under ``shard``, if given); the other
+        arguments are the constructor's.
+
+        Raises:
+            KernelInputError: a shard group for per-head records (they are not sharded).
+        """
+        if geometry.per_head and shard is not None:
+            msg = "per-head records are not sharded; got a shard group for them"
+            raise KernelInputError(msg)
+        kv = (
+            PerHeadOffloadedKV(geometry, device)
+            if geometry.per_head
+            else OffloadedKV(geometry, device, shard=shard)
+        )
+        return cls(
+            kv,
+            layer_ordinal,
+            block_topk,
+            verify=verify,
+            q_heads=q_heads,
+            head_layout=head_layout,
+            on_counts=on_counts,
+        )
+
     @staticmethod
     def fixed_device_bytes(geometry: OffloadGeometry, *, verify: bool = False) -> int:
         """Device bytes a runtime of ``geometry`` allocates once (staging, hot caches, tails).
@@ -302,6 +325,15 @@ class OffloadRuntime:
             f"{format_bytes(g.host_bytes)} per rank"
         )
 
+    def describe_verification(self) -> str | None:
+        """One line of what verification keeps, for an engine's start-up log (None: off)."""
+        if self._resident is None:
+            return None
+        return (
+            f"a resident copy of every row's K/V ({format_bytes(self.kv.geometry.host_bytes)}) is "
+            f"kept on {self.kv.device} and checked against the host arena when each request ends"
+        )
+
     @property
     def host_arena_bytes(self) -> int:
         """Bytes of this rank's host arena."""
@@ -326,10 +358,18 @@ class OffloadRuntime:
             qsa_core.LeaseError: no free row, or ``request_id`` or ``engine_slot`` already holds
                 a live lease (the message names the holder).
         """
-        handle = self.leases.acquire(request_id, engine_slot=engine_slot)
-        self.leases.begin_prefill(handle)
+        handle = self.leases.admit(request_id, engine_slot)
         self._count(rows_in_use=self.rows_in_use)
         return handle
+
+    def prompt_written(self, handle: LeaseHandle, tokens: int, prompt_tokens: int) -> None:
+        """``tokens`` of the prompt are staged: nothing moves yet.
+
+        The lease stays PREFILLING until its first decode step is planned (or the next prompt
+        claims the staging area), which hands the prompt off. The same call as
+        :meth:`qsa_core.ResidentRows.prompt_written`, so an engine's lifecycle is one path.
+        """
+        del handle, tokens, prompt_tokens
 
     def release(self, handle: LeaseHandle, *, aborted: bool = False) -> None:
         """The request gave its engine slot back (finish, abort, retraction): end its lease.

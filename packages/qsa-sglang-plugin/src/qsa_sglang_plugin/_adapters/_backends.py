@@ -1,15 +1,9 @@
 """The plugin's QSA attention backends: subclasses of upstream's ``QwenSparseAttnBackend``.
 
-Imported only when SGLang builds an attention backend (the AFTER hook on
-``attn_backend_wrapper``, :mod:`._qsa_backend`): importing SGLang's attention stack while the
-plugin activates would run ahead of SGLang's own import order.
-
-- :class:`PluginQSABackend`: upstream's backend with its attention entries narrowed to the
-  subclasses' ``_prefill`` and ``_decode``.
-- :class:`HiSparseOffloadBackend` (``p2-offload``, :mod:`._offload`): prefill over the staging
-  area, decode from the host arena, each step planned from the ``ForwardBatch``.
-- :class:`HiSparseShardedBackend` (resident cache sharding, :mod:`._sharded_kv`): the raw K/V in
-  the shard group's stores.
+Imported only when SGLang builds an attention backend (:mod:`._qsa_backend`'s hook).
+:class:`HiSparseOffloadBackend` (``p2-offload``, :mod:`._offload`) and
+:class:`HiSparseShardedBackend` (resident cache sharding, :mod:`._sharded_kv`) share
+:class:`PluginQSABackend`'s narrowed attention entries.
 """
 
 from __future__ import annotations
@@ -31,16 +25,12 @@ __all__ = ("HiSparseOffloadBackend", "HiSparseShardedBackend", "PluginQSABackend
 
 
 class PluginQSABackend(upstream.QwenSparseAttnBackend):
-    """The base of the plugin's QSA backends: upstream's, with its attention entries narrowed.
+    """Upstream's QSA backend, its attention entries narrowed to ``_prefill`` and ``_decode``.
 
-    Decode takes the indexer's block ids as they are (the block expansion is deferred), both
-    entries require the indexer's selection, a context-parallel prefill gathers the chunk's K/V
-    as upstream does and hands the subclass this rank's rows (``cp=True``), and the extend
-    output is padded to the query rows as upstream pads it. A subclass implements
-    ``_prefill(layer, forward_batch, q [T, Hq, D], k, v, topk_indices, cp=) -> [T, Hq * D]``
-    over the ``T`` rows the indexer selected for (with ``cp``, ``k``/``v`` ``[N, Hkv, D]`` the
-    chunk gathered in token order) and ``_decode(layer, forward_batch, q, k, v, topk_indices)
-    -> [B, Hq * D]``; ``feature`` names it in refusals.
+    Decode takes the indexer's block ids unexpanded; a context-parallel prefill gathers the
+    chunk's K/V as upstream does (``cp=True``: ``k``/``v`` the chunk in token order, ``q`` this
+    rank's rows). ``_prefill(...) -> [T, Hq * D]``, ``_decode(...) -> [B, Hq * D]``; ``feature``
+    names the subclass in refusals.
     """
 
     feature = "the plugin's QSA backend"
@@ -85,13 +75,7 @@ class PluginQSABackend(upstream.QwenSparseAttnBackend):
         topk_indices: Tensor,
         save_kv_cache: bool,
     ) -> Tensor:
-        """Prefill CP (SGLang's zigzag CP over the TP group), for this rank's rows.
-
-        This rank holds the query, K/V and selection rows of its two zigzag blocks of the
-        chunk. The chunk's new K/V is all-gathered into token order (or joined from the gather
-        ``prefetch_cp_kv`` started on its side stream), and the subclass stores all of it
-        and attends this rank's rows, as upstream writes the whole chunk into every rank's pool.
-        """
+        """Zigzag prefill CP: the whole chunk's K/V in token order, this rank's rows attended."""
         del save_kv_cache
         strategy = get_cp_strategy()
         if strategy is None or strategy.kind != ContextParallelStrategyKind.ZIGZAG:
@@ -152,7 +136,7 @@ class PluginQSABackend(upstream.QwenSparseAttnBackend):
 
 
 class HiSparseOffloadBackend(PluginQSABackend):
-    """Upstream's QSA backend whose decode reads K/V from the host arena (:mod:`._offload`)."""
+    """Prefill over the staging area, decode from the host arena (:mod:`._offload`)."""
 
     feature = "p2-offload"
 
@@ -199,15 +183,14 @@ class HiSparseOffloadBackend(PluginQSABackend):
 
 
 class HiSparseShardedBackend(PluginQSABackend):
-    """Upstream's QSA backend with the raw K/V in the shard group's stores (:mod:`._sharded_kv`)."""
+    """The raw K/V in the shard group's stores (:mod:`._sharded_kv`)."""
 
     feature = "cache sharding"
 
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         self.qsa_sharded = sharded_store_of(runner)
-        # The decode step's slot table, once per step for every layer: upstream's own
-        # metadata rows eagerly, a gather inside the captured step under CUDA graphs.
+        # The decode step's slot table: upstream's metadata eagerly, gathered in a graph.
         self._decode_slots: Tensor | None = None
 
     def init_forward_metadata(self, forward_batch: Any) -> None:

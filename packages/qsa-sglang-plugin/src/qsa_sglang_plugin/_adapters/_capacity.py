@@ -30,24 +30,14 @@ def capacity_plan_from_sglang(
     sharding_size: int = 1,
     hot_slots: int | None = None,
 ) -> CapacityPlan:
-    """Price the per-rank memory of the operator's flags with and without host offload.
+    """:func:`qsa_core.plan_capacity` of the operator's flags, with and without host offload.
 
-    Reads ``--tp-size``, ``--kv-cache-dtype`` (``auto`` = bf16), ``--page-size`` (``None`` = the
-    QSA default 64), ``--context-length`` (``None`` = the config's ``max_position_embeddings``)
-    and ``--max-running-requests``.
-
-    Args:
-        server_args: SGLang's ``ServerArgs`` (resolved values are read) or any object with those
-            attribute names (``argparse.Namespace``).
-        hf_text_config: The checkpoint's text config (HF object or mapping); a top-level config
-            with ``text_config`` is accepted too.
-        gpu_budget_bytes: GPU bytes for KV and per-request state, per rank.
-        host_budget_bytes: Pinned host bytes, per rank.
-        sharding_size: ``SGLANG_QSA_CACHE_SHARDING`` (the host arena divides by it).
-        hot_slots: ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` (None: qsa-core's default).
-
-    Returns:
-        ``qsa_core.plan_capacity`` of the profile at those flags.
+    Reads ``--tp-size``, ``--kv-cache-dtype`` (``auto`` = bf16), ``--page-size`` (``None``: 64),
+    ``--context-length`` (``None``: the config's ``max_position_embeddings``) and
+    ``--max-running-requests`` from ``server_args`` (SGLang's ``ServerArgs``, resolved, or an
+    ``argparse.Namespace``), the profile from ``hf_text_config`` (HF object or mapping).
+    ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``; the budgets are per rank.
 
     Raises:
         AdapterError: no usable QSA profile, an unsupported KV dtype, no context length, or no

@@ -1,13 +1,11 @@
 """Double sparsity inside SGLang: the ``qsa_ds`` attention backend for ordinary GQA models.
 
-With ``SGLANG_QSA_DS_CHANNEL_CONFIG`` set and ``--attention-backend qsa_ds``, SGLang's attention
-registry builds :class:`DoubleSparsityBackend` (:func:`create_backend`): the platform's dense
-backend (``triton`` on CUDA, ``torch_native`` on CPU) around
-:class:`qsa_kernels.double_sparsity.DSDecodeRuntime`. This module only maps SGLang's calls onto the
-runtime (which call goes where: ``docs/architecture.md``, "Each feature's path"; the design:
-``docs/double-sparsity.md``) and, with DS-Offload (``SGLANG_QSA_DS_OFFLOAD=1``), points the
-dense backend's prefill at the offload's staging area (:class:`_DSOffload`). ``DSCounts`` become
-``qsa_hisparse_ds_decode_rows_total{path}`` and ``qsa_hisparse_ds_decode_steps_total{mode}``.
+:class:`DoubleSparsityBackend` (built by :func:`create_backend`) is the platform's dense backend
+(``triton`` on CUDA, ``torch_native`` on CPU) around
+:class:`qsa_kernels.double_sparsity.DSDecodeRuntime`; this module maps SGLang's calls onto the
+runtime (``docs/architecture.md``, "Each feature's path") and, with DS-Offload, points the dense
+backend's prefill at the offload's staging area (:class:`_DSOffload`). Series:
+``qsa_hisparse_ds_*`` (:meth:`DSCounts.series`).
 """
 
 from __future__ import annotations
@@ -15,14 +13,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from qsa_kernels.double_sparsity import DecodePath, DSCounts, DSDecodeRuntime, StepKind, StepMode
+from qsa_kernels.double_sparsity import DSCounts, DSDecodeRuntime, StepKind
 from qsa_kernels.offload import OffloadRuntime
-from qsa_sglang_plugin._adapters._metrics import RankMetrics, advance_counters
+from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
 from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of, stage_chunk
 from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
 from qsa_sglang_plugin._errors import AdapterError
@@ -48,8 +45,6 @@ def create_backend(runner: Any) -> Any:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_kernels.double_sparsity import LabelCache
-
     switches = current_switches().double_sparsity
     if switches is None:
         msg = f"--attention-backend qsa_ds needs {ENV_DS_CHANNEL_CONFIG}; it is not set"
@@ -60,51 +55,35 @@ def create_backend(runner: Any) -> Any:
         msg = f"qsa_ds runs on {sorted(DENSE_BACKENDS)!r}; this runner's device is {device!r}"
         raise AdapterError(msg)
     dense = ATTENTION_BACKENDS[dense_name](runner)
-    config = ds_config(switches)
     text_config = runner.model_config.hf_text_config.to_dict()
-    layers, _, _, head_dim = ds_geometry(text_config)
     parallel = get_parallel()
     channels = ds_channels(switches, text_config).for_tp_rank(
         int(parallel.attn_tp_size), int(parallel.attn_tp_rank)
     )  # this rank's K/V heads
     pool = runner.token_to_kv_pool
-    slots = int(pool.size) + int(pool.page_size)  # the pool's token slots, its padding page too
-    labels = LabelCache(
-        channels.channels,
-        rows=1,
-        max_tokens=slots,
-        dtype=LabelCache.dtype_for(pool.dtype),
-        device=device,
-    )
     offload = _DSOffload(dense, dense_name, runtime_of(runner)) if switches.offload else None
+    runtime = DSDecodeRuntime.over_slots(
+        channels.channels,
+        ds_config(switches),
+        slots=int(pool.size) + int(pool.page_size),  # the pool's padding page too
+        kv_dtype=pool.dtype,
+        device=device,
+        offload=offload.runtime if offload is not None else None,
+        on_counts=CountsMirror(
+            RankMetrics(int(parallel.tp_rank)), METRIC_PREFIX, DSCounts.series()
+        ).update,
+    )
     logger.info(
-        "qsa_ds: %d heavy channels of %d, %d heavy tokens, dense below %d tokens; label cache "
-        "%d layers x %d slots (%.1f MiB) over %s%s",
-        config.heavy_channel_num,
-        head_dim,
-        config.heavy_token_num,
-        config.sparse_decode_threshold,
-        layers,
-        labels.max_tokens,
-        labels.buffer.numel() * labels.buffer.element_size() / (1 << 20),
+        "qsa_ds: %s over %s%s",
+        runtime.describe(ds_geometry(text_config)[3]),
         dense_name,
         "; DS-Offload: K/V in the host arena" if offload is not None else "",
-    )
-    runtime = DSDecodeRuntime(
-        labels,
-        config,
-        offload=offload.runtime if offload is not None else None,
-        on_counts=_series(int(parallel.tp_rank)),
     )
     return DoubleSparsityBackend(dense, runtime, runner, offload=offload)
 
 
 class _StagingKV:
-    """SGLang's K/V-pool reads over the offload's staging area.
-
-    Token ``t`` of the staged prompt is row ``t`` of every layer's buffers: what the dense
-    backend's prefill reads.
-    """
+    """SGLang's K/V-pool reads over the staging area (token ``t`` of the prompt is row ``t``)."""
 
     def __init__(self, runtime: OffloadRuntime) -> None:
         self._runtime = runtime
@@ -125,16 +104,11 @@ class _StagingKV:
 
 
 class _DSOffload:
-    """DS-Offload's side of the backend: the offload runtime, and prefill over its staging area.
+    """DS-Offload's prefill: the dense backend reads the staged prompt by position, not slot.
 
-    One prompt at a time is staged. The dense backend's K/V pool becomes :class:`_StagingKV`,
-    and where it reads prefix tokens by SGLang's slots, it reads them by position instead.
-
-    ``torch_native`` reads ``req_to_token[req_pool_idx, :seq_len]``: it gets a one-row table of
-    positions and the batch's one request at row 0. ``triton`` reads its metadata's
-    ``kv_indices``: after SGLang's metadata is built, the prefix's slots become ``0 .. prefix -
-    1``. The kernels and their arguments are otherwise upstream's, so a chunk attends exactly as
-    in a resident engine.
+    Its K/V pool becomes :class:`_StagingKV`; ``torch_native`` gets a one-row table of positions
+    (the batch's one request at row 0), ``triton`` its metadata's ``kv_indices`` as ``0 ..
+    prefix - 1``. Kernels and arguments are otherwise upstream's.
     """
 
     def __init__(self, dense: Any, dense_name: str, runtime: OffloadRuntime) -> None:
@@ -183,36 +157,11 @@ class _PositionTable:
     req_to_token: torch.Tensor
 
 
-def _series(tp_rank: int) -> Callable[[DSCounts], None]:
-    """The runtime's ``on_counts``: its :class:`DSCounts` as Prometheus series of one TP rank."""
-    make = RankMetrics(tp_rank)
-    doc = "Decode rows, once per step, by how they attended."
-    rows = make.counters_by(f"{METRIC_PREFIX}_decode_rows", doc, "path", list(DecodePath))
-    doc = "Decode steps with at least one real row, by how they ran."
-    steps = make.counters_by(f"{METRIC_PREFIX}_decode_steps", doc, "mode", list(StepMode))
-    counters = {f"{path.value}_rows": series for path, series in rows.items()}
-    counters |= {f"{mode.value}_steps": series for mode, series in steps.items()}  # DSCounts' names
-    seen = DSCounts()
-
-    def update(counts: DSCounts) -> None:
-        nonlocal seen
-        advance_counters(counters, counts, seen)
-        seen = counts
-
-    return update
-
-
 class DoubleSparsityBackend:
-    """SGLang's dense backend plus double sparsity's runtime (module docstring).
+    """SGLang's dense backend plus double sparsity's runtime (``offload``: DS-Offload or None).
 
-    Everything SGLang asks of an attention backend that is not extend or decode (metadata, CUDA
-    graph state, capability queries) is the dense backend's.
-
-    Args:
-        dense: the platform's dense backend.
-        runtime: double sparsity's decode runtime over the pool's token slots.
-        runner: SGLang's ``ModelRunner`` (its pools).
-        offload: DS-Offload (the K/V in the host arena), or None for resident K/V.
+    What else SGLang asks of an attention backend (metadata, graph state, capabilities) is the
+    dense backend's.
     """
 
     def __init__(
@@ -237,12 +186,7 @@ class DoubleSparsityBackend:
         return getattr(dense, name)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
-        """The dense backend's metadata (or the offload's plan), then the runtime's step plan.
-
-        With DS-Offload a decode step is planned in the offload runtime (a prompt that starts
-        decoding moves to the host arena); a prefill's metadata is the dense backend's over the
-        staging area.
-        """
+        """The dense (DS-Offload: the offload's or staging area's) metadata, then the step plan."""
         self.runtime.clear_step()
         decode = forward_batch.forward_mode.is_decode()
         if self._offload is None:
@@ -261,12 +205,7 @@ class DoubleSparsityBackend:
         self.runtime.init_graph_state(max_bs)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
-        """Before a capture or a replay: the runtime's plan, and the dense metadata it asks for.
-
-        At capture every row has SGLang's fill length (dense), so the dense backend's metadata is
-        its own; the captured step still holds both paths. With DS-Offload the offload runtime
-        plans the step first (the padding SGLang adds becomes free rows).
-        """
+        """Before a capture or replay: the offload's, the runtime's and the dense backend's plan."""
         mode = forward_batch.forward_mode
         if not mode.is_decode_or_idle():
             self.runtime.clear_step()
@@ -304,22 +243,12 @@ class DoubleSparsityBackend:
         """As :meth:`glue_draft_metadata`."""
         return self.glue_draft_metadata()
 
-    def forward(  # noqa: PLR0917
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: Any,
-        forward_batch: Any,
-        save_kv_cache: bool = True,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        """SGLang's entry, as its base backend's: idle, decode, or extend (mixed chunks too)."""
-        if forward_batch.forward_mode.is_idle():
-            return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
-        if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """SGLang's own dispatch (``AttentionBackend.forward``): idle, decode, or extend."""
+        from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+        out: torch.Tensor = AttentionBackend.forward(self, *args, **kwargs)
+        return out
 
     def forward_extend(  # noqa: PLR0917
         self,
@@ -331,11 +260,7 @@ class DoubleSparsityBackend:
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Dense prefill as upstream, then the labels of the new keys.
-
-        With DS-Offload the chunk goes to the staging area first and the dense backend attends
-        over the staged prompt (:class:`_DSOffload`).
-        """
+        """Dense prefill as upstream (DS-Offload: over the staged prompt), and the new labels."""
         if self._offload is not None:
             if k is None or v is None:
                 msg = "DS-Offload stages every prefill chunk's K/V; the layer gave none"

@@ -1,14 +1,8 @@
-"""The attention layers' K/V pool when the plugin holds their K/V: slots, one page of storage.
+"""SGLang's MHA pool class becomes :class:`._pool.NoRawKVPool` when the plugin holds the K/V.
 
-With ``p2-offload`` (QSA) or DS-Offload (``SGLANG_QSA_DS_OFFLOAD=1``) the K/V history of the
-attention layers lives in pinned host memory, one prompt's staging area, the hot caches and the
-open-block tails (:mod:`._offload`); with cache sharding and no offload, in each TP rank's share
-of the sharded store (:mod:`._sharded_kv`). SGLang still allocates a token slot per token, and
-what else it keys by slot stays as upstream: the QSA compressed index (``slot // 4``) and the
-double-sparsity label cache. Its MHA pool class, which SGLang resolves once per model runner
-(``KVCacheConfigurator._resolve_kv_pool_class(kind="mha")``, also the full-KV leaf of the QSA
-pool), becomes :class:`._pool.NoRawKVPool`: the same pool with only its padding page
-allocated. One AFTER hook on that resolution serves both offloads and the sharded store.
+With an offload (:mod:`._offload`) or cache sharding (:mod:`._sharded_kv`) SGLang still hands
+out a slot per token (the compressed index and the labels are keyed by slot); the pool keeps
+only its padding page. One AFTER hook on ``KVCacheConfigurator._resolve_kv_pool_class``.
 """
 
 from __future__ import annotations
@@ -27,11 +21,7 @@ _MHA: str = "mha"
 def after_resolve_kv_pool_class(
     result: type, configurator: Any, *args: object, kind: str, default: type, **kwargs: object
 ) -> type | None:
-    """AFTER hook on ``KVCacheConfigurator._resolve_kv_pool_class``: the one-page MHA pool.
-
-    Returns:
-        :class:`._pool.NoRawKVPool` for the MHA kind when an offload or cache sharding is on;
-        None (SGLang's result stands) otherwise.
+    """AFTER hook: :class:`._pool.NoRawKVPool` for the MHA kind (None: SGLang's stands).
 
     Raises:
         ConfigurationError: a platform that brings its own MHA pool class, or a layout other

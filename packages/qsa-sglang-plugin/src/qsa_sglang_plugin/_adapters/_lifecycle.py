@@ -1,10 +1,4 @@
-"""The ``qsa_hisparse`` radix-cache backend's factory (SGLang's radix-cache registry).
-
-SGLang calls :func:`radix_cache_factory` once in every scheduler process; the tree cache it builds
-(:class:`._tree_cache.HiSparseRadixCache`) gives each request that holds a KV row one lease, and
-with an offload it gets the model runner's offload runtime and, with
-``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB``, the host prefix cache.
-"""
+"""The ``qsa_hisparse`` radix-cache backend's factory (SGLang's radix-cache registry)."""
 
 from __future__ import annotations
 
@@ -18,10 +12,7 @@ __all__ = ("radix_cache_factory",)
 
 
 def radix_cache_factory(ctx: Any) -> Any:
-    """The factory of radix-cache backend ``qsa_hisparse``.
-
-    SGLang calls it with its ``TreeCacheBuildContext`` once in every scheduler process.
-    """
+    """:class:`._tree_cache.HiSparseRadixCache` of one scheduler, its offload and prefix cache."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
     from qsa_sglang_plugin._adapters._tree_cache import HiSparseRadixCache

@@ -1,18 +1,22 @@
 """Prometheus series of one TP rank, made the one way SGLang's multiprocess registry reads them.
 
-Every series of the plugin carries a ``tp_rank`` label; gauges are summed over the live processes
+Every series carries a ``tp_rank`` label; gauges are summed over the live processes
 (``multiprocess_mode="livesum"``: SGLang serves ``/metrics`` from another process than the
 schedulers that set them). A family is registered once per process and shared by every object
-that reports to it (two runtimes of one process, say, each with its own ``tp_rank``).
+that reports to it (two runtimes of one process, each with its own ``tp_rank``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol, TypeVar
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-__all__ = ("CountsMirror", "RankMetrics", "Series", "advance_counters")
+if TYPE_CHECKING:
+    from qsa_core import CountSeries
+    from qsa_hostcache import StatSeries
+
+__all__ = ("CountsMirror", "RankMetrics")
 
 _Label = TypeVar("_Label", bound=enum.Enum)
 
@@ -39,19 +43,20 @@ def _family(kind: type[Any], name: str, doc: str, labels: tuple[str, ...], **opt
 
 
 class RankMetrics:
-    """Makes the series of TP rank ``tp_rank``.
-
-    Counters are named without ``_total``; the client adds it on exposition.
-    """
+    """Makes the series of TP rank ``tp_rank`` (counters named without the ``_total`` added)."""
 
     def __init__(self, tp_rank: int) -> None:
         self._rank = str(tp_rank)
 
-    def counter(self, name: str, doc: str) -> Any:
-        """A counter of this rank."""
+    def counter(self, name: str, doc: str, label: tuple[str, str] | None = None) -> Any:
+        """A counter of this rank, with ``label`` (name, value) in its family if given."""
         from prometheus_client import Counter
 
-        return _family(Counter, name, doc, ("tp_rank",)).labels(tp_rank=self._rank)
+        names: tuple[str, ...] = ("tp_rank",)
+        values = {"tp_rank": self._rank}
+        if label is not None:
+            names, values = (*names, label[0]), {**values, label[0]: label[1]}
+        return _family(Counter, name, doc, names).labels(**values)
 
     def gauge(self, name: str, doc: str) -> Any:
         """A gauge of this rank, summed over live processes."""
@@ -64,52 +69,32 @@ class RankMetrics:
         self, name: str, doc: str, label: str, values: Iterable[_Label]
     ) -> dict[_Label, Any]:
         """One counter of this rank per member of ``values``, labelled ``label=member.value``."""
-        from prometheus_client import Counter
-
-        family = _family(Counter, name, doc, ("tp_rank", label))
-        return {v: family.labels(tp_rank=self._rank, **{label: v.value}) for v in values}
-
-
-class Series(Protocol):
-    """How a library describes one field of its counts as a metric.
-
-    As ``OffloadCounts.series()``, ``CacheStats.series()`` and ``PromptCounts.series()`` do.
-    """
-
-    @property
-    def field(self) -> str: ...  # the snapshot's field
-    @property
-    def name(self) -> str: ...  # the metric's name after the prefix
-    @property
-    def counter(self) -> bool: ...  # a counter (else a gauge)
-    @property
-    def help(self) -> str: ...
+        return {v: self.counter(name, doc, (label, v.value)) for v in values}
 
 
 class CountsMirror:
-    """A library's counts, snapshot after snapshot, as series of one TP rank.
+    """A library's counts (a dataclass), snapshot after snapshot, as ``prefix``'s series.
 
-    Each gauge is set to its field; each counter advances by what its field added since the
-    previous snapshot (from zero at the first).
-
-    Args:
-        make: the rank's series maker.
-        prefix: the metric names' prefix (``qsa_hisparse``...).
-        series: the fields to mirror, as the library describes them.
+    ``series`` describes the fields (:class:`qsa_core.CountSeries`, or ``qsa_hostcache``'s
+    :class:`~qsa_hostcache.StatSeries`, which has no label). Each gauge is set to its field; each
+    counter advances by what its field added since the previous snapshot (from zero at the first).
     """
 
-    def __init__(self, make: RankMetrics, prefix: str, series: Iterable[Series]) -> None:
+    def __init__(
+        self, make: RankMetrics, prefix: str, series: Iterable[CountSeries | StatSeries]
+    ) -> None:
         self._gauges: dict[str, Any] = {}
         self._counters: dict[str, Any] = {}
         for s in series:
+            name = f"{prefix}_{s.name}"
             if s.counter:
-                self._counters[s.field] = make.counter(f"{prefix}_{s.name}", s.help)
+                self._counters[s.field] = make.counter(name, s.help, getattr(s, "label", None))
             else:
-                self._gauges[s.field] = make.gauge(f"{prefix}_{s.name}", s.help)
+                self._gauges[s.field] = make.gauge(name, s.help)
         self._seen: object | None = None
 
     def update(self, now: object) -> None:
-        """Mirror the snapshot ``now`` (a dataclass with every mirrored field)."""
+        """Mirror the snapshot ``now``."""
         for field, gauge in self._gauges.items():
             gauge.set(int(getattr(now, field)))
         for field, counter in self._counters.items():
@@ -118,15 +103,3 @@ class CountsMirror:
             if added > 0:
                 counter.inc(added)
         self._seen = now
-
-
-def advance_counters(counters: Mapping[str, Any], now: object, before: object) -> None:
-    """Advance counter ``name`` by how much field ``name`` of ``now`` grew since ``before``.
-
-    For a library's cumulative counts (a frozen dataclass of ints) mirrored into Prometheus:
-    ``now`` and ``before`` are two of its snapshots.
-    """
-    for name, series in counters.items():
-        added = int(getattr(now, name)) - int(getattr(before, name))
-        if added:
-            series.inc(added)

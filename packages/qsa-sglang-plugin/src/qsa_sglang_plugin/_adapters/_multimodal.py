@@ -1,10 +1,7 @@
 """SGLang's multimodal items -> ``qsa_mm_prefix`` items; the engine's processor fingerprint.
 
-Reads SGLang 0.5.23's ``MultimodalInputs`` / ``MultimodalDataItem`` fields and loads the
-scheduler's processor; what the values mean, each bypass reason and the fingerprint itself are
-``qsa_mm_prefix``'s (:func:`qsa_mm_prefix.describe_item`,
-:meth:`qsa_mm_prefix.ProcessorFingerprint.from_processor`; ``docs/mm-prefix.md``). Nothing here
-registers a hook; SGLang is imported lazily.
+What the values mean and each bypass: :func:`qsa_mm_prefix.describe_item`,
+:meth:`qsa_mm_prefix.ProcessorFingerprint.from_processor` (``docs/mm-prefix.md``).
 """
 
 from __future__ import annotations
@@ -43,12 +40,10 @@ PROCESSING_PACKAGES: Final = ("transformers", "sglang")
 def engine_processor_fingerprint(
     server_args: Any, model_config: Any
 ) -> ProcessorFingerprint | None:
-    """The fingerprint of the image processor this engine's requests go through, if any.
+    """The fingerprint of the image processor the scheduler loads as SGLang does, if any.
 
-    In a scheduler process: loads the HF processor as SGLang's scheduler does and fingerprints
-    its image processor with the model config, the image-processor backend and the feature
-    transport. ``None`` (image prompts bypass) for a model without images, an engine that skips
-    its tokenizer, or a processor that does not load (logged).
+    ``None`` (image prompts bypass) for a model without images, an engine that skips its
+    tokenizer, or a processor that does not load (logged).
     """
     if not getattr(model_config, "is_multimodal", False) or server_args.skip_tokenizer_init:
         return None
@@ -94,11 +89,10 @@ def _source(item: Any) -> FeatureSource:
 
 
 def sglang_items(mm_inputs: Any) -> Iterator[MultimodalItem | Bypass]:
-    """Each ``MultimodalDataItem`` of ``mm_inputs``, in ``mm_items`` order, described.
+    """Each ``MultimodalDataItem`` of ``mm_inputs`` (in order) through :func:`describe_item`.
 
-    ``modality`` by name; ``format`` ``NORMAL`` with ``precomputed_embeddings`` unset is the
-    processor's features, ``PRECOMPUTED_EMBEDDING`` or any embeddings precomputed, another
-    format the caller's; ``offsets``; ``model_specific_data["image_grid_thw"]``; ``feature``.
+    Format ``NORMAL`` without precomputed embeddings is the processor's; ``PRECOMPUTED_EMBEDDING``
+    or embeddings precomputed; another format the caller's. The grid: ``image_grid_thw``.
     """
     for index, item in enumerate(mm_inputs.mm_items):
         yield describe_item(

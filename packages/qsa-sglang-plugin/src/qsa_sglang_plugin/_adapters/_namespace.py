@@ -1,7 +1,6 @@
 """SGLang server arguments and model config -> ``qsa_hostcache.CacheNamespace``.
 
-Which SGLang fields change a checkpoint's bytes, and which are left out and why:
-``docs/plugin.md`` ("Adapters", "Namespace").
+Which fields change a checkpoint's bytes, and why: ``docs/plugin.md`` ("Namespace").
 """
 
 from __future__ import annotations
@@ -46,12 +45,7 @@ IGNORED_CONFIG_KEYS: Final = frozenset({"context_len"})
 
 
 def resolved_args(server_args: Any) -> Any:
-    """A read view of ``server_args`` that gives resolved values.
-
-    SGLang keeps values that resolution decided (e.g. ``page_size=64`` for QSA) in a declaration
-    overlay; ``resolving_view`` reads through it. Any other object (``argparse.Namespace``) is
-    returned as it is.
-    """
+    """SGLang's ``resolving_view`` of ``server_args`` (values resolution decided); others as is."""
     if type(server_args).__module__.startswith("sglang."):
         from sglang.srt.arg_groups.model_override_base import resolving_view
 
@@ -106,8 +100,7 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
 def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
     """:func:`qsa_hostcache.config_digest` of the HF config, model dtype and server fields.
 
-    The whole HF config (overrides applied) less :data:`IGNORED_CONFIG_KEYS`: any other field
-    can change the arithmetic. The server fields are :data:`DIGEST_SERVER_FIELDS`.
+    The HF config less :data:`IGNORED_CONFIG_KEYS`; the server's :data:`DIGEST_SERVER_FIELDS`.
     """
     from qsa_hostcache import config_digest
 
@@ -133,12 +126,11 @@ def cache_namespace_from_sglang(
     lora_id: str | None = None,
     extra_key: str | None = None,
 ) -> CacheNamespace:
-    """The namespace of one TP rank (and, with the keywords, one request's salt).
+    """The namespace of one TP rank (with the keywords, of one request's salt).
 
-    ``model`` is ``--model-path`` plus ``@--revision`` when set; ``dtype`` the K/V storage dtype;
-    ``config_digest`` :func:`config_digest_from_sglang` of ``server_args`` and ``model_config``
-    (SGLang's ``ModelConfig`` or an HF config); the salt
-    :meth:`qsa_hostcache.CacheNamespace.for_request`'s.
+    ``model`` is ``--model-path[@--revision]``, ``dtype`` the K/V storage dtype, the digest
+    :func:`config_digest_from_sglang`'s (``model_config``: SGLang's ``ModelConfig`` or an HF
+    config).
 
     Raises:
         AdapterError: no model path, an unknown KV dtype or a config without a dtype.

@@ -1,34 +1,23 @@
 """``p2-offload`` inside SGLang: SGLang's objects turned into :class:`OffloadRuntime` calls.
 
-The offload itself (staging, hand-off, the planned decode step, rows, counts) is
-:class:`qsa_kernels.offload.OffloadRuntime` (docs/plugin.md, "p2-offload"). This module reads
-SGLang's objects for it: a ``ForwardBatch`` into a planned decode step (:func:`plan_decode`, the
-CUDA graph runner's padded view included) and into one request's prefill chunk
-(:func:`extend_span`, :func:`stage_chunk`), SGLang's pools and model config into
-the runtime's geometry (:func:`offload_geometry`, :func:`qsa_hot_slots`,
-:func:`ds_offload_geometry`; priced by :mod:`._pool_sizing`), and the model runner into one
-runtime (:func:`runtime_of`: its shard group, head layout, ``SGLANG_QSA_HISPARSE_VERIFY=1``).
-The runtime's :class:`~qsa_kernels.offload.OffloadCounts` become ``qsa_hisparse_*`` series on
-SGLang's Prometheus endpoint (:meth:`OffloadCounts.series`), with
-``qsa_hisparse_host_arena_bytes``.
+The offload itself is :class:`qsa_kernels.offload.OffloadRuntime` (docs/plugin.md,
+"p2-offload"). Here: a ``ForwardBatch`` as a planned decode step (:func:`plan_decode`) or one
+request's prefill chunk (:func:`extend_span`, :func:`stage_chunk`); SGLang's pools and model
+config as the runtime's geometry (priced by :mod:`._pool_sizing`); the model runner's one runtime
+(:func:`runtime_of`), whose counts are ``qsa_hisparse_*`` series (:meth:`OffloadCounts.series`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from qsa_core import format_bytes, hot_cache_slots
 from qsa_kernels import KernelInputError
-from qsa_kernels.offload import (
-    OffloadCounts,
-    OffloadedKV,
-    OffloadGeometry,
-    OffloadRuntime,
-    PerHeadOffloadedKV,
-)
+from qsa_kernels.offload import OffloadCounts, OffloadGeometry, OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     group_head_layout,
@@ -59,14 +48,10 @@ _PREFIX = "qsa_hisparse"
 def plan_decode(
     runtime: OffloadRuntime, forward_batch: Any, *, graph: bool = False, capture: bool = False
 ) -> None:
-    """Plan a decode step of SGLang's ``ForwardBatch`` (:meth:`OffloadRuntime.plan_decode`).
+    """:meth:`OffloadRuntime.plan_decode` of a decode ``ForwardBatch``.
 
-    Args:
-        runtime: the model runner's runtime.
-        forward_batch: a decode step's ``ForwardBatch``, or the CUDA graph runner's padded view
-            of one (``batch_size`` rows, the last ``num_padding`` of them padding).
-        graph: the step replays a captured CUDA graph of ``batch_size`` rows.
-        capture: the step is being captured: every row is padding.
+    Or of the CUDA graph runner's padded view of one (``graph``: ``batch_size`` rows, the last
+    ``num_padding`` padding; ``capture``: every row padding).
     """
     batch = int(forward_batch.batch_size)
     real = 0 if capture else batch - int(getattr(forward_batch, "num_padding", 0) or 0)
@@ -100,11 +85,7 @@ def extend_span(forward_batch: Any) -> tuple[int, int, int]:
 def stage_chunk(
     runtime: OffloadRuntime, layer_id: int, k: torch.Tensor, v: torch.Tensor, forward_batch: Any
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Stage one layer's chunk of an extend batch (:meth:`OffloadRuntime.stage`).
-
-    Returns:
-        ``(k [T, Hkv, D], v [T, Hkv, D], start)``: the staged prompt up to the chunk's end and
-        how many tokens came before the chunk.
+    """:meth:`OffloadRuntime.stage` of an extend batch's chunk: ``(k, v [T, Hkv, D], start)``.
 
     Raises:
         OffloadRuntimeError: as :func:`extend_span`.
@@ -118,24 +99,15 @@ def stage_chunk(
 
 
 def qsa_hot_slots(block_topk: int, context_len: int) -> int:
-    """Hot-cache slots per (request, QSA layer).
-
-    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` or qsa-core's default, no more than a context's blocks
-    and never fewer than one step's selection (:func:`qsa_core.hot_cache_slots`). Start-up has
-    checked the switch against ``block_topk``.
-    """
+    """:func:`qsa_core.hot_cache_slots` of ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` (checked at start)."""
     return hot_cache_slots(block_topk, current_switches().hot_blocks, context_len=context_len)
 
 
 def arena_rows(kvc: Any) -> int:
-    """Host-arena rows an engine's offload allocates: one per running request.
-
-    Args:
-        kvc: SGLang's ``KVCacheConfigurator`` input (its ``server_args``).
+    """Host-arena rows of an engine's offload: ``--max-running-requests`` of ``kvc.server_args``.
 
     Raises:
-        ConfigurationError: ``--max-running-requests`` was not given (start-up refuses it
-            earlier; pool sizing must not guess).
+        ConfigurationError: it was not given (start-up refuses it earlier).
     """
     rows = kvc.server_args.max_running_requests
     if rows is None:
@@ -144,16 +116,25 @@ def arena_rows(kvc: Any) -> int:
     return int(rows)
 
 
-def offload_geometry(**sizes: Any) -> OffloadGeometry:
-    """:meth:`OffloadGeometry.for_context` of ``sizes`` (its keywords).
+def _geometry(build: Callable[..., OffloadGeometry], **sizes: Any) -> OffloadGeometry:
+    """``build(**sizes)``; a size the library refuses raises ConfigurationError."""
+    try:
+        return build(**sizes)
+    except KernelInputError as exc:
+        raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
+
+
+def offload_geometry(model_config: Any, **sizes: Any) -> OffloadGeometry:
+    """:meth:`OffloadGeometry.for_context` of a QSA model's context and hot slots, and ``sizes``.
 
     Raises:
         ConfigurationError: the library refuses a size (naming it).
     """
-    try:
-        return OffloadGeometry.for_context(**sizes)
-    except KernelInputError as exc:
-        raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
+    context_len = int(model_config.context_len)
+    hot_slots = qsa_hot_slots(int(qsa_profile_of(model_config).block_topk), context_len)
+    return _geometry(
+        OffloadGeometry.for_context, context_len=context_len, hot_slots=hot_slots, **sizes
+    )
 
 
 def ds_offload_geometry(
@@ -165,33 +146,24 @@ def ds_offload_geometry(
     kv_heads: int,
     dtype: torch.dtype,
 ) -> OffloadGeometry:
-    """DS-Offload's geometry (:meth:`OffloadGeometry.per_head_for_context`) of a model config.
-
-    Raises:
-        ConfigurationError: the library refuses a size (naming it).
-    """
+    """:meth:`OffloadGeometry.per_head_for_context` of a model config (a refusal: as above)."""
     layers, _, _, head_dim = ds_geometry(text_config)
-    try:
-        return OffloadGeometry.per_head_for_context(
-            layers=layers,
-            rows=rows,
-            context_len=context_len,
-            hot_blocks=ds_config(switches).hot_blocks(),
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-        )
-    except KernelInputError as exc:
-        raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
+    return _geometry(
+        OffloadGeometry.per_head_for_context,
+        layers=layers,
+        rows=rows,
+        context_len=context_len,
+        hot_blocks=ds_config(switches).hot_blocks(),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
 
 
 def _layout(
     runner: Any, ds: DoubleSparsitySwitches | None
 ) -> tuple[OffloadGeometry, dict[int, int], int | None]:
-    """``(geometry, SGLang layer id -> ordinal, block top-k)`` of the runner's offload.
-
-    A QSA model's QSA layers (the indexer's top-k blocks hot), or every layer under DS.
-    """
+    """``(geometry, SGLang layer id -> ordinal, block top-k)``: QSA layers, or every layer (DS)."""
     pool, config = runner.token_to_kv_pool, runner.model_config
     rows, context_len = int(runner.req_to_token_pool.size), int(config.context_len)
     if ds is not None:
@@ -204,27 +176,23 @@ def _layout(
             dtype=pool.dtype,  # the logical dtype
         )
         return geometry, {i: i for i in range(geometry.layers)}, None
-    full, topk = pool.full_kv_pool, int(qsa_profile_of(config).block_topk)
-    layer_ordinal = dict(pool.full_attention_layer_id_mapping)
+    full, layer_ordinal = pool.full_kv_pool, dict(pool.full_attention_layer_id_mapping)
     geometry = offload_geometry(
+        config,
         layers=len(layer_ordinal),
         rows=rows,
-        context_len=context_len,
-        hot_slots=qsa_hot_slots(topk, context_len),
         kv_heads=int(full.head_num),
         head_dim=int(full.head_dim),
         dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
     )
-    return geometry, layer_ordinal, topk
+    return geometry, layer_ordinal, int(qsa_profile_of(config).block_topk)
 
 
 def _build_runtime(runner: Any) -> OffloadRuntime:
-    """The runtime of one model runner, sized from its pools and its model (QSA or DS)."""
     from sglang.srt.runtime_context import get_parallel
 
     switches = current_switches()
-    ds = switches.double_sparsity
-    geometry, layer_ordinal, block_topk = _layout(runner, ds)
+    geometry, layer_ordinal, block_topk = _layout(runner, switches.double_sparsity)
     shard = shard_group(runner, switches.cache_sharding)
     try:
         geometry.check_host_memory(meminfo_bytes("MemAvailable"), shard)
@@ -234,44 +202,34 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
             f"--context-length={int(runner.model_config.context_len)}"
         )
         raise ConfigurationError(msg) from exc
-    device = torch.device(runner.device)
-    kv = (  # DS-Offload's per-head records take no shard group (its switches refuse one)
-        OffloadedKV(geometry, device, shard=shard)
-        if ds is None
-        else PerHeadOffloadedKV(geometry, device)
-    )
-    verify = switches.verify_offload
     parallel = get_parallel()
     make = RankMetrics(int(parallel.tp_rank))
-    arena_doc = "Bytes of the host arena of the QSA layers' K/V."
-    make.gauge(f"{_PREFIX}_host_arena_bytes", arena_doc).set(int(kv.host_arena.nbytes))
-    metrics = CountsMirror(make, _PREFIX, OffloadCounts.series())
-    runtime = OffloadRuntime(
-        kv,
+    runtime = OffloadRuntime.for_geometry(
+        geometry,
+        torch.device(runner.device),
         layer_ordinal,
         block_topk,
-        verify=verify,
-        on_counts=metrics.update,
+        shard=shard,
+        verify=switches.verify_offload,
         q_heads=int(runner.model_config.get_num_attention_heads(parallel.attn_tp_size)),
         head_layout=group_head_layout(),
+        on_counts=CountsMirror(make, _PREFIX, OffloadCounts.series()).update,
     )
+    arena_doc = "Bytes of the host arena of the QSA layers' K/V."
+    make.gauge(f"{_PREFIX}_host_arena_bytes", arena_doc).set(runtime.host_arena_bytes)
     sharding = runtime.describe_sharding()
     if sharding is not None:
         logger.info("offload: %s", sharding)
-    if verify:
-        logger.warning(
-            "offload: SGLANG_QSA_HISPARSE_VERIFY=1: a resident copy of every row's K/V (%s) is "
-            "kept on %s and checked against the host arena when each request ends",
-            format_bytes(geometry.host_bytes),
-            kv.device,
-        )
+    verification = runtime.describe_verification()
+    if verification is not None:
+        logger.warning("offload: SGLANG_QSA_HISPARSE_VERIFY=1: %s", verification)
     pool = runner.token_to_kv_pool
     full = getattr(pool, "full_kv_pool", pool)  # the QSA pool's MHA leaf, or the MHA pool
     logger.info(
         "offload: %s; K/V pool %s; kernels: %s",
         runtime.describe(),
         format_bytes(sum(int(n) for n in full.get_kv_size_bytes())),  # (K bytes, V bytes)
-        kv.path.value,
+        runtime.kv.path.value,
     )
     return runtime
 

@@ -15,13 +15,7 @@ __all__ = ("NoRawKVPool",)
 
 
 class NoRawKVPool(MHATokenToKVPool):
-    """The attention layers' K/V pool when the plugin holds the K/V: slots without storage.
-
-    SGLang's allocator still hands out a slot per token (the QSA compressed index is
-    addressed by ``slot // 4``, the double-sparsity labels by the slot itself); the K/V
-    lives in the staging area, the hot caches, the tails and the host arena, or in the
-    sharded store, so the buffers hold only the padding page.
-    """
+    """SGLang's MHA pool whose buffers hold only the padding page (slots without storage)."""
 
     def _create_buffers(self) -> None:
         size: int = self.size  # type: ignore[has-type]
@@ -37,9 +31,7 @@ class NoRawKVPool(MHATokenToKVPool):
         raise OffloadRuntimeError(msg)
 
     def move_kv_cache(self, tgt_loc: Any, src_loc: Any) -> None:
-        # SGLang moves slots for speculative decoding and pool compaction; the plugin's
-        # stores are addressed by request rows or owned slots, which such a move would
-        # leave behind. Start-up refuses speculative decoding; anything else stops here.
+        # The plugin's stores are addressed by rows or owned slots, which a move leaves behind.
         del tgt_loc, src_loc
         msg = (
             "the plugin holds the attention layers' K/V; SGLang's K/V pool cannot move "

@@ -1,11 +1,8 @@
 """A prompt the model cannot serve is refused at the front end, not by a dead scheduler.
 
-SGLang 0.5.23 passes an empty prompt (text that tokenizes to nothing) and token ids outside the
-vocabulary (negative, or at or past ``vocab_size``) to the scheduler, whose forward pass then
-fails and takes the server down. One BEFORE hook on ``TokenizerManager._validate_one_request``
-(where SGLang itself refuses a prompt longer than the context) applies
-:func:`qsa_core.check_prompt`; its ``ValueError`` is answered with HTTP 400 naming the bad value,
-and nothing reaches the scheduler.
+SGLang 0.5.23 passes an empty prompt or out-of-vocabulary ids to the scheduler, whose forward
+pass then fails. A BEFORE hook on ``TokenizerManager._validate_one_request`` applies
+:func:`qsa_core.check_prompt`; its ``ValueError`` is answered with HTTP 400.
 """
 
 from __future__ import annotations

@@ -16,12 +16,10 @@ logger = logging.getLogger(__name__)
 def after_attn_backend_wrapper(
     result: Any, runner: Any, full_attn_backend: Any, *args: object, **kwargs: object
 ) -> None:
-    """AFTER hook on ``attention_registry.attn_backend_wrapper``: install the plugin's QSA backend.
+    """AFTER hook on ``attn_backend_wrapper``: the plugin's QSA backend as the full-attention side.
 
-    With ``SGLANG_QSA_HISPARSE_V3=p2-offload`` the offload backend, with cache sharding and no
-    offload the sharded backend (:mod:`._sharded_kv`), becomes the hybrid GDN backend's
-    full-attention side (its ``full_attn_backend`` and the first entry of ``attn_backend_list``,
-    the only two references). Otherwise upstream's backend stays in place.
+    The offload or sharded backend replaces the hybrid GDN backend's ``full_attn_backend`` and
+    ``attn_backend_list[0]``.
 
     Raises:
         ConfigurationError: a model whose wrapper did not build upstream's

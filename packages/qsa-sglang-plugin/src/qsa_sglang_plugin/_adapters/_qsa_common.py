@@ -1,11 +1,4 @@
-"""What the plugin's QSA backends share: SGLang's prefill kernels, the profile, the groups.
-
-The offload backend and the sharded one (:mod:`._backends`) attend prefill rows with upstream's
-QSA prefill kernels (:func:`prefill_kernels`) through :mod:`qsa_kernels.context`, SGLang's zigzag
-CP metadata as this rank's entries (:func:`zigzag_entries`), read the model's QSA profile
-(:func:`qsa_profile_of`) and, with cache sharding, join the shard group of their TP rank
-(:func:`shard_group`).
-"""
+"""What the plugin's QSA backends share: upstream's prefill kernels, CP entries, profile, groups."""
 
 from __future__ import annotations
 
@@ -83,12 +76,7 @@ def qsa_profile_of(model_config: Any) -> Any:
 
 
 def shard_group(runner: Any, sharding: int) -> ShardGroup | None:
-    """This rank's shard group (``SGLANG_QSA_CACHE_SHARDING``), or None when it is off.
-
-    :meth:`ShardGroup.join_tp` over SGLang's TP group, every rank alike. Under SGLang's prefill
-    CP over the TP group every rank holds every K/V head, so the groups are runs of any TP ranks
-    (:func:`group_head_layout`).
-    """
+    """:meth:`ShardGroup.join_tp` over SGLang's TP group (None: ``SGLANG_QSA_CACHE_SHARDING=1``)."""
     if sharding == 1:
         return None
     from sglang.srt.distributed.parallel_state import get_tp_group
@@ -105,12 +93,7 @@ def shard_group(runner: Any, sharding: int) -> ShardGroup | None:
 
 
 def group_head_layout() -> HeadLayout:
-    """How a shard group's ranks hold the query heads of their K/V heads, in this process.
-
-    SHARDED with the heads split over TP (each rank its share of the group's heads);
-    REPLICATED under SGLang's attention CP over the TP group, where attention TP is 1 and every
-    rank holds every head of every row in decode (``--enable-cp-decode-attn-tp`` is refused).
-    """
+    """SHARDED (heads split over TP), or REPLICATED under attention CP (attention TP is 1)."""
     from sglang.srt.runtime_context import get_parallel
 
     return HeadLayout.REPLICATED if int(get_parallel().attn_cp_size) > 1 else HeadLayout.SHARDED

@@ -1,11 +1,8 @@
 """Resident cache sharding (``SGLANG_QSA_CACHE_SHARDING=N``, no offload) inside SGLang.
 
-The store and its attention are :class:`qsa_kernels.sharded.ShardedKVStore` (docs/sharding.md):
-each rank of a shard group (:func:`._qsa_common.shard_group`) keeps the raw K/V of the slots it
-owns; SGLang's full-KV leaf holds one page (:mod:`._kv_pool`). This module turns an extend
-batch's ``ForwardBatch`` (SGLang's zigzag prefill CP included) into the store's calls
-(:func:`attend_extend`), builds the store from the model runner and reports
-``qsa_hisparse_sharded_kv_bytes`` on SGLang's Prometheus endpoint.
+The store is :class:`qsa_kernels.sharded.ShardedKVStore` (docs/sharding.md). Here: an extend
+batch's ``ForwardBatch`` (zigzag prefill CP included) as the store's calls
+(:func:`attend_extend`), the model runner's store, ``qsa_hisparse_sharded_kv_bytes``.
 """
 
 from __future__ import annotations
@@ -47,12 +44,9 @@ def attend_extend(  # noqa: PLR0917 (the attention call's own order)
 ) -> torch.Tensor:
     """One QSA layer of an extend batch (:meth:`ShardedKVStore.extend`): ``[T, Hq * D]``.
 
-    ``forward_batch`` gives the slots (``out_cache_loc``), the requests' rows of
-    ``req_to_token`` and the host ``seq_lens_cpu`` and ``extend_seq_lens_cpu``. With ``cp``
-    (SGLang's zigzag prefill CP) ``q`` is this rank's zigzag rows and ``k``/``v`` the gathered
-    chunk in token order: one request with no prefix attends its rows over the chunk
-    (:meth:`ShardedKVStore.extend_zigzag`); otherwise the rows are gathered back into token
-    order, attended as without CP, and each rank keeps its own.
+    With ``cp`` (zigzag prefill CP: ``q`` this rank's rows, ``k``/``v`` the chunk in token
+    order) one request without a prefix attends by :meth:`ShardedKVStore.extend_zigzag`; else
+    the rows are gathered into token order, attended as without CP, and each rank keeps its own.
     """
     from sglang.srt.layers.cp.utils import get_cp_strategy
 
@@ -103,7 +97,6 @@ def attend_extend(  # noqa: PLR0917 (the attention call's own order)
 
 
 def _build_store(runner: Any) -> ShardedKVStore:
-    """The sharded store of one model runner, sized from its pools and its QSA profile."""
     from sglang.srt.runtime_context import get_parallel
 
     sharding = current_switches().cache_sharding

@@ -1,16 +1,16 @@
 """The ``qsa_hisparse`` radix-cache backend: SGLang's unified radix cache plus one lease a request.
 
-Imported only when SGLang builds its tree cache (:func:`._lifecycle.radix_cache_factory`). SGLang's
-row calls (``maybe_hand_to_session``, ``checkpoint``, ``on_release``) map onto one
-:class:`qsa_core.LeaseTable` per scheduler (with an offload, :attr:`OffloadRuntime.leases`), its
-prefix-cache calls onto :class:`._prefix.PrefixCacheRuntime`; the lease's path:
-``docs/architecture.md`` ("A request from admission to release"). Series:
-``qsa_hisparse_live_leases``, ``qsa_hisparse_leases_released_total{outcome}``.
+Imported only when SGLang builds its tree cache (:func:`._lifecycle.radix_cache_factory`).
+SGLang's row calls (``maybe_hand_to_session``, ``checkpoint``, ``on_release``) become the calls
+of the scheduler's request rows: :class:`qsa_core.ResidentRows`, or with an offload its
+:class:`~qsa_kernels.offload.OffloadRuntime` (the same calls); its prefix-cache calls go to
+:class:`._prefix.PrefixCacheRuntime`. The lease's path: ``docs/architecture.md`` ("A request from
+admission to release"). Series: ``qsa_hisparse_live_leases``,
+``qsa_hisparse_leases_released_total{outcome}``.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from typing import Any
 
@@ -18,41 +18,16 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_parallel
 
-from qsa_core import LeaseState, LeaseTable
+from qsa_core import LeaseOutcome, LeaseTable, ResidentRows
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime
 from qsa_sglang_plugin._errors import OffloadRuntimeError
 from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND
 
-__all__ = ("HiSparseRadixCache", "LeaseOutcome")
+__all__ = ("HiSparseRadixCache",)
 
 logger = logging.getLogger(__name__)
-
-
-class LeaseOutcome(enum.StrEnum):
-    """Why a request gave its lease back."""
-
-    FINISHED = "finished"
-    ABORTED = "aborted"
-    RETRACTED = "retracted"
-
-
-class _Metrics:
-    """The lifecycle's Prometheus series, one label set per TP rank."""
-
-    def __init__(self, tp_rank: int) -> None:
-        make = RankMetrics(tp_rank)
-        self.live = make.gauge(
-            "qsa_hisparse_live_leases",
-            "Requests holding a QSA HiSparse lease (a KV row) on this TP rank.",
-        )
-        self.released = make.counters_by(
-            "qsa_hisparse_leases_released",
-            "QSA HiSparse leases given back, by why the request released its row.",
-            "outcome",
-            LeaseOutcome,
-        )
 
 
 def _outcome(req: Any) -> LeaseOutcome:
@@ -69,10 +44,16 @@ class HiSparseRadixCache(UnifiedRadixCache):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         slots = int(self.req_to_token_pool.size)
-        self.qsa_leases = LeaseTable(slots)
+        self.qsa_rows: ResidentRows | OffloadRuntime = ResidentRows(slots)
         self.qsa_offload: OffloadRuntime | None = None  # set by use_offload
         self.qsa_prefix: PrefixCacheRuntime | None = None  # set with the prefix cache on
-        self._qsa_metrics = _Metrics(int(get_parallel().tp_rank))
+        make = RankMetrics(int(get_parallel().tp_rank))
+        doc = "Requests holding a QSA HiSparse lease (a KV row) on this TP rank."
+        self._qsa_live = make.gauge("qsa_hisparse_live_leases", doc)
+        doc = "QSA HiSparse leases given back, by why the request released its row."
+        self._qsa_released = make.counters_by(
+            "qsa_hisparse_leases_released", doc, "outcome", LeaseOutcome
+        )
         logger.info("%s lifecycle: %d lease slots", RADIX_CACHE_BACKEND, slots)
 
     def use_offload(self, runtime: OffloadRuntime) -> None:
@@ -80,8 +61,12 @@ class HiSparseRadixCache(UnifiedRadixCache):
         if self.qsa_leases.num_free != self.qsa_leases.num_slots:
             msg = f"{RADIX_CACHE_BACKEND}: an offload attached while leases are live"
             raise OffloadRuntimeError(msg)
-        self.qsa_offload = runtime
-        self.qsa_leases = runtime.leases
+        self.qsa_rows = self.qsa_offload = runtime
+
+    @property
+    def qsa_leases(self) -> LeaseTable:
+        """The requests' leases (the offload runtime's, with an offload)."""
+        return self.qsa_rows.leases
 
     # ---- SGLang's prefix-cache calls (the host prefix cache, when it is on) -----------------
 
@@ -127,13 +112,8 @@ class HiSparseRadixCache(UnifiedRadixCache):
         super().maybe_hand_to_session(req)
         if self.qsa_leases.find(req.rid) is not None:  # a later chunk of a leased prompt
             return
-        engine_slot = int(req.kv.req_pool_idx)
-        if self.qsa_offload is not None:
-            handle = self.qsa_offload.admit(req.rid, engine_slot)
-        else:
-            handle = self.qsa_leases.acquire(req.rid, engine_slot=engine_slot)
-            self.qsa_leases.begin_prefill(handle)
-        self._qsa_metrics.live.inc()
+        handle = self.qsa_rows.admit(req.rid, int(req.kv.req_pool_idx))
+        self._qsa_live.inc()
         if self.qsa_prefix is not None:
             self.qsa_prefix.restore_row(req, handle.slot)
 
@@ -145,9 +125,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         prompt = len(req.origin_input_ids)
         if self.qsa_prefix is not None and not req.finished() and up_to <= prompt:
             self.qsa_prefix.publish(req, handle.slot, up_to)
-        on_device = self.qsa_offload is None  # the prompt stays on the device: nothing copies
-        if on_device and up_to >= prompt and self.qsa_leases.state(handle) is LeaseState.PREFILLING:
-            self.qsa_leases.begin_decode(handle)
+        self.qsa_rows.prompt_written(handle, up_to, prompt)
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
@@ -158,24 +136,19 @@ class HiSparseRadixCache(UnifiedRadixCache):
             msg = f"request {req.rid!r} released a KV row without holding a lease"
             raise OffloadRuntimeError(msg)
         outcome = _outcome(req)
-        aborted = outcome is not LeaseOutcome.FINISHED
-        if self.qsa_offload is not None:
-            self.qsa_offload.release(handle, aborted=aborted)  # waits for its copy, ends the lease
-        else:
-            self.qsa_leases.end(handle, aborted=aborted)
+        self.qsa_rows.release(handle, aborted=outcome.aborted)  # an offload waits for its copy
         # The outcome first: a reader that sees no live lease sees every outcome counted.
-        self._qsa_metrics.released[outcome].inc()
-        self._qsa_metrics.live.dec()
+        self._qsa_released[outcome].inc()
+        self._qsa_live.dec()
         if self.qsa_prefix is not None and self.qsa_leases.num_free == self.qsa_leases.num_slots:
             self.qsa_prefix.settle()
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
 
     def reset(self) -> None:
-        leases = getattr(self, "qsa_leases", None)
-        live = [] if leases is None else [h.request_id for h in leases.live_handles()]
+        rows = getattr(self, "qsa_rows", None)
+        live = [] if rows is None else [h.request_id for h in rows.leases.live_handles()]
         if live:
-            # SGLang flushes only when idle, so a live lease here belongs to a request it
-            # lost track of: keep everything as it is rather than free rows still leased.
+            # SGLang flushes only when idle: keep rows still leased rather than free them.
             logger.error(
                 "%s: cache flush refused, %d leases are live (requests %r)",
                 RADIX_CACHE_BACKEND,

@@ -1,0 +1,133 @@
+"""What an engine's KV pool sizing charges under each feature that changes a token's price.
+
+An engine sizes its token pool by a price per token slot after charging the buffers it
+allocates once. Each feature reprices what the engine computed for resident K/V:
+
+- request offload (:meth:`PoolPrice.offloaded`): a token costs its compressed index only; the
+  offload's staging, hot caches, tails and tables (:meth:`OffloadSizes.fixed_device_bytes`) are
+  fixed;
+- resident cache sharding (:meth:`PoolPrice.sharded`): a token costs its index and ``1 / N`` of
+  its raw K/V (:func:`sharded_token_bytes`); the transport buffers are fixed;
+- double sparsity (:meth:`PoolPrice.labelled`): a token also costs its label rows
+  (:func:`label_bytes_per_token`); with DS-Offload its label rows alone, and the offload's
+  buffers are fixed.
+
+These are the figures :func:`qsa_core.plan_capacity` prints for the same flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from qsa_core._offload_sizes import OffloadSizes, _non_negative, sharded_token_bytes
+from qsa_core._render import format_bytes
+
+__all__ = ("PoolPrice",)
+
+#: What an offload's fixed device bytes hold, as the log lines name them.
+_OFFLOAD_BUFFERS: Final = "fixed (staging, hot caches, tails, tables)"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPrice:
+    """The price an engine's pool sizing charges, and one line saying what it is made of.
+
+    Attributes:
+        token_bytes: bytes of one token slot of the pool (per rank).
+        fixed_bytes: device bytes allocated once, charged before the pool is sized.
+        detail: what the price is made of and what it was, for the engine's log.
+    """
+
+    token_bytes: int
+    fixed_bytes: int
+    detail: str
+
+    @classmethod
+    def offloaded(
+        cls,
+        sizes: OffloadSizes,
+        *,
+        resident_token_bytes: int,
+        index_token_bytes: int,
+        verify: bool = False,
+    ) -> PoolPrice:
+        """Request offload: a token costs its compressed index; the offload's buffers are fixed.
+
+        Args:
+            sizes: the offload's sizes (its staging, hot caches, tails and tables).
+            resident_token_bytes: the engine's price of a token with its K/V resident.
+            index_token_bytes: the engine's price of a token's compressed index alone.
+            verify: the offload keeps a resident copy of every row (verification).
+
+        Raises:
+            CapacityError: a negative byte count.
+        """
+        _non_negative("resident_token_bytes", resident_token_bytes)
+        _non_negative("index_token_bytes", index_token_bytes)
+        fixed = sizes.fixed_device_bytes(verify=verify)
+        was = f"was {resident_token_bytes} B with the QSA layers' K/V"
+        detail = f"pool sizing charges {index_token_bytes} B per token ({was}) plus "
+        return cls(index_token_bytes, fixed, f"{detail}{format_bytes(fixed)} {_OFFLOAD_BUFFERS}")
+
+    @classmethod
+    def sharded(
+        cls,
+        *,
+        resident_token_bytes: int,
+        index_token_bytes: int,
+        sharding_size: int,
+        transport_bytes: int,
+    ) -> PoolPrice:
+        """Resident cache sharding: the index and ``1 / N`` of the raw K/V; transport is fixed.
+
+        The raw K/V of a token is what resident K/V costs beyond its index.
+
+        Raises:
+            CapacityError: a negative byte count, an index dearer than the whole token, or a
+                ``sharding_size`` that is not positive.
+        """
+        _non_negative("transport_bytes", transport_bytes)
+        raw = resident_token_bytes - index_token_bytes
+        token = sharded_token_bytes(raw, index_token_bytes, sharding_size)
+        detail = (
+            f"pool sizing charges {token} B per token (was {resident_token_bytes} B: {raw} B of "
+            f"raw K/V over {sharding_size} ranks, {index_token_bytes} B of index and state) plus "
+            f"{format_bytes(transport_bytes)} of transport buffers"
+        )
+        return cls(token, transport_bytes, detail)
+
+    @classmethod
+    def labelled(
+        cls,
+        *,
+        kv_token_bytes: int,
+        label_token_bytes: int,
+        offload: OffloadSizes | None = None,
+        verify: bool = False,
+    ) -> PoolPrice:
+        """Double sparsity: a token's label rows beside its K/V, or alone with DS-Offload.
+
+        Args:
+            kv_token_bytes: the engine's price of a token's K/V.
+            label_token_bytes: its label rows (:func:`label_bytes_per_token`).
+            offload: DS-Offload's sizes (its buffers are fixed), or None for resident K/V.
+            verify: the offload keeps a resident copy of every row (verification).
+
+        Raises:
+            CapacityError: a negative byte count.
+        """
+        _non_negative("kv_token_bytes", kv_token_bytes)
+        _non_negative("label_token_bytes", label_token_bytes)
+        kv, labels = kv_token_bytes, label_token_bytes
+        parts = f"{kv} B of K/V and {labels} B of labels"
+        if offload is None:
+            return cls(kv + labels, 0, f"pool sizing charges {kv + labels} B per token ({parts})")
+        fixed = offload.fixed_device_bytes(verify=verify)
+        mib = fixed / (1 << 20)
+        return cls(
+            labels,
+            fixed,
+            f"DS-Offload: pool sizing charges {labels} B per token of labels (was {parts}) plus "
+            f"{mib:.1f} MiB {_OFFLOAD_BUFFERS}",
+        )

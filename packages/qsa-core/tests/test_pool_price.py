@@ -1,0 +1,73 @@
+"""The price an engine's pool sizing charges under each feature, against its formula."""
+
+from __future__ import annotations
+
+import pytest
+
+from qsa_core import CapacityError, OffloadSizes, PoolPrice, ds_offload_sizes
+
+#: A resident token of 6,912 B: 6,144 B of raw K/V and 768 B of index and state.
+RESIDENT, INDEX = 6912, 768
+
+
+def _sizes() -> OffloadSizes:
+    return OffloadSizes.for_context(
+        layers=3, rows=5, context_len=44, hot_slots=7, kv_heads=2, head_dim=64, element_bytes=2
+    )
+
+
+def test_an_offloaded_token_costs_its_index_and_the_offloads_buffers_are_fixed() -> None:
+    """Staging, hot caches, tails and tables are fixed; verification adds the arena's copy."""
+    sizes = _sizes()
+    price = PoolPrice.offloaded(sizes, resident_token_bytes=RESIDENT, index_token_bytes=INDEX)
+    assert (price.token_bytes, price.fixed_bytes) == (INDEX, sizes.fixed_device_bytes())
+    assert price.detail.startswith(f"pool sizing charges {INDEX} B per token (was {RESIDENT} B")
+    verified = PoolPrice.offloaded(
+        sizes, resident_token_bytes=RESIDENT, index_token_bytes=INDEX, verify=True
+    )
+    assert verified.fixed_bytes == price.fixed_bytes + sizes.arena_bytes()
+
+
+def test_a_sharded_token_costs_its_index_and_its_share_of_the_raw_kv() -> None:
+    """Over four ranks: 768 B of index plus a quarter of 6,144 B; transport is fixed."""
+    price = PoolPrice.sharded(
+        resident_token_bytes=RESIDENT,
+        index_token_bytes=INDEX,
+        sharding_size=4,
+        transport_bytes=1 << 20,
+    )
+    assert (price.token_bytes, price.fixed_bytes) == (INDEX + 1536, 1 << 20)
+    assert "6144 B of raw K/V over 4 ranks, 768 B of index and state" in price.detail
+    assert price.detail.endswith("plus 1.000 MiB of transport buffers")
+
+
+def test_labels_add_to_a_resident_token_and_are_all_it_costs_with_ds_offload() -> None:
+    """Resident K/V: K/V plus labels, nothing fixed; DS-Offload: labels, the offload fixed."""
+    resident = PoolPrice.labelled(kv_token_bytes=1024, label_token_bytes=256)
+    assert (resident.token_bytes, resident.fixed_bytes) == (1280, 0)
+    assert (
+        resident.detail
+        == "pool sizing charges 1280 B per token (1024 B of K/V and 256 B of labels)"
+    )
+    sizes = ds_offload_sizes(
+        layers=2, rows=4, context_len=4096, hot_blocks=64, kv_heads=2, head_dim=64, element_bytes=2
+    )
+    offloaded = PoolPrice.labelled(kv_token_bytes=1024, label_token_bytes=256, offload=sizes)
+    assert (offloaded.token_bytes, offloaded.fixed_bytes) == (256, sizes.fixed_device_bytes())
+    assert offloaded.detail.startswith("DS-Offload: pool sizing charges 256 B per token of labels")
+
+
+def test_a_byte_count_out_of_range_is_refused_by_name() -> None:
+    """A negative count, an index dearer than the whole token, no ranks: each named."""
+    with pytest.raises(CapacityError, match=r"kv_token_bytes=-1 "):
+        PoolPrice.labelled(kv_token_bytes=-1, label_token_bytes=2)
+    swapped = {"resident_token_bytes": INDEX, "index_token_bytes": RESIDENT}
+    with pytest.raises(CapacityError, match=r"raw_bytes=-6144 "):
+        PoolPrice.sharded(**swapped, sharding_size=2, transport_bytes=0)
+    with pytest.raises(CapacityError, match=r"sharding_size=0 "):
+        PoolPrice.sharded(
+            resident_token_bytes=RESIDENT,
+            index_token_bytes=INDEX,
+            sharding_size=0,
+            transport_bytes=0,
+        )
