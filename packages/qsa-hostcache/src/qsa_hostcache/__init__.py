@@ -48,7 +48,7 @@ from qsa_hostcache._segments import (
     prompt_segment_spec,
     segment_buffer,
 )
-from qsa_hostcache._stats import CacheStats, StatSeries
+from qsa_hostcache._stats import CacheStats
 from qsa_hostcache._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
@@ -74,7 +74,6 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "Lease",
     "CopyFence",
     "CacheStats",
-    "StatSeries",
     # a serving engine's prompts, agreed by its ranks
     "PromptCheckpoints",
     "PromptCounts",

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from qsa_core import CountSeries
-    from qsa_hostcache import StatSeries
 
 __all__ = ("CountsMirror", "RankMetrics")
 
@@ -75,20 +74,18 @@ class RankMetrics:
 class CountsMirror:
     """A library's counts (a dataclass), snapshot after snapshot, as ``prefix``'s series.
 
-    ``series`` describes the fields (:class:`qsa_core.CountSeries`, or ``qsa_hostcache``'s
-    :class:`~qsa_hostcache.StatSeries`, which has no label). Each gauge is set to its field; each
-    counter advances by what its field added since the previous snapshot (from zero at the first).
+    ``series`` describes the fields (:class:`qsa_core.CountSeries`). Each gauge is set to its
+    field; each counter advances by what its field added since the previous snapshot (from zero
+    at the first).
     """
 
-    def __init__(
-        self, make: RankMetrics, prefix: str, series: Iterable[CountSeries | StatSeries]
-    ) -> None:
+    def __init__(self, make: RankMetrics, prefix: str, series: Iterable[CountSeries]) -> None:
         self._gauges: dict[str, Any] = {}
         self._counters: dict[str, Any] = {}
         for s in series:
             name = f"{prefix}_{s.name}"
             if s.counter:
-                self._counters[s.field] = make.counter(name, s.help, getattr(s, "label", None))
+                self._counters[s.field] = make.counter(name, s.help, s.label)
             else:
                 self._gauges[s.field] = make.gauge(name, s.help)
         self._seen: object | None = None
