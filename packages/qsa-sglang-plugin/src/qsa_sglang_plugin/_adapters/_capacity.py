@@ -57,7 +57,7 @@ def capacity_plan_from_sglang(
         kv_dtype = KVDType.parse(str(getattr(view, "kv_cache_dtype", "auto")))
     except QSAConfigError as exc:
         raise AdapterError(f"no capacity plan for these flags: {exc}") from exc
-    context_len = getattr(view, "context_length", None)
+    context_len: Any = getattr(view, "context_length", None)
     if context_len is None:
         context_len = QSAProfile.config_context_len(config)
     if context_len is None:
