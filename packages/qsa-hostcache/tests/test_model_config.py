@@ -61,3 +61,11 @@ def test_digest_is_the_config_digest_of_the_payload_less_ignored_keys() -> None:
     )
     assert digest != model_config_digest(hf, "float16", server, ignored_keys=ignored)
     assert digest != model_config_digest(hf, "bfloat16", {"page_size": 1}, ignored_keys=ignored)
+
+
+def test_a_model_identity_joins_path_and_revision() -> None:
+    from qsa_hostcache import CacheNamespace
+
+    assert CacheNamespace.model_identity("org/model", "abc123") == "org/model@abc123"
+    assert CacheNamespace.model_identity("org/model", None) == "org/model"
+    assert CacheNamespace.model_identity("org/model", "") == "org/model"

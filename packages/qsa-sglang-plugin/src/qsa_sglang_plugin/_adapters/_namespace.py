@@ -114,7 +114,7 @@ def cache_namespace_from_sglang(
 ) -> CacheNamespace:
     """The namespace of one TP rank (with the keywords, of one request's salt).
 
-    ``model`` is ``--model-path[@--revision]``, ``dtype`` the K/V storage dtype, the digest
+    ``model`` of ``--model-path`` and ``--revision``, ``dtype`` the K/V storage dtype, the digest
     :func:`config_digest_from_sglang`'s (``model_config``: SGLang's ``ModelConfig`` or an HF
     config).
 
@@ -128,11 +128,9 @@ def cache_namespace_from_sglang(
     model_path = getattr(view, "model_path", None)
     if not model_path:
         raise AdapterError(f"--model-path={model_path!r} is not allowed; allowed: a path or name")
-    revision = getattr(view, "revision", None)
-    model = f"{model_path}@{revision}" if revision else str(model_path)
     dtype = kv_storage_dtype(str(view.kv_cache_dtype), _model_dtype(model_config))
     return CacheNamespace(
-        model=model,
+        model=CacheNamespace.model_identity(str(model_path), getattr(view, "revision", None)),
         dtype=dtype,
         tp_size=int(view.tp_size),
         tp_rank=tp_rank,
