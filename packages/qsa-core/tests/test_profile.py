@@ -184,3 +184,13 @@ def test_profile_is_frozen() -> None:
     """A profile cannot be changed after validation."""
     with pytest.raises(AttributeError):
         QWEN38_FLASH_NEXT.budget = 1024  # type: ignore[misc]
+
+
+def test_config_context_len_reads_the_text_config_when_there_is_one() -> None:
+    """``max_position_embeddings``, under ``text_config`` when the config has one; else None."""
+    assert QSAProfile.config_context_len({"max_position_embeddings": 4096}) == 4096
+    nested = {"max_position_embeddings": 1, "text_config": {"max_position_embeddings": 8192}}
+    assert QSAProfile.config_context_len(nested) == 8192
+    assert QSAProfile.config_context_len({"text_config": {}}) is None
+    assert QSAProfile.config_context_len({"text_config": None}) is None
+    assert QSAProfile.config_context_len({}) is None

@@ -110,3 +110,17 @@ def test_the_output_keeps_the_querys_dtype() -> None:
     )
     for path in PATHS:
         assert attend_context(q, k, v, picks, SCALE, KERNELS, path=path).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("requests", "seq_lens", "extend_lens", "zigzag"),
+    [
+        (1, [96], [96], True),  # one whole prompt
+        (1, [160], [64], False),  # a chunk after its prefix
+        (2, [96, 32], [96, 32], False),  # several requests
+    ],
+)
+def test_only_one_whole_prompt_attends_by_zigzag_rows(
+    requests: int, seq_lens: list[int], extend_lens: list[int], zigzag: bool
+) -> None:
+    assert ZigzagEntries.applies(requests, seq_lens, extend_lens) is zigzag

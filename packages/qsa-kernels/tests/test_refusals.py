@@ -12,7 +12,13 @@ import torch
 from hypothesis import given, settings
 
 from qsa_core import KVDType
-from qsa_kernels import KernelInputError, KernelPath, kv_torch_dtype
+from qsa_kernels import (
+    BLOCK_TOKENS,
+    KernelInputError,
+    KernelPath,
+    check_block_tokens,
+    kv_torch_dtype,
+)
 from qsa_kernels.fetch import MAX_HOT_SLOTS
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry
 from qsa_pytest.refusals import any_value, refusal, shows
@@ -91,3 +97,9 @@ def test_a_refused_store_call_changes_nothing_and_names_the_value(call: str, val
         return
     assert _same(_snapshot(store), before), str(refused)
     assert shows(str(refused), value), str(refused)
+
+
+def test_an_indexer_of_other_blocks_is_refused_naming_its_ratio() -> None:
+    check_block_tokens(BLOCK_TOKENS)
+    with pytest.raises(KernelInputError, match=r"indexer_compress_ratio=8; .* \(allowed: 4\)"):
+        check_block_tokens(8)

@@ -202,3 +202,23 @@ def test_a_processor_is_fingerprinted_by_its_settings_config_extras_and_versions
 def test_a_processor_without_settings_to_read_is_refused() -> None:
     with pytest.raises(InvalidFingerprintError, match="'object' exposes neither"):
         ProcessorFingerprint.from_processor(object())
+
+
+@pytest.mark.parametrize(
+    ("input_format", "embeddings", "source"),
+    [
+        ("NORMAL", None, FeatureSource.PROCESSOR),
+        ("NORMAL", [], FeatureSource.PROCESSOR),
+        ("NORMAL", (), FeatureSource.PROCESSOR),
+        ("NORMAL", [object()], FeatureSource.PRECOMPUTED_EMBEDDING),
+        ("NORMAL", object(), FeatureSource.PRECOMPUTED_EMBEDDING),
+        ("PRECOMPUTED_EMBEDDING", None, FeatureSource.PRECOMPUTED_EMBEDDING),
+        ("PROCESSOR_OUTPUT", None, FeatureSource.CALLER_FEATURES),
+        ("PROCESSOR_OUTPUT", [object()], FeatureSource.PRECOMPUTED_EMBEDDING),
+    ],
+)
+def test_feature_source_of_an_engine_item(
+    input_format: str, embeddings: object, source: FeatureSource
+) -> None:
+    """Embeddings win; then only the processor's own input format yields PROCESSOR."""
+    assert FeatureSource.of_item(input_format, embeddings) is source

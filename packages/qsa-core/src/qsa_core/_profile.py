@@ -233,6 +233,16 @@ class QSAProfile:
 
     # ----------------------------------------------------------------- parsing
 
+    @staticmethod
+    def config_context_len(cfg: Mapping[str, object]) -> object:
+        """The context a config allows: ``max_position_embeddings`` (None where it names none).
+
+        Read from ``cfg["text_config"]`` when ``cfg`` has one (a multimodal model's config),
+        else from ``cfg``; the value as the config holds it.
+        """
+        text = cfg.get("text_config", cfg)
+        return text.get("max_position_embeddings") if isinstance(text, Mapping) else None
+
     @classmethod
     def from_text_config(
         cls, cfg: Mapping[str, object], *, page_size: int = DEFAULT_PAGE_SIZE

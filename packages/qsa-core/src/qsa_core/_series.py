@@ -25,3 +25,15 @@ class CountSeries:
     counter: bool
     help: str
     label: tuple[str, str] | None = None
+
+    def change(self, before: object | None, now: object) -> int | None:
+        """What an exporter records of snapshot ``now`` after ``before`` (None: the first).
+
+        A gauge: the field's value in ``now``. A counter: what the field added since ``before``
+        (since zero at the first snapshot); None where it added nothing.
+        """
+        value = int(getattr(now, self.field))
+        if not self.counter:
+            return value
+        added = value - (0 if before is None else int(getattr(before, self.field)))
+        return added if added > 0 else None

@@ -32,6 +32,7 @@ from qsa_hostcache._keys import (
     token_bytes,
 )
 from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
+from qsa_hostcache._model_config import kv_storage_dtype, model_config_digest, model_dtype
 from qsa_hostcache._prompts import (
     Agree,
     Claim,
@@ -48,7 +49,7 @@ from qsa_hostcache._segments import (
     prompt_segment_spec,
     segment_buffer,
 )
-from qsa_hostcache._stats import CacheStats, StatSeries
+from qsa_hostcache._stats import CacheStats
 from qsa_hostcache._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
@@ -63,6 +64,10 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "HASH_SEED",
     "page_keys",
     "token_bytes",
+    # a model's configuration as a namespace's parts
+    "model_dtype",
+    "kv_storage_dtype",
+    "model_config_digest",
     # checkpoints
     "SegmentSpec",
     "CheckpointLayout",
@@ -74,7 +79,6 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "Lease",
     "CopyFence",
     "CacheStats",
-    "StatSeries",
     # a serving engine's prompts, agreed by its ranks
     "PromptCheckpoints",
     "PromptCounts",

@@ -137,6 +137,11 @@ class CacheNamespace:
                 f"tp_rank must lie in [0, {self.tp_size!r}), got {self.tp_rank!r}"
             )
 
+    @staticmethod
+    def model_identity(path: str, revision: str | None = None) -> str:
+        """A :attr:`model`: ``path@revision``, or ``path`` where no revision is given (None, "")."""
+        return f"{path}@{revision}" if revision else path
+
     def for_request(
         self,
         *,

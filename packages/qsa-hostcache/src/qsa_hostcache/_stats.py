@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Final
 
+from qsa_core import CountSeries
+
 _COUNTER_HELP: Final = {
     "lookups": "Prefix lookups (match and acquire calls).",
     "hits": "Lookups that found a checkpoint.",
@@ -45,24 +47,17 @@ _GAUGE_HELP: Final = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class StatSeries:
-    """One field of :class:`CacheStats` as a metric.
+class StatSeries(CountSeries):
+    """A :class:`qsa_core.CountSeries` named as its field, unlabelled: ``(name, counter, help)``.
 
-    Attributes:
-        name: The field's name (``hits``, ``used_bytes``...).
-        counter: True for a monotonic counter, False for a gauge (occupancy now).
-        help: One line that says what it counts, for a metric's help text.
+    Not a second description of a metric: the constructor :class:`PromptCounts` uses for its
+    fields (the same type, ``field == name``, no label).
     """
 
-    name: str
-    counter: bool
-    help: str
+    __slots__ = ()
 
-    @property
-    def field(self) -> str:
-        """The field a snapshot holds it in: :attr:`name`."""
-        return self.name
+    def __init__(self, name: str, counter: bool, help: str) -> None:
+        super().__init__(name, name, counter, help)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +104,12 @@ class CacheStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
     @staticmethod
-    def series() -> tuple[StatSeries, ...]:
-        """Every field, in declaration order, with its kind and help text."""
+    def series() -> tuple[CountSeries, ...]:
+        """Every field, in declaration order, with its kind and help text (named as the field)."""
         return tuple(
-            StatSeries(f.name, True, _COUNTER_HELP[f.name])
+            CountSeries(f.name, f.name, True, _COUNTER_HELP[f.name])
             if f.name in _COUNTER_HELP
-            else StatSeries(f.name, False, _GAUGE_HELP[f.name])
+            else CountSeries(f.name, f.name, False, _GAUGE_HELP[f.name])
             for f in fields(CacheStats)
         )
 

@@ -21,7 +21,7 @@ offloaded K/V), :mod:`qsa_kernels.sharded` (QSA cache sharding), :mod:`qsa_kerne
 
 from qsa_kernels._checks import kv_torch_dtype
 from qsa_kernels._errors import DeviceUnavailableError, KernelInputError, QSAKernelError
-from qsa_kernels._geometry import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS, check_block_tokens
 from qsa_kernels._path import KernelPath
 from qsa_kernels._version import __version__
 
@@ -34,5 +34,6 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     # -- Shared by every layer: geometry, K/V dtype, which implementation runs --
     "BLOCK_TOKENS",
     "KernelPath",
+    "check_block_tokens",
     "kv_torch_dtype",
 )

@@ -10,8 +10,15 @@ from __future__ import annotations
 from typing import Final
 
 from qsa_core import QWEN38_FLASH_NEXT
+from qsa_kernels._errors import KernelInputError
 
-__all__ = ("BLOCKS_PER_PAGE", "BLOCK_TOKENS", "INDEX_HEADS", "INDEX_HEAD_DIM")
+__all__ = (
+    "BLOCKS_PER_PAGE",
+    "BLOCK_TOKENS",
+    "INDEX_HEADS",
+    "INDEX_HEAD_DIM",
+    "check_block_tokens",
+)
 
 #: Tokens per QSA block (the compress ratio): an arena, hot-cache or tail record holds one block.
 BLOCK_TOKENS: Final = QWEN38_FLASH_NEXT.compress_ratio
@@ -21,3 +28,17 @@ BLOCKS_PER_PAGE: Final = QWEN38_FLASH_NEXT.blocks_per_page
 INDEX_HEADS: Final = QWEN38_FLASH_NEXT.index_n_heads
 #: Head dimension of the index queries and keys.
 INDEX_HEAD_DIM: Final = QWEN38_FLASH_NEXT.index_head_dim
+
+
+def check_block_tokens(compress_ratio: int) -> None:
+    """Refuse a model whose indexer blocks are not :data:`BLOCK_TOKENS` tokens.
+
+    Raises:
+        KernelInputError: ``compress_ratio`` (``indexer_compress_ratio``) is another value.
+    """
+    if compress_ratio != BLOCK_TOKENS:
+        msg = (
+            f"indexer_compress_ratio={compress_ratio!r}; the QSA kernels move blocks of "
+            f"{BLOCK_TOKENS} tokens (allowed: {BLOCK_TOKENS})"
+        )
+        raise KernelInputError(msg)

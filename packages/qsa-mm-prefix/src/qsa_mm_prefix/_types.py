@@ -116,6 +116,20 @@ class FeatureSource(enum.Enum):
     PRECOMPUTED_EMBEDDING = "precomputed-embedding"
     CALLER_FEATURES = "caller-features"
 
+    @classmethod
+    def of_item(cls, input_format: str, precomputed_embeddings: object) -> FeatureSource:
+        """The source of an engine item given its input format's name and embeddings, if any.
+
+        Embeddings (anything but ``None`` or an empty list or tuple) or the format
+        ``PRECOMPUTED_EMBEDDING`` are ``PRECOMPUTED_EMBEDDING``; else the format ``NORMAL`` (media
+        the engine's processor ran on) is ``PROCESSOR``, any other ``CALLER_FEATURES``.
+        """
+        embeddings = precomputed_embeddings
+        unset = embeddings is None or (isinstance(embeddings, list | tuple) and not embeddings)
+        if input_format == "PRECOMPUTED_EMBEDDING" or not unset:
+            return cls.PRECOMPUTED_EMBEDDING
+        return cls.PROCESSOR if input_format == "NORMAL" else cls.CALLER_FEATURES
+
 
 class BypassReason(enum.Enum):
     """Why a prompt gets no identity and must never be matched or captured.

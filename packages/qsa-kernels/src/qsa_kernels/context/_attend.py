@@ -106,6 +106,16 @@ class ZigzagEntries:
     kv_ends: torch.Tensor
     max_rows: int
 
+    @staticmethod
+    def applies(requests: int, seq_lens: Sequence[int], extend_lens: Sequence[int]) -> bool:
+        """Whether a context-parallel extend batch attends by this rank's zigzag rows.
+
+        Only one request whose chunk is its whole prompt (no prefix: its first ``seq_lens`` equals
+        its first ``extend_lens``) does; any other batch is gathered into token order and
+        attended as without context parallelism.
+        """
+        return requests == 1 and list(seq_lens[:1]) == list(extend_lens[:1])
+
 
 def attend_context(  # noqa: PLR0917 (the attention call's own order)
     q: torch.Tensor,

@@ -33,7 +33,7 @@ def capacity_plan_from_sglang(
     """:func:`qsa_core.plan_capacity` of the operator's flags, with and without host offload.
 
     Reads ``--tp-size``, ``--kv-cache-dtype`` (``auto`` = bf16), ``--page-size`` (``None``: 64),
-    ``--context-length`` (``None``: the config's ``max_position_embeddings``) and
+    ``--context-length`` (``None``: :meth:`QSAProfile.config_context_len`) and
     ``--max-running-requests`` from ``server_args`` (SGLang's ``ServerArgs``, resolved, or an
     ``argparse.Namespace``), the profile from ``hf_text_config`` (HF object or mapping).
     ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
@@ -57,10 +57,9 @@ def capacity_plan_from_sglang(
         kv_dtype = KVDType.parse(str(getattr(view, "kv_cache_dtype", "auto")))
     except QSAConfigError as exc:
         raise AdapterError(f"no capacity plan for these flags: {exc}") from exc
-    context_len = getattr(view, "context_length", None)
+    context_len: Any = getattr(view, "context_length", None)
     if context_len is None:
-        text = config.get("text_config", config)
-        context_len = text.get("max_position_embeddings") if isinstance(text, Mapping) else None
+        context_len = QSAProfile.config_context_len(config)
     if context_len is None:
         msg = "--context-length=None and the config has no max_position_embeddings; give one"
         raise AdapterError(msg)

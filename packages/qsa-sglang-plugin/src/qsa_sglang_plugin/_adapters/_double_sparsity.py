@@ -106,16 +106,13 @@ class _StagingKV:
 class _DSOffload:
     """DS-Offload's prefill: the dense backend reads the staged prompt by position, not slot.
 
-    Its K/V pool becomes :class:`_StagingKV`; ``torch_native`` gets a one-row table of positions
-    (the batch's one request at row 0), ``triton`` its metadata's ``kv_indices`` as ``0 ..
-    prefix - 1``. Kernels and arguments are otherwise upstream's.
+    ``dense_name`` is one of :data:`DENSE_BACKENDS` (:func:`create_backend` checks). Its K/V
+    pool becomes :class:`_StagingKV`; ``torch_native`` gets a one-row table of positions (the
+    batch's one request at row 0), ``triton`` its metadata's ``kv_indices`` as ``0 .. prefix -
+    1``. Kernels and arguments are otherwise upstream's.
     """
 
     def __init__(self, dense: Any, dense_name: str, runtime: OffloadRuntime) -> None:
-        if dense_name not in DENSE_BACKENDS.values():
-            allowed = sorted(DENSE_BACKENDS.values())
-            msg = f"DS-Offload stages prefill for {allowed!r}; got {dense_name!r}"
-            raise AdapterError(msg)
         self.runtime = runtime
         self._dense = dense
         self._name = dense_name

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from qsa_core import CountSeries
-    from qsa_hostcache import StatSeries
 
 __all__ = ("CountsMirror", "RankMetrics")
 
@@ -75,31 +74,22 @@ class RankMetrics:
 class CountsMirror:
     """A library's counts (a dataclass), snapshot after snapshot, as ``prefix``'s series.
 
-    ``series`` describes the fields (:class:`qsa_core.CountSeries`, or ``qsa_hostcache``'s
-    :class:`~qsa_hostcache.StatSeries`, which has no label). Each gauge is set to its field; each
-    counter advances by what its field added since the previous snapshot (from zero at the first).
+    ``series`` describes the fields; each snapshot records :meth:`qsa_core.CountSeries.change`.
     """
 
-    def __init__(
-        self, make: RankMetrics, prefix: str, series: Iterable[CountSeries | StatSeries]
-    ) -> None:
-        self._gauges: dict[str, Any] = {}
-        self._counters: dict[str, Any] = {}
-        for s in series:
-            name = f"{prefix}_{s.name}"
-            if s.counter:
-                self._counters[s.field] = make.counter(name, s.help, getattr(s, "label", None))
-            else:
-                self._gauges[s.field] = make.gauge(name, s.help)
+    def __init__(self, make: RankMetrics, prefix: str, series: Iterable[CountSeries]) -> None:
+        self._metrics = [
+            (s, make.counter(f"{prefix}_{s.name}", s.help, s.label))
+            if s.counter
+            else (s, make.gauge(f"{prefix}_{s.name}", s.help))
+            for s in series
+        ]
         self._seen: object | None = None
 
     def update(self, now: object) -> None:
         """Mirror the snapshot ``now``."""
-        for field, gauge in self._gauges.items():
-            gauge.set(int(getattr(now, field)))
-        for field, counter in self._counters.items():
-            before = 0 if self._seen is None else int(getattr(self._seen, field))
-            added = int(getattr(now, field)) - before
-            if added > 0:
-                counter.inc(added)
+        for s, metric in self._metrics:
+            value = s.change(self._seen, now)
+            if value is not None:
+                (metric.inc if s.counter else metric.set)(value)
         self._seen = now

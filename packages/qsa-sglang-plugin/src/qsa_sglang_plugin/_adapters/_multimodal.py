@@ -79,26 +79,18 @@ def engine_processor_fingerprint(
     )
 
 
-def _source(item: Any) -> FeatureSource:
-    fmt = getattr(item.format, "name", repr(item.format))
-    embeddings = item.precomputed_embeddings
-    unset = embeddings is None or (isinstance(embeddings, list | tuple) and not embeddings)
-    if fmt == "PRECOMPUTED_EMBEDDING" or not unset:
-        return FeatureSource.PRECOMPUTED_EMBEDDING
-    return FeatureSource.PROCESSOR if fmt == "NORMAL" else FeatureSource.CALLER_FEATURES
-
-
 def sglang_items(mm_inputs: Any) -> Iterator[MultimodalItem | Bypass]:
     """Each ``MultimodalDataItem`` of ``mm_inputs`` (in order) through :func:`describe_item`.
 
-    Format ``NORMAL`` without precomputed embeddings is the processor's; ``PRECOMPUTED_EMBEDDING``
-    or embeddings precomputed; another format the caller's. The grid: ``image_grid_thw``.
+    The source: :meth:`FeatureSource.of_item` of its format; the grid: ``image_grid_thw``.
     """
     for index, item in enumerate(mm_inputs.mm_items):
         yield describe_item(
             index,
             modality=getattr(item.modality, "name", repr(item.modality)),
-            source=_source(item),
+            source=FeatureSource.of_item(
+                getattr(item.format, "name", repr(item.format)), item.precomputed_embeddings
+            ),
             offsets=item.offsets,
             grid=item.model_specific_data.get("image_grid_thw"),
             feature=item.feature,

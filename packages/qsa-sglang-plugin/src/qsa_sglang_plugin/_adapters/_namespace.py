@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
-from qsa_core import KVDType
 from qsa_sglang_plugin._errors import AdapterError
 
 if TYPE_CHECKING:  # qsa_hostcache imports torch; the entry point must stay cheap
@@ -53,11 +52,9 @@ def resolved_args(server_args: Any) -> Any:
     return server_args
 
 
-def _hf_config(model_or_hf_config: Any) -> Any:
-    return getattr(model_or_hf_config, "hf_config", model_or_hf_config)
-
-
-def _config_dict(hf_config: Any) -> dict[str, Any]:
+def _hf_config(model_or_hf_config: Any) -> dict[str, Any]:
+    """The HF config of an SGLang ``ModelConfig``, of an HF config object, or a dict, as a dict."""
+    hf_config = getattr(model_or_hf_config, "hf_config", model_or_hf_config)
     if hasattr(hf_config, "to_dict"):
         return dict(hf_config.to_dict())
     if isinstance(hf_config, dict):
@@ -67,54 +64,43 @@ def _config_dict(hf_config: Any) -> dict[str, Any]:
 
 
 def _model_dtype(model_or_hf_config: Any) -> str:
+    """``ModelConfig.dtype`` (SGLang's resolved ``--dtype``), else the HF config's."""
+    from qsa_hostcache import HostCacheError, model_dtype
+
     dtype = getattr(model_or_hf_config, "dtype", None)
-    if dtype is None or getattr(model_or_hf_config, "hf_config", None) is None:
-        cfg = _config_dict(_hf_config(model_or_hf_config))
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-        text = cfg.get("text_config")
-        if dtype is None and isinstance(text, dict):
-            dtype = text.get("torch_dtype") or text.get("dtype")
-    if dtype is None:
-        msg = "the model config names no dtype (torch_dtype); cannot resolve --kv-cache-dtype auto"
-        raise AdapterError(msg)
-    return str(dtype).removeprefix("torch.")
+    if dtype is not None and getattr(model_or_hf_config, "hf_config", None) is not None:
+        return str(dtype).removeprefix("torch.")
+    try:
+        return model_dtype(_hf_config(model_or_hf_config))
+    except HostCacheError as exc:
+        raise AdapterError(str(exc)) from exc
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
-    """The K/V storage dtype as torch names it (``auto``: the model dtype).
+    """:func:`qsa_hostcache.kv_storage_dtype`, refusing by :class:`AdapterError`."""
+    from qsa_hostcache import HostCacheError
+    from qsa_hostcache import kv_storage_dtype as storage_dtype
 
-    Raises:
-        AdapterError: a ``--kv-cache-dtype`` not in :meth:`qsa_core.KVDType.sglang_flag_values`.
-    """
-    key = str(kv_cache_dtype).strip().lower()
-    if key == "auto":
-        return model_dtype
-    for dtype in KVDType:
-        if key in dtype.sglang_names:
-            return dtype.torch_name
-    allowed = ", ".join(repr(k) for k in KVDType.sglang_flag_values())
-    msg = f"--kv-cache-dtype={kv_cache_dtype!r} is not known; allowed: {allowed}"
-    raise AdapterError(msg)
+    try:
+        return storage_dtype(kv_cache_dtype, model_dtype)
+    except HostCacheError as exc:
+        raise AdapterError(str(exc)) from exc
 
 
 def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
-    """:func:`qsa_hostcache.config_digest` of the HF config, model dtype and server fields.
+    """:func:`qsa_hostcache.model_config_digest` of the resolved :data:`DIGEST_SERVER_FIELDS`.
 
-    The HF config less :data:`IGNORED_CONFIG_KEYS`; the server's :data:`DIGEST_SERVER_FIELDS`.
+    Less :data:`IGNORED_CONFIG_KEYS`; the model dtype is SGLang's.
     """
-    from qsa_hostcache import config_digest
+    from qsa_hostcache import model_config_digest
 
     view = resolved_args(server_args)
-    payload = {
-        "hf_config": {
-            key: value
-            for key, value in _config_dict(_hf_config(model_config)).items()
-            if key not in IGNORED_CONFIG_KEYS
-        },
-        "model_dtype": _model_dtype(model_config),
-        "server": {name: getattr(view, name, None) for name in DIGEST_SERVER_FIELDS},
-    }
-    return config_digest(payload)
+    return model_config_digest(
+        _hf_config(model_config),
+        _model_dtype(model_config),
+        {name: getattr(view, name, None) for name in DIGEST_SERVER_FIELDS},
+        ignored_keys=IGNORED_CONFIG_KEYS,
+    )
 
 
 def cache_namespace_from_sglang(
@@ -128,7 +114,7 @@ def cache_namespace_from_sglang(
 ) -> CacheNamespace:
     """The namespace of one TP rank (with the keywords, of one request's salt).
 
-    ``model`` is ``--model-path[@--revision]``, ``dtype`` the K/V storage dtype, the digest
+    ``model`` of ``--model-path`` and ``--revision``, ``dtype`` the K/V storage dtype, the digest
     :func:`config_digest_from_sglang`'s (``model_config``: SGLang's ``ModelConfig`` or an HF
     config).
 
@@ -142,11 +128,9 @@ def cache_namespace_from_sglang(
     model_path = getattr(view, "model_path", None)
     if not model_path:
         raise AdapterError(f"--model-path={model_path!r} is not allowed; allowed: a path or name")
-    revision = getattr(view, "revision", None)
-    model = f"{model_path}@{revision}" if revision else str(model_path)
     dtype = kv_storage_dtype(str(view.kv_cache_dtype), _model_dtype(model_config))
     return CacheNamespace(
-        model=model,
+        model=CacheNamespace.model_identity(str(model_path), getattr(view, "revision", None)),
         dtype=dtype,
         tp_size=int(view.tp_size),
         tp_rank=tp_rank,

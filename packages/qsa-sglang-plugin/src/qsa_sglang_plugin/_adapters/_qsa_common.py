@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from qsa_core import QSAProfile
-from qsa_kernels import BLOCK_TOKENS
+from qsa_kernels import KernelInputError, check_block_tokens
 from qsa_kernels.context import PrefillKernels, ZigzagEntries
 from qsa_kernels.sharded import HeadLayout, ShardGroup
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
@@ -54,7 +54,8 @@ def qsa_profile_of(model_config: Any) -> Any:
     """SGLang's QSA profile of a model (its indexer's block top-k, budget, compress ratio).
 
     Raises:
-        ConfigurationError: the model has no QSA layers, or blocks other than 4 tokens.
+        ConfigurationError: the model has no QSA layers, or its blocks are not the kernels'
+            (:func:`qsa_kernels.check_block_tokens`).
     """
     from sglang.srt.layers.attention.qsa.config import parse_qsa_profile
 
@@ -66,12 +67,10 @@ def qsa_profile_of(model_config: Any) -> Any:
             "models only"
         )
         raise ConfigurationError(msg)
-    if profile.compress_ratio != BLOCK_TOKENS:
-        msg = (
-            f"indexer_compress_ratio={profile.compress_ratio!r}; the plugin's QSA backends move "
-            f"blocks of {BLOCK_TOKENS} tokens (allowed: {BLOCK_TOKENS})"
-        )
-        raise ConfigurationError(msg)
+    try:
+        check_block_tokens(int(profile.compress_ratio))
+    except KernelInputError as exc:
+        raise ConfigurationError(str(exc)) from exc
     return profile
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from qsa_kernels.context import ZigzagEntries
 from qsa_kernels.sharded import ShardedKVStore
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
@@ -45,8 +46,8 @@ def attend_extend(  # noqa: PLR0917 (the attention call's own order)
     """One QSA layer of an extend batch (:meth:`ShardedKVStore.extend`): ``[T, Hq * D]``.
 
     With ``cp`` (zigzag prefill CP: ``q`` this rank's rows, ``k``/``v`` the chunk in token
-    order) one request without a prefix attends by :meth:`ShardedKVStore.extend_zigzag`; else
-    the rows are gathered into token order, attended as without CP, and each rank keeps its own.
+    order): :meth:`ShardedKVStore.extend_zigzag` where :meth:`ZigzagEntries.applies`, else SGLang's
+    CP strategy gathers the rows into token order and keeps this rank's of the output.
     """
     from sglang.srt.layers.cp.utils import get_cp_strategy
 
@@ -54,7 +55,7 @@ def attend_extend(  # noqa: PLR0917 (the attention call's own order)
     lengths = [int(n) for n in forward_batch.seq_lens_cpu]
     extend = [int(n) for n in forward_batch.extend_seq_lens_cpu]
     meta, kernels = forward_batch.attn_cp_metadata if cp else None, prefill_kernels()
-    if meta is not None and int(meta.bs) == 1 and lengths[:1] == extend[:1]:
+    if meta is not None and ZigzagEntries.applies(int(meta.bs), lengths, extend):
         return store.extend_zigzag(
             layer_id,
             q,
