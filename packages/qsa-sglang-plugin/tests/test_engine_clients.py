@@ -231,34 +231,24 @@ def test_sglang_bench_client_loads_a_shared_prefix_for_every_request_after_the_f
 
 
 @pytest.mark.engine(SERVED)
-def test_ignore_eos_requests_are_not_matched_since_sglang_would_not_load_them(
+def test_ignore_eos_requests_load_their_checkpoint_and_answer_as_computed(
     engines: EnginePool,
 ) -> None:
-    """With the radix cache disabled SGLang admits an ``ignore_eos`` request on a path that never
-    loads a host hit: the plugin does not look such a request up (no hit counted that cannot be
-    served), counts it once, and serves it by computing its prompt; an ordinary request of the
-    same prompt still loads the checkpoint."""
+    """SGLang's clients send ``ignore_eos``; with the radix cache disabled SGLang would admit such
+    a request on a path that never loads a host hit. It loads its checkpoint as any other does,
+    and generates exactly its ``max_new_tokens`` tokens as the same request computed whole."""
     engine = engines.engine(SERVED)
     prompt = QWEN.prompt(1100, seed=61)  # checkpointed at 1,024 tokens by its first serve
-    names = (
-        "qsa_hisparse_prefix_cache_lookups_total",
-        "qsa_hisparse_prefix_cache_loads_total",
-        "qsa_hisparse_prefix_cache_unloadable_requests_total",
-    )
-
-    def counters() -> tuple[float, ...]:
-        return tuple(engine.metric(name) for name in names)
-
-    engine.generate(GenerateRequest(prompt, 4))
-    start = counters()
-    first = engine.generate(GenerateRequest(prompt, 4, ignore_eos=True))
-    second = engine.generate(GenerateRequest(prompt, 4, ignore_eos=True))
-    assert tuple(a - b for a, b in zip(counters(), start, strict=True)) == (0, 0, 2)
-    assert_same_generation(first, second, atol=RERUN_NOISE, what="an ignore_eos request")
-    engine.generate(GenerateRequest(prompt, 4))
-    lookups, loads, unloadable = (a - b for a, b in zip(counters(), start, strict=True))
-    assert lookups >= 1
-    assert (loads, unloadable) == (1, 2)
+    loads = "qsa_hisparse_prefix_cache_loads_total"
+    cold = engine.generate(GenerateRequest(prompt, 16, ignore_eos=True, cache_salt="cold"))
+    before = engine.metric(loads)
+    warm = [engine.generate(GenerateRequest(prompt, 16, ignore_eos=True)) for _ in range(2)]
+    assert cold.cached_tokens == 0
+    assert [w.cached_tokens for w in warm] == [0, 1024]
+    assert engine.metric(loads) - before == 1
+    assert len(warm[1].output_ids) == 16
+    assert_same_generation(cold, warm[1], atol=RERUN_NOISE, what="an ignore_eos request warm")
+    wait_until("the plugin to hold nothing", lambda: not any(_held(engine).values()), poll_s=0.05)
 
 
 @pytest.mark.engine(RESIDENT)

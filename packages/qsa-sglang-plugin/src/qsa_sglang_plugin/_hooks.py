@@ -162,6 +162,20 @@ HOOKS: tuple[HookSpec, ...] = (
             "also its label rows. No registry sizes pools."
         ),
     ),
+    HookSpec(
+        module="sglang.srt.managers.schedule_policy",
+        qualname="PrefillAdder.add_one_req",
+        kind=HookKind.AROUND,
+        feature=Feature.PREFIX_CACHE,
+        hook="qsa_sglang_plugin._adapters._tree_cache:around_add_one_req",
+        reason=(
+            "With the radix cache disabled (as the offload requires) add_one_req hands an "
+            "ignore_eos request to add_one_req_ignore_eos, which never loads a host hit. A "
+            "request with a pending host hit takes the admission every other request takes, "
+            "which loads it (and budgets ignore_eos requests at their full output). The tree "
+            "cache's calls cannot reach this gate."
+        ),
+    ),
 )
 
 
@@ -222,8 +236,6 @@ REGISTRATIONS: tuple[RegistrySpec, ...] = (
             "sglang.srt.mem_cache.base_prefix_cache",
             "sglang.srt.mem_cache.common",
             "sglang.srt.mem_cache.allocation",
-            # the host prefix cache: which admissions load a hit (ignore_eos ones do not)
-            "sglang.srt.managers.schedule_policy",
         ),
     ),
     RegistrySpec(

@@ -4,15 +4,14 @@ One :class:`PrefixCacheRuntime` per scheduler (``SGLANG_QSA_HISPARSE_PREFIX_CACH
 ``p2-offload``) turns the ``qsa_hisparse`` tree cache's calls (:mod:`._tree_cache`) into
 :class:`qsa_hostcache.PromptCheckpoints` and :class:`qsa_hostcache.PromptKeys` calls (page
 extras from ``qsa_mm_prefix.prompt_page_extras``). It keeps what is SGLang's: a ``Req``'s
-fields, where each checkpoint segment comes from in SGLang's pools, the token-slot allocator,
-SGLang's ``ignore_eos`` admission and the series. The calls and the checkpoint:
+fields, where each checkpoint segment comes from in SGLang's pools, the token-slot allocator
+and the series. The calls and the checkpoint:
 ``docs/plugin.md`` ("The host prefix cache").
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -59,11 +58,6 @@ class _Metrics:
         make = RankMetrics(tp_rank)
         self._stats = CountsMirror(make, METRIC_PREFIX, CacheStats.series())
         self._counts = CountsMirror(make, METRIC_PREFIX, PromptCounts.series())
-        self.unloadable = make.counter(
-            f"{METRIC_PREFIX}_unloadable_requests",
-            "Requests not matched because SGLang admits them without loading a host hit "
-            "(ignore_eos with the radix cache disabled); they are still checkpointed.",
-        )
         self.bypassed = make.counters_by(
             f"{METRIC_PREFIX}_bypassed",
             "Requests the prefix cache does not key (not matched, not published), by reason.",
@@ -91,8 +85,6 @@ class PrefixCacheRuntime:
         weight_version: the served weights' version now, read before every lookup and publish.
         processor, spatial_merge_size: the image processor's fingerprint (``None``: image
             prompts bypass, ``no-processor``) and the vision tower's patch merge.
-        ignore_eos_loads: whether SGLang loads a host hit for an ``ignore_eos`` request (only
-            with its radix cache enabled); when not, such requests are not matched.
     """
 
     def __init__(
@@ -109,7 +101,6 @@ class PrefixCacheRuntime:
         weight_version: Callable[[], object] = lambda: None,
         processor: ProcessorFingerprint | None = None,
         spatial_merge_size: int | None = None,
-        ignore_eos_loads: bool = False,
     ) -> None:
         self.cache = cache
         group = getattr(tp_group, "cpu_group", None)
@@ -127,8 +118,6 @@ class PrefixCacheRuntime:
             request_id=lambda req: req.rid,
             on_bypass=lambda req, reason: self._metrics.bypassed[BypassReason(reason)].inc(),
         )
-        self._ignore_eos_loads = ignore_eos_loads
-        self._unloadables: weakref.WeakSet[Any] = weakref.WeakSet()
         self._offload = offload
         self._kv_pool = kv_pool
         self._req_to_token = req_to_token_pool
@@ -175,8 +164,6 @@ class PrefixCacheRuntime:
         """
         if self._keys.bypass(req) is not None:
             return self._checkpoints.lookup(None)
-        if self._unloadable(req):
-            return 0  # the same answer on every rank: the request's own sampling parameters
         keyed = len(tokens) >= self.cache.page_size
         hit = self._checkpoints.lookup(self.key(req, tokens) if keyed else None)
         self._sync_metrics()
@@ -275,22 +262,6 @@ class PrefixCacheRuntime:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _unloadable(self, req: Any) -> bool:
-        """Whether SGLang admits ``req`` without loading a hit (a lookup would be wasted).
-
-        SGLang 0.5.23's ``PrefillAdder.add_one_req_ignore_eos`` (radix cache disabled, as the
-        offload requires) never calls ``init_load_back``. Counted once per request.
-        """
-        if self._ignore_eos_loads:
-            return False
-        if not getattr(getattr(req, "sampling_params", None), "ignore_eos", False):
-            return False
-        if req not in self._unloadables:
-            self._unloadables.add(req)
-            self._metrics.unloadable.inc()
-            logger.debug("prefix cache: %r is not matched (ignore_eos)", req.rid)
-        return True
-
     def _restore_index(self, lease: Lease, slots: torch.Tensor) -> None:
         """The checkpoint's ``[T / 4, L, Hi, Di]`` index keys into the rows of ``slots``."""
         buffers = self._kv_pool.qsa_compressed_k_buffer_pool
@@ -347,7 +318,6 @@ def build_prefix_cache(
         weight_version=lambda: get_serving().weight_version,
         processor=fingerprint,
         spatial_merge_size=spatial_merge_size(runner.model_config.hf_config),
-        ignore_eos_loads=not getattr(tree_cache, "disable", True),
     )
     logger.info(
         "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens; %s",

@@ -25,7 +25,7 @@ from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime
 from qsa_sglang_plugin._errors import OffloadRuntimeError
 from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND
 
-__all__ = ("HiSparseRadixCache",)
+__all__ = ("HiSparseRadixCache", "around_add_one_req")
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,10 @@ class HiSparseRadixCache(UnifiedRadixCache):
             self.qsa_prefix.settle()
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
 
+    def admits_host_hit(self, req: Any) -> bool:
+        """Whether ``req`` must be admitted on the path that loads its host hit (one pending)."""
+        return self.qsa_prefix is not None and self.disable and int(req.host_hit_length) > 0
+
     def reset(self) -> None:
         rows = getattr(self, "qsa_rows", None)
         live = [] if rows is None else [h.request_id for h in rows.leases.live_handles()]
@@ -160,3 +164,26 @@ class HiSparseRadixCache(UnifiedRadixCache):
         prefix = getattr(self, "qsa_prefix", None)
         if prefix is not None:
             prefix.invalidate()
+
+
+def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """``PrefillAdder.add_one_req`` that loads an ``ignore_eos`` request's host hit.
+
+    SGLang 0.5.23 sends an ``ignore_eos`` request to ``add_one_req_ignore_eos`` whenever the
+    tree cache is disabled, and that path never calls ``init_load_back``. For a request with a
+    pending host hit the tree cache reads as enabled for this one call: ``add_one_req`` reads
+    ``disable`` only at that gate, and its own path budgets an ``ignore_eos`` request at its full
+    output as the other one does.
+    """
+    cache = adder.tree_cache
+    if not (
+        req.sampling_params.ignore_eos
+        and isinstance(cache, HiSparseRadixCache)
+        and cache.admits_host_hit(req)
+    ):
+        return original(adder, req, *args, **kwargs)
+    cache.disable = False
+    try:
+        return original(adder, req, *args, **kwargs)
+    finally:
+        cache.disable = True
