@@ -366,23 +366,35 @@ def _write_workspace_dists(directory: pathlib.Path) -> None:
             (info / "entry_points.txt").write_text("\n".join(lines))
 
 
+#: What ``gpu-engine --groups`` may name: the CUDA stand-ins' tests and each engine test group.
+_STANDINS_GROUP = "standins"
+
+
 def _engine_posargs(
     session: nox.Session,
-) -> tuple[pathlib.Path | None, list[str], float, bool, list[str]]:
-    """Parse ``--out DIR``, ``--graphs 0|1|both``, ``--deadline S``, ``--concurrent``.
+) -> tuple[pathlib.Path | None, list[str], float, bool, list[str], list[str]]:
+    """Parse ``--out DIR``, ``--graphs 0|1|both``, ``--deadline S``, ``--concurrent``,
+    ``--groups A,B``.
 
     Returns the output directory, the graph modes, the deadline in seconds, whether the modes run
-    side by side, and the remaining arguments, which go to pytest.
+    side by side, the groups to run (default: all) and the remaining arguments, which go to pytest.
     """
     out = os.environ.get("OUT") or None
     graphs, deadline, concurrent, rest = ["0", "1"], float("inf"), False, []
+    allowed = [_STANDINS_GROUP, *(group for group, _, _ in _ENGINE_TEST_GROUPS)]
+    groups = list(allowed)
     args = list(session.posargs)
     while args:
         arg = args.pop(0)
-        if arg in ("--out", "--graphs", "--deadline") and not args:
+        if arg in ("--out", "--graphs", "--deadline", "--groups") and not args:
             session.error(f"{arg} needs a value")
         if arg == "--out":
             out = args.pop(0)
+        elif arg == "--groups":
+            groups = [group for group in args.pop(0).split(",") if group]
+            unknown = [group for group in groups if group not in allowed]
+            if unknown or not groups:
+                session.error(f"--groups {unknown or groups!r} not allowed; allowed: {allowed}")
         elif arg == "--graphs":
             value = args.pop(0)
             if value not in ("0", "1", "both"):
@@ -394,7 +406,7 @@ def _engine_posargs(
             concurrent = True
         else:
             rest.append(arg)
-    return (pathlib.Path(out) if out else None), graphs, deadline, concurrent, rest
+    return (pathlib.Path(out) if out else None), graphs, deadline, concurrent, groups, rest
 
 
 def _pump(stream: IO[str], log: pathlib.Path, echo: bool) -> None:
@@ -505,30 +517,34 @@ def gpu_engine(session: nox.Session) -> None:
     ``engine-graphsG-<group>.log``, junit report and ``report.json``, and every engine's log);
     ``--graphs 0|1|both`` (default both); ``--concurrent`` runs every mode and group side by side
     on the one GPU (each with its own Triton cache: engines compared with one another must read
-    the autotuning choices of one tuner); ``--deadline S`` interrupts engine runs still going after
-    S seconds, so their reports and logs are still written. Anything else goes to pytest for the
+    the autotuning choices of one tuner); ``--groups A,B`` runs only those (``standins`` and the
+    engine groups: qwen, llama, offload, double_sparsity, context_attention); ``--deadline S``
+    interrupts engine runs still going after S seconds, so their reports and logs are still
+    written. Anything else goes to pytest for the
     engine tests, e.g. ``-k upstream_engines``.
     """
     started = time.monotonic()
-    out, graphs, deadline, concurrent, pytest_args = _engine_posargs(session)
+    out, graphs, deadline, concurrent, groups, pytest_args = _engine_posargs(session)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     env = _engine_environment(session)
     failed = []
-    junit = [f"--junitxml={out / 'junit-standins.xml'}"] if out is not None else []
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *junit]
-    session.log(f"CUDA stand-ins: {' '.join(command)}")
-    status = subprocess.run(
-        command, cwd=_package_dir(Package.TESTING), env={**os.environ, **env}, check=False
-    ).returncode
-    if status != 0:
-        failed.append(f"qsa-testing GPU tests (pytest status {status})")
+    if _STANDINS_GROUP in groups:
+        junit = [f"--junitxml={out / 'junit-standins.xml'}"] if out is not None else []
+        command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *junit]
+        session.log(f"CUDA stand-ins: {' '.join(command)}")
+        status = subprocess.run(
+            command, cwd=_package_dir(Package.TESTING), env={**os.environ, **env}, check=False
+        ).returncode
+        if status != 0:
+            failed.append(f"qsa-testing GPU tests (pytest status {status})")
+    engine_groups = [entry for entry in _ENGINE_TEST_GROUPS if entry[0] in groups]
 
     # The runs' own logs go into the bundles: the device tool returns at most eight files.
     logs_dir = _GPU_ENGINE_HOME
     runs: list[tuple[str, subprocess.Popen[str], threading.Thread, pathlib.Path]] = []
     for mode in graphs:
-        for group, test_file, expression in _ENGINE_TEST_GROUPS:
+        for group, test_file, expression in engine_groups:
             name = f"graphs{mode}-{group}"
             log = logs_dir / f"engine-{name}.log"
             command = [
@@ -570,7 +586,7 @@ def gpu_engine(session: nox.Session) -> None:
             failed.append(f"{name} (pytest status {status})")
     if out is not None:
         for mode in graphs:
-            names = [f"graphs{mode}-{group}" for group, _, _ in _ENGINE_TEST_GROUPS]
+            names = [f"graphs{mode}-{group}" for group, _, _ in engine_groups]
             _bundle_engine_logs(
                 [_GPU_ENGINE_HOME / f"pytest-{n}" for n in names],
                 [
