@@ -21,10 +21,8 @@ and flushes the server's caches:
   ``ignore_eos``. No prefix repeats: what serving costs when nothing can be reused.
 - ``shared-prefix``: ``--dataset-name generated-shared-prefix --tokenize-prompt``, one system
   prompt of ``--shared-prefix-len`` tokens before each request's own ``--question-len`` tokens,
-  ``--output-len`` tokens each. The requests carry ``min_new_tokens`` instead of ``ignore_eos``
-  (every request still generates its ``--output-len`` tokens): SGLang admits an ``ignore_eos``
-  request with the radix cache disabled on a path that never loads a host hit, and operators'
-  clients do not send ``ignore_eos``.
+  ``--output-len`` tokens each with ``ignore_eos``, as in the random workload (the plugin loads
+  an ``ignore_eos`` request's host hit like any other's).
 
 Reported per arm and workload: requests, input and output tokens per second, TTFT, TPOT and ITL
 (mean and p99), the request rate and mean TTFT over the base arm's (``resident`` when it ran, else

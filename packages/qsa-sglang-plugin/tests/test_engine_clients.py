@@ -202,8 +202,8 @@ def test_sglang_bench_client_loads_a_shared_prefix_for_every_request_after_the_f
     engines: EnginePool, tmp_path: pathlib.Path
 ) -> None:
     """SGLang's own serving client sends four prompts that share a 1,024-token system prompt (one
-    prefill chunk), two at a time, each asking for exactly 8 tokens through ``min_new_tokens``:
-    the first computes and checkpoints the shared prefix, each later one loads it from the host
+    prefill chunk), two at a time, each asking for 8 tokens with ``ignore_eos`` (the client's
+    default): the first computes and checkpoints the shared prefix, each later one loads it from the host
     cache and computes only its own 64 tokens, every request gets its 8 tokens, and nothing is
     held once the run ends."""
     engine = engines.engine(SERVED)

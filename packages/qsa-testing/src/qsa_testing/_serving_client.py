@@ -113,12 +113,9 @@ def shared_prefix_flags(
 ) -> list[str]:
     """One system prompt of ``prefix_len`` tokens before each request's ``question_len`` tokens.
 
-    Each request asks for exactly ``output_len`` tokens through ``min_new_tokens``, not
-    ``ignore_eos``: with the radix cache disabled, SGLang 0.5.23 admits an ``ignore_eos`` request
-    on a path that never loads a host-cache hit (``PrefillAdder.add_one_req_ignore_eos``), and
-    operators' clients do not send it.
+    Each request asks for ``output_len`` tokens with ``ignore_eos`` (the client's default), as
+    operators' runs of the client do; the plugin loads such a request's host hit like any other.
     """
-    sampling = {"temperature": 0.0, "max_new_tokens": output_len, "min_new_tokens": output_len}
     return [
         "--dataset-name", "generated-shared-prefix",
         "--gsp-num-groups", "1",
@@ -127,7 +124,6 @@ def shared_prefix_flags(
         "--gsp-question-len", str(question_len),
         "--gsp-output-len", str(output_len),
         "--gsp-range-ratio", "1.0",
-        "--extra-request-body", json.dumps({"sampling_params": sampling}),
     ]  # fmt: skip
 
 
