@@ -3,11 +3,14 @@
 Each arm is one SGLang 0.5.23 HTTP server of the same dummy Qwen4Exp (``--model shaped``: the
 model-shaped tiny one with 12 QSA layers of the real geometry, each after 3 small GDN layers;
 ``--model full-depth``: Qwen3.8-Flash-Next's 48 layers at the real attention and GDN widths), the
-same scheduler flags and decode CUDA graphs on:
+same scheduler flags (SGLang's default prefill batching unless an arm says otherwise) and decode
+CUDA graphs on:
 
 - ``upstream``: the plugin off;
 - ``resident``: ``p2-resident`` (upstream's kernels, the plugin's lifecycle);
-- ``offload``: ``p2-offload``;
+- ``resident-one-prompt``: ``p2-resident`` with ``--prefill-max-requests 1``, the offload's
+  prefill batching (one prompt per prefill batch), so the cost of that limit shows apart;
+- ``offload``: ``p2-offload`` (which needs ``--prefill-max-requests 1``);
 - ``offload-cache``: ``p2-offload`` and a host prefix cache of ``--cache-mb``.
 
 SGLang's client (``python -m sglang.benchmark.serving --backend sglang``) drives each server with
@@ -68,7 +71,7 @@ from _engine_bench import SKIPPED, lacks_cuda, mem_fraction, pool_tokens, write_
 
 _PAGE = 64
 _CHUNK = 8192
-ARMS = ("upstream", "resident", "offload", "offload-cache")
+ARMS = ("upstream", "resident", "resident-one-prompt", "offload", "offload-cache")
 WORKLOADS = ("random", "shared-prefix")
 #: The plugin's counters read before and after each run (a missing one reads 0).
 COUNTERS = (
@@ -182,7 +185,6 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "max_running_requests": args.max_concurrency,
         "max_total_tokens": args.max_concurrency * longest,
         "mem_fraction_static": 0.6,
-        "prefill_max_requests": 1,
         "disable_overlap_schedule": True,
         "chunked_prefill_size": _CHUNK,
         "disable_cuda_graph": False,
@@ -196,18 +198,19 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
             "max_total_tokens": None,
         }
     plugin = {**common, "radix_cache_backend": "qsa_hisparse"}
+    one_prompt = {**plugin, "prefill_max_requests": 1}
     compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
+    resident = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-resident"}
     offload = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
     every = {
         "upstream": EngineConfig(model, plugin=False, server_args=common),
-        "resident": EngineConfig(
-            model, switches={**compat, "SGLANG_QSA_HISPARSE_V3": "p2-resident"}, server_args=plugin
-        ),
-        "offload": EngineConfig(model, switches=offload, server_args=plugin),
+        "resident": EngineConfig(model, switches=resident, server_args=plugin),
+        "resident-one-prompt": EngineConfig(model, switches=resident, server_args=one_prompt),
+        "offload": EngineConfig(model, switches=offload, server_args=one_prompt),
         "offload-cache": EngineConfig(
             model,
             switches={**offload, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": str(args.cache_mb)},
-            server_args=plugin,
+            server_args=one_prompt,
         ),
     }
     return {arm: every[arm] for arm in args.arms}
@@ -365,7 +368,8 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
         f"GPU {data['machine']['gpu']}, torch {data['machine']['torch']}; host "
         f"{_host_line(data['machine']['host'])}; the {args.model} dummy "
         f"Qwen4Exp, decode CUDA graphs on, prefill chunks of {_CHUNK}, "
-        f"`--max-running-requests {args.max_concurrency}` in every arm. Client: "
+        f"`--max-running-requests {args.max_concurrency}` in every arm, "
+        "`--prefill-max-requests 1` in the offload arms and `resident-one-prompt` only. Client: "
         "`sglang.benchmark.serving --backend sglang --tokenize-prompt --max-concurrency "
         f"{args.max_concurrency} --flush-cache` and each workload's flags. "
         f"`{data['command']}`; written by "
