@@ -55,6 +55,16 @@ def test_per_head_records_make_a_record_layer_per_kv_head() -> None:
     assert s.table_bytes == 6 * 5 * (7 * 12 + 11 * 4)
 
 
+def test_a_staging_area_of_several_prompts_holds_each_at_the_longest_context() -> None:
+    """Three prompts staged at once: three times one prompt's staging, nothing else changes."""
+    one, three = _sizes(), _sizes(staged_prompts=3)
+    assert three.staging_bytes == 3 * one.staging_bytes
+    assert three.fixed_device_bytes() - one.fixed_device_bytes() == 2 * one.staging_bytes
+    assert (three.cache_bytes, three.arena_bytes()) == (one.cache_bytes, one.arena_bytes())
+    with pytest.raises(CapacityError, match="staged_prompts=0"):
+        _sizes(staged_prompts=0)
+
+
 def test_for_context_counts_whole_blocks() -> None:
     """4,097 tokens are 1,025 blocks (the last one open)."""
     s = OffloadSizes.for_context(

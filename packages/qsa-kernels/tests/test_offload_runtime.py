@@ -98,7 +98,7 @@ def test_the_hand_off_waits_for_every_layers_restore_copies() -> None:
     runtime.plan_decode([SLOT], [PREFIX + 1])
     assert [f.waits for f in fences.values()] == [1, 1]
     assert runtime.kv.length(ROW) == PREFIX + 1  # the prefix and the step's new token
-    assert runtime.staged_row is None
+    assert runtime.staged == {}
 
 
 def test_a_checkpoint_of_the_staged_prefix_reads_it_after_every_restore_copy() -> None:
@@ -121,7 +121,7 @@ def test_the_next_prompt_waits_for_copies_still_reading_the_staged_one() -> None
     assert reader.waits == 1
     assert runtime.kv.state(ROW) is RowState.ACTIVE  # the waiting prompt was handed off first
     assert runtime.kv.length(ROW) == PREFIX
-    assert runtime.staged_row == ROW + 1
+    assert list(runtime.staged) == [ROW + 1]
 
 
 # ---- prefill, hand-off and decode equal the store driven directly --------------------------------
@@ -158,6 +158,86 @@ def test_a_staged_prompt_decodes_as_the_store_admitting_it_whole() -> None:
     assert counts.differing_bytes == 0
     assert counts.decode_steps == steps
     assert counts.selected_blocks > 0
+
+
+# ---- several prompts staged at once --------------------------------------------------------------
+
+
+def _stage_whole(
+    runtime: OffloadRuntime, slot: int, kv: torch.Tensor, start: int, end: int
+) -> None:
+    """Stage tokens ``[start, end)`` of ``kv[side, ordinal, token]``'s prompt for ``slot``."""
+    for layer_id, ordinal in LAYER_IDS.items():
+        runtime.stage(
+            layer_id, kv[0, ordinal, start:end], kv[1, ordinal, start:end], slot=slot, start=start,
+            end=end,
+        )  # fmt: skip
+
+
+def _two_area_runtime() -> tuple[OffloadRuntime, list[LeaseHandle]]:
+    """Two staging areas, three rows, requests at engine slots 5, 6 and 7 (rows 0, 1, 2)."""
+    geometry = OffloadGeometry(len(LAYER_IDS), 3, TOPK, 64, 1, D, torch.bfloat16, staged_prompts=2)
+    kv = OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    runtime = OffloadRuntime(kv, LAYER_IDS, TOPK)
+    return runtime, [runtime.admit(f"r{i}", 5 + i) for i in range(3)]
+
+
+def test_two_prompts_of_one_prefill_batch_stage_side_by_side_and_each_row_gets_its_own() -> None:
+    """A prompt half staged and another staged whole in the same batch, then the first one's
+    second chunk: each keeps its own area, and each row's host arena and tail hold exactly its
+    prompt once both start decoding."""
+    runtime, (a, b, _) = _two_area_runtime()
+    kv_a = torch.randn((2, len(LAYER_IDS), PREFIX, 1, D)).to(torch.bfloat16)
+    kv_b = torch.randn((2, len(LAYER_IDS), CHUNK + 3, 1, D)).to(torch.bfloat16)
+    _stage_whole(runtime, 5, kv_a, 0, CHUNK)
+    _stage_whole(runtime, 6, kv_b, 0, CHUNK + 3)
+    runtime.prompt_written(b, CHUNK + 3, CHUNK + 3)
+    runtime.prompt_written(a, CHUNK, PREFIX)
+    assert runtime.staged == {a.slot: CHUNK, b.slot: CHUNK + 3}
+    k, _v = runtime.stage(
+        3, kv_a[0, 0, CHUNK:], kv_a[1, 0, CHUNK:], slot=5, start=CHUNK, end=PREFIX
+    )
+    assert torch.equal(k, kv_a[0, 0])  # the first chunk is still there, beside the other prompt
+    runtime.stage(7, kv_a[0, 1, CHUNK:], kv_a[1, 1, CHUNK:], slot=5, start=CHUNK, end=PREFIX)
+    runtime.plan_decode([5, 6], [PREFIX + 1, CHUNK + 4])
+    assert runtime.staged == {}
+    steps = torch.randn((2, len(LAYER_IDS), 2, 1, D)).to(torch.bfloat16)  # each row's new token
+    for layer_id, ordinal in LAYER_IDS.items():
+        q = torch.randn((2, 4 * D)).to(torch.bfloat16)
+        none = torch.full((2, TOPK), -1, dtype=torch.int32)
+        runtime.decode_layer(layer_id, q, steps[0, ordinal], steps[1, ordinal], none, SCALE)
+    for i, (handle, kv) in enumerate(((a, kv_a), (b, kv_b))):
+        whole = torch.cat([kv, steps[:, :, i : i + 1]], dim=2)
+        assert runtime.kv.length(handle.slot) == whole.shape[2]
+        held = runtime.kv.compare(handle.slot, whole[0], whole[1])
+        assert (held.bytes_differing, held.bytes_compared) == (0, whole.numel() * 2), handle
+
+
+def test_a_third_prompt_takes_the_area_of_a_prompt_staged_whole_which_is_handed_off() -> None:
+    runtime, (a, b, c) = _two_area_runtime()
+    kv = torch.randn((2, len(LAYER_IDS), CHUNK, 1, D)).to(torch.bfloat16)
+    _stage_whole(runtime, 5, kv, 0, CHUNK)
+    _stage_whole(runtime, 6, kv, 0, CHUNK)
+    runtime.prompt_written(a, CHUNK, PREFIX)  # half of a
+    runtime.prompt_written(b, CHUNK, CHUNK)  # all of b
+    _stage_whole(runtime, 7, kv, 0, CHUNK)
+    assert runtime.staged == {a.slot: CHUNK, c.slot: CHUNK}
+    assert runtime.leases.state(b) is LeaseState.HOST_READY  # handed off (CPU: at once)
+    assert runtime.kv.length(b.slot) == CHUNK
+
+
+def test_a_prompt_finding_every_area_still_prefilling_is_refused_and_nothing_moves() -> None:
+    runtime, (a, b, c) = _two_area_runtime()
+    kv = torch.randn((2, len(LAYER_IDS), CHUNK, 1, D)).to(torch.bfloat16)
+    _stage_whole(runtime, 5, kv, 0, CHUNK)
+    _stage_whole(runtime, 6, kv, 0, CHUNK)
+    with pytest.raises(
+        OffloadStateError, match=r"row 2 needs a staging area, but all 2 hold prompts still "
+        r"prefilling \(row -> tokens: \{0: 32, 1: 32\}\)"
+    ):  # fmt: skip
+        _stage_whole(runtime, 7, kv, 0, CHUNK)
+    assert runtime.staged == {a.slot: CHUNK, b.slot: CHUNK}
+    assert [runtime.leases.state(h) for h in (a, b, c)] == [LeaseState.PREFILLING] * 3
 
 
 # ---- the lease: one identity, true states --------------------------------------------------------
@@ -201,7 +281,7 @@ def test_a_request_that_ends_at_its_first_token_gives_its_staged_prompt_and_row_
     _prefill(runtime, kv, [PREFIX])
     handle = _lease(runtime)
     runtime.release(handle)
-    assert (runtime.staged_row, runtime.staged_tokens) == (None, 0)
+    assert runtime.staged == {}
     assert runtime.kv.state(ROW) is RowState.FREE
     assert runtime.leases.num_free == runtime.leases.num_slots
 
@@ -271,7 +351,7 @@ def test_a_second_release_of_a_lease_is_refused_and_changes_nothing() -> None:
     with pytest.raises(LeaseError, match="stale lease handle"):
         runtime.release(first)
     assert runtime.leases.state(second) is LeaseState.PREFILLING
-    assert (runtime.staged_row, runtime.staged_tokens) == (second.slot, PREFIX)
+    assert runtime.staged == {second.slot: PREFIX}
     assert runtime.rows_in_use == 1
 
 
@@ -336,7 +416,7 @@ def test_a_slot_without_a_lease_cannot_prefill_or_decode() -> None:
         runtime.stage(3, new, new, slot=9, start=0, end=CHUNK)
     with pytest.raises(OffloadStateError, match="request slot 9 decodes but holds no lease"):
         runtime.plan_decode([9], [CHUNK + 1])
-    assert runtime.staged_row is None
+    assert runtime.staged == {}
 
 
 def test_a_lease_past_its_prefill_cannot_stage_again() -> None:
@@ -347,7 +427,7 @@ def test_a_lease_past_its_prefill_cannot_stage_again() -> None:
     new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
     with pytest.raises(OffloadStateError, match="request slot 5 prefills but its lease is 'decod"):
         runtime.stage(3, new, new, slot=SLOT, start=PREFIX, end=PREFIX + CHUNK)
-    assert runtime.staged_row is None
+    assert runtime.staged == {}
 
 
 def test_a_prompt_longer_than_the_staging_area_is_refused_before_any_write() -> None:
@@ -356,7 +436,7 @@ def test_a_prompt_longer_than_the_staging_area_is_refused_before_any_write() -> 
     new = torch.zeros(most + 1, D, dtype=torch.bfloat16)
     with pytest.raises(OffloadStateError, match=rf"{most + 1} tokens exceeds the staging area"):
         runtime.stage(3, new, new, slot=SLOT, start=0, end=most + 1)
-    assert (runtime.staged_row, runtime.staged_tokens) == (None, 0)
+    assert runtime.staged == {}
     with pytest.raises(OffloadStateError, match=rf"holds 1 to {most}"):
         runtime.stage_prefix(ROW, most + 1)
 
@@ -366,7 +446,7 @@ def test_a_chunk_after_unstaged_tokens_is_refused() -> None:
     new = torch.zeros(CHUNK, D, dtype=torch.bfloat16)
     with pytest.raises(OffloadStateError, match=r"prefills tokens \[32, 64\) but the staging"):
         runtime.stage(3, new, new, slot=SLOT, start=CHUNK, end=2 * CHUNK)
-    assert runtime.staged_tokens == 0
+    assert runtime.staged == {ROW: 0}
 
 
 def test_a_layer_that_is_not_offloaded_is_named() -> None:
@@ -395,7 +475,7 @@ def test_a_hand_off_of_a_prompt_that_is_not_staged_is_refused() -> None:
     with pytest.raises(OffloadStateError, match=r"row 0 starts decoding after 10 tokens"):
         runtime.plan_decode([SLOT], [11])
     assert runtime.kv.state(ROW) is RowState.FREE
-    assert runtime.staged_tokens == PREFIX
+    assert runtime.staged == {ROW: PREFIX}
 
 
 def test_a_runtime_that_chooses_tokens_refuses_block_ids_before_writing_the_token() -> None:
@@ -416,11 +496,15 @@ def test_a_runtime_that_chooses_tokens_refuses_block_ids_before_writing_the_toke
     assert not bool(kv.tail.eq(5.0).any())  # the new token was not written
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_the_fixed_device_bytes_are_what_a_runtime_allocates(per_head: bool) -> None:
+@pytest.mark.parametrize(("per_head", "staged_prompts"), [(False, 1), (True, 1), (False, 3)])
+def test_the_fixed_device_bytes_are_what_a_runtime_allocates(
+    per_head: bool, staged_prompts: int
+) -> None:
     """Staging, hot caches, tails and tables: the figure pool sizing charges (qsa-core's
     ``OffloadSizes``) equals the bytes of the runtime's and its store's device tensors."""
-    geometry = OffloadGeometry(2, 3, 5, 7, 2, D, torch.bfloat16, per_head=per_head)
+    geometry = OffloadGeometry(
+        2, 3, 5, 7, 2, D, torch.bfloat16, per_head=per_head, staged_prompts=staged_prompts
+    )
     store = PerHeadOffloadedKV if per_head else OffloadedKV
     kv = store(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
     runtime = OffloadRuntime(kv, LAYER_IDS, None)
@@ -533,5 +617,5 @@ def test_prefill_stages_the_chunk_and_attends_over_the_staged_prompt(prefix: int
         scale=SCALE,
         kernels=kernels,
     )
-    assert torch.equal(runtime.staging_k[0, prefix:tokens], k[prefix:])
+    assert torch.equal(runtime.staging_k[0, 0, prefix:tokens], k[prefix:])
     assert torch.equal(got, attend_context(q, k, v, picks, SCALE, kernels))

@@ -74,6 +74,8 @@ class OffloadSizes:
         element_bytes: bytes of one K/V element (1 for FP8, 2 for bf16).
         per_head: one record per (block, KV head) instead of one per block of every KV head.
         block_tokens: tokens per block (4).
+        staged_prompts: prompts the staging area holds at once ``P`` (an engine's prefill batch
+            of up to ``P`` requests), each up to ``NB`` blocks.
 
     Raises:
         CapacityError: a size that is not a positive integer (``rows``: not >= 0), or
@@ -89,6 +91,7 @@ class OffloadSizes:
     element_bytes: int
     per_head: bool = False
     block_tokens: int = _BLOCK_TOKENS
+    staged_prompts: int = 1
 
     def __post_init__(self) -> None:
         _non_negative("rows", self.rows)
@@ -100,6 +103,7 @@ class OffloadSizes:
             "head_dim",
             "element_bytes",
             "block_tokens",
+            "staged_prompts",
         ):
             _positive(name, getattr(self, name))
         per_head: object = self.per_head
@@ -120,6 +124,7 @@ class OffloadSizes:
         element_bytes: int,
         per_head: bool = False,
         block_tokens: int = _BLOCK_TOKENS,
+        staged_prompts: int = 1,
     ) -> OffloadSizes:
         """The sizes of ``rows`` requests of up to ``context_len`` tokens (``NB`` from it)."""
         _positive("context_len", context_len)
@@ -134,6 +139,7 @@ class OffloadSizes:
             element_bytes=element_bytes,
             per_head=per_head,
             block_tokens=block_tokens,
+            staged_prompts=staged_prompts,
         )
 
     @property
@@ -158,8 +164,9 @@ class OffloadSizes:
 
     @property
     def staging_bytes(self) -> int:
-        """One prompt of every record layer, on the device: ``Ls × NB`` records."""
-        return self.store_layers * self.max_blocks * self.record_bytes
+        """:attr:`staged_prompts` prompts of every record layer, on the device: ``P × Ls × NB``
+        records."""
+        return self.staged_prompts * self.store_layers * self.max_blocks * self.record_bytes
 
     @property
     def cache_bytes(self) -> int:

@@ -7,13 +7,14 @@ engine. Each running request holds one lease of the runtime's :class:`qsa_core.L
 (:class:`OffloadedKV` or :class:`PerHeadOffloadedKV`). The lease is the request's one identity and
 its state is true:
 
-- **Prefill** (PREFILLING). Each chunk's K/V is written to one prompt's GPU staging area
-  (:meth:`stage`), which the engine's prefill kernels read as the prompt's context. One prompt is
-  staged at a time; a restored prefix fills the area first (:meth:`stage_prefix`, by copies a
-  layer's first reader waits for, :meth:`fill_staging_until`).
-- **Hand-off** (COPYING_TO_HOST, then HOST_READY). The staged prompt goes to its row (complete
+- **Prefill** (PREFILLING). Each chunk's K/V is written to the prompt's area of the GPU staging
+  area (:meth:`stage`), which the engine's prefill kernels read as the prompt's context. The
+  staging area holds :attr:`OffloadGeometry.staged_prompts` prompts at once (one per request of an
+  engine's prefill batch), each in an area of its own; a restored prefix fills its area first
+  (:meth:`stage_prefix`, by copies a layer's first reader waits for, :meth:`fill_staging_until`).
+- **Hand-off** (COPYING_TO_HOST, then HOST_READY). A staged prompt goes to its row (complete
   blocks to the host arena on a side stream, the open block to the tail) when its first decode
-  step is planned or when the next prompt claims the staging area, whichever comes first; the
+  step is planned or when another prompt needs its area, whichever comes first; the
   lease is HOST_READY once the runtime sees the copy complete (it looks at every planned step,
   without waiting; decode steps queued before then run after the copy in stream order).
 - **Decode** (DECODING from the first step planned once the host holds the prompt). Each step is
@@ -92,6 +93,15 @@ class CopyFence(Protocol):
 
     def wait(self) -> None:
         """Order the current stream's later work after the copies."""
+
+
+@dataclasses.dataclass(slots=True)
+class _StagedPrompt:
+    """One prompt in the staging area: its area, the tokens staged, whether it is all there."""
+
+    area: int
+    tokens: int = 0
+    written: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -216,12 +226,12 @@ class OffloadRuntime:
                 head_dim=g.head_dim,
                 device=kv.device,
             )
-        # One prompt's K/V of every offloaded layer, by token position: [L, T_max, Hkv, D].
-        shape = (g.layers, g.max_tokens, g.kv_heads, g.head_dim)
+        # Prompts' K/V of every offloaded layer, by area and token position: [L, P, T_max, Hkv, D].
+        shape = (g.layers, g.staged_prompts, g.max_tokens, g.kv_heads, g.head_dim)
         self.staging_k = torch.zeros(shape, dtype=g.dtype, device=kv.device)
         self.staging_v = torch.zeros(shape, dtype=g.dtype, device=kv.device)
-        self._staged: LeaseHandle | None = None  # the lease whose prompt is staged
-        self._staged_tokens = 0
+        # The leases whose prompts are staged, oldest first.
+        self._staged: dict[LeaseHandle, _StagedPrompt] = {}
         # Hand-off copies not yet seen complete, by lease (``None``: completed synchronously).
         self._copies: dict[LeaseHandle, torch.cuda.Event] = {}
         # Copies still reading the staged prompt (checkpoints on their way to the host).
@@ -231,7 +241,7 @@ class OffloadRuntime:
         # The resident copy for verification: [R, L, T_max, Hkv, D] K and V, or None.
         self._resident: tuple[torch.Tensor, torch.Tensor] | None = None
         if verify:
-            rows_shape = (g.rows, *shape)
+            rows_shape = (g.rows, g.layers, g.max_tokens, g.kv_heads, g.head_dim)
             self._resident = (
                 torch.zeros(rows_shape, dtype=g.dtype, device=kv.device),
                 torch.zeros(rows_shape, dtype=g.dtype, device=kv.device),
@@ -365,11 +375,14 @@ class OffloadRuntime:
     def prompt_written(self, handle: LeaseHandle, tokens: int, prompt_tokens: int) -> None:
         """``tokens`` of the prompt are staged: nothing moves yet.
 
-        The lease stays PREFILLING until its first decode step is planned (or the next prompt
-        claims the staging area), which hands the prompt off. The same call as
-        :meth:`qsa_core.ResidentRows.prompt_written`, so an engine's lifecycle is one path.
+        The lease stays PREFILLING until its first decode step is planned (or another prompt
+        needs its staging area, once all ``prompt_tokens`` are staged), which hands the prompt
+        off. The same call as :meth:`qsa_core.ResidentRows.prompt_written`, so an engine's
+        lifecycle is one path.
         """
-        del handle, tokens, prompt_tokens
+        staged = self._staged.get(handle)
+        if staged is not None and tokens >= prompt_tokens:
+            staged.written = True
 
     def release(self, handle: LeaseHandle, *, aborted: bool = False) -> None:
         """The request gave its engine slot back (finish, abort, retraction): end its lease.
@@ -385,8 +398,7 @@ class OffloadRuntime:
         if event is not None:
             event.synchronize()  # ended within its prompt's copy: rare, and bounded by the copy
             self.leases.finish_copy(handle)
-        if self._staged == handle:
-            self._staged, self._staged_tokens = None, 0
+        self._staged.pop(handle, None)
         self.leases.end(handle, aborted=aborted)
         self._count(rows_in_use=self.rows_in_use)  # before the verification's counts
         row = handle.slot
@@ -399,14 +411,9 @@ class OffloadRuntime:
     # ---- prefill: the staging area ---------------------------------------------------------------
 
     @property
-    def staged_row(self) -> int | None:
-        """The row whose prompt is in the staging area, if any."""
-        return None if self._staged is None else self._staged.slot
-
-    @property
-    def staged_tokens(self) -> int:
-        """Tokens of :attr:`staged_row`'s prompt in the staging area (0 when none)."""
-        return self._staged_tokens
+    def staged(self) -> dict[int, int]:
+        """The rows whose prompts are in the staging area -> tokens staged, oldest first."""
+        return {handle.slot: staged.tokens for handle, staged in self._staged.items()}
 
     def stage(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, *, slot: int, start: int, end: int
@@ -427,7 +434,8 @@ class OffloadRuntime:
 
         Raises:
             OffloadStateError: ``slot`` holds no lease, its lease is past its prefill, the prompt
-                outgrows the staging area, or tokens before ``start`` are not staged.
+                outgrows its staging area, tokens before ``start`` are not staged, or every area
+                holds a prompt still prefilling.
         """
         ordinal = self._ordinal_of(layer_id)
         handle = self._prefilling(slot)
@@ -436,20 +444,21 @@ class OffloadRuntime:
         if end > g.max_tokens:
             msg = f"a prompt of {end!r} tokens exceeds the staging area ({g.max_tokens!r})"
             raise OffloadStateError(msg)
-        if self._staged != handle:
-            self._claim_staging(handle)
+        staged = self._staged.get(handle)
+        if staged is None:
+            staged = self._claim_staging(handle)
         self._filled(ordinal)
-        if start > self._staged_tokens:
+        if start > staged.tokens:
             msg = (
                 f"row {row!r} prefills tokens [{start!r}, {end!r}) but the staging area holds "
-                f"only its first {self._staged_tokens!r}"
+                f"only its first {staged.tokens!r}"
             )
             raise OffloadStateError(msg)
-        n = end - start
-        self.staging_k[ordinal, start:end] = k[:n].reshape(n, g.kv_heads, g.head_dim)
-        self.staging_v[ordinal, start:end] = v[:n].reshape(n, g.kv_heads, g.head_dim)
-        self._staged_tokens = end
-        return self.staging_k[ordinal, :end], self.staging_v[ordinal, :end]
+        n, area = end - start, staged.area
+        self.staging_k[ordinal, area, start:end] = k[:n].reshape(n, g.kv_heads, g.head_dim)
+        self.staging_v[ordinal, area, start:end] = v[:n].reshape(n, g.kv_heads, g.head_dim)
+        staged.tokens = end
+        return self.staging_k[ordinal, area, :end], self.staging_v[ordinal, area, :end]
 
     def prefill(
         self,
@@ -506,24 +515,27 @@ class OffloadRuntime:
         Raises:
             OffloadStateError: the staging area does not hold ``tokens`` tokens of ``row``.
         """
-        if self.staged_row != row or not 0 < tokens <= self._staged_tokens:
+        staged = next((s for h, s in self._staged.items() if h.slot == row), None)
+        if staged is None or not 0 < tokens <= staged.tokens:
             msg = (
                 f"row {row!r} asks for {tokens!r} staged tokens; the staging area holds "
-                f"{self._staged_tokens!r} tokens of row {self.staged_row!r}"
+                f"{self.staged!r} (row -> tokens)"
             )
             raise OffloadStateError(msg)
         self._filled()
-        return self._layer_views(tokens)
+        return self._layer_views(staged.area, tokens)
 
     def staging_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole staging area of one layer: ``[T_max, Hkv, D]`` K and V.
+        """The whole staging area of one layer: ``[P × T_max, Hkv, D]`` K and V.
 
-        Row ``t`` holds the staged prompt's token ``t``: what a dense prefill kernel reads as its
-        K/V pool.
+        Row ``a × T_max + t`` holds token ``t`` of the prompt staged in area ``a`` (area 0 alone
+        with one staged prompt): what a dense prefill kernel reads as its K/V pool.
         """
         ordinal = self._ordinal_of(layer_id)
         self._filled(ordinal)
-        return self.staging_k[ordinal], self.staging_v[ordinal]
+        g = self.kv.geometry
+        flat = (-1, g.kv_heads, g.head_dim)
+        return self.staging_k[ordinal].view(flat), self.staging_v[ordinal].view(flat)
 
     def stage_prefix(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Give the staging area to ``row``, whose first ``tokens`` tokens come from elsewhere.
@@ -533,8 +545,8 @@ class OffloadRuntime:
         or by copies it names per layer with :meth:`fill_staging_until`.
 
         Raises:
-            OffloadStateError: the prefix does not fit the staging area, or ``row`` is not the
-                row of a prefilling lease.
+            OffloadStateError: the prefix does not fit the staging area, ``row`` is not the
+                row of a prefilling lease, or every area holds a prompt still prefilling.
         """
         g = self.kv.geometry
         if not 0 < tokens <= g.max_tokens:
@@ -547,9 +559,9 @@ class OffloadRuntime:
         if handle is None or self.leases.state(handle) is not LeaseState.PREFILLING:
             msg = f"row {row!r} restores a prefix but holds no prefilling lease ({handle!r})"
             raise OffloadStateError(msg)
-        self._claim_staging(handle)
-        self._staged_tokens = tokens
-        return self._layer_views(tokens)
+        staged = self._staged.get(handle) or self._claim_staging(handle)
+        staged.tokens = tokens
+        return self._layer_views(staged.area, tokens)
 
     def keep_staging_until(self, fence: CopyFence) -> None:
         """Copies reading the staging area until ``fence``: the next prompt waits for them."""
@@ -768,11 +780,11 @@ class OffloadRuntime:
             raise OffloadStateError(msg)
         return ordinal
 
-    def _layer_views(self, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _layer_views(self, area: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         layers = range(self.kv.geometry.layers)
         return (
-            [self.staging_k[i, :tokens] for i in layers],
-            [self.staging_v[i, :tokens] for i in layers],
+            [self.staging_k[i, area, :tokens] for i in layers],
+            [self.staging_v[i, area, :tokens] for i in layers],
         )
 
     def _prefilling(self, slot: int) -> LeaseHandle:
@@ -787,16 +799,38 @@ class OffloadRuntime:
             raise OffloadStateError(msg)
         return handle
 
-    def _claim_staging(self, handle: LeaseHandle) -> None:
-        """Give the staging area to ``handle``, first handing off a prompt still waiting in it."""
-        held = self._staged
-        if held is not None and self.leases.state(held) is LeaseState.PREFILLING:
-            self._hand_off(held, self._staged_tokens)
+    def _claim_staging(self, handle: LeaseHandle) -> _StagedPrompt:
+        """Give ``handle`` a staging area: a free one, or one whose prompt it first hands off.
+
+        The prompt handed off is the oldest one staged whole (:meth:`prompt_written`), else the
+        oldest: with one area, the prompt before this one (an engine that prefills one prompt at
+        a time has finished it).
+
+        Raises:
+            OffloadStateError: every area holds a prompt still prefilling (more prompts in one
+                prefill batch than :attr:`OffloadGeometry.staged_prompts`).
+        """
+        areas = self.kv.geometry.staged_prompts
+        taken = {staged.area for staged in self._staged.values()}
+        free = [area for area in range(areas) if area not in taken]
+        if not free:
+            whole = [h for h, staged in self._staged.items() if staged.written]
+            if not whole and areas > 1:
+                msg = (
+                    f"row {handle.slot!r} needs a staging area, but all {areas!r} hold prompts "
+                    f"still prefilling (row -> tokens: {self.staged!r})"
+                )
+                raise OffloadStateError(msg)
+            held = (whole or list(self._staged))[0]
+            free = [self._staged[held].area]
+            self._hand_off(held, self._staged[held].tokens)
         self._filled()  # the next prompt overwrites what they write and what the readers read
         for fence in self._staging_readers:
             fence.wait()
         self._staging_readers.clear()
-        self._staged, self._staged_tokens = handle, 0
+        staged = _StagedPrompt(free[0])
+        self._staged[handle] = staged
+        return staged
 
     def _filled(self, ordinal: int | None = None) -> None:
         """Order the current stream after the copies filling one staged layer (None: all)."""
@@ -816,23 +850,26 @@ class OffloadRuntime:
         synchronously).
         """
         row = handle.slot
-        if self._staged != handle or self._staged_tokens != tokens:
+        staged = self._staged.get(handle)
+        if staged is None or staged.tokens != tokens:
             msg = (
                 f"row {row!r} starts decoding after {tokens!r} tokens, but the staging area "
-                f"holds {self._staged_tokens!r} tokens of row {self.staged_row!r}"
+                f"holds {self.staged!r} (row -> tokens)"
             )
             raise OffloadStateError(msg)
         self._filled()
-        copy = self.kv.admit(row, self.staging_k[:, :tokens], self.staging_v[:, :tokens])
+        area = staged.area
+        k, v = self.staging_k[:, area, :tokens], self.staging_v[:, area, :tokens]
+        copy = self.kv.admit(row, k, v)
         self.leases.begin_copy(handle)
         if copy is None:
             self.leases.finish_copy(handle)
         else:
             self._copies[handle] = copy
         if self._resident is not None:
-            self._resident[0][row, :, :tokens] = self.staging_k[:, :tokens]
-            self._resident[1][row, :, :tokens] = self.staging_v[:, :tokens]
-        self._staged, self._staged_tokens = None, 0
+            self._resident[0][row, :, :tokens] = k
+            self._resident[1][row, :, :tokens] = v
+        del self._staged[handle]
         logger.debug("offload: row %d took a %d-token prompt", row, tokens)
 
     def _poll_copies(self) -> None:

@@ -88,6 +88,8 @@ class OffloadGeometry:
             a head's choice fetches only its own bytes; the store then keeps ``L × Hkv`` record
             layers (:attr:`store_layers`), layer ``l``'s head ``h`` at ``l × Hkv + h``, and
             ``hot_slots`` counts the slots of one head.
+        staged_prompts: prompts the runtime's staging area holds at once ``P``, each of up to
+            :attr:`max_tokens` (one per request of an engine's prefill batch).
     """
 
     layers: int
@@ -98,10 +100,20 @@ class OffloadGeometry:
     head_dim: int
     dtype: torch.dtype
     per_head: bool = False
+    staged_prompts: int = 1
     _sizes: OffloadSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("layers", "rows", "hot_slots", "max_blocks", "kv_heads", "head_dim"):
+        named = (
+            "layers",
+            "rows",
+            "hot_slots",
+            "max_blocks",
+            "kv_heads",
+            "head_dim",
+            "staged_prompts",
+        )
+        for name in named:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 msg = f"{name}={value!r} is not allowed; it must be a positive integer"
@@ -126,6 +138,7 @@ class OffloadGeometry:
             element_bytes=self.dtype.itemsize,
             per_head=self.per_head,
             block_tokens=BLOCK_TOKENS,
+            staged_prompts=self.staged_prompts,
         )
         object.__setattr__(self, "_sizes", sizes)  # once: decode layers read store_layers
 
@@ -141,6 +154,7 @@ class OffloadGeometry:
         head_dim: int,
         dtype: torch.dtype,
         per_head: bool = False,
+        staged_prompts: int = 1,
     ) -> OffloadGeometry:
         """The arena, hot caches and tails of ``rows`` requests of up to ``context_len`` tokens.
 
@@ -161,6 +175,7 @@ class OffloadGeometry:
                 element_bytes=dtype.itemsize,
                 per_head=per_head,
                 block_tokens=BLOCK_TOKENS,
+                staged_prompts=staged_prompts,
             )
         except CapacityError as exc:
             raise KernelInputError(str(exc)) from exc
@@ -173,6 +188,7 @@ class OffloadGeometry:
             head_dim=head_dim,
             dtype=dtype,
             per_head=per_head,
+            staged_prompts=staged_prompts,
         )
 
     @classmethod
