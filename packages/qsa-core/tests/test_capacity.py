@@ -73,6 +73,18 @@ def test_staging_is_one_prompt_of_every_qsa_layer_in_whole_blocks() -> None:
     assert _plan().offloaded.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == 1_610_661_888
 
 
+def test_each_staged_prompt_adds_one_prompt_of_staging_and_fits_fewer_requests() -> None:
+    """Two prompts per prefill batch stage 3 GiB; the rest of the layout is unchanged."""
+    one, two = _plan(), _plan(staged_prompts=2)
+    area = MemoryPartKind.PREFILL_AREA
+    assert two.offloaded.part(area).nbytes == 2 * one.offloaded.part(area).nbytes == 3072 * MIB
+    assert two.offloaded.gpu_bytes - one.offloaded.gpu_bytes == 1536 * MIB
+    assert two.resident == one.resident
+    assert "2 prompts × 12 layers" in two.offloaded.part(area).formula
+    with pytest.raises(CapacityError, match="staged_prompts=0"):
+        _plan(staged_prompts=0)
+
+
 def test_hot_caches_hold_their_slots_and_one_tail_record_per_layer_and_request() -> None:
     """2,048 slots + 1 tail per (layer, request): 12 x 8 x 2,049 records = 384.1875 MiB."""
     plan = _plan()

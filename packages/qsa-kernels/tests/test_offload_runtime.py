@@ -222,6 +222,7 @@ def test_a_third_prompt_takes_the_area_of_a_prompt_staged_whole_which_is_handed_
     runtime.prompt_written(b, CHUNK, CHUNK)  # all of b
     _stage_whole(runtime, 7, kv, 0, CHUNK)
     assert runtime.staged == {a.slot: CHUNK, c.slot: CHUNK}
+    assert runtime.counts.staged_peak == 2
     assert runtime.leases.state(b) is LeaseState.HOST_READY  # handed off (CPU: at once)
     assert runtime.kv.length(b.slot) == CHUNK
 
@@ -549,7 +550,7 @@ def test_every_count_is_described_once_as_a_series() -> None:
 
     series = OffloadCounts.series()
     assert [s.field for s in series] == [f.name for f in dataclasses.fields(OffloadCounts)]
-    assert [s.field for s in series if not s.counter] == ["rows_in_use"]
+    assert [s.field for s in series if not s.counter] == ["rows_in_use", "staged_peak"]
     assert len({s.name for s in series}) == len(series)
     assert all(s.help.endswith(".") for s in series)
 

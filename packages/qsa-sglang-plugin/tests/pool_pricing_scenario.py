@@ -141,7 +141,11 @@ def main(directory: str) -> dict[str, Any]:
     report: dict[str, Any] = {}
 
     compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
-    offload = _priced(qwen_dir, {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}, *SIZING)
+    # Two prompts staged at once: the staging area the plan prints is the one pool sizing charges.
+    staged = ["--prefill-max-requests", "2"]
+    offload = _priced(
+        qwen_dir, {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}, *SIZING, *staged
+    )
     report["p2-offload"] = {**_plan(offload, qwen.text_config), **offload}
 
     # Two K/V heads on four TP ranks: each head's two copies form a shard group.

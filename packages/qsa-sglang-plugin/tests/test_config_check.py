@@ -35,6 +35,12 @@ def test_supported_configuration_passes_and_returns_profile() -> None:
     assert profile.block_topk == 512
 
 
+@pytest.mark.parametrize("prompts", [1, 2, 8])
+def test_the_offload_stages_as_many_prompts_as_a_prefill_batch_holds(prompts: int) -> None:
+    facts = dataclasses.replace(GOOD, prefill_max_requests=prompts)
+    assert check_configuration(facts, OFFLOAD) is not None
+
+
 def test_nothing_is_checked_with_switches_off() -> None:
     """With every switch off the plugin has no opinion, even on another model."""
     other = dataclasses.replace(GOOD, architectures=("LlamaForCausalLM",), page_size=1)
@@ -113,8 +119,15 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
                 "supported: 'disabled' (decode CUDA graphs",
             ],
         ),
-        ({"prefill_max_requests": None}, ["--prefill-max-requests=None", "supported: 1"]),
-        ({"prefill_max_requests": 2}, ["--prefill-max-requests=2", "one prompt at a time"]),
+        (
+            {"prefill_max_requests": None},
+            ["--prefill-max-requests=None", "supported: a positive integer", "staging area"],
+        ),
+        ({"prefill_max_requests": 0}, ["--prefill-max-requests=0", "a positive integer"]),
+        (
+            {"prefill_max_requests": 2, "enable_prefill_cp": True},
+            ["--prefill-max-requests=2", "supported: 1", "context-parallel prefill"],
+        ),
         (
             {"enable_prefill_cp": True, "device": "cpu"},
             ["--enable-prefill-cp=True", "supported: off on --device='cpu'", "CUDA side stream"],

@@ -54,8 +54,11 @@ OFFLOAD_ARGS = {
     "context_length": 8192,
     "cuda_graph_backend_prefill": "disabled",
 }
+#: Two prompts staged at once: a prefill batch holds up to two requests.
 LIFECYCLE = EngineConfig(
-    QWEN, switches=VERIFIED_SWITCHES, server_args={**OFFLOAD_ARGS, "chunked_prefill_size": 1024}
+    QWEN,
+    switches=VERIFIED_SWITCHES,
+    server_args={**OFFLOAD_ARGS, "chunked_prefill_size": 1024, "prefill_max_requests": 2},
 )
 #: So few KV slots that three concurrent 400 + 500-token requests cannot all decode: SGLang
 #: retracts one and prefills it again later.
@@ -272,6 +275,33 @@ def test_concurrent_requests_decode_together_and_give_every_lease_back(
             what=f"concurrent {len(request.input_ids)}-token prompt",
         )
     assert _live_leases(engine) == 0
+    assert _released(engine, "finished") == finished_before + 3
+    assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
+
+
+@pytest.mark.engine(LIFECYCLE)
+def test_a_batch_of_prompts_prefills_two_at_a_time_and_answers_as_upstream(
+    engines: EnginePool, references: References
+) -> None:
+    """Three 710-712-token prompts in one ``/generate`` call (SGLang queues them together), on an
+    engine whose prefill batches hold two requests in 1,024-token chunks: the first batch stages
+    the first prompt and the head of the second side by side, the next the second's rest and
+    the head of the third (the first handed off to make room). Every answer equals upstream's
+    within bf16 noise, two prompts were staged at once, and every lease comes back."""
+    engine = engines.engine(LIFECYCLE)
+    finished_before = _released(engine, "finished")
+    body = CONCURRENT[0].body() | {"input_ids": [list(r.input_ids) for r in CONCURRENT]}
+    replies = engine.post_json("/generate", body)
+    assert isinstance(replies, list)
+    assert len(replies) == len(CONCURRENT)
+    for request, reply in zip(CONCURRENT, replies, strict=True):
+        assert_same_generation(
+            references.text[request],
+            Generation.from_reply(reply),
+            atol=BF16_NOISE,
+            what=f"batched {len(request.input_ids)}-token prompt",
+        )
+    assert _value(engine, "qsa_hisparse_offload_staged_prompts_peak") == 2
     assert _released(engine, "finished") == finished_before + 3
     assert _value(engine, "qsa_hisparse_offload_rows_in_use") == 0
 

@@ -13,7 +13,12 @@ import torch
 
 from qsa_kernels import KernelPath
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry, OffloadRuntime, RowState
-from qsa_sglang_plugin._adapters._offload import plan_decode, stage_chunk
+from qsa_sglang_plugin._adapters._offload import (
+    ExtendSpan,
+    extend_spans,
+    plan_decode,
+    stage_chunk,
+)
 from qsa_sglang_plugin._errors import OffloadRuntimeError
 from qsa_testing import decode_batch, extend_batch
 
@@ -45,18 +50,29 @@ def _stage_prompt(runtime: OffloadRuntime, slot: int, chunks: list[int]) -> int:
 def test_a_chunk_stages_at_the_batchs_prefix_length() -> None:
     runtime = _runtime()
     assert _stage_prompt(runtime, SLOTS[0], [24, 9]) == 33
-    assert (runtime.staged_row, runtime.staged_tokens) == (ROWS[0], 33)
+    assert runtime.staged == {ROWS[0]: 33}
     k_layers, _ = runtime.staged_layers(ROWS[0], 33)
     assert [int(k[32, 0, 0]) for k in k_layers] == list(LAYER_IDS)
 
 
-def test_an_extend_batch_of_two_requests_is_refused_before_anything_is_staged() -> None:
+def test_one_prompt_staging_refuses_an_extend_batch_of_two_before_anything_is_staged() -> None:
+    """DS-Offload and a context-parallel prefill stage one prompt at a time."""
     runtime = _runtime()
     batch = extend_batch([(SLOTS[0], 0, 8), (SLOTS[1], 0, 8)])
     k = torch.zeros(16, D, dtype=torch.bfloat16)
     with pytest.raises(OffloadRuntimeError, match=r"an extend batch of 2 requests.*=1"):
         stage_chunk(runtime, 3, k, k, batch)
-    assert (runtime.staged_row, runtime.staged_tokens) == (None, 0)
+    assert runtime.staged == {}
+
+
+def test_an_extend_batch_is_read_as_each_requests_chunk_and_rows() -> None:
+    """A request continuing its prompt and one starting: each chunk's span and its rows of the
+    batch's token rows."""
+    batch = extend_batch([(SLOTS[0], 24, 33), (SLOTS[1], 0, 13)])
+    assert extend_spans(batch) == [
+        ExtendSpan(SLOTS[0], 24, 33, slice(0, 9)),
+        ExtendSpan(SLOTS[1], 0, 13, slice(9, 22)),
+    ]
 
 
 def test_a_padded_graph_step_plans_the_real_rows_and_pads_with_free_ones() -> None:

@@ -20,8 +20,8 @@ context, ``S`` hot slots and ``block_bytes`` per record:
   ``conv_dim = 2 × key_heads × key_dim + value_heads × value_dim``;
 * PLE short-conv state (GPU, bf16, replicated): ``slots × ple_layers × hidden × hc_count ×
   (ple_kernel - 1) × ngram × 2 B``;
-* prefill staging (offload only, GPU): one prompt of every QSA layer in whole blocks,
-  ``Ls × NB × block_bytes``;
+* prefill staging (offload only, GPU): ``P`` prompts (one per request of a prefill batch) of
+  every QSA layer in whole blocks, ``P × Ls × NB × block_bytes``;
 * hot caches and tails (offload only, GPU): ``Ls × R × (S + 1) × block_bytes`` (one open-block
   tail record per layer and request);
 * residency tables (offload only, GPU): ``Ls × R × (S × 12 + NB × 4)`` bytes;
@@ -165,6 +165,7 @@ class CapacityPlan:
         max_requests_resident: most requests of ``context_len`` that fit without offload.
         sharding_size: ranks of a shard group that store the K/V once (1 = off): the
             offloaded K/V's host arena, or the resident raw K/V, divides by it.
+        staged_prompts: prompts the offload stages at once (an engine's prefill batch).
     """
 
     profile: QSAProfile
@@ -182,6 +183,7 @@ class CapacityPlan:
     max_requests_offloaded: int
     max_requests_resident: int
     sharding_size: int = 1
+    staged_prompts: int = 1
 
     @property
     def raw_bytes_per_token(self) -> int:
@@ -214,6 +216,7 @@ class CapacityPlan:
             context_len=self.context_len,
             num_requests=self.num_requests,
             hot_slots=self.hot_slots,
+            staged_prompts=self.staged_prompts,
         )
 
     @property
@@ -247,6 +250,7 @@ def _offload_sizes(
     context_len: int,
     num_requests: int,
     hot_slots: int,
+    staged_prompts: int = 1,
 ) -> OffloadSizes:
     """The offload's sizes: every QSA layer, one record per block of the rank's KV heads."""
     return OffloadSizes.for_context(
@@ -258,6 +262,7 @@ def _offload_sizes(
         head_dim=profile.head_dim,
         element_bytes=kv_dtype.itemsize,
         block_tokens=profile.compress_ratio,
+        staged_prompts=staged_prompts,
     )
 
 
@@ -280,6 +285,7 @@ def _layout(
     state_slots: int,
     offloaded: bool,
     sharding_size: int,
+    staged_prompts: int,
 ) -> MemoryLayout:
     p = profile
     n, ctx, page = num_requests, context_len, p.page_size
@@ -293,6 +299,7 @@ def _layout(
         context_len=ctx,
         num_requests=n,
         hot_slots=hot_slots,
+        staged_prompts=staged_prompts,
     )
     block, layers, nb = sizes.record_bytes, sizes.store_layers, sizes.max_blocks
     gpu, host = MemoryTier.GPU, MemoryTier.HOST
@@ -365,7 +372,7 @@ def _layout(
             MemoryPartKind.PREFILL_AREA,
             gpu,
             sizes.staging_bytes if offloaded else 0,
-            f"{layers} layers × {nb} blocks × {block} B"
+            f"{staged_prompts} prompts × {layers} layers × {nb} blocks × {block} B"
             if offloaded
             else "prefill writes the raw K/V pool",
         ),
@@ -442,6 +449,7 @@ def plan_capacity(
     hot_slots: int | None = None,
     state_slots: int | None = None,
     sharding_size: int = 1,
+    staged_prompts: int = 1,
 ) -> CapacityPlan:
     """Price every per-rank memory part with and without offload, and the largest request count.
 
@@ -460,6 +468,7 @@ def plan_capacity(
             uses ``max(state_slots, R)``).
         sharding_size: TP ranks of one K/V head that share its K/V (the offloaded host arena
             and the resident raw K/V divide by it; :meth:`ShardPlacement.for_tp` rules).
+        staged_prompts: prompts the offload stages at once (``--prefill-max-requests``).
 
     Returns:
         The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.
@@ -475,6 +484,7 @@ def plan_capacity(
     _check_int_at_least("num_requests", num_requests, minimum=0)
     _check_int_at_least("gpu_budget_bytes", gpu_budget_bytes, minimum=0)
     _check_int_at_least("host_budget_bytes", host_budget_bytes, minimum=0)
+    _check_int_at_least("staged_prompts", staged_prompts)
     dtypes: tuple[tuple[str, object], ...] = (("kv_dtype", kv_dtype), ("index_dtype", index_dtype))
     for name, dtype in dtypes:
         if not isinstance(dtype, KVDType):
@@ -502,6 +512,7 @@ def plan_capacity(
             state_slots=slots,
             offloaded=offloaded,
             sharding_size=sharding_size,
+            staged_prompts=staged_prompts,
         )
 
     def largest(offloaded: bool) -> int:
@@ -536,4 +547,5 @@ def plan_capacity(
         max_requests_offloaded=largest(True),
         max_requests_resident=largest(False),
         sharding_size=sharding_size,
+        staged_prompts=staged_prompts,
     )

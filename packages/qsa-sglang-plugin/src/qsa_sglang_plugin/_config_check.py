@@ -136,7 +136,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, overlap
     scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend; with
     ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
-    ``--prefill-max-requests 1`` (one staged prompt) and, on CUDA, prefill CUDA graphs off
+    ``--prefill-max-requests N`` (the staging area holds N prompts; 1 with double sparsity or
+    prefill CP) and, on CUDA, prefill CUDA graphs off
     (``--cuda-graph-backend-prefill disabled``; decode graphs are supported); with the host
     prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size; with cache
     sharding, a shard group that divides the TP ranks holding one K/V head (every TP rank under
@@ -158,7 +159,7 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_double_sparsity(facts, switches.double_sparsity)
         if switches.double_sparsity.offload:
             _check_serving(facts)
-            _check_offload(facts)
+            _check_offload(facts, one_prompt="DS-Offload's prefill reads one staged prompt")
     if not _QSA_FEATURES.intersection(features):
         return None
     if facts.architectures != (SUPPORTED_ARCHITECTURE,):
@@ -199,7 +200,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     if Feature.HISPARSE in features:
         _check_serving(facts)
     if switches.hisparse is HiSparseMode.P2_OFFLOAD:
-        _check_offload(facts)
+        cp = "a context-parallel prefill stages one prompt" if facts.enable_prefill_cp else None
+        _check_offload(facts, one_prompt=cp)
     if switches.prefix_cache_mb > 0:
         _check_prefix_cache(facts)
     if facts.enable_prefill_cp and (
@@ -434,7 +436,8 @@ def _check_serving(facts: ConfigFacts) -> None:
         )
 
 
-def _check_offload(facts: ConfigFacts) -> None:
+def _check_offload(facts: ConfigFacts, *, one_prompt: str | None = None) -> None:
+    """What the offload serves; ``one_prompt`` says why only one prompt may be staged, if so."""
     if facts.max_running_requests is None or facts.max_running_requests < 1:
         raise _reject(
             "--max-running-requests",
@@ -442,12 +445,16 @@ def _check_offload(facts: ConfigFacts) -> None:
             "a positive integer",
             "each running request holds one row of the pinned host arena, allocated at start-up",
         )
-    if facts.prefill_max_requests != 1:
+    staged = facts.prefill_max_requests
+    if one_prompt is not None and staged != 1:
+        raise _reject("--prefill-max-requests", staged, "1", one_prompt)
+    if staged is None or isinstance(staged, bool) or staged < 1:
         raise _reject(
             "--prefill-max-requests",
-            facts.prefill_max_requests,
-            "1",
-            "one prompt at a time is staged on the GPU before its K/V moves to the host",
+            staged,
+            "a positive integer",
+            "each prompt of a prefill batch is staged on the GPU, in a staging area of the "
+            "context length sized at start-up, before its K/V moves to the host",
         )
     if facts.prefill_graph_backend != "disabled":
         raise _reject(

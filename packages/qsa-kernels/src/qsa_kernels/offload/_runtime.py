@@ -117,6 +117,8 @@ class OffloadCounts:
             arena, as of the same read.
         verified_bytes: K/V bytes of released rows compared with their resident copy.
         differing_bytes: compared bytes that differed (0 unless the offload lost a byte).
+        staged_peak: most prompts staged at once (at most
+            :attr:`OffloadGeometry.staged_prompts`).
     """
 
     rows_in_use: int = 0
@@ -125,6 +127,7 @@ class OffloadCounts:
     fetched_blocks: int = 0
     verified_bytes: int = 0
     differing_bytes: int = 0
+    staged_peak: int = 0
 
     @staticmethod
     def series() -> tuple[CountSeries, ...]:
@@ -165,6 +168,12 @@ _SERIES: Final = (
         "offload_differing_bytes",
         True,
         "Compared K/V bytes that differed from their resident copy (verification on).",
+    ),
+    CountSeries(
+        "staged_peak",
+        "offload_staged_prompts_peak",
+        False,
+        "Most prompts staged on the GPU at once (at most --prefill-max-requests).",
     ),
 )
 
@@ -830,6 +839,8 @@ class OffloadRuntime:
         self._staging_readers.clear()
         staged = _StagedPrompt(free[0])
         self._staged[handle] = staged
+        if len(self._staged) > self._counts.staged_peak:
+            self._count(staged_peak=len(self._staged))
         return staged
 
     def _filled(self, ordinal: int | None = None) -> None:

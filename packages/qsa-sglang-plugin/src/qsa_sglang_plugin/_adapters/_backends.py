@@ -16,7 +16,12 @@ from sglang.srt.layers.cp.utils import ContextParallelStrategyKind, get_cp_strat
 from sglang.srt.runtime_context import get_stream
 from torch import Tensor
 
-from qsa_sglang_plugin._adapters._offload import extend_span, plan_decode, runtime_of
+from qsa_sglang_plugin._adapters._offload import (
+    extend_span,
+    extend_spans,
+    plan_decode,
+    runtime_of,
+)
 from qsa_sglang_plugin._adapters._qsa_common import prefill_kernels, zigzag_entries
 from qsa_sglang_plugin._adapters._sharded_kv import attend_extend, sharded_store_of
 from qsa_sglang_plugin._errors import OffloadRuntimeError
@@ -158,22 +163,29 @@ class HiSparseOffloadBackend(PluginQSABackend):
     def _prefill(  # noqa: PLR0917
         self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, *, cp: bool
     ) -> Tensor:
-        """Upstream's prefill kernels over the staging area (CP: the whole chunk staged)."""
-        slot, start, end = extend_span(batch)
-        zigzag = zigzag_entries(batch.attn_cp_metadata) if cp else None
-        return self.qsa_runtime.prefill(
-            layer.layer_id,
-            q,
-            k,
-            v,
-            idx,
-            slot=slot,
-            start=start,
-            end=end,
-            scale=layer.scaling,
-            kernels=prefill_kernels(),
-            zigzag=zigzag,
-        )
+        """Upstream's prefill kernels over each request's staged prompt.
+
+        Context parallel: one request, the whole chunk staged, this rank's rows attended.
+        """
+        runtime, layer_id, scale, kernels = (
+            self.qsa_runtime, layer.layer_id, layer.scaling, prefill_kernels()
+        )  # fmt: skip
+        if cp:
+            slot, start, end = extend_span(batch)
+            zigzag = zigzag_entries(batch.attn_cp_metadata)
+            return runtime.prefill(
+                layer_id, q, k, v, idx, slot=slot, start=start, end=end, scale=scale,
+                kernels=kernels, zigzag=zigzag,
+            )  # fmt: skip
+        outs = []
+        for span in extend_spans(batch):
+            rows = span.rows
+            out = runtime.prefill(
+                layer_id, q[rows], k[rows], v[rows], idx[rows], slot=span.slot, start=span.start,
+                end=span.end, scale=scale, kernels=kernels,
+            )  # fmt: skip
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(  # noqa: PLR0917
         self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor

@@ -33,8 +33,9 @@ def capacity_plan_from_sglang(
     """:func:`qsa_core.plan_capacity` of the operator's flags, with and without host offload.
 
     Reads ``--tp-size``, ``--kv-cache-dtype`` (``auto`` = bf16), ``--page-size`` (``None``: 64),
-    ``--context-length`` (``None``: :meth:`QSAProfile.config_context_len`) and
-    ``--max-running-requests`` from ``server_args`` (SGLang's ``ServerArgs``, resolved, or an
+    ``--context-length`` (``None``: :meth:`QSAProfile.config_context_len`),
+    ``--max-running-requests`` and ``--prefill-max-requests`` (the prompts the offload stages;
+    ``None``: 1, as the offload refuses no limit at start-up) from ``server_args`` (SGLang's ``ServerArgs``, resolved, or an
     ``argparse.Namespace``), the profile from ``hf_text_config`` (HF object or mapping).
     ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
     ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``; the budgets are per rank.
@@ -80,4 +81,5 @@ def capacity_plan_from_sglang(
         num_requests=int(requests),
         sharding_size=sharding_size,
         hot_slots=hot_slots,
+        staged_prompts=int(getattr(view, "prefill_max_requests", None) or 1),
     )

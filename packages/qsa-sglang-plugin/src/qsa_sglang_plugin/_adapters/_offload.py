@@ -1,8 +1,8 @@
 """``p2-offload`` inside SGLang: SGLang's objects turned into :class:`OffloadRuntime` calls.
 
 The offload itself is :class:`qsa_kernels.offload.OffloadRuntime` (docs/plugin.md,
-"p2-offload"). Here: a ``ForwardBatch`` as a planned decode step (:func:`plan_decode`) or one
-request's prefill chunk (:func:`extend_span`, :func:`stage_chunk`); SGLang's pools and model
+"p2-offload"). Here: a ``ForwardBatch`` as a planned decode step (:func:`plan_decode`) or its
+requests' prefill chunks (:func:`extend_spans`, :func:`stage_chunk`); SGLang's pools and model
 config as the runtime's geometry (priced by :mod:`._pool_sizing`); the model runner's one runtime
 (:func:`runtime_of`), whose counts are ``qsa_hisparse_*`` series (:meth:`OffloadCounts.series`).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,14 +31,17 @@ from qsa_sglang_plugin._hostmem import meminfo_bytes
 from qsa_sglang_plugin._switches import DoubleSparsitySwitches, current_switches
 
 __all__ = (
+    "ExtendSpan",
     "arena_rows",
     "ds_offload_geometry",
     "extend_span",
+    "extend_spans",
     "offload_geometry",
     "plan_decode",
     "qsa_hot_slots",
     "runtime_of",
     "stage_chunk",
+    "staged_prompts",
 )
 
 logger = logging.getLogger(__name__)
@@ -64,22 +68,58 @@ def plan_decode(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ExtendSpan:
+    """One request's chunk in an extend batch.
+
+    Attributes:
+        slot: the request's engine slot (SGLang's ``req_pool_idx``).
+        start: tokens of its prompt before the chunk.
+        end: the chunk's end.
+        rows: the chunk's rows of the batch's ``[T, ...]`` q, k, v and indexer output.
+    """
+
+    slot: int
+    start: int
+    end: int
+    rows: slice
+
+
+def extend_spans(forward_batch: Any) -> list[ExtendSpan]:
+    """Each request's chunk of an extend batch, in the batch's order."""
+    spans, offset = [], 0
+    lengths = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    ends = [int(n) for n in forward_batch.seq_lens_cpu]
+    slots = forward_batch.req_pool_indices.tolist()
+    for slot, end, length in zip(slots, ends, lengths, strict=True):
+        spans.append(ExtendSpan(int(slot), end - length, end, slice(offset, offset + length)))
+        offset += length
+    return spans
+
+
 def extend_span(forward_batch: Any) -> tuple[int, int, int]:
     """``(engine slot, start, end)`` of an extend batch's one request: its chunk's tokens.
 
     Raises:
-        OffloadRuntimeError: the batch extends more than one request (the offload stages one
+        OffloadRuntimeError: the batch extends more than one request (a runtime that stages one
             prompt at a time, ``--prefill-max-requests 1``).
     """
-    slots = forward_batch.req_pool_indices
-    if int(slots.numel()) != 1:
+    spans = extend_spans(forward_batch)
+    if len(spans) != 1:
         msg = (
-            f"an extend batch of {int(slots.numel())!r} requests; p2-offload stages one prompt "
-            "at a time (--prefill-max-requests=1)"
+            f"an extend batch of {len(spans)!r} requests; this offload stages one prompt at a "
+            "time (--prefill-max-requests=1)"
         )
         raise OffloadRuntimeError(msg)
-    end = int(forward_batch.seq_lens_cpu[0])
-    return int(slots[0]), end - int(forward_batch.extend_seq_lens_cpu[0]), end
+    return spans[0].slot, spans[0].start, spans[0].end
+
+
+def staged_prompts(server_args: Any) -> int:
+    """Prompts the offload's staging area holds: ``--prefill-max-requests``.
+
+    Start-up refuses none or fewer than 1 (:mod:`qsa_sglang_plugin._config_check`).
+    """
+    return int(server_args.prefill_max_requests)
 
 
 def stage_chunk(
@@ -181,6 +221,7 @@ def _layout(
         config,
         layers=len(layer_ordinal),
         rows=rows,
+        staged_prompts=staged_prompts(runner.server_args),
         kv_heads=int(full.head_num),
         head_dim=int(full.head_dim),
         dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)

@@ -64,7 +64,7 @@ def _index_bytes_per_token(configurator: Any, kvc: Any, layers: int) -> int:
 def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_sglang_plugin._adapters._offload import arena_rows, offload_geometry
+    from qsa_sglang_plugin._adapters._offload import arena_rows, offload_geometry, staged_prompts
 
     layers = _qsa_layers(kvc)
     if layers is None:
@@ -74,6 +74,7 @@ def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
         model_config,
         layers=layers,
         rows=arena_rows(kvc),
+        staged_prompts=staged_prompts(kvc.server_args),
         kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),
         head_dim=int(model_config.head_dim),
         dtype=kvc.kv_cache_dtype,
