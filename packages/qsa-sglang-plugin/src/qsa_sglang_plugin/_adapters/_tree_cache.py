@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_parallel
 
 from qsa_core import LeaseOutcome, LeaseTable, ResidentRows
+from qsa_hostcache import admits_host_hit, host_hit
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime
@@ -77,11 +78,11 @@ class HiSparseRadixCache(UnifiedRadixCache):
             return result
         key = params.key
         hit = prefix.lookup(params.req, key.token_ids[: len(key)])
-        if hit <= result.device_prefix_len:
+        beyond = host_hit(hit, int(result.device_prefix_len))
+        if not beyond:
             return result
         return result._replace(
-            host_hit_length=hit - result.device_prefix_len,
-            full_kv_hit_length=max(int(result.full_kv_hit_length), hit),
+            host_hit_length=beyond, full_kv_hit_length=max(int(result.full_kv_hit_length), hit)
         )
 
     def init_load_back(self, params: Any) -> Any:
@@ -122,10 +123,9 @@ class HiSparseRadixCache(UnifiedRadixCache):
         handle = self.qsa_leases.find(req.rid)
         if handle is None:
             return
-        prompt = len(req.origin_input_ids)
-        if self.qsa_prefix is not None and not req.finished() and up_to <= prompt:
+        if self.qsa_prefix is not None and self.qsa_prefix.publishes(req, up_to):
             self.qsa_prefix.publish(req, handle.slot, up_to)
-        self.qsa_rows.prompt_written(handle, up_to, prompt)
+        self.qsa_rows.prompt_written(handle, up_to, len(req.origin_input_ids))
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
@@ -145,8 +145,11 @@ class HiSparseRadixCache(UnifiedRadixCache):
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
 
     def admits_host_hit(self, req: Any) -> bool:
-        """Whether ``req`` must be admitted on the path that loads its host hit (one pending)."""
-        return self.qsa_prefix is not None and self.disable and int(req.host_hit_length) > 0
+        """:func:`qsa_hostcache.admits_host_hit` of ``req``'s pending host hit."""
+        pending = int(req.host_hit_length)
+        return self.qsa_prefix is not None and admits_host_hit(
+            pending, device_cache_disabled=self.disable
+        )
 
     def reset(self) -> None:
         rows = getattr(self, "qsa_rows", None)
