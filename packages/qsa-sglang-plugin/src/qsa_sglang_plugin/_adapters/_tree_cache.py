@@ -31,14 +31,6 @@ __all__ = ("HiSparseRadixCache", "around_add_one_req")
 logger = logging.getLogger(__name__)
 
 
-def _outcome(req: Any) -> LeaseOutcome:
-    if not req.finished():
-        return LeaseOutcome.RETRACTED
-    if isinstance(req.finished_reason, FINISH_ABORT):
-        return LeaseOutcome.ABORTED
-    return LeaseOutcome.FINISHED
-
-
 class HiSparseRadixCache(UnifiedRadixCache):
     """SGLang's unified radix cache, plus one lease per request that holds a KV row."""
 
@@ -59,7 +51,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
 
     def use_offload(self, runtime: OffloadRuntime) -> None:
         """Leases are the offload runtime's from now on (before any request arrives)."""
-        if self.qsa_leases.num_free != self.qsa_leases.num_slots:
+        if not self.qsa_leases.idle:
             msg = f"{RADIX_CACHE_BACKEND}: an offload attached while leases are live"
             raise OffloadRuntimeError(msg)
         self.qsa_rows = self.qsa_offload = runtime
@@ -135,12 +127,13 @@ class HiSparseRadixCache(UnifiedRadixCache):
         if handle is None:
             msg = f"request {req.rid!r} released a KV row without holding a lease"
             raise OffloadRuntimeError(msg)
-        outcome = _outcome(req)
+        aborted = isinstance(req.finished_reason, FINISH_ABORT)
+        outcome = LeaseOutcome.of(finished=req.finished(), aborted=aborted)
         self.qsa_rows.release(handle, aborted=outcome.aborted)  # an offload waits for its copy
         # The outcome first: a reader that sees no live lease sees every outcome counted.
         self._qsa_released[outcome].inc()
         self._qsa_live.dec()
-        if self.qsa_prefix is not None and self.qsa_leases.num_free == self.qsa_leases.num_slots:
+        if self.qsa_prefix is not None and self.qsa_leases.idle:
             self.qsa_prefix.settle()
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
 
