@@ -139,10 +139,9 @@ class HiSparseRadixCache(UnifiedRadixCache):
 
     def admits_host_hit(self, req: Any) -> bool:
         """:func:`qsa_hostcache.admits_host_hit` of ``req``'s pending host hit."""
-        pending = int(req.host_hit_length)
-        return self.qsa_prefix is not None and admits_host_hit(
-            pending, device_cache_disabled=self.disable
-        )
+        if self.qsa_prefix is None:
+            return False
+        return admits_host_hit(int(req.host_hit_length), device_cache_disabled=self.disable)
 
     def reset(self) -> None:
         rows = getattr(self, "qsa_rows", None)
