@@ -21,6 +21,7 @@ from qsa_hostcache import (
     TokenSlots,
     admits_host_hit,
     host_hit,
+    kv_segments,
 )
 
 NS = CacheNamespace("m@1", "bfloat16", 1, 0, "cfg")
@@ -130,8 +131,6 @@ def test_slots_taken_for_an_index_that_cannot_be_restored_are_given_back() -> No
 
 
 def _kv_only(tokens: int) -> dict[str, torch.Tensor]:
-    from qsa_hostcache import kv_segments
-
     return kv_segments(*_kv(tokens, 1.0))
 
 
