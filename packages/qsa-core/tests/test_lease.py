@@ -79,6 +79,31 @@ def test_resident_rows_decode_once_the_whole_prompt_is_in_the_pool() -> None:
 
 
 @pytest.mark.parametrize(
+    ("finished", "aborted", "outcome"),
+    [
+        (True, False, LeaseOutcome.FINISHED),
+        (True, True, LeaseOutcome.ABORTED),
+        (False, False, LeaseOutcome.RETRACTED),
+        (False, True, LeaseOutcome.RETRACTED),  # taken back before its abort finished it
+    ],
+)
+def test_a_request_that_gives_its_row_back_has_one_outcome(
+    finished: bool, aborted: bool, outcome: LeaseOutcome
+) -> None:
+    assert LeaseOutcome.of(finished=finished, aborted=aborted) is outcome
+
+
+def test_a_table_is_idle_only_while_no_lease_is_live() -> None:
+    rows = ResidentRows(2)
+    seen = [rows.leases.idle]
+    h = rows.admit("a", 0)
+    seen.append(rows.leases.idle)
+    rows.release(h)
+    seen.append(rows.leases.idle)
+    assert seen == [True, False, True]
+
+
+@pytest.mark.parametrize(
     ("outcome", "aborted"),
     [(LeaseOutcome.FINISHED, False), (LeaseOutcome.ABORTED, True), (LeaseOutcome.RETRACTED, True)],
 )

@@ -462,6 +462,48 @@ def test_a_geometry_for_an_empty_context_is_refused_naming_the_context() -> None
         )
 
 
+@pytest.mark.parametrize(
+    ("hot_blocks", "context_len", "slots"),
+    [
+        (None, 262_144, 2048),  # qsa-core's default: 4 x the top-k
+        (None, 4_096, 1024),  # clipped to the context's blocks
+        (None, 1_000, 512),  # never below one selection
+        (4096, 262_144, 4096),
+        (4096, 8_192, 2048),
+    ],
+)
+def test_a_qsa_geometry_sizes_hot_caches_from_the_top_k_clipped_to_a_contexts_blocks(
+    hot_blocks: int | None, context_len: int, slots: int
+) -> None:
+    """qsa-core's hot slots of the indexer's top-k (4 x by default), at most a context's blocks."""
+    geometry = OffloadGeometry.for_block_topk(
+        layers=2,
+        rows=1,
+        context_len=context_len,
+        block_topk=512,
+        hot_blocks=hot_blocks,
+        kv_heads=1,
+        head_dim=64,
+        dtype=torch.bfloat16,
+    )
+    assert geometry.hot_slots == slots
+    assert not geometry.per_head
+
+
+def test_a_qsa_geometry_refuses_hot_caches_smaller_than_one_steps_selection() -> None:
+    with pytest.raises(KernelInputError, match="hot_slots=100"):
+        OffloadGeometry.for_block_topk(
+            layers=2,
+            rows=1,
+            context_len=1 << 20,
+            block_topk=512,
+            hot_blocks=100,
+            kv_heads=1,
+            head_dim=64,
+            dtype=torch.bfloat16,
+        )
+
+
 def test_a_per_head_geometry_caps_its_hot_cache_at_a_contexts_blocks() -> None:
     """Per-head records for double sparsity: hot caches of the blocks one step may read, but no
     more than the context holds (qsa-core's ``ds_offload_sizes``)."""

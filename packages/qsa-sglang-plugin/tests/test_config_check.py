@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -562,4 +564,13 @@ def test_the_runtime_sizes_hot_caches_from_the_switch_clipped_to_a_contexts_bloc
     if switch is not None:
         env["SGLANG_QSA_HISPARSE_HOT_BLOCKS"] = str(switch)
     monkeypatch.setattr(_offload, "current_switches", lambda: parse_switches(env))
-    assert _offload.qsa_hot_slots(512, context_len) == slots
+    monkeypatch.setattr(_offload, "qsa_profile_of", lambda config: SimpleNamespace(block_topk=512))
+    geometry = _offload.offload_geometry(
+        SimpleNamespace(context_len=context_len),
+        layers=1,
+        rows=1,
+        kv_heads=1,
+        head_dim=64,
+        dtype=torch.bfloat16,
+    )
+    assert geometry.hot_slots == slots

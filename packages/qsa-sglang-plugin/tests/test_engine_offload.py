@@ -666,16 +666,17 @@ def test_a_flush_drops_every_checkpoint(engines: EnginePool) -> None:
 
 
 @pytest.mark.engine(PREFIX_CACHE)
-def test_an_ignore_eos_request_computes_its_prompt_and_answers_alike(
+def test_an_ignore_eos_request_loads_the_checkpoint_and_answers_alike(
     engines: EnginePool,
 ) -> None:
-    """SGLang admits ``ignore_eos`` requests past the tree cache when it is disabled
-    (``PrefillAdder.add_one_req``): no load-back, so they recompute, and must still be right."""
+    """With the radix cache disabled SGLang would admit an ``ignore_eos`` request on a path that
+    never loads a host hit (``PrefillAdder.add_one_req_ignore_eos``); the plugin's hook admits it
+    on the path that does, and it answers as the request computed whole."""
     engine = engines.engine(PREFIX_CACHE)
     request = GenerateRequest(QWEN.prompt(2100, seed=64), max_new_tokens=8)
     cold = engine.generate(request)
     ignoring = engine.generate(dataclasses.replace(request, ignore_eos=True))
-    assert ignoring.cached_tokens == 0
+    assert ignoring.cached_tokens == 2 * CHUNK
     assert_same_generation(
         cold, ignoring, atol=RERUN_NOISE, what="ignore_eos against the first run"
     )

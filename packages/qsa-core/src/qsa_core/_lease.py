@@ -70,6 +70,17 @@ class LeaseOutcome(enum.StrEnum):
         """The lease ends aborted: anything but a normal finish."""
         return self is not LeaseOutcome.FINISHED
 
+    @classmethod
+    def of(cls, *, finished: bool, aborted: bool) -> LeaseOutcome:
+        """The outcome of a request that gives its row back.
+
+        Not ``finished``: the engine took it back to run later (RETRACTED); finished by an
+        abort: ABORTED; else FINISHED.
+        """
+        if not finished:
+            return cls.RETRACTED
+        return cls.ABORTED if aborted else cls.FINISHED
+
 
 #: The forward transitions from each state; ``abort`` and ``release`` are handled separately.
 _NEXT: Final[dict[LeaseState, tuple[LeaseState, ...]]] = {
@@ -141,6 +152,11 @@ class LeaseTable:
     def num_free(self) -> int:
         """Slots not owned by a live lease."""
         return self._num_slots - len(self._live)
+
+    @property
+    def idle(self) -> bool:
+        """No lease is live (every slot is free)."""
+        return self.num_free == self._num_slots
 
     def live_handles(self) -> tuple[LeaseHandle, ...]:
         """Handles of every live lease, by slot."""

@@ -33,6 +33,7 @@ from qsa_hostcache._keys import (
 )
 from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
 from qsa_hostcache._model_config import kv_storage_dtype, model_config_digest, model_dtype
+from qsa_hostcache._prompt_pools import PromptPools, TokenSlots, admits_host_hit, host_hit
 from qsa_hostcache._prompts import (
     Agree,
     Claim,
@@ -86,6 +87,10 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "Agree",
     "agree_min",
     "PromptKeys",
+    "PromptPools",
+    "TokenSlots",
+    "host_hit",
+    "admits_host_hit",
     # what a prompt's checkpoint holds
     "kv_segments",
     "INDEX_SEGMENT",

@@ -30,12 +30,12 @@ from typing import Any, Final, Generic, TypeVar
 
 import torch
 
+from qsa_core import CountSeries
 from qsa_hostcache._arena import CopyFence
 from qsa_hostcache._cache import HostPrefixCache, Lease
 from qsa_hostcache._errors import CheckpointTooLarge, HostCacheError
 from qsa_hostcache._keys import PrefixKey
 from qsa_hostcache._segments import kv_segments, prompt_segment_spec, segment_buffer
-from qsa_hostcache._stats import StatSeries
 
 __all__ = ("Agree", "Claim", "PromptCheckpoints", "PromptCounts", "agree_min", "kv_segments")
 
@@ -108,10 +108,11 @@ class PromptCounts:
     publish_errors: int = 0
 
     @staticmethod
-    def series() -> tuple[StatSeries, ...]:
-        """Every field, in declaration order, as a counter with its help text."""
+    def series() -> tuple[CountSeries, ...]:
+        """Every field, in declaration order, as a counter with its help text (named as it)."""
         return tuple(
-            StatSeries(f.name, True, _COUNT_HELP[f.name]) for f in dataclasses.fields(PromptCounts)
+            CountSeries(f.name, f.name, True, _COUNT_HELP[f.name])
+            for f in dataclasses.fields(PromptCounts)
         )
 
 

@@ -47,19 +47,6 @@ _GAUGE_HELP: Final = {
 }
 
 
-class StatSeries(CountSeries):
-    """A :class:`qsa_core.CountSeries` named as its field, unlabelled: ``(name, counter, help)``.
-
-    Not a second description of a metric: the constructor :class:`PromptCounts` uses for its
-    fields (the same type, ``field == name``, no label).
-    """
-
-    __slots__ = ()
-
-    def __init__(self, name: str, counter: bool, help: str) -> None:
-        super().__init__(name, name, counter, help)
-
-
 @dataclass(frozen=True, slots=True)
 class CacheStats:
     """Counters since construction (monotonic) and occupancy now. Bytes are bytes, tokens tokens."""

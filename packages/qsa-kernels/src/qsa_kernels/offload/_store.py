@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from qsa_core import CapacityError, OffloadSizes, ds_offload_sizes, format_bytes
+from qsa_core import CapacityError, OffloadSizes, ds_offload_sizes, format_bytes, hot_cache_slots
 from qsa_kernels._checks import KV_DTYPES
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS
@@ -189,6 +189,42 @@ class OffloadGeometry:
             dtype=dtype,
             per_head=per_head,
             staged_prompts=staged_prompts,
+        )
+
+    @classmethod
+    def for_block_topk(
+        cls,
+        *,
+        layers: int,
+        rows: int,
+        context_len: int,
+        block_topk: int,
+        hot_blocks: int | None,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> OffloadGeometry:
+        """QSA's records (all heads a block) for an indexer that selects ``block_topk`` blocks.
+
+        Each hot cache holds :func:`qsa_core.hot_cache_slots` of ``block_topk`` and
+        ``hot_blocks`` (None: qsa-core's default) for ``context_len``; the rest is
+        :meth:`for_context`'s.
+
+        Raises:
+            KernelInputError: a size qsa-core or the geometry refuses (named).
+        """
+        try:
+            hot_slots = hot_cache_slots(block_topk, hot_blocks, context_len=context_len)
+        except CapacityError as exc:
+            raise KernelInputError(str(exc)) from exc
+        return cls.for_context(
+            layers=layers,
+            rows=rows,
+            context_len=context_len,
+            hot_slots=hot_slots,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
         )
 
     @classmethod

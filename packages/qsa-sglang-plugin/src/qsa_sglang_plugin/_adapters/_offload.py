@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from qsa_core import format_bytes, hot_cache_slots
+from qsa_core import format_bytes
 from qsa_kernels import KernelInputError
 from qsa_kernels.offload import OffloadCounts, OffloadGeometry, OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
@@ -38,7 +38,6 @@ __all__ = (
     "extend_spans",
     "offload_geometry",
     "plan_decode",
-    "qsa_hot_slots",
     "runtime_of",
     "stage_chunk",
     "staged_prompts",
@@ -138,11 +137,6 @@ def stage_chunk(
 # ---- construction --------------------------------------------------------------------------------
 
 
-def qsa_hot_slots(block_topk: int, context_len: int) -> int:
-    """:func:`qsa_core.hot_cache_slots` of ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` (checked at start)."""
-    return hot_cache_slots(block_topk, current_switches().hot_blocks, context_len=context_len)
-
-
 def arena_rows(kvc: Any) -> int:
     """Host-arena rows of an engine's offload: ``--max-running-requests`` of ``kvc.server_args``.
 
@@ -165,15 +159,17 @@ def _geometry(build: Callable[..., OffloadGeometry], **sizes: Any) -> OffloadGeo
 
 
 def offload_geometry(model_config: Any, **sizes: Any) -> OffloadGeometry:
-    """:meth:`OffloadGeometry.for_context` of a QSA model's context and hot slots, and ``sizes``.
+    """:meth:`OffloadGeometry.for_block_topk` of a QSA model, the hot-blocks switch and ``sizes``.
 
     Raises:
         ConfigurationError: the library refuses a size (naming it).
     """
-    context_len = int(model_config.context_len)
-    hot_slots = qsa_hot_slots(int(qsa_profile_of(model_config).block_topk), context_len)
     return _geometry(
-        OffloadGeometry.for_context, context_len=context_len, hot_slots=hot_slots, **sizes
+        OffloadGeometry.for_block_topk,
+        context_len=int(model_config.context_len),
+        block_topk=int(qsa_profile_of(model_config).block_topk),
+        hot_blocks=current_switches().hot_blocks,
+        **sizes,
     )
 
 

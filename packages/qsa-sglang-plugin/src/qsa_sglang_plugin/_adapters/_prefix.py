@@ -2,11 +2,10 @@
 
 One :class:`PrefixCacheRuntime` per scheduler (``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB > 0``, with
 ``p2-offload``) turns the ``qsa_hisparse`` tree cache's calls (:mod:`._tree_cache`) into
-:class:`qsa_hostcache.PromptCheckpoints` and :class:`qsa_hostcache.PromptKeys` calls (page
-extras from ``qsa_mm_prefix.prompt_page_extras``). It keeps what is SGLang's: a ``Req``'s
-fields, where each checkpoint segment comes from in SGLang's pools, the token-slot allocator
-and the series. The calls and the checkpoint:
-``docs/plugin.md`` ("The host prefix cache").
+:class:`qsa_hostcache.PromptPools` and :class:`qsa_hostcache.PromptKeys` calls (page extras
+from ``qsa_mm_prefix.prompt_page_extras``), which compose the checkpoint. It keeps what is
+SGLang's: a ``Req``'s fields, SGLang's pools and token-slot allocator, and the series. The
+calls and the checkpoint: ``docs/plugin.md`` ("The host prefix cache").
 """
 
 from __future__ import annotations
@@ -19,19 +18,16 @@ import torch
 
 from qsa_core import format_bytes
 from qsa_hostcache import (
-    INDEX_SEGMENT,
     CacheStats,
-    Claim,
     HostPrefixCache,
-    Lease,
     PrefixKey,
     PromptCheckpoints,
     PromptCounts,
     PromptKeys,
+    PromptPools,
     StateSegments,
+    TokenSlots,
     agree_min,
-    compressed_slots,
-    kv_segments,
 )
 from qsa_mm_prefix import BypassReason, ProcessorFingerprint, prompt_page_extras, spatial_merge_size
 from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
@@ -104,7 +100,7 @@ class PrefixCacheRuntime:
     ) -> None:
         self.cache = cache
         group = getattr(tp_group, "cpu_group", None)
-        self._checkpoints: PromptCheckpoints[torch.Tensor] = PromptCheckpoints(
+        checkpoints: PromptCheckpoints[torch.Tensor] = PromptCheckpoints(
             cache,
             agree=agree_min(group if int(getattr(tp_group, "world_size", 1)) > 1 else None),
             weights=weight_version,
@@ -119,16 +115,20 @@ class PrefixCacheRuntime:
             on_bypass=lambda req, reason: self._metrics.bypassed[BypassReason(reason)].inc(),
         )
         self._offload = offload
-        self._kv_pool = kv_pool
         self._req_to_token = req_to_token_pool
-        self._allocator = allocator
+        self._slots = TokenSlots(allocator.alloc, allocator.free)
         self._namespace = namespace
-        self._ratio = int(kv_pool.qsa_compress_ratio)
         self._mamba = getattr(req_to_token_pool, "mamba_pool", None)
-        self._state: StateSegments | None = None
+        state = None
         if self._mamba is not None:  # the pool's own round-trip structure, read from slot 0
             zero = torch.zeros(1, dtype=torch.int64, device="cpu")
-            self._state = StateSegments(self._mamba.get_cpu_copy(zero))
+            state = StateSegments(self._mamba.get_cpu_copy(zero))
+        self._pools = PromptPools(
+            checkpoints,
+            kv_pool.qsa_compressed_k_buffer_pool,
+            int(kv_pool.qsa_compress_ratio),
+            state=state,
+        )
         self._sync_metrics()
 
     # ---- keys ------------------------------------------------------------------------------------
@@ -163,83 +163,69 @@ class PrefixCacheRuntime:
         ``tokens``: the ids SGLang matches (at most the prompt less its last token).
         """
         if self._keys.bypass(req) is not None:
-            return self._checkpoints.lookup(None)
-        keyed = len(tokens) >= self.cache.page_size
-        hit = self._checkpoints.lookup(self.key(req, tokens) if keyed else None)
+            return self._pools.lookup(len(tokens), None)
+        hit = self._pools.lookup(len(tokens), lambda: self.key(req, tokens))
         self._sync_metrics()
         return hit
 
     def load_back(self, req: Any, tokens: int) -> bool:
-        """Pin ``req``'s checkpoint of ``tokens`` tokens, take KV slots, restore the index.
+        """Load ``req``'s checkpoint of ``tokens`` tokens into new KV slots (``PromptPools.load``).
 
         False when any rank could not (nothing is held: the request computes its prompt).
         """
-
-        def claim(lease: Lease) -> Claim[torch.Tensor] | None:
-            slots: torch.Tensor | None = self._allocator.alloc(tokens)
-            if slots is None:
-                return None
-            try:
-                self._restore_index(lease, slots)
-            except BaseException:
-                self._allocator.free(slots)
-                raise
-            return Claim(slots, lambda: self._allocator.free(slots))
-
         key = self.key(req, req.full_untruncated_fill_ids[:tokens])
-        loaded = self._checkpoints.load(req.rid, key, claim) is not None
+        loaded = self._pools.load(req.rid, key, self._slots) is not None
         self._sync_metrics()
         return loaded
 
     def prefix_slots(self, req: Any) -> torch.Tensor | None:
         """The KV slots of ``req``'s loaded prefix, while it waits for its row."""
-        return self._checkpoints.claimed(req.rid)
+        return self._pools.checkpoints.claimed(req.rid)
 
     def restore_row(self, req: Any, row: int) -> None:
-        """Fill the loaded prefix's K/V and recurrent state into ``req``'s new row and slot.
+        """The loaded prefix into ``req``'s new row and state slot (``PromptPools.restore``).
 
-        The state first (SGLang's ``load_cpu_copy`` synchronizes the device, which must not wait
-        for the K/V); then each layer's K/V, which that layer's prefill waits for.
+        The state goes straight from the pinned arena to the device (``load_cpu_copy``'s ``.to``
+        is a no-op).
         """
-        lease = self._checkpoints.take(req.rid)
-        if lease is None:
+
+        def put_state(state: Any) -> None:
+            assert self._mamba is not None
+            self._mamba.load_cpu_copy(state, self._state_slot(req))
+            req.kv.mamba_needs_clear = False  # SGLang would zero the restored state
+
+        tokens = self._pools.restore(
+            req.rid,
+            lambda n: self._offload.stage_prefix(row, n),
+            self._offload.fill_staging_until,
+            put_state=put_state,
+            state_device=self._offload.kv.device,
+        )
+        if tokens is None:
             return
-        with lease:  # released at once: the arena orders a later write after these reads
-            tokens = lease.match.num_tokens
-            if self._mamba is not None and self._state is not None:
-                # Straight from the pinned arena to the device (load_cpu_copy's .to is a no-op).
-                device = self._offload.kv.device
-                state = self._checkpoints.restore_new(lease, self._state.names, device)
-                self._mamba.load_cpu_copy(self._state.rebuild(state), self._state_slot(req))
-                req.kv.mamba_needs_clear = False  # SGLang would zero the restored state
-            k_layers, v_layers = self._offload.stage_prefix(row, tokens)
-            self._checkpoints.restore_kv(
-                lease, k_layers, v_layers, self._offload.fill_staging_until
-            )
         self._sync_metrics()
         logger.debug("prefix cache: %r resumes after %d cached tokens", req.rid, tokens)
 
+    def publishes(self, req: Any, up_to: int) -> bool:
+        """Whether ``req``'s first ``up_to`` written tokens are checkpointed (``PromptPools``)."""
+        return self._pools.publishes(
+            up_to, prompt_tokens=len(req.origin_input_ids), finished=req.finished()
+        )
+
     def publish(self, req: Any, row: int, up_to: int) -> bool:
-        """Checkpoint ``req``'s first ``up_to`` tokens (whole pages); True if every rank did."""
-        if up_to < self.cache.page_size or up_to % self.cache.page_size:
-            return False
+        """Checkpoint ``req``'s first ``up_to`` tokens (:meth:`publishes`); True if all did."""
         if self._keys.bypass(req) is not None:
             return False
 
         def gather() -> dict[str, torch.Tensor]:
-            sources = kv_segments(*self._offload.staged_layers(row, up_to))
-            row_slots = self._req_to_token.req_to_token[int(req.kv.req_pool_idx), :up_to]
-            rows = compressed_slots(row_slots, self._ratio)
-            buffers = self._kv_pool.qsa_compressed_k_buffer_pool
-            sources[INDEX_SEGMENT] = torch.stack([buf[rows] for buf in buffers], dim=1)
-            if self._mamba is not None and self._state is not None:
-                sources.update(
-                    self._state.segments(self._mamba.get_cpu_copy(self._state_slot(req)))
-                )
-            return sources
+            kv = self._offload.staged_layers(row, up_to)
+            slots = self._req_to_token.req_to_token[int(req.kv.req_pool_idx), :up_to]
+            mamba = self._mamba
+            state = None if mamba is None else lambda: mamba.get_cpu_copy(self._state_slot(req))
+            return self._pools.gather(kv, slots, state)
 
         key = self.key(req, req.full_untruncated_fill_ids[:up_to])
-        fence = self._checkpoints.publish(key, gather, holder=req.rid)
+        fence = self._pools.checkpoints.publish(key, gather, holder=req.rid)
         if fence is not None:  # the next prompt waits for the copies reading the staging area
             self._offload.keep_staging_until(fence)
         self._sync_metrics()
@@ -247,7 +233,7 @@ class PrefixCacheRuntime:
 
     def forget(self, req: Any) -> None:
         """``req`` gave its row back: drop a load that never reached it."""
-        self._checkpoints.forget(req.rid)
+        self._pools.checkpoints.forget(req.rid)
 
     def settle(self) -> None:
         """No request holds a row: land every checkpoint still being copied, refresh the gauges."""
@@ -256,20 +242,11 @@ class PrefixCacheRuntime:
 
     def invalidate(self) -> int:
         """Drop every checkpoint (a flush); returns how many were matchable."""
-        dropped = self._checkpoints.invalidate()
+        dropped = self._pools.checkpoints.invalidate()
         self._sync_metrics()
         return dropped
 
     # ---- internals -------------------------------------------------------------------------------
-
-    def _restore_index(self, lease: Lease, slots: torch.Tensor) -> None:
-        """The checkpoint's ``[T / 4, L, Hi, Di]`` index keys into the rows of ``slots``."""
-        buffers = self._kv_pool.qsa_compressed_k_buffer_pool
-        device = buffers[0].device
-        rows = self._checkpoints.restore_new(lease, [INDEX_SEGMENT], device)[INDEX_SEGMENT]
-        groups = compressed_slots(slots.to(device), self._ratio)
-        for layer, buf in enumerate(buffers):
-            buf[groups] = rows[:, layer]
 
     def _state_slot(self, req: Any) -> torch.Tensor:
         """``[1]`` physical index of ``req``'s recurrent state slot (refused once freed)."""
@@ -281,7 +258,7 @@ class PrefixCacheRuntime:
         return slot
 
     def _sync_metrics(self) -> None:
-        self._metrics.update(self.cache.stats(), self._checkpoints.counts)
+        self._metrics.update(self.cache.stats(), self._pools.checkpoints.counts)
 
 
 def build_prefix_cache(

@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_parallel
 
 from qsa_core import LeaseOutcome, LeaseTable, ResidentRows
+from qsa_hostcache import admits_host_hit, host_hit
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._prefix import PrefixCacheRuntime
@@ -28,14 +29,6 @@ from qsa_sglang_plugin._switches import RADIX_CACHE_BACKEND
 __all__ = ("HiSparseRadixCache", "around_add_one_req")
 
 logger = logging.getLogger(__name__)
-
-
-def _outcome(req: Any) -> LeaseOutcome:
-    if not req.finished():
-        return LeaseOutcome.RETRACTED
-    if isinstance(req.finished_reason, FINISH_ABORT):
-        return LeaseOutcome.ABORTED
-    return LeaseOutcome.FINISHED
 
 
 class HiSparseRadixCache(UnifiedRadixCache):
@@ -58,7 +51,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
 
     def use_offload(self, runtime: OffloadRuntime) -> None:
         """Leases are the offload runtime's from now on (before any request arrives)."""
-        if self.qsa_leases.num_free != self.qsa_leases.num_slots:
+        if not self.qsa_leases.idle:
             msg = f"{RADIX_CACHE_BACKEND}: an offload attached while leases are live"
             raise OffloadRuntimeError(msg)
         self.qsa_rows = self.qsa_offload = runtime
@@ -77,11 +70,11 @@ class HiSparseRadixCache(UnifiedRadixCache):
             return result
         key = params.key
         hit = prefix.lookup(params.req, key.token_ids[: len(key)])
-        if hit <= result.device_prefix_len:
+        beyond = host_hit(hit, int(result.device_prefix_len))
+        if not beyond:
             return result
         return result._replace(
-            host_hit_length=hit - result.device_prefix_len,
-            full_kv_hit_length=max(int(result.full_kv_hit_length), hit),
+            host_hit_length=beyond, full_kv_hit_length=max(int(result.full_kv_hit_length), hit)
         )
 
     def init_load_back(self, params: Any) -> Any:
@@ -122,10 +115,9 @@ class HiSparseRadixCache(UnifiedRadixCache):
         handle = self.qsa_leases.find(req.rid)
         if handle is None:
             return
-        prompt = len(req.origin_input_ids)
-        if self.qsa_prefix is not None and not req.finished() and up_to <= prompt:
+        if self.qsa_prefix is not None and self.qsa_prefix.publishes(req, up_to):
             self.qsa_prefix.publish(req, handle.slot, up_to)
-        self.qsa_rows.prompt_written(handle, up_to, prompt)
+        self.qsa_rows.prompt_written(handle, up_to, len(req.origin_input_ids))
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
@@ -135,18 +127,21 @@ class HiSparseRadixCache(UnifiedRadixCache):
         if handle is None:
             msg = f"request {req.rid!r} released a KV row without holding a lease"
             raise OffloadRuntimeError(msg)
-        outcome = _outcome(req)
+        aborted = isinstance(req.finished_reason, FINISH_ABORT)
+        outcome = LeaseOutcome.of(finished=req.finished(), aborted=aborted)
         self.qsa_rows.release(handle, aborted=outcome.aborted)  # an offload waits for its copy
         # The outcome first: a reader that sees no live lease sees every outcome counted.
         self._qsa_released[outcome].inc()
         self._qsa_live.dec()
-        if self.qsa_prefix is not None and self.qsa_leases.num_free == self.qsa_leases.num_slots:
+        if self.qsa_prefix is not None and self.qsa_leases.idle:
             self.qsa_prefix.settle()
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
 
     def admits_host_hit(self, req: Any) -> bool:
-        """Whether ``req`` must be admitted on the path that loads its host hit (one pending)."""
-        return self.qsa_prefix is not None and self.disable and int(req.host_hit_length) > 0
+        """:func:`qsa_hostcache.admits_host_hit` of ``req``'s pending host hit."""
+        if self.qsa_prefix is None:
+            return False
+        return admits_host_hit(int(req.host_hit_length), device_cache_disabled=self.disable)
 
     def reset(self) -> None:
         rows = getattr(self, "qsa_rows", None)
