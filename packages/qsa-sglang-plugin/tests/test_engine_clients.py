@@ -203,9 +203,9 @@ def test_sglang_bench_client_loads_a_shared_prefix_for_every_request_after_the_f
 ) -> None:
     """SGLang's own serving client sends four prompts that share a 1,024-token system prompt (one
     prefill chunk), two at a time, each asking for 8 tokens with ``ignore_eos`` (the client's
-    default): the first computes and checkpoints the shared prefix, each later one loads it from the host
-    cache and computes only its own 64 tokens, every request gets its 8 tokens, and nothing is
-    held once the run ends."""
+    default): the first computes and checkpoints the shared prefix, each later one loads it from
+    the host cache and computes only its own 64 tokens, every request gets its 8 tokens, and
+    nothing is held once the run ends."""
     engine = engines.engine(SERVED)
     prompts, prefix, question, output = 4, 1024, 64, 8
     loads = "qsa_hisparse_prefix_cache_loads_total"
