@@ -164,8 +164,10 @@ class OffloadSizes:
 
     @property
     def staging_bytes(self) -> int:
-        """:attr:`staged_prompts` prompts of every record layer, on the device: ``P × Ls × NB``
-        records."""
+        """:attr:`staged_prompts` prompts of every record layer, on the device.
+
+        ``P × Ls × NB`` records.
+        """
         return self.staged_prompts * self.store_layers * self.max_blocks * self.record_bytes
 
     @property

@@ -203,6 +203,7 @@ class OffloadGeometry:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        staged_prompts: int = 1,
     ) -> OffloadGeometry:
         """QSA's records (all heads a block) for an indexer that selects ``block_topk`` blocks.
 
@@ -225,6 +226,7 @@ class OffloadGeometry:
             kv_heads=kv_heads,
             head_dim=head_dim,
             dtype=dtype,
+            staged_prompts=staged_prompts,
         )
 
     @classmethod

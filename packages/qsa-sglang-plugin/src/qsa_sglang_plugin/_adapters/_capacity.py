@@ -35,8 +35,9 @@ def capacity_plan_from_sglang(
     Reads ``--tp-size``, ``--kv-cache-dtype`` (``auto`` = bf16), ``--page-size`` (``None``: 64),
     ``--context-length`` (``None``: :meth:`QSAProfile.config_context_len`),
     ``--max-running-requests`` and ``--prefill-max-requests`` (the prompts the offload stages;
-    ``None``: 1, as the offload refuses no limit at start-up) from ``server_args`` (SGLang's ``ServerArgs``, resolved, or an
-    ``argparse.Namespace``), the profile from ``hf_text_config`` (HF object or mapping).
+    ``None``: 1, as the offload refuses no limit at start-up) from ``server_args`` (SGLang's
+    ``ServerArgs``, resolved, or an ``argparse.Namespace``), the profile from ``hf_text_config``
+    (HF object or mapping).
     ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
     ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``; the budgets are per rank.
 
