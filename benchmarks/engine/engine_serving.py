@@ -8,9 +8,10 @@ CUDA graphs on:
 
 - ``upstream``: the plugin off;
 - ``resident``: ``p2-resident`` (upstream's kernels, the plugin's lifecycle);
-- ``resident-one-prompt``: ``p2-resident`` with ``--prefill-max-requests 1``, the offload's
-  prefill batching (one prompt per prefill batch), so the cost of that limit shows apart;
-- ``offload``: ``p2-offload`` (which needs ``--prefill-max-requests 1``);
+- ``resident-one-prompt``: ``p2-resident`` with ``--prefill-max-requests 1`` (one prompt per
+  prefill batch), so the cost of that limit shows apart;
+- ``offload``: ``p2-offload`` with ``--prefill-max-requests`` of ``--staged-prompts`` (default 2:
+  the end of one prompt and the head of the next share a prefill batch, as they do by default);
 - ``offload-cache``: ``p2-offload`` and a host prefix cache of ``--cache-mb``.
 
 SGLang's client (``python -m sglang.benchmark.serving --backend sglang``) drives each server with
@@ -124,6 +125,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="requests of the unmeasured run before each measured one (default: --max-concurrency)",
     )
     parser.add_argument("--cache-mb", type=int, default=32768, help="offload-cache's host cache")
+    parser.add_argument(
+        "--staged-prompts",
+        type=int,
+        default=2,
+        help="the offload arms' --prefill-max-requests (prompts staged at once)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--gpu-budget-gib",
@@ -158,6 +165,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "question_len",
         "repeats",
         "warmup_prompts",
+        "staged_prompts",
     ):
         if getattr(args, flag) < 1:
             value = getattr(args, flag)
@@ -199,6 +207,7 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         }
     plugin = {**common, "radix_cache_backend": "qsa_hisparse"}
     one_prompt = {**plugin, "prefill_max_requests": 1}
+    staged = {**plugin, "prefill_max_requests": args.staged_prompts}
     compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
     resident = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-resident"}
     offload = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
@@ -206,11 +215,11 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "upstream": EngineConfig(model, plugin=False, server_args=common),
         "resident": EngineConfig(model, switches=resident, server_args=plugin),
         "resident-one-prompt": EngineConfig(model, switches=resident, server_args=one_prompt),
-        "offload": EngineConfig(model, switches=offload, server_args=one_prompt),
+        "offload": EngineConfig(model, switches=offload, server_args=staged),
         "offload-cache": EngineConfig(
             model,
             switches={**offload, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": str(args.cache_mb)},
-            server_args=one_prompt,
+            server_args=staged,
         ),
     }
     return {arm: every[arm] for arm in args.arms}
@@ -369,7 +378,8 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
         f"{_host_line(data['machine']['host'])}; the {args.model} dummy "
         f"Qwen4Exp, decode CUDA graphs on, prefill chunks of {_CHUNK}, "
         f"`--max-running-requests {args.max_concurrency}` in every arm, "
-        "`--prefill-max-requests 1` in the offload arms and `resident-one-prompt` only. Client: "
+        f"`--prefill-max-requests {args.staged_prompts}` in the offload arms, 1 in "
+        "`resident-one-prompt`. Client: "
         "`sglang.benchmark.serving --backend sglang --tokenize-prompt --max-concurrency "
         f"{args.max_concurrency} --flush-cache` and each workload's flags. "
         f"`{data['command']}`; written by "
