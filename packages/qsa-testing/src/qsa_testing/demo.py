@@ -43,7 +43,7 @@ DEMO_ENGINE: Final = EngineConfig(
         "enable_metrics": True,
         "enable_cache_report": True,
         "max_running_requests": 4,
-        "prefill_max_requests": 1,
+        "prefill_max_requests": 2,
         "context_length": 8192,
         "chunked_prefill_size": 1024,
         "cuda_graph_backend_prefill": "disabled",
