@@ -100,7 +100,6 @@ def int8_row_embedding_class() -> type:
             self.table = table.pin() if offload and torch.cuda.is_available() else table
             self.total_rows = int(self.org_vocab_size)
             self.used_rows = used_rows
-            self._block_d = 0
 
         @property
         def vocab_start(self) -> int:
