@@ -16,6 +16,7 @@ __all__ = (
     "ForeignHookError",
     "HookNotAppliedError",
     "LaunchError",
+    "ModelCompatError",
     "OffloadRuntimeError",
     "SwitchError",
 )
@@ -59,3 +60,7 @@ class OffloadRuntimeError(RuntimeError):
 
 class AdapterError(ValueError):
     """An SGLang object cannot be translated into the libraries' terms (a bad or missing value)."""
+
+
+class ModelCompatError(AdapterError):
+    """A checkpoint the model-compatibility feature reads is malformed (named, with its values)."""

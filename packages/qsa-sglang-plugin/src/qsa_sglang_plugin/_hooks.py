@@ -176,6 +176,32 @@ HOOKS: tuple[HookSpec, ...] = (
             "cache's calls cannot reach this gate."
         ),
     ),
+    HookSpec(
+        module="sglang.srt.models.qwen4_exp",
+        qualname="Qwen4ExpNGramEmbedding.__init__",
+        kind=HookKind.AFTER,
+        feature=Feature.MODEL_COMPAT,
+        hook="qsa_sglang_plugin._adapters._model_compat:after_ngram_embedding_init",
+        reason=(
+            'ple_embedding_dtype="int8_row": the PLE table module SGLang built (bf16 or fp8, on '
+            "the device or pinned host memory) becomes an INT8-row table of the same vocabulary "
+            "shard, gathered by qsa_kernels.int8_rows. The constructor is where the table's "
+            "module is chosen; no registry or argument selects its class."
+        ),
+    ),
+    HookSpec(
+        module="sglang.srt.models.qwen4_exp",
+        qualname="Qwen4ExpForConditionalGeneration.load_weights",
+        kind=HookKind.BEFORE,
+        feature=Feature.MODEL_COMPAT,
+        hook="qsa_sglang_plugin._adapters._model_compat:before_load_weights",
+        reason=(
+            "An INT8-row PLE table's checkpoint shards (int8 values and their per-row scales, or "
+            "a bf16 table to quantize) are taken from the weights the loader hands the model and "
+            "read into the table; the scales have no SGLang parameter to load into, and SGLang's "
+            "shard loader casts int8 values to the table's dtype."
+        ),
+    ),
 )
 
 

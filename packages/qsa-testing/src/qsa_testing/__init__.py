@@ -11,6 +11,7 @@ of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not 
 SGLang's own serving client against them (:func:`run_serving_client`).
 """
 
+from qsa_testing._checkpoints import PleTableShape, ple_table_shape, write_ple_checkpoint
 from qsa_testing._compare import BF16_LOGIT_STEP, assert_same_generation, logprob_gap
 from qsa_testing._engine import (
     Engine,
@@ -62,6 +63,10 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "full_depth_qwen4_exp",
     "llama_8b_shaped",
     "tiny_image",
+    # real PLE weights for a tiny model
+    "PleTableShape",
+    "ple_table_shape",
+    "write_ple_checkpoint",
     # engines
     "Engine",
     "EngineConfig",

@@ -2,9 +2,16 @@
 
 The format (``int8`` values, one ``float32`` scale per row), its quantizer and the gather's
 reference: :mod:`qsa_kernels.int8_rows.reference`; the kernel that reads the named rows where the
-table lives, pinned host memory included: :mod:`qsa_kernels.int8_rows.triton`.
+table lives, pinned host memory included: :mod:`qsa_kernels.int8_rows.triton`; reading a table
+from a checkpoint's row shards (int8 values and scales as stored, or a 16/32-bit table quantized
+as it is read): :mod:`qsa_kernels.int8_rows.checkpoint`.
 """
 
+from qsa_kernels.int8_rows.checkpoint import (
+    Int8RowShardReader,
+    Int8RowShardSummary,
+    checkpoint_shard_rows,
+)
 from qsa_kernels.int8_rows.reference import (
     Int8RowTable,
     dequantize_int8_rows_reference,
@@ -14,7 +21,10 @@ from qsa_kernels.int8_rows.reference import (
 from qsa_kernels.int8_rows.triton import gather_int8_rows
 
 __all__ = (
+    "Int8RowShardReader",
+    "Int8RowShardSummary",
     "Int8RowTable",
+    "checkpoint_shard_rows",
     "dequantize_int8_rows_reference",
     "gather_int8_rows",
     "gather_int8_rows_reference",
