@@ -679,6 +679,8 @@ HOST_PRELOAD: Final = (
 #: prometheus_client chooses at import whether its values live in files shared by processes
 #: (``PROMETHEUS_MULTIPROC_DIR`` set) or in one process; SGLang needs the former.
 _METRICS_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"
+#: SGLang's switch for ``/health`` sending a one-token generation (default on).
+_HEALTH_GENERATION: Final = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 
 
 @functools.cache
@@ -710,6 +712,10 @@ def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dic
     metrics directory.
     """
     env = _import_environment(platform, platform_standins(platform) | config.standins)
+    # ``/health`` answers without queueing a one-token request: a health request that outlives
+    # the client's poll stays in the scheduler, and an engine a test finds busy refuses what
+    # needs it idle (``/update_weights_from_disk`` flushes the cache only when idle).
+    env[_HEALTH_GENERATION] = "0"
     if platform is Platform.CPU:
         tp_size = int(config.server_args.get("tp_size", 1))
         env.update(_cpu_environment(tp_size, workdir, worker=_xdist_worker()))
