@@ -12,23 +12,39 @@ shard by shard equals quantizing the whole table.
 (a tensor-parallel rank's, or all of it) from the checkpoint's tensors in any order, and refuses
 a malformed checkpoint (scales without values or values without scales, a shape or dtype outside
 the format, a row read twice, rows never read) with the tensor's name and the values it got.
+:class:`Int8RowShardRouter` does it for a model's whole weight stream: it takes the tables'
+shards (``<module>.shard_<i>.weight`` and ``<module>.shard_<i>.weight_scale``) out of the
+``(name, tensor)`` pairs an engine's loader yields, into each table's
+:class:`~qsa_kernels.int8_rows.Int8RowVocabShard`, and passes every other tensor on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Final
 
 import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.int8_rows.reference import SOURCE_DTYPES, Int8RowTable, quantize_int8_rows
+from qsa_kernels.int8_rows.shard import Int8RowVocabShard
 
-__all__ = ("Int8RowShardReader", "Int8RowShardSummary", "checkpoint_shard_rows")
+__all__ = (
+    "Int8RowShardReader",
+    "Int8RowShardRouter",
+    "Int8RowShardSummary",
+    "checkpoint_shard_rows",
+)
 
 #: Dtype of stored values and of stored scales.
 VALUES_DTYPE: Final = torch.int8
 SCALES_DTYPE: Final = torch.float32
+#: A row shard's tensor: ``<module>.shard_<i>.weight`` (values) or ``...weight_scale`` (scales).
+SHARD_TENSOR_NAME: Final = re.compile(
+    r"^(?P<module>.+)\.shard_(?P<shard>\d+)\.(?P<kind>weight|weight_scale)$"
+)
 
 
 def checkpoint_shard_rows(total_rows: int, parts: int) -> int:
@@ -236,3 +252,75 @@ class Int8RowShardReader:
         self._table.values[local].copy_(rows.values[source].to(device))
         self._table.scales[local].copy_(rows.scales[source].to(device))
         self._loaded[local] = True
+
+
+class Int8RowShardRouter:
+    """Takes INT8-row tables' checkpoint shards out of a weight stream into the tables.
+
+    Args:
+        tables: each table's vocabulary shard, keyed by its module's name in the checkpoint
+            (the ``<module>`` of ``<module>.shard_<i>.weight``, after ``rename``).
+        parts: how many row shards each table is split into in the checkpoint.
+        rename: maps a checkpoint tensor's name to the names ``tables`` uses (an engine's own
+            prefix rewriting); the identity by default.
+
+    Use :meth:`route` over the ``(name, tensor)`` pairs, then :meth:`finish`.
+    """
+
+    def __init__(
+        self,
+        tables: Mapping[str, Int8RowVocabShard],
+        *,
+        parts: int,
+        rename: Callable[[str], str] = str,
+    ) -> None:
+        checkpoint_shard_rows(1, parts)  # validates parts
+        self._tables = dict(tables)
+        self._parts = parts
+        self._rename = rename
+        self._readers: dict[str, Int8RowShardReader] = {}
+
+    def route(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every pair of ``weights`` but the tables' shards, in order; those fill the tables.
+
+        A shard whose rows lie past ``used_rows`` or outside a table's ``[vocab_start,
+        vocab_end)`` is read and dropped (padding, or another rank's rows).
+
+        Raises:
+            KernelInputError: a malformed shard (:class:`Int8RowShardReader`'s refusals).
+        """
+        for name, tensor in weights:
+            match = SHARD_TENSOR_NAME.match(self._rename(name))
+            shard = self._tables.get(match["module"]) if match else None
+            if match is None or shard is None:
+                yield name, tensor
+                continue
+            if shard.read_end <= shard.vocab_start:
+                continue  # this rank holds padding rows only
+            reader = self._reader(match["module"], shard)
+            if match["kind"] == "weight":
+                reader.add_values(int(match["shard"]), tensor, name=name)
+            else:
+                reader.add_scales(int(match["shard"]), tensor, name=name)
+
+    def finish(self) -> dict[str, Int8RowShardSummary]:
+        """What each table read, by module name (tables none of whose shards came are absent).
+
+        Raises:
+            KernelInputError: as :meth:`Int8RowShardReader.finish`.
+        """
+        return {module: reader.finish() for module, reader in self._readers.items()}
+
+    def _reader(self, module: str, shard: Int8RowVocabShard) -> Int8RowShardReader:
+        reader = self._readers.get(module)
+        if reader is None:
+            reader = self._readers[module] = Int8RowShardReader(
+                shard.table,
+                total_rows=shard.total_rows,
+                parts=self._parts,
+                vocab_start=shard.vocab_start,
+                vocab_end=shard.read_end,
+            )
+        return reader
