@@ -1,24 +1,28 @@
 """INT8-row PLE loading without an engine: the shards routed to the table, malformed ones refused.
 
 ``_route_ple_shards`` is what the BEFORE hook on ``load_weights`` hands SGLang instead of its
-weights; here it runs over a fake table module (the attributes the hook reads) and a checkpoint
-written as SGLang's loader would yield it.
+weights; here it runs over a table's vocabulary shard (what the hook takes from each table module)
+and a checkpoint written as SGLang's loader would yield it (``model.language_model.`` names).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from qsa_kernels.int8_rows import Int8RowTable, checkpoint_shard_rows, quantize_int8_rows
+from qsa_kernels.int8_rows import (
+    Int8RowTable,
+    Int8RowVocabShard,
+    checkpoint_shard_rows,
+    quantize_int8_rows,
+)
 from qsa_sglang_plugin._adapters._model_compat import (
     _route_ple_shards,
-    after_ngram_embedding_init,
+    around_ngram_embedding_init,
 )
 from qsa_sglang_plugin._errors import ConfigurationError, ModelCompatError
 
@@ -27,17 +31,16 @@ STORED = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding"
 ROWS, USED, DIM, PARTS = 24, 21, 4, 4
 
 
-@dataclass
-class _Table:
-    table: Int8RowTable
-    total_rows: int = ROWS
-    used_rows: int = USED
-    vocab_start: int = 0
-    vocab_end: int = ROWS
-
-
-def _fake() -> _Table:
-    return _Table(Int8RowTable(torch.zeros(ROWS, DIM, dtype=torch.int8), torch.zeros(ROWS)))
+def _fake() -> Int8RowVocabShard:
+    return Int8RowVocabShard.zeros(
+        rows=ROWS,
+        dim=DIM,
+        vocab_start=0,
+        vocab_end=ROWS,
+        total_rows=ROWS,
+        used_rows=USED,
+        device=torch.device("cpu"),
+    )
 
 
 def _checkpoint(table: Int8RowTable, *, drop: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -100,16 +103,21 @@ def test_scales_of_the_wrong_shape_are_refused_with_the_values() -> None:
         list(_route_ple_shards(weights(), {MODULE: _fake()}, PARTS))
 
 
-def test_int8_row_with_the_file_backend_is_refused() -> None:
+def _never_called(*args: object, **kwargs: object) -> None:
+    raise AssertionError("SGLang's constructor must not run")
+
+
+def test_int8_row_with_the_file_backend_is_refused_before_sglang_builds_a_table() -> None:
     config = SimpleNamespace(
         ple_embedding_dtype="int8_row", ple_offload_embedding=True, ple_offload_backend="file"
     )
     with pytest.raises(ConfigurationError, match="ple_offload_backend='file'"):
-        after_ngram_embedding_init(None, SimpleNamespace(), config, 64)
+        around_ngram_embedding_init(_never_called, SimpleNamespace(), config, 64)
 
 
 def test_other_dtypes_are_left_to_sglang() -> None:
-    module = SimpleNamespace(ngram_embedding="upstream's")
+    calls: list[tuple[object, ...]] = []
+    module = SimpleNamespace()
     config = SimpleNamespace(ple_embedding_dtype="float8_e4m3fn", ple_offload_embedding=False)
-    after_ngram_embedding_init(None, module, config, 64)
-    assert module.ngram_embedding == "upstream's"
+    around_ngram_embedding_init(lambda *args, **kw: calls.append((*args, kw)), module, config, 64)
+    assert calls == [(module, config, 64, {})]  # the same config object, nothing replaced

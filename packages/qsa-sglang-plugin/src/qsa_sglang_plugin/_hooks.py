@@ -179,14 +179,29 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         module="sglang.srt.models.qwen4_exp",
         qualname="Qwen4ExpNGramEmbedding.__init__",
-        kind=HookKind.AFTER,
+        kind=HookKind.AROUND,
         feature=Feature.MODEL_COMPAT,
-        hook="qsa_sglang_plugin._adapters._model_compat:after_ngram_embedding_init",
+        hook="qsa_sglang_plugin._adapters._model_compat:around_ngram_embedding_init",
         reason=(
-            'ple_embedding_dtype="int8_row": the PLE table module SGLang built (bf16 or fp8, on '
-            "the device or pinned host memory) becomes an INT8-row table of the same vocabulary "
-            "shard, gathered by qsa_kernels.int8_rows. The constructor is where the table's "
-            "module is chosen; no registry or argument selects its class."
+            'ple_embedding_dtype="int8_row": SGLang builds its PLE table module from a config '
+            "copy that says offloaded (its table on the meta device) while the host-table "
+            "allocator hook is on, and the result becomes an INT8-row table of the same "
+            "vocabulary shard, gathered by qsa_kernels.int8_rows: the INT8 table is the only "
+            "allocation of its size. The constructor is where the table's module is chosen; no "
+            "registry or argument selects its class or its dtype."
+        ),
+    ),
+    HookSpec(
+        module="sglang.srt.models.qwen4_exp_ple_table",
+        qualname="allocate_ple_host_table",
+        kind=HookKind.AROUND,
+        feature=Feature.MODEL_COMPAT,
+        hook="qsa_sglang_plugin._adapters._model_compat:around_allocate_ple_host_table",
+        reason=(
+            "While an INT8-row PLE table's module is being built, Qwen4ExpPinnedHostEmbedding "
+            "asks for its bf16 pinned host table (about 102 GB for the production table, before "
+            "the INT8-row one replaces it); it gets a meta tensor of that shape instead. The "
+            "backend names are a fixed tuple, not a registry; every other call is SGLang's."
         ),
     ),
     HookSpec(
