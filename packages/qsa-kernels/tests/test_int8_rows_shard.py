@@ -153,3 +153,23 @@ def test_router_refuses_values_without_scales_at_finish() -> None:
     list(router.route(p for p in _checkpoint(stored) if p[0] != f"{MODULE}.shard_1.weight_scale"))
     with pytest.raises(KernelInputError, match=r"shard_1\.weight is int8 but its scales"):
         router.finish()
+
+
+def test_a_table_quantized_at_load_gets_one_note_naming_it() -> None:
+    source = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(2))
+    stored = _stored()
+    size = checkpoint_shard_rows(ROWS, PARTS)
+    weights = [
+        (f"{MODULE}.shard_{i}.weight", source[f : f + size])
+        for i, f in enumerate(range(0, ROWS, size))
+    ]
+    router = Int8RowShardRouter({MODULE: _shard()}, parts=PARTS)
+    list(router.route(weights))
+    note = router.finish()[MODULE].quantized_note(MODULE)
+    assert note == (
+        f"INT8-row table {MODULE} is stored as a 16/32-bit table in the checkpoint; 4 shards "
+        f"quantized to INT8 rows at load ({USED} rows)"
+    )
+    router = Int8RowShardRouter({MODULE: _shard()}, parts=PARTS)
+    list(router.route(_checkpoint(stored)))
+    assert router.finish()[MODULE].quantized_note(MODULE) is None

@@ -73,6 +73,15 @@ class Int8RowShardSummary:
     int8_shards: int
     quantized_shards: int
 
+    def quantized_note(self, table: str) -> str | None:
+        """The note to log when 16/32-bit shards were quantized at load (None when none was)."""
+        if not self.quantized_shards:
+            return None
+        return (
+            f"INT8-row table {table} is stored as a 16/32-bit table in the checkpoint; "
+            f"{self.quantized_shards} shards quantized to INT8 rows at load ({self.rows} rows)"
+        )
+
 
 @dataclasses.dataclass(slots=True)
 class _Pending:

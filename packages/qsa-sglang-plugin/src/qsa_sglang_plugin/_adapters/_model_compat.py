@@ -181,11 +181,6 @@ def _route_ple_shards(
     except KernelInputError as error:
         raise ModelCompatError(f"INT8-row PLE checkpoint: {error}") from error
     for module_name, summary in summaries.items():
-        if summary.quantized_shards:
-            logger.info(
-                "INT8-row PLE: %s is stored as a 16/32-bit table in the checkpoint; %d shards "
-                "quantized to INT8 rows at load (%d rows)",
-                module_name,
-                summary.quantized_shards,
-                summary.rows,
-            )
+        note = summary.quantized_note(module_name)
+        if note is not None:
+            logger.info("PLE: %s", note)
