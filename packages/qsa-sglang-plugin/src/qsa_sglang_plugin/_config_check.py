@@ -28,6 +28,7 @@ from qsa_sglang_plugin._switches import (
     ENV_CACHE_SHARDING,
     ENV_DS_CHANNEL_CONFIG,
     ENV_HISPARSE_HOT_BLOCKS,
+    ENV_INDEX_SHARDING,
     RADIX_CACHE_BACKEND,
     DoubleSparsitySwitches,
     Feature,
@@ -212,6 +213,14 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_cache_sharding(facts, profile, switches.cache_sharding)
     if switches.resident_sharding:
         _check_resident_sharding(facts)
+    if switches.index_sharding and facts.enable_prefill_cp:
+        raise _reject(
+            "--enable-prefill-cp",
+            True,
+            f"off with {ENV_INDEX_SHARDING}='1'",
+            "each CP rank selects for its own zigzag rows, while the sharded index's candidate "
+            "all-gather needs every rank of the group to select for the same rows",
+        )
     if switches.hot_blocks is not None:
         _check_hot_blocks(profile, switches.hot_blocks)
     return profile
