@@ -45,7 +45,7 @@ POOL_PAGES = 128
 LENGTHS = {1: 2600, 2: 700, 3: 2200, 4: 100, 5: 2100}
 ONE_RANK, HIGH = 4, 5
 #: Prefill rows: (request slot, first position, rows).
-CHUNKS = ((1, 2400, 40), (3, 2100, 24))
+CHUNKS = ((1, 2400, 40), (3, 2100, 24), (4, 90, 10), (5, 2088, 12))
 GROUP_ROWS = 8
 SEED = 20261205
 
@@ -97,7 +97,9 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     from qsa_sglang_plugin._adapters._sharded_index import install_sharded_index
 
     activate()
-    hooked = {name: fn is not getattr(_owner(name), _METHODS[name]) for name, fn in upstream.items()}
+    hooked = {
+        name: fn is not getattr(_owner(name), _METHODS[name]) for name, fn in upstream.items()
+    }
     group = dist.new_group(list(range(world)))
     assert isinstance(group, dist.ProcessGroup)
     shard = ShardGroup(ShardPlacement(world, PAGE // RATIO, RATIO), rank, group)
@@ -134,7 +136,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             keys = _grid((locs.numel(), 1, DIM), -64, 128, gen)
             upstream["write"](full, layer, locs, keys)
             pool.set_qsa_compressed_k_buffer(layer, locs, keys)
-    failures: list[str] = []
+    failures: dict[int, list[str]] = {}
     stored = {
         layer: torch.equal(
             pool.get_qsa_compressed_k_buffer(layer).view(-1, PAGE // RATIO, DIM),
@@ -152,7 +154,11 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         sum(t.numel() * t.element_size() for t in p.qsa_compressed_k_buffer_pool)
         for p in (pool, full)
     ]
+    local_pages = shard.placement.local_capacity(POOL_PAGES)
+    owned = {slot: int((p % world == rank).sum()) * (PAGE // RATIO) for slot, p in pages.items()}
     return {
+        "owned_blocks": owned,
+        "high_pages_past_local": bool((pages[HIGH] >= local_pages).all()),
         "hooked": hooked,
         "stored": [stored[layer] for layer in LAYER_IDS],
         "failures": failures,
@@ -208,18 +214,25 @@ def _metadata(meta_cls: type, pool: Any, **fields: Any) -> Any:
     )
 
 
-def _compare(
-    failures: list[str], what: str, got: torch.Tensor, want: torch.Tensor, logits: torch.Tensor
+def _compare(  # noqa: PLR0917
+    failures: dict[int, list[str]],
+    what: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    logits: torch.Tensor,
+    row_slots: list[int],
 ) -> None:
-    """Row sets equal; each row's top-k boundary is free of ties (else the test data is bad)."""
+    """Row sets equal; each row's top-k boundary is free of ties (else the test data is bad).
+    Failures are filed under the row's request slot."""
     for row in range(want.shape[0]):
+        where = failures.setdefault(row_slots[row], [])
         scores = logits[row][torch.isfinite(logits[row])].sort(descending=True).values
         if scores.numel() > BLOCK_TOPK and scores[BLOCK_TOPK - 1] == scores[BLOCK_TOPK]:
-            failures.append(f"{what} row {row}: a tie at the top-k boundary (test data)")
+            where.append(f"{what} row {row}: a tie at the top-k boundary (test data)")
         a, b = got[row].sort().values, want[row].sort().values
         if not torch.equal(a, b):
             diff = (a != b).sum().item()
-            failures.append(f"{what} row {row}: {diff} of {a.numel()} selections differ")
+            where.append(f"{what} row {row}: {diff} of {a.numel()} selections differ")
 
 
 def _decode(  # noqa: PLR0917
@@ -229,7 +242,7 @@ def _decode(  # noqa: PLR0917
     pool: Any,
     table: torch.Tensor,
     gen: torch.Generator,
-    failures: list[str],
+    failures: dict[int, list[str]],
     meta_cls: type,
 ) -> int:
     from sglang.srt.layers.attention.qsa.mqa import torch_qsa_mqa_decode
@@ -251,7 +264,7 @@ def _decode(  # noqa: PLR0917
             want = upstream["decode"](indexer, q, *want_in, positions, lengths, defer)
             got = indexer.select_decode_tokens(q, *got_in, positions, lengths, defer)
             what = f"decode layer {layer} {'blocks' if defer else 'tokens'}"
-            _compare(failures, what, got, want, logits)
+            _compare(failures, what, got, want, logits, slots)
     return len(slots)
 
 
@@ -262,7 +275,7 @@ def _prefill(  # noqa: PLR0917
     pool: Any,
     table: torch.Tensor,
     gen: torch.Generator,
-    failures: list[str],
+    failures: dict[int, list[str]],
     meta_cls: type,
 ) -> int:
     from sglang.srt.layers.attention.qsa.mqa import torch_qsa_mqa_prefill
@@ -293,7 +306,8 @@ def _prefill(  # noqa: PLR0917
             relative[row, : span.numel()] = span
         got_in = _metadata(meta_cls, pool, **fields).get_prefill_mqa_inputs(layer, positions)
         got = indexer.select_prefill_tokens(q, *got_in[:3], positions, row_lengths)
-        _compare(failures, f"prefill layer {layer}", got, want, relative)
+        row_slots = [slot for slot, _, rows in CHUNKS for _ in range(rows)]
+        _compare(failures, f"prefill layer {layer}", got, want, relative, row_slots)
     return positions.numel()
 
 
@@ -311,11 +325,33 @@ def test_index_sharding_hooks_upstreams_pool_and_indexer(ranks: list[Any]) -> No
 
 def test_selection_equals_upstreams_replicated_selection(ranks: list[Any]) -> None:
     """Decode (positions and deferred block ids) and chunked prefill after a prefix: every row's
-    set equals upstream's over the whole index, on every rank; ``ONE_RANK``'s row (every local
-    candidate on one rank) and ``HIGH``'s (pages past the local shard's length) included."""
+    set equals upstream's over the whole index, on every rank."""
     for rank, result in enumerate(ranks):
-        assert result["failures"] == [], rank
+        assert {s: f for s, f in result["failures"].items() if f} == {}, rank
         assert result["rows"] == len(LENGTHS) + sum(r for _, _, r in CHUNKS)
+        assert sorted(int(s) for s in result["failures"]) == sorted(LENGTHS)
+
+
+def test_a_request_whose_blocks_are_all_on_one_rank_selects_them_on_every_rank(
+    ranks: list[Any],
+) -> None:
+    """``ONE_RANK`` (decode and prefill rows) has no local candidate on all ranks but the last;
+    those ranks still join the candidate exchange and select the last rank's blocks."""
+    world = len(ranks)
+    for rank, result in enumerate(ranks):
+        owned = result["owned_blocks"][str(ONE_RANK)]
+        assert (owned > 0) == (rank == world - 1), (rank, owned)
+        assert result["failures"][str(ONE_RANK)] == [], rank
+
+
+def test_pages_past_the_local_shard_are_selected_by_their_global_block_ids(
+    ranks: list[Any],
+) -> None:
+    """``HIGH`` lies on page ids beyond every rank's local page count: its blocks are scored at
+    their local pages and reported as request-relative ids, equal to upstream's."""
+    for rank, result in enumerate(ranks):
+        assert result["high_pages_past_local"], rank
+        assert result["failures"][str(HIGH)] == [], rank
 
 
 def test_each_rank_stores_exactly_its_pages(ranks: list[Any]) -> None:
@@ -324,6 +360,7 @@ def test_each_rank_stores_exactly_its_pages(ranks: list[Any]) -> None:
     else."""
     for result in ranks:
         assert result["stored"] == [True] * len(LAYER_IDS)
+        assert sum(result["owned_blocks"].values()) > 0
 
 
 def test_index_pool_holds_one_nth_of_its_pages(ranks: list[Any]) -> None:
