@@ -74,9 +74,13 @@ def test_a_byte_count_out_of_range_is_refused_by_name() -> None:
     """A negative count, an index dearer than the whole token, no ranks: each named."""
     with pytest.raises(CapacityError, match=r"kv_token_bytes=-1 "):
         PoolPrice.labelled(kv_token_bytes=-1, label_token_bytes=2)
-    swapped = {"resident_token_bytes": INDEX, "index_token_bytes": RESIDENT}
     with pytest.raises(CapacityError, match=r"raw_bytes=-6144 "):
-        PoolPrice.sharded(**swapped, sharding_size=2, transport_bytes=0)
+        PoolPrice.sharded(
+            resident_token_bytes=INDEX,
+            index_token_bytes=RESIDENT,
+            sharding_size=2,
+            transport_bytes=0,
+        )
     with pytest.raises(CapacityError, match=r"sharding_size=0 "):
         PoolPrice.sharded(
             resident_token_bytes=RESIDENT,

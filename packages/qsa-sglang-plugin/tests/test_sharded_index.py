@@ -182,7 +182,7 @@ def _owner(name: str) -> type:
     from sglang.srt.layers.attention.qsa.qsa_indexer import QSAIndexer
     from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
 
-    owners = {"inputs": QSAIndexerMetadata, "write": QSATokenToKVPool}
+    owners: dict[str, type] = {"inputs": QSAIndexerMetadata, "write": QSATokenToKVPool}
     return owners.get(name, QSAIndexer)
 
 
