@@ -241,7 +241,7 @@ def around_select_prefill_tokens(  # noqa: PLR0917 (upstream's signature)
         raise OffloadRuntimeError(msg)
     _State.pending = None
     blocks = sharded_index().select(
-        q[:, : int(indexer.index_n_heads)],
+        _index_queries(indexer, q),
         pending.local_index,
         pending.page_table,
         pending.seq_lens,
@@ -272,11 +272,20 @@ def around_select_decode_tokens(  # noqa: PLR0917 (upstream's signature)
     local = compressed_cache.reshape(compressed_cache.shape[0], compressed_cache.shape[1], -1)
     seq_lens = compressed_lengths.to(torch.int64) * int(indexer.compress_ratio)
     blocks = sharded_index().select(
-        q[:, : int(indexer.index_n_heads)], local, compressed_page_table, seq_lens
+        _index_queries(indexer, q), local, compressed_page_table, seq_lens
     )
     if defer_expansion:
         return blocks
     return _expand(indexer, blocks, query_positions, sequence_lengths)
+
+
+def _index_queries(indexer: Any, q: torch.Tensor) -> torch.Tensor:
+    """The index queries ``[rows, index_n_heads, D]``, contiguous.
+
+    Upstream pads decode queries to 8 heads on CUDA for its tilelang kernel (zero heads, which
+    add nothing to a score).
+    """
+    return q[:, : int(indexer.index_n_heads)].contiguous()
 
 
 def _expand(
