@@ -182,8 +182,13 @@ def _owner(name: str) -> type:
     from sglang.srt.layers.attention.qsa.qsa_indexer import QSAIndexer
     from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
 
-    owners: dict[str, type] = {"inputs": QSAIndexerMetadata, "write": QSATokenToKVPool}
-    return owners.get(name, QSAIndexer)
+    owners: dict[str, type] = {
+        "inputs": QSAIndexerMetadata,
+        "write": QSATokenToKVPool,
+        "decode": QSAIndexer,
+        "prefill": QSAIndexer,
+    }
+    return owners[name]
 
 
 def _pool(cls: type) -> Any:
