@@ -576,7 +576,7 @@ def test_the_runtime_sizes_hot_caches_from_the_switch_clipped_to_a_contexts_bloc
     assert geometry.hot_slots == slots
 
 
-def test_index_sharding_refuses_prefill_cp_by_name() -> None:
+def test_index_sharding_refuses_prefill_cp_and_hicache_by_name() -> None:
     """D2 with SGLang's QSA prefill CP: each CP rank would select for its own zigzag rows while
     the candidate exchange pairs every rank's rows; refused naming the flag. Without CP it
     passes."""
@@ -590,6 +590,9 @@ def test_index_sharding_refuses_prefill_cp_by_name() -> None:
         assert fragment in str(info.value)
     two = {"SGLANG_QSA_CACHE_SHARDING": "2", "SGLANG_QSA_INDEX_SHARDING": "1"}
     assert check_configuration(UPSTREAM_SCHEDULING, parse_switches(two)) is not None
+    hicache = dataclasses.replace(UPSTREAM_SCHEDULING, enable_hierarchical_cache=True)
+    with pytest.raises(ConfigurationError, match=r"--enable-hierarchical-cache=True .*own pages"):
+        check_configuration(hicache, parse_switches(two))
 
 
 def test_index_sharding_on_the_cpu_is_refused_with_the_cache_sharding_it_rides_on() -> None:
