@@ -377,3 +377,28 @@ def test_index_pool_holds_one_nth_of_its_pages(ranks: list[Any]) -> None:
         pages = full // (len(LAYER_IDS) * (PAGE // RATIO) * DIM * 2)
         assert result["index_bytes"] == full // pages * -(-pages // world)
         assert result["mem_usage"][0] < result["mem_usage"][1]
+
+
+def test_a_qsa_pool_whose_pages_are_not_the_kernels_is_refused_by_value() -> None:
+    """Index sharding pages the index in 16 blocks of 4 tokens; another geometry is named."""
+    from types import SimpleNamespace
+
+    from qsa_sglang_plugin._adapters._sharded_index import index_placement
+    from qsa_sglang_plugin._errors import ConfigurationError
+
+    assert index_placement(SimpleNamespace(qsa_compressed_page_size=16, qsa_compress_ratio=4), 2)
+    pool = SimpleNamespace(qsa_compressed_page_size=8, qsa_compress_ratio=4)
+    with pytest.raises(ConfigurationError, match=r"16 blocks of 4 tokens; .* has 8 blocks of 4"):
+        index_placement(pool, 2)
+
+
+def test_a_prefill_selection_without_its_sharded_inputs_is_refused() -> None:
+    """Row ranges that did not come from the hooked ``get_prefill_mqa_inputs`` (whose keys would
+    be read at logical slots of a rank-local buffer) stop the selection."""
+    from qsa_sglang_plugin._adapters._sharded_index import around_select_prefill_tokens
+    from qsa_sglang_plugin._errors import OffloadRuntimeError
+
+    rows = torch.zeros(3, dtype=torch.int32)
+    q = torch.zeros((3, HEADS, DIM), dtype=torch.bfloat16)
+    with pytest.raises(OffloadRuntimeError, match="did not come from get_prefill_mqa_inputs"):
+        around_select_prefill_tokens(None, None, q, q[:0], rows, rows, rows, rows)
