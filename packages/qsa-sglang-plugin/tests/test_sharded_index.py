@@ -386,7 +386,8 @@ def test_a_qsa_pool_whose_pages_are_not_the_kernels_is_refused_by_value() -> Non
     from qsa_sglang_plugin._adapters._sharded_index import index_placement
     from qsa_sglang_plugin._errors import ConfigurationError
 
-    assert index_placement(SimpleNamespace(qsa_compressed_page_size=16, qsa_compress_ratio=4), 2)
+    good = SimpleNamespace(qsa_compressed_page_size=16, qsa_compress_ratio=4)
+    assert index_placement(good, 2).world_size == 2
     pool = SimpleNamespace(qsa_compressed_page_size=8, qsa_compress_ratio=4)
     with pytest.raises(ConfigurationError, match=r"16 blocks of 4 tokens; .* has 8 blocks of 4"):
         index_placement(pool, 2)
