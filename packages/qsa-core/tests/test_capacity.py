@@ -227,6 +227,23 @@ def test_cache_sharding_divides_the_host_arena_and_multiplies_what_it_fits() -> 
         _plan(sharding_size=4)  # TP2: one rank per K/V head
 
 
+def test_an_index_sharded_by_page_divides_the_compressed_index_per_rank() -> None:
+    """D2 at TP8, groups of 4: each rank holds a quarter of the compressed index (768 / 4 B per
+    token), so resident sharding fits at least as many requests as D1 alone."""
+    d1 = _plan(tp_size=8, gpu_budget_bytes=64 * GIB, sharding_size=4)
+    d2 = _plan(tp_size=8, gpu_budget_bytes=64 * GIB, sharding_size=4, index_sharded=True)
+    assert d2.index_bytes_per_token_per_rank == 768 // 4
+    assert d2.resident_token_bytes == 768 // 4 + 6144 // 4
+    for layout in (d2.resident, d2.offloaded):
+        assert layout.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 192
+    assert d1.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 768
+    assert d2.max_requests_resident >= d1.max_requests_resident
+    text = render_plan(d2)
+    assert "compressed index sharded over 4 ranks" in text
+    assert "index 768 B (192 B on this rank)" in text
+    assert "compressed index sharded" not in render_plan(d1)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [

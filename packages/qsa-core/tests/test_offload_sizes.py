@@ -105,6 +105,13 @@ def test_label_rows_and_the_sharded_raw_share_of_a_token() -> None:
     assert sharded_token_bytes(6144, 768, 1) == 6144 + 768
 
 
+def test_an_index_sharded_by_page_costs_its_share_too() -> None:
+    """D2: ceil(index / N) + ceil(raw / N); unsharded (N = 1) the same as without."""
+    assert sharded_token_bytes(6144, 768, 4, index_sharded=True) == 192 + 1536
+    assert sharded_token_bytes(10, 3, 4, index_sharded=True) == 1 + 3
+    assert sharded_token_bytes(6144, 768, 1, index_sharded=True) == 6144 + 768
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [

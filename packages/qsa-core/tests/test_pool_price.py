@@ -41,6 +41,19 @@ def test_a_sharded_token_costs_its_index_and_its_share_of_the_raw_kv() -> None:
     assert price.detail.endswith("plus 1.000 MiB of transport buffers")
 
 
+def test_a_token_of_a_page_sharded_index_costs_a_share_of_its_index() -> None:
+    """D2 over four ranks: a quarter of 768 B of index and a quarter of 6,144 B of raw K/V."""
+    price = PoolPrice.sharded(
+        resident_token_bytes=RESIDENT,
+        index_token_bytes=INDEX,
+        sharding_size=4,
+        transport_bytes=1 << 20,
+        index_sharded=True,
+    )
+    assert price.token_bytes == INDEX // 4 + 1536
+    assert "768 B of index over 4 ranks" in price.detail
+
+
 def test_labels_add_to_a_resident_token_and_are_all_it_costs_with_ds_offload() -> None:
     """Resident K/V: K/V plus labels, nothing fixed; DS-Offload: labels, the offload fixed."""
     resident = PoolPrice.labelled(kv_token_bytes=1024, label_token_bytes=256)
@@ -61,9 +74,13 @@ def test_a_byte_count_out_of_range_is_refused_by_name() -> None:
     """A negative count, an index dearer than the whole token, no ranks: each named."""
     with pytest.raises(CapacityError, match=r"kv_token_bytes=-1 "):
         PoolPrice.labelled(kv_token_bytes=-1, label_token_bytes=2)
-    swapped = {"resident_token_bytes": INDEX, "index_token_bytes": RESIDENT}
     with pytest.raises(CapacityError, match=r"raw_bytes=-6144 "):
-        PoolPrice.sharded(**swapped, sharding_size=2, transport_bytes=0)
+        PoolPrice.sharded(
+            resident_token_bytes=INDEX,
+            index_token_bytes=RESIDENT,
+            sharding_size=2,
+            transport_bytes=0,
+        )
     with pytest.raises(CapacityError, match=r"sharding_size=0 "):
         PoolPrice.sharded(
             resident_token_bytes=RESIDENT,

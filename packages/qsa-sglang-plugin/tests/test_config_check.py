@@ -574,3 +574,36 @@ def test_the_runtime_sizes_hot_caches_from_the_switch_clipped_to_a_contexts_bloc
         dtype=torch.bfloat16,
     )
     assert geometry.hot_slots == slots
+
+
+def test_index_sharding_refuses_prefill_cp_and_hicache_by_name() -> None:
+    """D2 with SGLang's QSA prefill CP: each CP rank would select for its own zigzag rows while
+    the candidate exchange pairs every rank's rows; refused naming the flag. Without CP it
+    passes."""
+    env = {"SGLANG_QSA_CACHE_SHARDING": "4", "SGLANG_QSA_INDEX_SHARDING": "1"}
+    facts = dataclasses.replace(
+        UPSTREAM_SCHEDULING, tp_size=4, enable_prefill_cp=True, attn_cp_size=4
+    )
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(facts, parse_switches(env))
+    for fragment in ("--enable-prefill-cp=True", "SGLANG_QSA_INDEX_SHARDING='1'", "zigzag rows"):
+        assert fragment in str(info.value)
+    two = {"SGLANG_QSA_CACHE_SHARDING": "2", "SGLANG_QSA_INDEX_SHARDING": "1"}
+    assert check_configuration(UPSTREAM_SCHEDULING, parse_switches(two)) is not None
+    hicache = dataclasses.replace(UPSTREAM_SCHEDULING, enable_hierarchical_cache=True)
+    with pytest.raises(ConfigurationError, match=r"--enable-hierarchical-cache=True .*own pages"):
+        check_configuration(hicache, parse_switches(two))
+
+
+def test_index_sharding_on_the_cpu_is_refused_with_the_cache_sharding_it_rides_on() -> None:
+    """One K/V head at TP2 on the CPU: SGLang pads the heads, so D1 has no shard group, and D2,
+    which uses D1's groups, is refused with it (the message names the cache-sharding switch)."""
+    env = {"SGLANG_QSA_CACHE_SHARDING": "2", "SGLANG_QSA_INDEX_SHARDING": "1"}
+    one_head = dataclasses.replace(
+        UPSTREAM_SCHEDULING,
+        tp_size=2,
+        device="cpu",
+        text_config={**UPSTREAM_SCHEDULING.text_config, "num_key_value_heads": 1},
+    )
+    with pytest.raises(ConfigurationError, match=r"SGLANG_QSA_CACHE_SHARDING=2 .* on the CPU"):
+        check_configuration(one_head, parse_switches(env))

@@ -187,3 +187,25 @@ def test_a_kv_cache_dtype_outside_the_supported_ones_is_refused_without_a_model_
     err = capsys.readouterr().err
     assert "argument --kv-cache-dtype: invalid choice: 'bogus'" in err
     assert "'fp8_e4m3'" in err
+
+
+def test_the_plan_shows_the_compressed_index_per_rank_with_index_sharding(tmp_path: Path) -> None:
+    """``SGLANG_QSA_INDEX_SHARDING=1``: the plan line names the shard group and the index bytes
+    one rank holds (a quarter at TP8 in groups of 4), and the table says so."""
+    from qsa_core import QWEN38_FLASH_NEXT_TEXT_CONFIG, format_bytes
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(QWEN38_FLASH_NEXT_TEXT_CONFIG)))
+    args = ["--model-path", str(model), "--tp-size", "8", "--context-length", "262144"]
+    budgets = ["--gpu-budget-gib", "64", "--host-budget-gib", "12", "--max-running-requests", "8"]
+    flags = doctor.build_parser().parse_args([*args, *budgets])
+    env = {"SGLANG_QSA_CACHE_SHARDING": "4"}
+    d1, _ = doctor.plan_check(flags, env)
+    d2, table = doctor.plan_check(flags, {**env, "SGLANG_QSA_INDEX_SHARDING": "1"})
+    assert "compressed index" not in d1.detail
+    assert "compressed index sharded over 4 ranks" in d2.detail
+    quarter = (8 * 262144 + 64) * 768 // 4
+    assert f"({format_bytes(quarter)} per rank" in d2.detail
+    assert table is not None
+    assert "(192 B on this rank)" in table

@@ -427,3 +427,50 @@ def test_cache_sharding_without_an_offload_keeps_the_k_v_resident_in_sharded_sto
         Feature.QSA_BACKEND,
         Feature.KV_POOL,
     )
+
+
+def test_index_sharding_rides_on_resident_cache_sharding() -> None:
+    """``SGLANG_QSA_INDEX_SHARDING=1`` with ``SGLANG_QSA_CACHE_SHARDING=N`` adds its own feature
+    to resident sharding's; ``0`` or unset leaves it off."""
+    switches = parse_switches({"SGLANG_QSA_CACHE_SHARDING": "2", "SGLANG_QSA_INDEX_SHARDING": "1"})
+    assert switches.index_sharding
+    assert switches.features == (
+        Feature.FRAMEWORK,
+        Feature.CACHE_SHARDING,
+        Feature.INDEX_SHARDING,
+        Feature.QSA_BACKEND,
+        Feature.KV_POOL,
+    )
+    off = parse_switches({"SGLANG_QSA_CACHE_SHARDING": "2", "SGLANG_QSA_INDEX_SHARDING": "0"})
+    assert not off.index_sharding
+    assert Feature.INDEX_SHARDING not in off.features
+
+
+@pytest.mark.parametrize(
+    ("env", "fragments"),
+    [
+        (
+            {"SGLANG_QSA_INDEX_SHARDING": "yes", "SGLANG_QSA_CACHE_SHARDING": "2"},
+            ["SGLANG_QSA_INDEX_SHARDING='yes'", "allowed: unset, '0', '1'"],
+        ),
+        (
+            {"SGLANG_QSA_INDEX_SHARDING": "1"},
+            ["SGLANG_QSA_INDEX_SHARDING='1'", "SGLANG_QSA_CACHE_SHARDING of 2 or more", "''"],
+        ),
+        (
+            {"SGLANG_QSA_INDEX_SHARDING": "1", "SGLANG_QSA_CACHE_SHARDING": "1"},
+            ["SGLANG_QSA_CACHE_SHARDING='1'"],
+        ),
+        (
+            {**ON, "SGLANG_QSA_INDEX_SHARDING": "1", "SGLANG_QSA_CACHE_SHARDING": "2"},
+            ["resident cache sharding only", "SGLANG_QSA_HISPARSE_V3='p2-offload'"],
+        ),
+    ],
+)
+def test_index_sharding_refuses_a_bad_combination_by_name(
+    env: dict[str, str], fragments: list[str]
+) -> None:
+    with pytest.raises(SwitchError) as info:
+        parse_switches(env)
+    for fragment in fragments:
+        assert fragment in str(info.value)

@@ -11,7 +11,8 @@ context, ``S`` hot slots and ``block_bytes`` per record:
   (:func:`sharded_token_bytes`);
 * compressed index-K (GPU, never offloaded, replicated on every rank):
   ``(R × L + page) × index_bytes_per_token``; with offload it is all a token costs in the
-  engine's pool;
+  engine's pool; sharded by page too (D2, ``index_sharded``) ``(R × L + page) ×
+  ceil(index_bytes_per_token / N)``;
 * pending ring (GPU): ``R × (qsa_layers × ratio × index_kv_heads × index_head_dim × 2 B + ratio × 3
   × 8 B)`` (bf16 raw index keys plus their int64 3-axis RoPE positions);
 * GDN recurrent state (GPU, fp32): ``slots × linear_layers × (value_heads / TP) × key_dim ×
@@ -166,6 +167,7 @@ class CapacityPlan:
         sharding_size: ranks of a shard group that store the K/V once (1 = off): the
             offloaded K/V's host arena, or the resident raw K/V, divides by it.
         staged_prompts: prompts the offload stages at once (an engine's prefill batch).
+        index_sharded: the compressed index is sharded by page over the same ``N`` ranks (D2).
     """
 
     profile: QSAProfile
@@ -184,6 +186,7 @@ class CapacityPlan:
     max_requests_resident: int
     sharding_size: int = 1
     staged_prompts: int = 1
+    index_sharded: bool = False
 
     @property
     def raw_bytes_per_token(self) -> int:
@@ -192,14 +195,22 @@ class CapacityPlan:
 
     @property
     def index_bytes_per_token(self) -> int:
-        """Compressed index bytes per token (every rank)."""
+        """Compressed index bytes per token (every rank, unsharded)."""
         return self.profile.index_bytes_per_token(self.index_dtype)
+
+    @property
+    def index_bytes_per_token_per_rank(self) -> int:
+        """Compressed index bytes per token on one rank (``1 / N`` with ``index_sharded``)."""
+        return _rank_index_bytes(self.index_bytes_per_token, self.sharding_size, self.index_sharded)
 
     @property
     def resident_token_bytes(self) -> int:
         """A token's price in the engine's pool without offload (index + raw, sharded)."""
         return sharded_token_bytes(
-            self.raw_bytes_per_token, self.index_bytes_per_token, self.sharding_size
+            self.raw_bytes_per_token,
+            self.index_bytes_per_token,
+            self.sharding_size,
+            index_sharded=self.index_sharded,
         )
 
     @property
@@ -233,6 +244,11 @@ class CapacityPlan:
     @property
     def _layer_block_bytes(self) -> int:
         return self.profile.num_qsa_layers * self.bytes_per_block
+
+
+def _rank_index_bytes(index_bytes: int, sharding_size: int, index_sharded: bool) -> int:
+    """A token's compressed index bytes on one rank: ``ceil(index / N)`` when sharded (D2)."""
+    return -(-index_bytes // sharding_size) if index_sharded else index_bytes
 
 
 def _host_blocks(profile: QSAProfile, context_len: int, sharding_size: int = 1) -> int:
@@ -286,12 +302,14 @@ def _layout(
     offloaded: bool,
     sharding_size: int,
     staged_prompts: int,
+    index_sharded: bool = False,
 ) -> MemoryLayout:
     p = profile
     n, ctx, page = num_requests, context_len, p.page_size
     raw_tok = p.raw_kv_bytes_per_token(kv_dtype, tp_size)
     idx_tok = p.index_bytes_per_token(index_dtype)
     resident_raw = sharded_token_bytes(raw_tok, idx_tok, sharding_size) - idx_tok
+    idx_tok = _rank_index_bytes(idx_tok, sharding_size, index_sharded)
     sizes = _offload_sizes(
         p,
         tp_size=tp_size,
@@ -450,6 +468,7 @@ def plan_capacity(
     state_slots: int | None = None,
     sharding_size: int = 1,
     staged_prompts: int = 1,
+    index_sharded: bool = False,
 ) -> CapacityPlan:
     """Price every per-rank memory part with and without offload, and the largest request count.
 
@@ -469,6 +488,8 @@ def plan_capacity(
         sharding_size: TP ranks of one K/V head that share its K/V (the offloaded host arena
             and the resident raw K/V divide by it; :meth:`ShardPlacement.for_tp` rules).
         staged_prompts: prompts the offload stages at once (``--prefill-max-requests``).
+        index_sharded: the compressed index sharded by page over the ``sharding_size`` ranks
+            too (D2): its GPU bytes per rank divide by ``sharding_size``.
 
     Returns:
         The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.
@@ -513,6 +534,7 @@ def plan_capacity(
             offloaded=offloaded,
             sharding_size=sharding_size,
             staged_prompts=staged_prompts,
+            index_sharded=index_sharded,
         )
 
     def largest(offloaded: bool) -> int:
@@ -548,4 +570,5 @@ def plan_capacity(
         max_requests_resident=largest(False),
         sharding_size=sharding_size,
         staged_prompts=staged_prompts,
+        index_sharded=index_sharded,
     )

@@ -256,11 +256,15 @@ def label_bytes_per_token(
     return layers * kv_heads * heavy_channels * label_element_bytes
 
 
-def sharded_token_bytes(raw_bytes: int, index_bytes: int, sharding_size: int) -> int:
-    """A token's price under resident cache sharding: its index and ``1 / N`` of its raw K/V.
+def sharded_token_bytes(
+    raw_bytes: int, index_bytes: int, sharding_size: int, *, index_sharded: bool = False
+) -> int:
+    """A token's price under resident cache sharding: ``1 / N`` of its raw K/V and its index.
 
     ``index_bytes + ceil(raw_bytes / sharding_size)``: each of the ``N`` ranks of a shard group
-    stores the raw K/V of its own pages; the compressed index stays on every rank.
+    stores the raw K/V of its own pages; the compressed index stays on every rank. With
+    ``index_sharded`` (D2: the index sharded by page too) the index term is
+    ``ceil(index_bytes / sharding_size)``.
 
     Raises:
         CapacityError: a negative byte count or a ``sharding_size`` that is not positive.
@@ -268,4 +272,5 @@ def sharded_token_bytes(raw_bytes: int, index_bytes: int, sharding_size: int) ->
     _non_negative("raw_bytes", raw_bytes)
     _non_negative("index_bytes", index_bytes)
     _positive("sharding_size", sharding_size)
-    return index_bytes + -(-raw_bytes // sharding_size)
+    index = -(-index_bytes // sharding_size) if index_sharded else index_bytes
+    return index + -(-raw_bytes // sharding_size)

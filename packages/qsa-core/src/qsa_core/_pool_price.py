@@ -78,10 +78,13 @@ class PoolPrice:
         index_token_bytes: int,
         sharding_size: int,
         transport_bytes: int,
+        index_sharded: bool = False,
     ) -> PoolPrice:
         """Resident cache sharding: the index and ``1 / N`` of the raw K/V; transport is fixed.
 
-        The raw K/V of a token is what resident K/V costs beyond its index.
+        The raw K/V of a token is what resident K/V costs beyond its index. With
+        ``index_sharded`` (D2) the index costs ``1 / N`` too, and ``transport_bytes`` should
+        include the index shard's candidate buffers.
 
         Raises:
             CapacityError: a negative byte count, an index dearer than the whole token, or a
@@ -89,10 +92,17 @@ class PoolPrice:
         """
         _non_negative("transport_bytes", transport_bytes)
         raw = resident_token_bytes - index_token_bytes
-        token = sharded_token_bytes(raw, index_token_bytes, sharding_size)
+        token = sharded_token_bytes(
+            raw, index_token_bytes, sharding_size, index_sharded=index_sharded
+        )
+        index = (
+            f"{index_token_bytes} B of index over {sharding_size} ranks"
+            if index_sharded
+            else f"{index_token_bytes} B of index and state"
+        )
         detail = (
             f"pool sizing charges {token} B per token (was {resident_token_bytes} B: {raw} B of "
-            f"raw K/V over {sharding_size} ranks, {index_token_bytes} B of index and state) plus "
+            f"raw K/V over {sharding_size} ranks, {index}) plus "
             f"{format_bytes(transport_bytes)} of transport buffers"
         )
         return cls(token, transport_bytes, detail)

@@ -34,9 +34,20 @@ def render_plan(plan: CapacityPlan) -> str:
             f", offloaded K/V sharded over {plan.sharding_size} ranks"
             if plan.sharding_size > 1
             else ""
+        )
+        + (
+            f", compressed index sharded over {plan.sharding_size} ranks"
+            if plan.index_sharded and plan.sharding_size > 1
+            else ""
         ),
         f"  per token: raw K/V {plan.raw_bytes_per_token:,} B, index "
-        f"{plan.index_bytes_per_token:,} B; one block of one layer {plan.bytes_per_block:,} B; "
+        f"{plan.index_bytes_per_token:,} B"
+        + (
+            f" ({plan.index_bytes_per_token_per_rank:,} B on this rank)"
+            if plan.index_sharded and plan.sharding_size > 1
+            else ""
+        )
+        + f"; one block of one layer {plan.bytes_per_block:,} B; "
         f"host K/V per request {format_bytes(plan.host_bytes_per_request)}",
         "",
     ]

@@ -28,6 +28,7 @@ from qsa_sglang_plugin._switches import (
     ENV_CACHE_SHARDING,
     ENV_DS_CHANNEL_CONFIG,
     ENV_HISPARSE_HOT_BLOCKS,
+    ENV_INDEX_SHARDING,
     RADIX_CACHE_BACKEND,
     DoubleSparsitySwitches,
     Feature,
@@ -70,6 +71,7 @@ class ConfigFacts:
         speculative_algorithm: ``--speculative-algorithm`` (None = off).
         disaggregation_mode: ``--disaggregation-mode``.
         enable_hisparse: ``--enable-hisparse`` (upstream HiSparse).
+        enable_hierarchical_cache: ``--enable-hierarchical-cache`` (upstream HiCache).
         disable_overlap_schedule: ``--disable-overlap-schedule``.
         enable_mixed_chunk: ``--enable-mixed-chunk``.
         disable_radix_cache: ``--disable-radix-cache``.
@@ -101,6 +103,7 @@ class ConfigFacts:
     speculative_algorithm: str | None = None
     disaggregation_mode: str = "null"
     enable_hisparse: bool = False
+    enable_hierarchical_cache: bool = False
     disable_overlap_schedule: bool = True
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = True
@@ -212,6 +215,22 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_cache_sharding(facts, profile, switches.cache_sharding)
     if switches.resident_sharding:
         _check_resident_sharding(facts)
+    if switches.index_sharding and facts.enable_hierarchical_cache:
+        raise _reject(
+            "--enable-hierarchical-cache",
+            True,
+            f"off with {ENV_INDEX_SHARDING}='1'",
+            "HiCache copies the compressed-index pages by logical page id, while each rank "
+            "holds only its own pages",
+        )
+    if switches.index_sharding and facts.enable_prefill_cp:
+        raise _reject(
+            "--enable-prefill-cp",
+            True,
+            f"off with {ENV_INDEX_SHARDING}='1'",
+            "each CP rank selects for its own zigzag rows, while the sharded index's candidate "
+            "all-gather needs every rank of the group to select for the same rows",
+        )
     if switches.hot_blocks is not None:
         _check_hot_blocks(profile, switches.hot_blocks)
     return profile
@@ -619,6 +638,7 @@ def facts_from_server_args(server_args: Any) -> ConfigFacts:
         else str(cfg.speculative_algorithm),
         disaggregation_mode=str(cfg.disaggregation_mode),
         enable_hisparse=bool(cfg.enable_hisparse),
+        enable_hierarchical_cache=bool(cfg.enable_hierarchical_cache),
         disable_overlap_schedule=bool(cfg.disable_overlap_schedule),
         enable_mixed_chunk=bool(cfg.enable_mixed_chunk),
         disable_radix_cache=bool(cfg.disable_radix_cache),

@@ -163,6 +163,76 @@ HOOKS: tuple[HookSpec, ...] = (
         ),
     ),
     HookSpec(
+        module="sglang.srt.mem_cache.qsa_kv_pool",
+        qualname="QSATokenToKVPool.__init__",
+        kind=HookKind.AFTER,
+        feature=Feature.INDEX_SHARDING,
+        hook="qsa_sglang_plugin._adapters._sharded_index:after_qsa_pool_init",
+        reason=(
+            "Index sharding: each QSA layer's compressed-key buffer holds this rank's pages only "
+            "(1/N). The configurator builds QSATokenToKVPool by name and sizes the buffer from "
+            "the token count inside __init__; no argument or registry shapes it."
+        ),
+    ),
+    HookSpec(
+        module="sglang.srt.mem_cache.qsa_kv_pool",
+        qualname="QSATokenToKVPool.set_qsa_compressed_k_buffer",
+        kind=HookKind.AROUND,
+        feature=Feature.INDEX_SHARDING,
+        hook="qsa_sglang_plugin._adapters._sharded_index:around_set_qsa_compressed_k_buffer",
+        reason=(
+            "Index sharding: a closed block is stored at its local slot by its page's owner "
+            "only; upstream stores every block at its logical slot."
+        ),
+    ),
+    HookSpec(
+        module="sglang.srt.layers.attention.qsa.qsa_indexer",
+        qualname="QSAIndexer._use_fused_compress",
+        kind=HookKind.AFTER,
+        feature=Feature.INDEX_SHARDING,
+        hook="qsa_sglang_plugin._adapters._sharded_index:after_use_fused_compress",
+        reason=(
+            "Index sharding: the fused JIT compress stores into the buffer at logical slots "
+            "itself, bypassing set_qsa_compressed_k_buffer; the unfused path goes through it."
+        ),
+    ),
+    HookSpec(
+        module="sglang.srt.layers.attention.qsa.metadata",
+        qualname="QSAIndexerMetadata.get_prefill_mqa_inputs",
+        kind=HookKind.AROUND,
+        feature=Feature.INDEX_SHARDING,
+        hook="qsa_sglang_plugin._adapters._sharded_index:around_get_prefill_mqa_inputs",
+        reason=(
+            "Index sharding: upstream gathers the batch's compressed keys by logical slot, out "
+            "of range of a rank-local buffer; the prefill selection needs each row's page table "
+            "instead, which select_prefill_tokens is not given."
+        ),
+    ),
+    HookSpec(
+        module="sglang.srt.layers.attention.qsa.qsa_indexer",
+        qualname="QSAIndexer.select_prefill_tokens",
+        kind=HookKind.AROUND,
+        feature=Feature.INDEX_SHARDING,
+        hook="qsa_sglang_plugin._adapters._sharded_index:around_select_prefill_tokens",
+        reason=(
+            "Index sharding: each rank scores its own pages, one candidate all-gather, the "
+            "exact merge; the indexer has no extension point for its selection."
+        ),
+        relies_on=("sglang.srt.layers.attention.qsa.kernel",),
+    ),
+    HookSpec(
+        module="sglang.srt.layers.attention.qsa.qsa_indexer",
+        qualname="QSAIndexer.select_decode_tokens",
+        kind=HookKind.AROUND,
+        feature=Feature.INDEX_SHARDING,
+        hook="qsa_sglang_plugin._adapters._sharded_index:around_select_decode_tokens",
+        reason=(
+            "Index sharding: each rank scores its own pages, one candidate all-gather, the "
+            "exact merge; the indexer has no extension point for its selection."
+        ),
+        relies_on=("sglang.srt.layers.attention.qsa.kernel",),
+    ),
+    HookSpec(
         module="sglang.srt.managers.schedule_policy",
         qualname="PrefillAdder.add_one_req",
         kind=HookKind.AROUND,

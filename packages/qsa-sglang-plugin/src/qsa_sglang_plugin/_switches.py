@@ -27,6 +27,7 @@ __all__ = (
     "ENV_HISPARSE_HOT_BLOCKS",
     "ENV_HISPARSE_V3",
     "ENV_HISPARSE_VERIFY",
+    "ENV_INDEX_SHARDING",
     "ENV_MODEL_COMPAT",
     "ENV_PREFIX_CACHE_MAX_ENTRIES",
     "ENV_PREFIX_CACHE_MB",
@@ -56,6 +57,9 @@ ENV_HISPARSE_HOT_BLOCKS: Final = "SGLANG_QSA_HISPARSE_HOT_BLOCKS"
 #: ``N`` > 1: the TP ranks holding copies of one K/V head store its offloaded K/V once, in shard
 #: groups of ``N`` ranks (each rank's host arena holds every ``N``-th 16-block page).
 ENV_CACHE_SHARDING: Final = "SGLANG_QSA_CACHE_SHARDING"
+#: ``1`` (with resident ``SGLANG_QSA_CACHE_SHARDING=N``): the compressed QSA index sharded by
+#: 16-block page over the same shard groups too (D2): each rank stores and scores its pages.
+ENV_INDEX_SHARDING: Final = "SGLANG_QSA_INDEX_SHARDING"
 #: Double sparsity: the channel file (``qsa-hisparse calibrate`` writes it); setting it turns the
 #: ``qsa_ds`` attention backend on. The others override the defaults of the library's
 #: :class:`qsa_kernels.double_sparsity.DSConfig`.
@@ -121,6 +125,10 @@ class Feature(enum.StrEnum):
     QSA_BACKEND = "qsa_backend"
     """The QSA layers attend through the plugin's subclass of upstream's QSA backend: the
     offload backend (``p2-offload``) or the sharded one (cache sharding without an offload)."""
+    INDEX_SHARDING = "index_sharding"
+    """``SGLANG_QSA_INDEX_SHARDING=1``: the compressed index sharded by page (D2): the indexer
+    selects through the shard group's exact distributed top-k, compressed blocks are written by
+    their page's owner only, and the index pool holds ``1 / N`` of its pages."""
     KV_POOL = "kv_pool"
     """The attention layers' raw K/V is held by the plugin, not SGLang's K/V pool (an offload,
     or cache sharding): that pool keeps its slots and one page of storage."""
@@ -164,6 +172,8 @@ class Switches:
             ``p2-offload`` or with no ``SGLANG_QSA_HISPARSE_V3`` mode, resident).
         hot_blocks: ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``: hot-cache blocks per request and QSA
             layer, or None for the default (with ``p2-offload`` only).
+        index_sharding: ``SGLANG_QSA_INDEX_SHARDING=1``: the compressed index sharded by page
+            over the cache-sharding groups too (D2; resident cache sharding only).
     """
 
     model_compat: bool = False
@@ -174,6 +184,7 @@ class Switches:
     double_sparsity: DoubleSparsitySwitches | None = None
     cache_sharding: int = 1
     hot_blocks: int | None = None
+    index_sharding: bool = False
 
     @property
     def any_on(self) -> bool:
@@ -226,6 +237,8 @@ class Switches:
             out.append(Feature.DOUBLE_SPARSITY)
         if self.cache_sharding > 1:
             out.append(Feature.CACHE_SHARDING)
+        if self.index_sharding:
+            out.append(Feature.INDEX_SHARDING)
         if self.hisparse is HiSparseMode.P2_OFFLOAD or self.resident_sharding:
             out.append(Feature.QSA_BACKEND)
         if self.plugin_holds_raw_kv:
@@ -359,6 +372,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             f"{double_sparsity.channel_config!r} serves models without them; unset one side"
         )
         raise SwitchError(msg)
+    index_sharding = _parse_index_sharding(environ, cache_sharding, hisparse, raw_mode)
     raw_hot = environ.get(ENV_HISPARSE_HOT_BLOCKS, "")
     hot_blocks = None
     if raw_hot:
@@ -375,7 +389,34 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         double_sparsity=double_sparsity,
         cache_sharding=cache_sharding,
         hot_blocks=hot_blocks,
+        index_sharding=index_sharding,
     )
+
+
+def _parse_index_sharding(
+    environ: Mapping[str, str], cache_sharding: int, hisparse: HiSparseMode | None, raw_mode: str
+) -> bool:
+    """``SGLANG_QSA_INDEX_SHARDING``: D2 needs resident cache sharding (D1 without offload)."""
+    raw = environ.get(ENV_INDEX_SHARDING, "")
+    if raw not in ("", "0", "1"):
+        msg = f"{ENV_INDEX_SHARDING}={raw!r} is not allowed; allowed: unset, '0', '1'"
+        raise SwitchError(msg)
+    if raw != "1":
+        return False
+    raw_sharding = environ.get(ENV_CACHE_SHARDING, "")
+    if cache_sharding < 2:
+        msg = (
+            f"{ENV_INDEX_SHARDING}='1' shards the index over the cache-sharding groups and "
+            f"requires {ENV_CACHE_SHARDING} of 2 or more, got {ENV_CACHE_SHARDING}={raw_sharding!r}"
+        )
+        raise SwitchError(msg)
+    if hisparse is not None:
+        msg = (
+            f"{ENV_INDEX_SHARDING}='1' is wired for resident cache sharding only and requires "
+            f"{ENV_HISPARSE_V3} unset, got {ENV_HISPARSE_V3}={raw_mode!r}"
+        )
+        raise SwitchError(msg)
+    return True
 
 
 #: Largest heavy channel / token count and threshold the parser accepts.

@@ -36,6 +36,7 @@ from qsa_core import (
     CONFIG_JSON_MAX_BYTES,
     CapacityError,
     JSONFileError,
+    MemoryPartKind,
     PlacementError,
     format_bytes,
     read_json_file,
@@ -252,8 +253,9 @@ def plan_check(
     try:
         switches = parse_switches(environ)
         sharding, hot_blocks = switches.cache_sharding, switches.hot_blocks
+        index_sharded = switches.index_sharding
     except SwitchError:
-        sharding, hot_blocks = 1, None
+        sharding, hot_blocks, index_sharded = 1, None, False
     try:
         plan = capacity_plan_from_sglang(
             server_args,
@@ -262,10 +264,17 @@ def plan_check(
             flags.host_budget_gib,
             sharding_size=sharding,
             hot_slots=hot_blocks,
+            index_sharded=index_sharded,
         )
     except (AdapterError, CapacityError, PlacementError, ValueError) as exc:
         return Check("capacity plan", Status.FAIL, str(exc)), None
     sharded = f", host K/V sharded over {sharding} ranks" if sharding > 1 else ""
+    if index_sharded:
+        index = plan.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes
+        sharded += (
+            f", compressed index sharded over {sharding} ranks "
+            f"({format_bytes(index)} per rank for the plan's requests)"
+        )
     detail = (
         f"{plan.num_requests} x {plan.context_len} tokens at TP{plan.tp_size} "
         f"{plan.kv_dtype.value}{sharded}: offload fits {plan.max_requests_offloaded}, resident "

@@ -21,6 +21,7 @@ from qsa_kernels.sharded._attention import (
 )
 from qsa_kernels.sharded._buffers import CollectiveBytes, HeadLayout, ShardedDecodeBuffers
 from qsa_kernels.sharded._group import ShardGroup, all_gather_flat, all_to_all_flat
+from qsa_kernels.sharded._index import ShardedIndex
 from qsa_kernels.sharded._layout import (
     LocalIndexTable,
     compact_owned_slots,
@@ -73,6 +74,8 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     # -- One rank's store (D1) --
     "PREFILL_GROUP_ROWS",
     "ShardedKVStore",
+    # -- One rank's index shard (D2) --
+    "ShardedIndex",
     # -- Decode step --
     "gather_group_queries",
     "local_topk_candidates",

@@ -29,6 +29,7 @@ def capacity_plan_from_sglang(
     *,
     sharding_size: int = 1,
     hot_slots: int | None = None,
+    index_sharded: bool = False,
 ) -> CapacityPlan:
     """:func:`qsa_core.plan_capacity` of the operator's flags, with and without host offload.
 
@@ -39,7 +40,8 @@ def capacity_plan_from_sglang(
     ``ServerArgs``, resolved, or an ``argparse.Namespace``), the profile from ``hf_text_config``
     (HF object or mapping).
     ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
-    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``; the budgets are per rank.
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``; the
+    budgets are per rank.
 
     Raises:
         AdapterError: no usable QSA profile, an unsupported KV dtype, no context length, or no
@@ -82,5 +84,6 @@ def capacity_plan_from_sglang(
         num_requests=int(requests),
         sharding_size=sharding_size,
         hot_slots=hot_slots,
+        index_sharded=index_sharded,
         staged_prompts=int(getattr(view, "prefill_max_requests", None) or 1),
     )

@@ -107,11 +107,22 @@ def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
         head_dim=int(model_config.head_dim),
         layout=group_head_layout(),
     )
+    index_sharded = current_switches().index_sharding
+    if index_sharded:
+        from qsa_kernels.sharded import ShardedIndex
+        from qsa_sglang_plugin._adapters._sharded_kv import index_rows
+
+        transport += ShardedIndex.buffer_bytes_for(
+            world_size=sharding,
+            block_topk=int(qsa_profile_of(model_config).block_topk),
+            max_rows=index_rows(int(rows) if rows is not None else 1),
+        )
     return PoolPrice.sharded(
         resident_token_bytes=int(configurator._cell_size),
         index_token_bytes=_index_bytes_per_token(configurator, kvc, layers),
         sharding_size=sharding,
         transport_bytes=transport,
+        index_sharded=index_sharded,
     )
 
 

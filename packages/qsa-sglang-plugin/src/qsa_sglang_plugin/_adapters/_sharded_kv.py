@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from qsa_core import format_bytes
 from qsa_kernels.context import ZigzagEntries
-from qsa_kernels.sharded import ShardedKVStore
+from qsa_kernels.sharded import PREFILL_GROUP_ROWS, ShardedIndex, ShardedKVStore, ShardGroup
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     group_head_layout,
@@ -22,10 +23,11 @@ from qsa_sglang_plugin._adapters._qsa_common import (
     shard_group,
     zigzag_entries,
 )
+from qsa_sglang_plugin._adapters._sharded_index import install_sharded_index
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._switches import current_switches
 
-__all__ = ("attend_extend", "sharded_store_of")
+__all__ = ("attend_extend", "index_rows", "sharded_store_of")
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +129,39 @@ def _build_store(runner: Any) -> ShardedKVStore:
         "Bytes of this rank's share of the QSA layers' raw K/V (cache sharding).",
     ).set(runtime.nbytes)
     logger.info("cache sharding (resident): %s", runtime.describe())
+    if current_switches().index_sharding:
+        _install_index(runner, shard, device, int(parallel.tp_rank))
     return runtime
+
+
+def index_rows(max_running: int) -> int:
+    """Rows per candidate all-gather of the index shard: every decode row, or a prefill group."""
+    return max(max_running, PREFILL_GROUP_ROWS)
+
+
+def _install_index(runner: Any, shard: ShardGroup, device: torch.device, tp_rank: int) -> None:
+    """The rank's :class:`ShardedIndex` on the raw K/V's shard group (index sharding, D2)."""
+    index = ShardedIndex(
+        shard,
+        block_topk=int(qsa_profile_of(runner.model_config).block_topk),
+        max_rows=index_rows(int(runner.req_to_token_pool.size)),
+        device=device,
+    )
+    install_sharded_index(index)
+    pool = runner.token_to_kv_pool
+    index_bytes = sum(t.numel() * t.element_size() for t in pool.qsa_compressed_k_buffer_pool)
+    RankMetrics(tp_rank).gauge(
+        "qsa_hisparse_sharded_index_bytes",
+        "Bytes of this rank's share of the QSA layers' compressed index (index sharding).",
+    ).set(index_bytes)
+    logger.info(
+        "index sharding: %s of compressed index on this rank (rank %d of %d), %s of candidate "
+        "buffers",
+        format_bytes(index_bytes),
+        shard.rank,
+        shard.world_size,
+        format_bytes(index.buffer_bytes),
+    )
 
 
 def sharded_store_of(runner: Any) -> ShardedKVStore:
