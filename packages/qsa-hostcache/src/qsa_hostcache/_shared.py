@@ -27,11 +27,12 @@ from typing import Final
 import torch
 import xxhash
 
+from qsa_core import CountSeries
 from qsa_hostcache._errors import CorruptObjectError
 from qsa_hostcache._keys import PrefixKey
 from qsa_hostcache._layout import SegmentSpec
 from qsa_hostcache._segments import segment_buffer
-from qsa_hostcache._tiers import ObjectTier, TierHealth
+from qsa_hostcache._tiers import ObjectTier
 
 __all__ = ("SharedCheckpoint", "SharedCheckpoints", "TierStats")
 
@@ -42,9 +43,27 @@ _FRAME: Final = struct.Struct("<8sIQ16s")
 _TOKEN_BYTES: Final = 8
 
 
+_COUNTER_HELP: Final = {
+    "lookups": "Lookups that asked the shared tier (the arena held less than the prompt).",
+    "hits": "Lookups the shared tier answered with a verified checkpoint.",
+    "hit_tokens": "Prompt tokens of the checkpoints the shared tier answered with.",
+    "corrupt": "Objects of the shared tier with a wrong length or digest (never used).",
+    "mismatched": "Objects of the shared tier whose key material differed from the query's.",
+    "writes": "Checkpoints written through to the shared tier.",
+    "puts": "Objects the shared tier's store took.",
+    "gets": "Objects read whole from the shared tier's store.",
+    "errors": "Calls to the shared tier's store that failed (answered as misses).",
+    "unavailable": "Calls answered as misses at once while the shared tier's store was down.",
+    "bytes_written": "Bytes of the objects written to the shared tier's store.",
+    "bytes_read": "Bytes of the objects read from the shared tier's store.",
+}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierStats:
     """A shared tier's counters (all monotonic; bytes are object bytes, tokens prompt tokens).
+
+    The fields from ``puts`` on are the store's (:class:`TierHealth`).
 
     Attributes:
         tier: the tier's label (``"mooncake"``).
@@ -54,7 +73,6 @@ class TierStats:
         corrupt: objects found whose lengths or digest were wrong (never used).
         mismatched: objects whose key material differed from the query's (a hash collision).
         writes: checkpoints written to the tier.
-        health: what the tier's store did (errors, calls skipped while it was down, bytes).
     """
 
     tier: str
@@ -64,21 +82,25 @@ class TierStats:
     corrupt: int = 0
     mismatched: int = 0
     writes: int = 0
-    health: TierHealth = dataclasses.field(default_factory=TierHealth)
+    puts: int = 0
+    gets: int = 0
+    errors: int = 0
+    unavailable: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
 
     @property
     def misses(self) -> int:
         return self.lookups - self.hits
 
-    def counters(self) -> dict[str, int]:
-        """Every counter by name (the health's fields included), for a metrics mirror."""
-        own = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("tier", "health")
-        }
-        own["misses"] = self.misses
-        return own | dataclasses.asdict(self.health)
+    @staticmethod
+    def series(tier: str) -> tuple[CountSeries, ...]:
+        """Every counter, named ``shared_<field>`` and labelled ``tier=<tier>``."""
+        return tuple(
+            CountSeries(f.name, f"shared_{f.name}", True, _COUNTER_HELP[f.name], ("tier", tier))
+            for f in dataclasses.fields(TierStats)
+            if f.name != "tier"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -247,7 +269,7 @@ class SharedCheckpoints:
     def stats(self) -> TierStats:
         """The tier's counters, its store's included."""
         with self._lock:
-            return dataclasses.replace(self._stats, health=self.tier.health())
+            return dataclasses.replace(self._stats, **dataclasses.asdict(self.tier.health()))
 
     def _count(self, **more: int) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.parse
@@ -138,6 +139,19 @@ class StoreAddress:
             )
         return cls(url.scheme, url.hostname, port, int(segment))
 
+    def local_hostname(self) -> str:
+        """This host's address as the store's other clients reach it.
+
+        The address it reaches the master from (``127.0.0.1`` when the master is on a loopback
+        address, or when no route is found).
+        """
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((self.host, self.port))  # UDP: picks a route, sends nothing
+                return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
     @property
     def master(self) -> str:
         """``HOST:PORT`` of the master."""
@@ -157,7 +171,8 @@ class MooncakeTier:
 
     Args:
         address: the master's address (:meth:`StoreAddress.parse`).
-        local_hostname: this client's address as the store's other clients reach it.
+        local_hostname: this client's address as the store's other clients reach it (default
+            :meth:`StoreAddress.local_hostname`).
         retry_after_s: seconds a failed store call keeps the tier answering misses at once.
         local_buffer_mb: MiB of the client's transfer buffer.
 
@@ -169,7 +184,7 @@ class MooncakeTier:
         self,
         address: StoreAddress,
         *,
-        local_hostname: str = "127.0.0.1",
+        local_hostname: str | None = None,
         retry_after_s: float = 5.0,
         local_buffer_mb: int = 16,
     ) -> None:
@@ -186,7 +201,7 @@ class MooncakeTier:
         self._connected = threading.Event()
         self._closed = False
         self._setup_args = (
-            local_hostname,
+            local_hostname or address.local_hostname(),
             "P2PHANDSHAKE",
             address.segment_mb << 20,
             local_buffer_mb << 20,
