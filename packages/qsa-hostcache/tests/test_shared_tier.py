@@ -8,14 +8,11 @@ used; a master that goes away turns every call into a counted miss, never an exc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,64 +32,12 @@ from qsa_hostcache import (
     StoreAddress,
 )
 from qsa_hostcache._shared import encode, object_name
+from qsa_pytest.mooncake import MooncakeMaster
+from qsa_pytest.processes import hang_guard_s
 
 PAGE = 4
 # Generous: the machine running the tests may be shared and slow; readiness is polled.
-READY_LIMIT_S = 180.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _master_binary() -> Path:
-    spec = importlib.util.find_spec("mooncake")
-    assert spec is not None
-    assert spec.submodule_search_locations
-    return Path(next(iter(spec.submodule_search_locations))) / "mooncake_master"
-
-
-class Master:
-    """A real ``mooncake_master`` on a free localhost port, for one test module or one test."""
-
-    def __init__(self, log: Path) -> None:
-        self.port = _free_port()
-        self._log = log.open("wb")
-        self.process = subprocess.Popen(
-            [
-                str(_master_binary()),
-                f"--rpc_port={self.port}",
-                "--rpc_address=127.0.0.1",
-                f"--metrics_port={_free_port()}",
-                "--metrics_host=127.0.0.1",
-                "--enable_http_metadata_server=false",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + READY_LIMIT_S
-        while True:
-            if self.process.poll() is not None:
-                pytest.fail(f"mooncake_master exited with {self.process.returncode}; see {log}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"mooncake_master not listening after {READY_LIMIT_S} s; see {log}")
-                time.sleep(0.2)
-
-    @property
-    def address(self) -> str:
-        return f"mooncake://127.0.0.1:{self.port}?segment_mb=64"
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
+READY_LIMIT_S = hang_guard_s()
 
 
 def _tier(address: str) -> MooncakeTier:
@@ -102,15 +47,15 @@ def _tier(address: str) -> MooncakeTier:
 
 
 @pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
-    m = Master(tmp_path_factory.mktemp("mooncake") / "master.log")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    m = MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log")
     yield m
     m.kill()
 
 
 @pytest.fixture(scope="module")
-def tier(master: Master) -> Iterator[MooncakeTier]:
-    t = _tier(master.address)
+def tier(master: MooncakeMaster) -> Iterator[MooncakeTier]:
+    t = _tier(master.address())
     yield t
     t.close()
 
@@ -193,7 +138,7 @@ def test_a_damaged_object_is_counted_and_never_used(tier: MooncakeTier, damage: 
 
 
 def test_a_second_process_with_an_empty_arena_restores_what_the_first_published(
-    tier: MooncakeTier, master: Master, tmp_path: Path
+    tier: MooncakeTier, master: MooncakeMaster, tmp_path: Path
 ) -> None:
     # Process one: publish in its arena; the checkpoint is written through to the store.
     tokens = _tokens(3 * PAGE + 2, seed=7)
@@ -208,7 +153,7 @@ def test_a_second_process_with_an_empty_arena_restores_what_the_first_published(
     torch.save({"tokens": tokens, "segments": segments}, tmp_path / "expected.pt")
 
     # Process two: another client, its arena empty, finds it in the store and restores it.
-    reader = f"mooncake://127.0.0.1:{master.port}?segment_mb=0"
+    reader = master.address(segment_mb=0)
     script = textwrap.dedent(
         f"""
         import json, sys, torch
@@ -267,9 +212,9 @@ def test_the_arena_answers_first_and_the_store_only_for_longer_prefixes(
 
 
 def test_a_master_gone_mid_run_turns_every_call_into_a_counted_miss(tmp_path: Path) -> None:
-    own = Master(tmp_path / "master.log")
+    own = MooncakeMaster(tmp_path / "master.log")
     try:
-        tier = _tier(own.address)
+        tier = _tier(own.address())
         shared = SharedCheckpoints(tier, scope="killed")
         key = PrefixKey(_ns(), _tokens(2 * PAGE, seed=12), page_size=PAGE)
         assert shared.write(key, _segments(2 * PAGE, seed=13))
