@@ -32,8 +32,8 @@ from qsa_hostcache import (
     StoreAddress,
 )
 from qsa_hostcache._shared import encode, object_name
-from qsa_pytest.mooncake import MooncakeMaster
-from qsa_pytest.processes import hang_guard_s
+from qsa_pytest.mooncake import MooncakeMaster, free_port
+from qsa_pytest.processes import hang_guard_s, wait_until
 
 PAGE = 4
 # Generous: the machine running the tests may be shared and slow; readiness is polled.
@@ -247,3 +247,27 @@ def test_a_bad_store_address_is_refused_naming_the_value_and_the_form(text: str)
     with pytest.raises(CacheConfigError, match=r"mooncake://HOST:PORT") as info:
         StoreAddress.parse(text)
     assert repr(text) in str(info.value)
+
+
+def test_a_tier_started_before_its_master_misses_then_joins_once_the_master_answers(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    tier = MooncakeTier(
+        StoreAddress.parse(f"mooncake://127.0.0.1:{port}?segment_mb=64"), retry_after_s=0.2
+    )
+    shared = SharedCheckpoints(tier, scope="late-master")
+    key = PrefixKey(_ns(), _tokens(2 * PAGE, seed=15), page_size=PAGE)
+    try:
+        assert shared.lookup(key) is None  # no master: a counted miss, at once
+        assert not shared.write(key, _segments(2 * PAGE, seed=16))
+        assert shared.stats().unavailable >= 2
+        master = MooncakeMaster(tmp_path / "master.log", port=port)
+        try:
+            wait_until("the tier to join the master started after it", lambda: tier.connected)
+            assert shared.write(key, _segments(2 * PAGE, seed=16))
+            assert shared.lookup(key) is not None
+        finally:
+            master.kill()
+    finally:
+        tier.close()

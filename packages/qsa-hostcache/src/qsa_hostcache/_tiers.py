@@ -164,10 +164,13 @@ class StoreAddress:
 class MooncakeTier:
     """An :class:`ObjectTier` over Mooncake Store, through its TCP transport.
 
-    The client connects on a thread of its own (Mooncake's ``setup`` retries for about a
-    minute and a half when the master does not answer); until it is connected, every call is
-    a miss counted as ``unavailable``. Set ``MC_FORCE_TCP=true`` where the host has RDMA
-    devices the store must not use (it is set here unless already set).
+    The client joins the store on a thread of its own, once the master's port accepts a
+    connection (Mooncake's ``setup`` would otherwise retry for about a minute and a half,
+    holding the GIL); until it has joined, every call is a miss counted as ``unavailable``.
+    A store call is made on the caller's thread and holds the GIL while it runs: a master that
+    dies makes the first failing call of each retry period block (about 4 s measured). Set
+    ``MC_FORCE_TCP=true`` where the host has RDMA devices the store must not use (it is set
+    here unless already set).
 
     Args:
         address: the master's address (:meth:`StoreAddress.parse`).
@@ -185,7 +188,7 @@ class MooncakeTier:
         address: StoreAddress,
         *,
         local_hostname: str | None = None,
-        retry_after_s: float = 5.0,
+        retry_after_s: float = 10.0,
         local_buffer_mb: int = 16,
     ) -> None:
         os.environ.setdefault("MC_FORCE_TCP", "true")
@@ -280,21 +283,49 @@ class MooncakeTier:
     # ---- internals ---------------------------------------------------------------------------
 
     def _connect(self) -> None:
+        """Join the store once its master answers; until then, look again every retry period.
+
+        Mooncake's ``setup`` holds the GIL while it retries a master that does not answer
+        (about 90 s): it is called only after the master's port accepted a connection.
+        """
+        warned = False
+        while not self._closed:
+            if self._master_answers():
+                try:
+                    rc = self._store.setup(*self._setup_args)
+                except Exception as exc:  # logged; the tier stays a miss
+                    rc = repr(exc)
+                if rc == 0:
+                    if self._closed:
+                        self._store.close()
+                        return
+                    self._connected.set()
+                    logger.info("shared tier: joined Mooncake Store at %s", self.address)
+                    return
+                self._count(errors=1)
+                logger.warning(
+                    "shared tier: cannot join Mooncake Store at %s (setup returned %r); lookups "
+                    "miss the shared tier",
+                    self.address,
+                    rc,
+                )
+                return
+            if not warned:
+                warned = True
+                logger.warning(
+                    "shared tier: the Mooncake master at %s does not answer; lookups miss the "
+                    "shared tier until it does (asked again every %.1f s)",
+                    self.address,
+                    self._retry_after_s,
+                )
+            time.sleep(self._retry_after_s)
+
+    def _master_answers(self) -> bool:
         try:
-            rc = self._store.setup(*self._setup_args)
-        except Exception as exc:
-            rc = repr(exc)
-        if rc == 0 and not self._closed:
-            self._connected.set()
-            logger.info("shared tier: joined Mooncake Store at %s", self.address)
-        else:
-            self._count(errors=1)
-            logger.warning(
-                "shared tier: cannot join Mooncake Store at %s (setup returned %r); every "
-                "lookup misses the shared tier",
-                self.address,
-                rc,
-            )
+            socket.create_connection((self.address.host, self.address.port), timeout=2).close()
+        except OSError:
+            return False
+        return True
 
     def _ready(self) -> bool:
         if not self._connected.is_set() or self._closed:
