@@ -202,7 +202,7 @@ class MooncakeTier:
         self._down_until = 0.0
         self._incident = False
         self._connected = threading.Event()
-        self._closed = False
+        self._closed = threading.Event()
         self._setup_args = (
             local_hostname or address.local_hostname(),
             "P2PHANDSHAKE",
@@ -276,7 +276,7 @@ class MooncakeTier:
             return self._health
 
     def close(self) -> None:
-        self._closed = True
+        self._closed.set()
         if self._connected.is_set():
             self._store.close()
 
@@ -289,14 +289,14 @@ class MooncakeTier:
         (about 90 s): it is called only after the master's port accepted a connection.
         """
         warned = False
-        while not self._closed:
+        while not self._closed.is_set():
             if self._master_answers():
                 try:
                     rc = self._store.setup(*self._setup_args)
                 except Exception as exc:  # logged; the tier stays a miss
                     rc = repr(exc)
                 if rc == 0:
-                    if self._closed:
+                    if self._closed.is_set():
                         self._store.close()
                         return
                     self._connected.set()
@@ -318,7 +318,7 @@ class MooncakeTier:
                     self.address,
                     self._retry_after_s,
                 )
-            time.sleep(self._retry_after_s)
+            self._closed.wait(self._retry_after_s)
 
     def _master_answers(self) -> bool:
         try:
@@ -328,7 +328,7 @@ class MooncakeTier:
         return True
 
     def _ready(self) -> bool:
-        if not self._connected.is_set() or self._closed:
+        if not self._connected.is_set() or self._closed.is_set():
             self._count(unavailable=1)
             return False
         now = time.monotonic()
