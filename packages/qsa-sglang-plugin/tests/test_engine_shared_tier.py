@@ -12,7 +12,15 @@ engine starts after the first stopped, as a replica restarted or added would.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,37 +67,60 @@ CHUNK = 1024
 PROMPT = QWEN.prompt(3000, seed=410)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Store:
-    """The master and the test's client that lends the store its memory."""
+    """The master on :data:`MASTER_PORT` and the test's client that lends the store its memory.
 
-    master: MooncakeMaster
-    holder: MooncakeTier
+    A test that kills the master leaves the next one to start another (:meth:`running`).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._starts = 0
+        self.master, self.holder = self._start()
+
+    def _start(self) -> tuple[MooncakeMaster, MooncakeTier]:
+        self._starts += 1
+        log = self._directory / f"master-{self._starts}.log"
+        master = MooncakeMaster(log, port=MASTER_PORT)
+        holder = MooncakeTier(StoreAddress.parse(master.address(segment_mb=256)))
+        assert holder.wait_connected(hang_guard_s()), f"the holder did not join; see {log}"
+        return master, holder
+
+    def running(self) -> Store:
+        """This store, its master started again (and a new holder) if it was killed."""
+        if self.master.process.poll() is not None:
+            self.holder.close()
+            self.master, self.holder = self._start()
+        return self
+
+    def close(self) -> None:
+        self.holder.close()
+        self.master.kill()
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    log = tmp_path_factory.mktemp("mooncake") / "master.log"
-    master = MooncakeMaster(log, port=MASTER_PORT)
-    holder = MooncakeTier(StoreAddress.parse(master.address(segment_mb=256)))
+    made = Store(tmp_path_factory.mktemp("mooncake"))
     try:
-        assert holder.wait_connected(hang_guard_s()), f"the holder did not join; see {log}"
-        yield Store(master, holder)
+        yield made
     finally:
-        holder.close()
-        master.kill()
+        made.close()
 
 
 @pytest.mark.engine(ENGINE_A)
 def test_a_second_engine_serves_the_first_engines_checkpoint_from_the_store(
     engines: EnginePool, store: Store
 ) -> None:
+    store = store.running()
+    keys = store.master.key_count()
     body = GenerateRequest(PROMPT, max_new_tokens=16).body()
     # Engine A computes the prompt; its checkpoints at 1,024 and 2,048 tokens reach the store.
     engine_a = engines.engine(ENGINE_A)
     cold = engine_a.post_json("/generate", body)
     assert cold["meta_info"]["cached_tokens"] == 0
-    wait_until("engine A's two checkpoints in the store", lambda: store.master.key_count() >= 2)
+    wait_until(
+        "engine A's two checkpoints in the store", lambda: store.master.key_count() >= keys + 2
+    )
 
     # Engine B (another process, its arena empty; A stopped) serves it from the store.
     engine_b = engines.engine(ENGINE_B)
@@ -134,3 +165,75 @@ def test_a_second_engine_serves_the_first_engines_checkpoint_from_the_store(
     assert_same_generation(
         Generation.from_reply(cold), Generation.from_reply(restarted), what="A again, store down"
     )
+
+
+# ---- two replicas behind sglang-router ---------------------------------------------------
+
+
+def _post(url: str, body: Mapping[str, object]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=hang_guard_s()) as reply:
+        answer: dict[str, Any] = json.loads(reply.read())
+    return answer
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+@pytest.mark.engine(ENGINE_B)
+def test_a_turn_routed_to_the_other_replica_reuses_the_first_turn_through_the_store(
+    engines: EnginePool, store: Store, tmp_path: Path
+) -> None:
+    """Two live replicas behind ``sglang-router --policy round_robin``: consecutive turns of one
+    conversation land on different replicas, and the second reuses the first's checkpoints."""
+    engines.stop_running()  # this test runs its own two replicas at once
+    store = store.running()
+    keys = store.master.key_count()
+    replicas = EnginePool(tmp_path / "replicas", max_live=2)
+    router = None
+    try:
+        urls = [replicas.engine(c).address for c in (ENGINE_A, ENGINE_B)]
+        port = free_port()
+        with (tmp_path / "router.log").open("wb") as log:
+            router = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "sglang_router.launch_router",
+                    "--host=127.0.0.1",
+                    f"--port={port}",
+                    "--policy=round_robin",
+                    "--worker-urls",
+                    *urls,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        base = f"http://127.0.0.1:{port}"
+        wait_until("sglang-router to answer /health", lambda: _answers(f"{base}/health"))
+
+        first_turn = QWEN.prompt(2100, seed=412)
+        first = _post(f"{base}/generate", GenerateRequest(first_turn, max_new_tokens=8).body())
+        assert first["meta_info"]["cached_tokens"] == 0
+        wait_until(
+            "the first turn's checkpoints in the store",
+            lambda: store.master.key_count() >= keys + 2,
+        )
+        second_turn = (*first_turn, *first["output_ids"], *QWEN.prompt(1000, seed=413))
+        second = _post(f"{base}/generate", GenerateRequest(second_turn, max_new_tokens=8).body())
+        # The other replica (round robin): its arena never saw the first turn; the store did.
+        assert second["meta_info"]["cached_tokens"] == 2 * CHUNK
+        assert second["meta_info"]["cached_tokens_details"]["storage"] == 2 * CHUNK
+    finally:
+        if router is not None and router.poll() is None:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait()
+        replicas.stop_running()
