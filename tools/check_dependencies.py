@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Import names whose distribution is spelled otherwise.
-DISTRIBUTION_OF = {"PIL": "pillow", "prometheus_client": "prometheus-client", "yaml": "pyyaml"}
+DISTRIBUTION_OF = {
+    "PIL": "pillow",
+    "mooncake": "mooncake-transfer-engine-non-cuda",
+    "prometheus_client": "prometheus-client",
+    "yaml": "pyyaml",
+}
 
 
 @dataclass(frozen=True)

@@ -446,6 +446,22 @@ def test_index_sharding_rides_on_resident_cache_sharding() -> None:
     assert Feature.INDEX_SHARDING not in off.features
 
 
+def test_a_shared_tier_store_parses_with_the_prefix_cache() -> None:
+    """SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE names the master; segment_mb defaults to 1024."""
+    from qsa_hostcache import StoreAddress
+
+    with_cache = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"}
+    plain = parse_switches(
+        {**with_cache, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE": "mooncake://h:7"}
+    )
+    sized = parse_switches(
+        {**with_cache, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE": "mooncake://h:7?segment_mb=0"}
+    )
+    assert plain.prefix_cache_store == StoreAddress("mooncake", "h", 7, 1024)
+    assert sized.prefix_cache_store == StoreAddress("mooncake", "h", 7, 0)
+    assert parse_switches(with_cache).prefix_cache_store is None
+
+
 @pytest.mark.parametrize(
     ("env", "fragments"),
     [
@@ -472,5 +488,33 @@ def test_index_sharding_refuses_a_bad_combination_by_name(
 ) -> None:
     with pytest.raises(SwitchError) as info:
         parse_switches(env)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "fragments"),
+    [
+        (
+            {"SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64", "STORE": "redis://h:7"},
+            ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE='redis://h:7'", "mooncake://HOST:PORT"],
+        ),
+        (
+            {"SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64", "STORE": "mooncake://h"},
+            ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE='mooncake://h'", "mooncake://HOST:PORT"],
+        ),
+        (
+            {"STORE": "mooncake://h:7"},
+            ["requires SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB > 0"],
+        ),
+    ],
+)
+def test_a_bad_shared_tier_store_is_refused_naming_the_value_and_the_form(
+    env: dict[str, str], fragments: list[str]
+) -> None:
+    environ = {**ON, **env}
+    environ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE"] = environ.pop("STORE")
+    with pytest.raises(SwitchError) as info:
+        parse_switches(environ)
     for fragment in fragments:
         assert fragment in str(info.value)

@@ -4,7 +4,8 @@ Checkpoints of any named segments (K/V, indexes, recurrent state...) taken at pa
 in one byte-budgeted host arena (pinned where CUDA is available, allocated once). Keys chain over
 pages and match only on equal key material (namespace, every token id, every page's extra
 identity), never on a hash alone. Least-recently-used unpinned checkpoints are evicted; a lease
-pins one for restore. It knows nothing of any serving engine.
+pins one for restore. A shared tier (e.g. Mooncake Store) below the arena holds checkpoints
+other processes wrote. It knows nothing of any serving engine.
 """
 
 from qsa_hostcache._arena import CopyFence
@@ -13,6 +14,7 @@ from qsa_hostcache._errors import (
     ArenaAllocationError,
     CacheConfigError,
     CheckpointTooLarge,
+    CorruptObjectError,
     DeviceError,
     HostCacheError,
     InvalidKeyError,
@@ -50,7 +52,9 @@ from qsa_hostcache._segments import (
     prompt_segment_spec,
     segment_buffer,
 )
+from qsa_hostcache._shared import SharedCheckpoint, SharedCheckpoints, TierStats
 from qsa_hostcache._stats import CacheStats
+from qsa_hostcache._tiers import MooncakeTier, ObjectTier, StoreAddress, TierHealth
 from qsa_hostcache._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
@@ -98,6 +102,14 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "compressed_slots",
     "StateSegments",
     "segment_buffer",
+    # a shared tier below the arena
+    "ObjectTier",
+    "MooncakeTier",
+    "StoreAddress",
+    "TierHealth",
+    "SharedCheckpoints",
+    "SharedCheckpoint",
+    "TierStats",
     # errors
     "HostCacheError",
     "CacheConfigError",
@@ -108,4 +120,5 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "TicketStateError",
     "LeaseError",
     "DeviceError",
+    "CorruptObjectError",
 )

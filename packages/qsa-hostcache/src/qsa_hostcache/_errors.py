@@ -52,3 +52,7 @@ class LeaseError(HostCacheError, RuntimeError):
 
 class DeviceError(HostCacheError, RuntimeError):
     """A tensor lives on a device the arena cannot copy to or from."""
+
+
+class CorruptObjectError(HostCacheError, ValueError):
+    """An object read from a shared tier has a wrong frame, length or digest (never used)."""

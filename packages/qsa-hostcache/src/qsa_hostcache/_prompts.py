@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Final, Generic, TypeVar
 
 import torch
+import xxhash
 
 from qsa_core import CountSeries
 from qsa_hostcache._arena import CopyFence
-from qsa_hostcache._cache import HostPrefixCache, Lease
+from qsa_hostcache._cache import HostPrefixCache, Lease, PublishTicket
 from qsa_hostcache._errors import CheckpointTooLarge, HostCacheError
 from qsa_hostcache._keys import PrefixKey
 from qsa_hostcache._segments import kv_segments, prompt_segment_spec, segment_buffer
+from qsa_hostcache._shared import SharedCheckpoints
 
 __all__ = ("Agree", "Claim", "PromptCheckpoints", "PromptCounts", "agree_min", "kv_segments")
 
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 Agree = Callable[[int], int]
 
 T = TypeVar("T")
+
+#: Most write-throughs to the shared tier in flight at once; a checkpoint beyond stays in RAM.
+_MAX_WRITES: Final = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,6 +132,10 @@ class PromptCheckpoints(Generic[T]):
         agree: the minimum over the ranks that serve the same requests (:func:`agree_min`);
             by default this rank alone.
         weights: the served weights' version now, read before every lookup and publish.
+        shared: a shared tier below the arena: a lookup the arena cannot answer in full asks
+            it for a longer checkpoint (copied into the arena, then loaded as any other), and
+            every checkpoint published is written through to it on a thread of its own. Its
+            objects are scoped by the weights' version.
     """
 
     def __init__(
@@ -134,13 +144,19 @@ class PromptCheckpoints(Generic[T]):
         *,
         agree: Agree = _alone,
         weights: Callable[[], object] = lambda: None,
+        shared: SharedCheckpoints | None = None,
     ) -> None:
         self.cache = cache
+        self.shared = shared
         self._agree = agree
         self._weights = weights
         self._version = weights()
         self._counts = PromptCounts()
         self._loads: dict[Hashable, _Load[T]] = {}
+        self.last_tier: str | None = None
+        self._writes: list[threading.Thread] = []
+        if shared is not None:
+            shared.scope = _scope(self._version)
 
     @property
     def counts(self) -> PromptCounts:
@@ -154,10 +170,18 @@ class PromptCheckpoints(Generic[T]):
         """
         self._check_weights()
         found = 0
+        tier = None
         if key is not None and key.num_tokens >= self.cache.page_size:
             match = self.cache.match(key, max_tokens=key.num_tokens)
             found = 0 if match is None else match.num_tokens
-        return self._agree(found)
+            tier = None if match is None else "ram"
+            if self.shared is not None and found < key.num_pages * key.page_size:
+                promoted = self._promote(key, found // key.page_size + 1)
+                if promoted:
+                    found, tier = promoted, self.shared.tier.name
+        agreed = self._agree(found)
+        self.last_tier = tier if agreed else None
+        return agreed
 
     def load(
         self, holder: Hashable, key: PrefixKey, claim: Callable[[Lease], Claim[T] | None]
@@ -303,6 +327,8 @@ class PromptCheckpoints(Generic[T]):
             ticket.abort()
             self._count(publish_errors=self._counts.publish_errors + 1)
             return None
+        if self.shared is not None:
+            self._write_through(key, ticket, holder)
         logger.debug(
             "prefix cache: %r checkpointed at %d tokens (%d bytes)",
             holder,
@@ -310,6 +336,75 @@ class PromptCheckpoints(Generic[T]):
             sum(t.numel() * t.element_size() for t in sources.values()),
         )
         return fence
+
+    def flush_shared(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` seconds per write-through in flight; True if none is left."""
+        for thread in list(self._writes):
+            thread.join(timeout_s)
+        self._writes = [t for t in self._writes if t.is_alive()]
+        return not self._writes
+
+    def _promote(self, key: PrefixKey, min_pages: int) -> int:
+        """Copy the shared tier's longest checkpoint of ``key`` into the arena; its tokens or 0."""
+        assert self.shared is not None
+        hit = self.shared.lookup(key, min_pages=min_pages)
+        if hit is None:
+            return 0
+        try:
+            ticket = self.cache.reserve(
+                hit.key, [prompt_segment_spec(n, t) for n, t in hit.segments.items()]
+            )
+            if ticket is None:
+                return 0
+            try:
+                ticket.write(hit.segments)
+                ticket.commit()
+            except BaseException:
+                ticket.abort()
+                raise
+        except (HostCacheError, RuntimeError):
+            logger.exception("prefix cache: cannot copy a shared checkpoint into the arena")
+            return 0
+        return hit.num_tokens if ticket.wait() else 0
+
+    def _write_through(self, key: PrefixKey, ticket: PublishTicket, holder: Hashable) -> None:
+        """Write the checkpoint of ``key`` to the shared tier once its copies are done."""
+        shared = self.shared
+        assert shared is not None
+
+        def write() -> None:
+            try:
+                if not ticket.wait():
+                    return
+                lease = self.cache.acquire(key, max_tokens=key.num_tokens)
+                if lease is None or lease.match.num_tokens != key.num_tokens:
+                    if lease is not None:
+                        lease.release()
+                    return
+                with lease:
+                    names = [s.name for s in lease.match.segments]
+                    segments = self.restore_new(lease, names, "cpu")
+                shared.write(key, segments)
+            except Exception:
+                logger.exception(
+                    "prefix cache: writing %r's checkpoint of %d tokens to the shared tier failed",
+                    holder,
+                    key.num_tokens,
+                )
+
+        self._writes = [t for t in self._writes if t.is_alive()]
+        if len(self._writes) >= _MAX_WRITES:
+            logger.info(
+                "prefix cache: %d write-throughs in flight; %r's checkpoint of %d tokens stays in "
+                "the arena only",
+                len(self._writes),
+                holder,
+                key.num_tokens,
+            )
+            return
+        thread = threading.Thread(target=write, name="qsa-hostcache-write-through", daemon=True)
+        self._writes.append(thread)
+        thread.start()
 
     def invalidate(self) -> int:
         """Drop every checkpoint and every pending load's pin; how many checkpoints matched."""
@@ -330,6 +425,13 @@ class PromptCheckpoints(Generic[T]):
                 dropped,
             )
             self._version = now
+            if self.shared is not None:
+                self.shared.scope = _scope(now)
 
     def _count(self, **changes: int) -> None:
         self._counts = dataclasses.replace(self._counts, **changes)
+
+
+def _scope(version: object) -> str:
+    """The shared tier's scope of checkpoints computed by weights of ``version``."""
+    return "w" + xxhash.xxh3_64_hexdigest(repr(version).encode())

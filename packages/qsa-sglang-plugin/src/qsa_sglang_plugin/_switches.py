@@ -10,9 +10,12 @@ import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from qsa_sglang_plugin._errors import SwitchError
+
+if TYPE_CHECKING:
+    from qsa_hostcache import StoreAddress
 
 __all__ = (
     "DS_ATTENTION_BACKEND",
@@ -31,6 +34,7 @@ __all__ = (
     "ENV_MODEL_COMPAT",
     "ENV_PREFIX_CACHE_MAX_ENTRIES",
     "ENV_PREFIX_CACHE_MB",
+    "ENV_PREFIX_CACHE_STORE",
     "ENV_SGLANG_PLUGINS",
     "PLUGIN_NAME",
     "RADIX_CACHE_BACKEND",
@@ -51,6 +55,9 @@ ENV_HISPARSE_V3: Final = "SGLANG_QSA_HISPARSE_V3"
 ENV_HISPARSE_VERIFY: Final = "SGLANG_QSA_HISPARSE_VERIFY"
 ENV_PREFIX_CACHE_MB: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB"
 ENV_PREFIX_CACHE_MAX_ENTRIES: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTRIES"
+#: ``mooncake://HOST:PORT[?segment_mb=N]``: the host prefix cache's shared tier, Mooncake Store
+#: with its master at ``HOST:PORT`` (checkpoints written through, and found there on a miss).
+ENV_PREFIX_CACHE_STORE: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE"
 #: Hot-cache blocks per request and QSA layer with ``p2-offload`` (default: qsa-core's
 #: ``hot_cache_slots``, four times the indexer's block top-k; at least the top-k).
 ENV_HISPARSE_HOT_BLOCKS: Final = "SGLANG_QSA_HISPARSE_HOT_BLOCKS"
@@ -174,6 +181,8 @@ class Switches:
             layer, or None for the default (with ``p2-offload`` only).
         index_sharding: ``SGLANG_QSA_INDEX_SHARDING=1``: the compressed index sharded by page
             over the cache-sharding groups too (D2; resident cache sharding only).
+        prefix_cache_store: ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE``: the prefix cache's
+            shared tier, or None (with the prefix cache only).
     """
 
     model_compat: bool = False
@@ -185,6 +194,7 @@ class Switches:
     cache_sharding: int = 1
     hot_blocks: int | None = None
     index_sharding: bool = False
+    prefix_cache_store: StoreAddress | None = None
 
     @property
     def any_on(self) -> bool:
@@ -282,7 +292,8 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
     Raises:
         SwitchError: a value is malformed, or ``SGLANG_QSA_HISPARSE_V3`` is set without
             ``SGLANG_QSA_MODEL_COMPAT=1``, or the prefix cache, cache sharding or a hot-cache
-            size is set without ``SGLANG_QSA_HISPARSE_V3=p2-offload``. The message names the
+            size is set without ``SGLANG_QSA_HISPARSE_V3=p2-offload``, or a shared tier without
+            the prefix cache. The message names the
             variable, its value and what is allowed.
     """
     raw_compat = environ.get(ENV_MODEL_COMPAT, "")
@@ -380,6 +391,22 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             ENV_HISPARSE_HOT_BLOCKS, raw_hot, zero_allowed=False, maximum=MAX_HOT_BLOCKS_PARSED
         )
         _require_offload(f"{ENV_HISPARSE_HOT_BLOCKS}={raw_hot!r}", hisparse, raw_mode)
+    raw_store = environ.get(ENV_PREFIX_CACHE_STORE, "")
+    store = None
+    if raw_store:
+        from qsa_hostcache import CacheConfigError, StoreAddress
+
+        try:
+            store = StoreAddress.parse(raw_store)
+        except CacheConfigError as exc:
+            msg = f"{ENV_PREFIX_CACHE_STORE}={raw_store!r} is not allowed: {exc}"
+            raise SwitchError(msg) from None
+        if prefix_cache_mb == 0:
+            msg = (
+                f"{ENV_PREFIX_CACHE_STORE}={raw_store!r} is the prefix cache's shared tier and "
+                f"requires {ENV_PREFIX_CACHE_MB} > 0, got {ENV_PREFIX_CACHE_MB}={raw_mb!r}"
+            )
+            raise SwitchError(msg)
     return Switches(
         model_compat=model_compat,
         hisparse=hisparse,
@@ -390,6 +417,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         cache_sharding=cache_sharding,
         hot_blocks=hot_blocks,
         index_sharding=index_sharding,
+        prefix_cache_store=store,
     )
 
 

@@ -769,7 +769,12 @@ PORT_ATTEMPTS: Final = 3
 
 
 def start_engine(
-    config: EngineConfig, workdir: Path, *, timeout: float | None = None, poll: float = 1.0
+    config: EngineConfig,
+    workdir: Path,
+    *,
+    timeout: float | None = None,
+    poll: float = 1.0,
+    models: Path | None = None,
 ) -> Engine:
     """Write the model, start the server in a new process group and wait until it is healthy.
 
@@ -784,6 +789,9 @@ def start_engine(
         timeout: seconds to wait for ``/health`` to answer 200, per start; default the hang
             guard (:func:`qsa_pytest.processes.hang_guard_s`): a slow start never fails.
         poll: seconds between health checks.
+        models: the directory the model is written under (default ``workdir / "models"``).
+            Engines given one directory serve one ``--model-path``, as replicas of a
+            deployment do (the host prefix cache's namespace names the path).
 
     Raises:
         EngineStartError: the server exited or did not become healthy in time; the message holds
@@ -792,7 +800,7 @@ def start_engine(
     platform = current_platform()
     timeout = hang_guard_s() if timeout is None else timeout
     workdir.mkdir(parents=True, exist_ok=True)
-    model_path = config.model.write(workdir / "models")
+    model_path = config.model.write(workdir / "models" if models is None else models)
     env = _environment(config, platform, workdir)
     log_path = workdir / "server.log"
     attempt = 0

@@ -87,7 +87,8 @@ class EnginePool:
             _, oldest = self._live.popitem(last=False)
             oldest.close()
         _logger.info("starting engine %s", config.label)
-        engine = start_engine(config, self._directory(config))
+        # One model directory per pool: engines of one model serve one path, as replicas do.
+        engine = start_engine(config, self._directory(config), models=self._workdir / "models")
         self.starts.append(EngineStart(config.label, engine.start_seconds, engine.log_path))
         self._live[config] = engine
         self._latest[config] = engine

@@ -28,5 +28,6 @@ def radix_cache_factory(ctx: Any) -> Any:
                 cache.qsa_offload,
                 budget_bytes=switches.prefix_cache_bytes,
                 max_entries=switches.prefix_cache_max_entries,
+                store=switches.prefix_cache_store,
             )
     return cache

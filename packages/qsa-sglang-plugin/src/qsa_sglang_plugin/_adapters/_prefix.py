@@ -25,7 +25,9 @@ from qsa_hostcache import (
     PromptCounts,
     PromptKeys,
     PromptPools,
+    SharedCheckpoints,
     StateSegments,
+    TierStats,
     TokenSlots,
     agree_min,
 )
@@ -33,10 +35,11 @@ from qsa_mm_prefix import BypassReason, ProcessorFingerprint, prompt_page_extras
 from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
 from qsa_sglang_plugin._adapters._multimodal import engine_processor_fingerprint, sglang_items
 from qsa_sglang_plugin._adapters._namespace import cache_namespace_from_sglang
-from qsa_sglang_plugin._errors import OffloadRuntimeError
+from qsa_sglang_plugin._errors import OffloadRuntimeError, SwitchError
+from qsa_sglang_plugin._switches import ENV_PREFIX_CACHE_STORE
 
 if TYPE_CHECKING:
-    from qsa_hostcache import CacheNamespace
+    from qsa_hostcache import CacheNamespace, StoreAddress
     from qsa_kernels.offload import OffloadRuntime
 
 __all__ = ("METRIC_PREFIX", "PrefixCacheRuntime", "build_prefix_cache")
@@ -50,10 +53,13 @@ METRIC_PREFIX: Final = "qsa_hisparse_prefix_cache"
 class _Metrics:
     """The cache's own counters and occupancy, mirrored into SGLang's Prometheus registry."""
 
-    def __init__(self, tp_rank: int) -> None:
+    def __init__(self, tp_rank: int, tier: str | None) -> None:
         make = RankMetrics(tp_rank)
         self._stats = CountsMirror(make, METRIC_PREFIX, CacheStats.series())
         self._counts = CountsMirror(make, METRIC_PREFIX, PromptCounts.series())
+        self._tier = (
+            None if tier is None else CountsMirror(make, METRIC_PREFIX, TierStats.series(tier))
+        )
         self.bypassed = make.counters_by(
             f"{METRIC_PREFIX}_bypassed",
             "Requests the prefix cache does not key (not matched, not published), by reason.",
@@ -61,10 +67,12 @@ class _Metrics:
             BypassReason,
         )
 
-    def update(self, stats: CacheStats, counts: PromptCounts) -> None:
-        """The cache's statistics and the prompt calls' counts, as increments since the last."""
+    def update(self, stats: CacheStats, counts: PromptCounts, tier: TierStats | None) -> None:
+        """The cache's, the prompt calls' and the shared tier's counts, as increments."""
         self._stats.update(stats)
         self._counts.update(counts)
+        if self._tier is not None and tier is not None:
+            self._tier.update(tier)
 
 
 class PrefixCacheRuntime:
@@ -81,6 +89,7 @@ class PrefixCacheRuntime:
         weight_version: the served weights' version now, read before every lookup and publish.
         processor, spatial_merge_size: the image processor's fingerprint (``None``: image
             prompts bypass, ``no-processor``) and the vision tower's patch merge.
+        shared: the shared tier below the arena (``SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE``).
     """
 
     def __init__(
@@ -97,17 +106,20 @@ class PrefixCacheRuntime:
         weight_version: Callable[[], object] = lambda: None,
         processor: ProcessorFingerprint | None = None,
         spatial_merge_size: int | None = None,
+        shared: SharedCheckpoints | None = None,
     ) -> None:
         self.cache = cache
+        self.shared = shared
         group = getattr(tp_group, "cpu_group", None)
         checkpoints: PromptCheckpoints[torch.Tensor] = PromptCheckpoints(
             cache,
             agree=agree_min(group if int(getattr(tp_group, "world_size", 1)) > 1 else None),
             weights=weight_version,
+            shared=shared,
         )
         self._processor = processor
         self._merge = spatial_merge_size
-        self._metrics = _Metrics(tp_rank)
+        self._metrics = _Metrics(tp_rank, None if shared is None else shared.tier.name)
         self._keys: PromptKeys[Any] = PromptKeys(
             cache.page_size,
             self._page_extras,
@@ -167,6 +179,13 @@ class PrefixCacheRuntime:
         hit = self._pools.lookup(len(tokens), lambda: self.key(req, tokens))
         self._sync_metrics()
         return hit
+
+    @property
+    def hit_is_shared(self) -> bool:
+        """The last :meth:`lookup`'s hit came from the shared tier (not the arena)."""
+        return (
+            self.shared is not None and self._pools.checkpoints.last_tier == self.shared.tier.name
+        )
 
     def load_back(self, req: Any, tokens: int) -> bool:
         """Load ``req``'s checkpoint of ``tokens`` tokens into new KV slots (``PromptPools.load``).
@@ -258,16 +277,26 @@ class PrefixCacheRuntime:
         return slot
 
     def _sync_metrics(self) -> None:
-        self._metrics.update(self.cache.stats(), self._pools.checkpoints.counts)
+        shared = None if self.shared is None else self.shared.stats()
+        self._metrics.update(self.cache.stats(), self._pools.checkpoints.counts, shared)
 
 
 def build_prefix_cache(
-    ctx: Any, tree_cache: Any, offload: OffloadRuntime, *, budget_bytes: int, max_entries: int
+    ctx: Any,
+    tree_cache: Any,
+    offload: OffloadRuntime,
+    *,
+    budget_bytes: int,
+    max_entries: int,
+    store: StoreAddress | None = None,
 ) -> PrefixCacheRuntime:
     """The prefix cache of one scheduler (SGLang's ``TreeCacheBuildContext``, its tree cache).
 
+    ``store``: the shared tier's store, or None.
+
     Raises:
         qsa_hostcache.ArenaAllocationError: the host cannot allocate (or pin) ``budget_bytes``.
+        SwitchError: ``store`` is set and Mooncake is not installed.
     """
     from sglang.srt.runtime_context import get_parallel, get_serving
 
@@ -295,6 +324,7 @@ def build_prefix_cache(
         weight_version=lambda: get_serving().weight_version,
         processor=fingerprint,
         spatial_merge_size=spatial_merge_size(runner.model_config.hf_config),
+        shared=None if store is None else _shared_tier(store),
     )
     logger.info(
         "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens; %s",
@@ -304,4 +334,21 @@ def build_prefix_cache(
         page_size,
         "images keyed by their content" if fingerprint else "image prompts not reused",
     )
+    if store is not None:
+        logger.info("prefix cache: shared tier %s, written through", store)
     return runtime
+
+
+def _shared_tier(store: StoreAddress) -> SharedCheckpoints:
+    """The shared tier over ``store`` (the client joins the store on a thread of its own)."""
+    from qsa_hostcache import MooncakeTier
+
+    try:
+        tier = MooncakeTier(store)
+    except ImportError as exc:
+        msg = (
+            f"{ENV_PREFIX_CACHE_STORE}={str(store)!r} needs Mooncake Store: install "
+            f"'qsa-hostcache[mooncake]' ({exc})"
+        )
+        raise SwitchError(msg) from None
+    return SharedCheckpoints(tier)

@@ -73,6 +73,10 @@ class HiSparseRadixCache(UnifiedRadixCache):
         beyond = host_hit(hit, int(result.device_prefix_len))
         if not beyond:
             return result
+        # SGLang reports a "storage" hit in cached_tokens_details for a shared-tier checkpoint
+        # (sticky: a later match of the same request finds it copied into the arena).
+        req = params.req
+        req.host_hit_is_storage = bool(req.host_hit_is_storage) or prefix.hit_is_shared
         return result._replace(
             host_hit_length=beyond, full_kv_hit_length=max(int(result.full_kv_hit_length), hit)
         )

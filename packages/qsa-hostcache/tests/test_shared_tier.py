@@ -1,0 +1,273 @@
+"""The shared tier over a real Mooncake Store: a ``mooncake_master`` process on a free localhost
+port and real store clients (TCP transport), never a stand-in.
+
+Checkpoints written by one client are read back bit for bit by another (another process
+included); keys match exactly, per namespace; a corrupt or truncated object is counted and never
+used; a master that goes away turns every call into a counted miss, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("mooncake.store", reason="the shared tier's tests need qsa-hostcache[mooncake]")
+
+from qsa_hostcache import (
+    CacheConfigError,
+    CacheNamespace,
+    HostPrefixCache,
+    MooncakeTier,
+    PrefixKey,
+    PromptCheckpoints,
+    SharedCheckpoints,
+    StoreAddress,
+)
+from qsa_hostcache._shared import encode, object_name
+from qsa_pytest.mooncake import MooncakeMaster, free_port
+from qsa_pytest.processes import hang_guard_s, wait_until
+
+PAGE = 4
+# Generous: the machine running the tests may be shared and slow; readiness is polled.
+READY_LIMIT_S = hang_guard_s()
+
+
+def _tier(address: str) -> MooncakeTier:
+    tier = MooncakeTier(StoreAddress.parse(address), retry_after_s=60.0)
+    assert tier.wait_connected(READY_LIMIT_S), f"no store client joined {address} in time"
+    return tier
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    m = MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log")
+    yield m
+    m.kill()
+
+
+@pytest.fixture(scope="module")
+def tier(master: MooncakeMaster) -> Iterator[MooncakeTier]:
+    t = _tier(master.address())
+    yield t
+    t.close()
+
+
+def _ns(salt: str | None = None) -> CacheNamespace:
+    return CacheNamespace(
+        model="org/m@r", dtype="bfloat16", tp_size=1, tp_rank=0, config_digest="c", salt=salt
+    )
+
+
+def _segments(tokens: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "k.0": torch.randn(tokens, 2, 8, generator=g).to(torch.bfloat16),
+        "v.0": torch.randn(tokens, 2, 8, generator=g).to(torch.bfloat16),
+        "state.0": torch.randint(-128, 127, (3, 5), dtype=torch.int8, generator=g),
+    }
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (n,), generator=g).tolist()
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for name, tensor in a.items():
+        assert (tensor.dtype, tensor.shape) == (b[name].dtype, b[name].shape), name
+        assert torch.equal(tensor.view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+def test_a_checkpoint_reads_back_bit_exact_as_the_longest_prefix_of_a_longer_query(
+    tier: MooncakeTier,
+) -> None:
+    shared = SharedCheckpoints(tier, scope="round-trip")
+    tokens = _tokens(6 * PAGE + 1, seed=1)
+    key = PrefixKey(_ns(), tokens, page_size=PAGE)
+    segments = _segments(4 * PAGE, seed=2)
+    assert shared.write(key.prefix(4), segments)
+    assert not shared.write(key.prefix(4), segments)  # already there: not written again
+
+    hit = shared.lookup(key)
+
+    assert hit is not None
+    assert hit.num_tokens == 4 * PAGE
+    _equal(hit.segments, segments)
+    stats = shared.stats()
+    assert (stats.lookups, stats.hits, stats.hit_tokens, stats.writes) == (1, 1, 4 * PAGE, 1)
+    assert stats.bytes_read > 0
+    assert stats.errors == 0
+
+
+def test_another_salt_or_one_changed_token_shares_nothing(tier: MooncakeTier) -> None:
+    shared = SharedCheckpoints(tier, scope="namespaces")
+    tokens = _tokens(4 * PAGE, seed=3)
+    shared.write(PrefixKey(_ns("a"), tokens, page_size=PAGE), _segments(4 * PAGE, seed=4))
+
+    other_salt = PrefixKey(_ns("b"), tokens, page_size=PAGE)
+    changed = PrefixKey(_ns("a"), [*tokens[:-1], tokens[-1] + 1], page_size=PAGE)
+    other_scope = SharedCheckpoints(tier, scope="namespaces-2")
+
+    assert shared.lookup(other_salt) is None
+    assert shared.lookup(changed) is None
+    assert other_scope.lookup(PrefixKey(_ns("a"), tokens, page_size=PAGE)) is None
+    assert shared.lookup(PrefixKey(_ns("a"), tokens, page_size=PAGE)) is not None
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "truncated"])
+def test_a_damaged_object_is_counted_and_never_used(tier: MooncakeTier, damage: str) -> None:
+    shared = SharedCheckpoints(tier, scope=f"damaged-{damage}")
+    key = PrefixKey(_ns(), _tokens(2 * PAGE, seed=5), page_size=PAGE)
+    good = encode(key, _segments(2 * PAGE, seed=6))
+    bad = good[:-7] if damage == "truncated" else good[:-1] + bytes([good[-1] ^ 1])
+    # The bad payload goes straight under the checkpoint's name, as a faulty writer would.
+    assert tier.put(object_name(key, shared.scope), bad)
+
+    assert shared.lookup(key) is None
+    stats = shared.stats()
+    assert (stats.corrupt, stats.hits) == (1, 0)
+
+
+def test_a_second_process_with_an_empty_arena_restores_what_the_first_published(
+    tier: MooncakeTier, master: MooncakeMaster, tmp_path: Path
+) -> None:
+    # Process one: publish in its arena; the checkpoint is written through to the store.
+    tokens = _tokens(3 * PAGE + 2, seed=7)
+    key = PrefixKey(_ns("s"), tokens, page_size=PAGE)
+    segments = _segments(3 * PAGE, seed=8)
+    prompts: PromptCheckpoints[None] = PromptCheckpoints(
+        HostPrefixCache(1 << 20, page_size=PAGE, block_bytes=4096),
+        shared=SharedCheckpoints(tier),
+    )
+    assert prompts.publish(key.prefix(3), lambda: segments) is not None
+    assert prompts.flush_shared(READY_LIMIT_S), "write-through still running"
+    torch.save({"tokens": tokens, "segments": segments}, tmp_path / "expected.pt")
+
+    # Process two: another client, its arena empty, finds it in the store and restores it.
+    reader = master.address(segment_mb=0)
+    script = textwrap.dedent(
+        f"""
+        import json, sys, torch
+        from qsa_hostcache import (CacheNamespace, HostPrefixCache, MooncakeTier,
+            PromptCheckpoints, PrefixKey, SharedCheckpoints, StoreAddress)
+        want = torch.load({str(tmp_path / "expected.pt")!r})
+        tier = MooncakeTier(StoreAddress.parse({reader!r}))
+        assert tier.wait_connected({READY_LIMIT_S!r})
+        prompts = PromptCheckpoints(HostPrefixCache(1 << 20, page_size={PAGE}, block_bytes=4096),
+            shared=SharedCheckpoints(tier))
+        ns = CacheNamespace(model="org/m@r", dtype="bfloat16", tp_size=1, tp_rank=0,
+            config_digest="c", salt="s")
+        key = PrefixKey(ns, want["tokens"], page_size={PAGE})
+        found = prompts.lookup(key)
+        lease = prompts.cache.acquire(key.prefix(found // {PAGE}))
+        got = prompts.restore_new(lease, list(want["segments"]), "cpu")
+        lease.release()
+        same = all(torch.equal(got[n].view(torch.uint8), t.view(torch.uint8))
+            for n, t in want["segments"].items())
+        print(json.dumps({{"found": found, "tier": prompts.last_tier, "same": same}}))
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+        timeout=READY_LIMIT_S * 2,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"found": 3 * PAGE, "tier": "mooncake", "same": True}
+
+
+def test_the_arena_answers_first_and_the_store_only_for_longer_prefixes(
+    tier: MooncakeTier,
+) -> None:
+    shared = SharedCheckpoints(tier, scope="ram-first")
+    prompts: PromptCheckpoints[None] = PromptCheckpoints(
+        HostPrefixCache(1 << 20, page_size=PAGE, block_bytes=4096), shared=shared
+    )
+    prompts.shared = None  # the first publish stays in the arena only
+    key = PrefixKey(_ns(), _tokens(5 * PAGE, seed=9), page_size=PAGE)
+    prompts.publish(key.prefix(2), lambda: _segments(2 * PAGE, seed=10))
+    shared.write(key.prefix(4), _segments(4 * PAGE, seed=11))
+    prompts.shared = shared
+
+    assert prompts.lookup(key.prefix(2)) == 2 * PAGE
+    assert prompts.last_tier == "ram"
+    assert shared.stats().lookups == 0  # the arena held all its whole pages
+    assert prompts.lookup(key) == 4 * PAGE
+    assert prompts.last_tier == "mooncake"
+    assert prompts.lookup(key) == 4 * PAGE  # copied into the arena by the lookup before
+    assert prompts.last_tier == "ram"
+
+
+def test_a_master_gone_mid_run_turns_every_call_into_a_counted_miss(tmp_path: Path) -> None:
+    own = MooncakeMaster(tmp_path / "master.log")
+    try:
+        tier = _tier(own.address())
+        shared = SharedCheckpoints(tier, scope="killed")
+        key = PrefixKey(_ns(), _tokens(2 * PAGE, seed=12), page_size=PAGE)
+        assert shared.write(key, _segments(2 * PAGE, seed=13))
+        own.kill()
+
+        assert shared.lookup(key) is None  # the store's error: a miss, no exception
+        assert not shared.write(key.prefix(1), _segments(PAGE, seed=14))
+        assert shared.lookup(key) is None  # answered at once while the tier is marked down
+        health = shared.stats()
+        assert health.errors >= 1
+        assert health.unavailable >= 1
+        tier.close()
+    finally:
+        own.kill()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "redis://127.0.0.1:1",
+        "mooncake://127.0.0.1",
+        "mooncake://:50051",
+        "mooncake://h:50051/path",
+        "mooncake://h:50051?segment_mb=-1",
+        "mooncake://h:50051?segments=4",
+        "127.0.0.1:50051",
+    ],
+)
+def test_a_bad_store_address_is_refused_naming_the_value_and_the_form(text: str) -> None:
+    with pytest.raises(CacheConfigError, match=r"mooncake://HOST:PORT") as info:
+        StoreAddress.parse(text)
+    assert repr(text) in str(info.value)
+
+
+def test_a_tier_started_before_its_master_misses_then_joins_once_the_master_answers(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    tier = MooncakeTier(
+        StoreAddress.parse(f"mooncake://127.0.0.1:{port}?segment_mb=64"), retry_after_s=0.2
+    )
+    shared = SharedCheckpoints(tier, scope="late-master")
+    key = PrefixKey(_ns(), _tokens(2 * PAGE, seed=15), page_size=PAGE)
+    try:
+        assert shared.lookup(key) is None  # no master: a counted miss, at once
+        assert not shared.write(key, _segments(2 * PAGE, seed=16))
+        assert shared.stats().unavailable >= 2
+        master = MooncakeMaster(tmp_path / "master.log", port=port)
+        try:
+            wait_until("the tier to join the master started after it", lambda: tier.connected)
+            assert shared.write(key, _segments(2 * PAGE, seed=16))
+            assert shared.lookup(key) is not None
+        finally:
+            master.kill()
+    finally:
+        tier.close()
