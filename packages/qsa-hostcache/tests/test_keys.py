@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import os
 import subprocess
 import sys
 
@@ -45,7 +46,7 @@ def test_page_keys_identical_across_processes() -> None:
         check=True,
         capture_output=True,
         text=True,
-        env={"PYTHONHASHSEED": "12345"},
+        env={**os.environ, "PYTHONHASHSEED": "12345"},  # another hash seed; same imports
     ).stdout.strip()
     here = page_keys(PrefixKey(NS, list(range(300)), page_extras={2: b"img"}))
     assert out == str(here)
