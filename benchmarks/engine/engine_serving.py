@@ -46,6 +46,12 @@ the tight-GPU workload, e.g. ``--arms resident,offload --workloads random --inpu
 eight 128K requests (25,344 B a token for the 12 QSA layers' K/V) and the offload's all eight.
 Each arm's pool (``max_total_num_tokens``) is in the report.
 
+Without ``--gpu-budget-gib`` every arm's pool is capped by ``--max-total-tokens``, so the servers
+start together (a fresh GPU machine spends minutes compiling and capturing each one) and are then
+measured one at a time: the others wait idle on the same GPU, holding memory and no compute.
+With a budget each server sizes its pool from the free memory it measures, so each starts and is
+measured alone. ``--start apart`` forces that everywhere.
+
 ``--repeats N`` measures each workload N times on the same server (each run after a flush), one
 row per run and a table of each arm's median, range and the medians' ratios: what a ratio is
 worth on this machine. Servers on different machines differ by more than that (the offload
@@ -59,6 +65,7 @@ payload; exits with status 77 without CUDA.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -66,6 +73,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from _engine_bench import SKIPPED, lacks_cuda, mem_fraction, pool_tokens, write_json
@@ -141,6 +149,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--repeats", type=int, default=1, help="measured runs per arm and workload, one server"
     )
+    parser.add_argument(
+        "--start",
+        choices=("together", "apart"),
+        default="together",
+        help="start every server at once (with a token cap only) or each after the last stopped",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -174,6 +188,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--gpu-budget-gib {args.gpu_budget_gib!r} is not allowed; allowed: > 0")
     if not 0.0 <= args.range_ratio <= 1.0:
         parser.error(f"--range-ratio {args.range_ratio!r} is not allowed; allowed: 0 to 1")
+    if args.gpu_budget_gib is not None:  # each pool is sized from the free memory it measures
+        args.start = "apart"
     return args
 
 
@@ -383,8 +399,14 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
         "`sglang.benchmark.serving --backend sglang --tokenize-prompt --max-concurrency "
         f"{args.max_concurrency} --flush-cache` and each workload's flags. "
         f"`{data['command']}`; written by "
-        "`benchmarks/engine/engine_serving.py`. One server at a time, alone "
-        "on the GPU; each serves every workload in turn, each measured run after an unmeasured "
+        "`benchmarks/engine/engine_serving.py`. "
+        + (
+            "Servers started and measured one at a time, each alone on the GPU"
+            if args.start == "apart"
+            else "Servers started together, then measured one at a time (the others idle on "
+            "the GPU)"
+        )
+        + "; each serves every workload in turn, each measured run after an unmeasured "
         f"one of {args.warmup_prompts} requests (another seed) and a cache flush. Counters are "
         'the plugin\'s over the measured run; "held when idle" is '
         "what the plugin's gauges read once the run ended.",
@@ -396,8 +418,33 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
     (out / "engine_serving.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def _measure(
+    engine: Any, arm: str, args: argparse.Namespace, tokenizer: pathlib.Path, workdir: pathlib.Path
+) -> list[Run]:
+    """Drive one arm's server with each workload in turn: a warm-up, then ``--repeats`` runs."""
+    runs: list[Run] = []
+    for workload in args.workloads:
+        began = time.monotonic()
+        warm = workdir / f"{arm}-{workload}-warm-up.jsonl"
+        serve(engine, args, workload, tokenizer, warm, warm_up=True)
+        for repeat in range(args.repeats):
+            before = _counters(engine)
+            result = workdir / f"{arm}-{workload}-{repeat}.jsonl"
+            metrics = serve(engine, args, workload, tokenizer, result)
+            after = _counters(engine)
+            gained = {name: after[name] - before[name] for name in COUNTERS}
+            runs.append(
+                Run(arm, workload, metrics, gained, _held(engine), repeat, pool_tokens(engine))
+            )
+            print(
+                f"{arm} {workload} #{repeat + 1}: {metrics} ({time.monotonic() - began:.0f} s)",
+                flush=True,
+            )
+    return runs
+
+
 def main(argv: list[str]) -> int:
-    """Start every arm's server, drive it with each workload in turn, write the report."""
+    """Start the arms' servers, drive each with every workload in turn, write the report."""
     args = _parse_args(argv)
     if lacks_cuda("engine_serving"):
         return SKIPPED
@@ -408,30 +455,29 @@ def main(argv: list[str]) -> int:
     model = next(iter(configs.values())).model
     tokenizer = word_level_tokenizer(workdir / "client-tokenizer", model.vocab_size)
     runs: list[Run] = []
-    for arm, config in configs.items():  # one server at a time: each has the GPU to itself
+
+    def start(arm: str) -> Any:
         started = time.monotonic()
-        with start_engine(config, workdir / arm, timeout=900.0) as engine:
-            print(f"{arm}: up in {time.monotonic() - started:.0f} s", flush=True)
-            for workload in args.workloads:
-                began = time.monotonic()
-                warm = workdir / f"{arm}-{workload}-warm-up.jsonl"
-                serve(engine, args, workload, tokenizer, warm, warm_up=True)
-                for repeat in range(args.repeats):
-                    before = _counters(engine)
-                    result = workdir / f"{arm}-{workload}-{repeat}.jsonl"
-                    metrics = serve(engine, args, workload, tokenizer, result)
-                    after = _counters(engine)
-                    gained = {name: after[name] - before[name] for name in COUNTERS}
-                    held = _held(engine)
-                    runs.append(
-                        Run(arm, workload, metrics, gained, held, repeat, pool_tokens(engine))
-                    )
-                    print(
-                        f"{arm} {workload} #{repeat + 1}: {metrics} "
-                        f"({time.monotonic() - began:.0f} s)",
-                        flush=True,
-                    )
-                    _write(args.out, args, runs)
+        engine = start_engine(configs[arm], workdir / arm, timeout=900.0)
+        print(f"{arm}: up in {time.monotonic() - started:.0f} s", flush=True)
+        return engine
+
+    if args.start == "apart":
+        for arm in configs:  # one server at a time: each has the GPU to itself
+            with start(arm) as engine:
+                runs += _measure(engine, arm, args, tokenizer, workdir)
+                _write(args.out, args, runs)
+        return 0
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(configs)) as pool:
+        starting = {arm: pool.submit(start, arm) for arm in configs}
+        wait(starting.values())
+        for future in starting.values():  # every server that came up stops, whatever failed
+            if future.exception() is None:
+                stack.enter_context(future.result())
+        engines = {arm: future.result() for arm, future in starting.items()}  # raises a failure
+        for arm, engine in engines.items():  # measured one at a time; the others wait idle
+            runs += _measure(engine, arm, args, tokenizer, workdir)
+            _write(args.out, args, runs)
     return 0
 
 
