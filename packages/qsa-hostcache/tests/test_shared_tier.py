@@ -32,6 +32,7 @@ from qsa_hostcache import (
     StoreAddress,
 )
 from qsa_hostcache._shared import encode, object_name
+from qsa_hostcache._tiers import part_name
 from qsa_pytest.mooncake import MooncakeMaster, free_port
 from qsa_pytest.processes import hang_guard_s, wait_until
 
@@ -271,3 +272,58 @@ def test_a_tier_started_before_its_master_misses_then_joins_once_the_master_answ
             master.kill()
     finally:
         tier.close()
+
+
+def test_an_object_larger_than_the_clients_buffer_is_stored_in_parts_and_read_back_whole(
+    master: MooncakeMaster,
+) -> None:
+    # 40 MiB: five parts of 8 MiB, more than the client's whole transfer buffer once was (16 MiB).
+    tier = _tier(master.address(segment_mb=128))
+    try:
+        value = os.urandom(40 << 20)
+        assert tier.put("big", value)
+        assert tier.get("big") == value
+        parts = tier.contains([part_name("big", index) for index in range(1, 6)])
+        assert parts == [True, True, True, True, False]
+        health = tier.health()
+        assert (health.puts, health.gets, health.errors) == (1, 1, 0)
+        assert (health.bytes_written, health.bytes_read) == (len(value), len(value))
+    finally:
+        tier.close()
+
+
+def test_an_object_missing_a_part_is_a_counted_miss_and_the_tier_answers_on(
+    master: MooncakeMaster,
+) -> None:
+    tier = MooncakeTier(
+        StoreAddress.parse(master.address(segment_mb=32)),
+        retry_after_s=60.0,
+        local_buffer_mb=4,
+        part_mb=1,
+    )
+    assert tier.wait_connected(READY_LIMIT_S)
+    try:
+        whole, damaged = os.urandom((5 << 20) + 3), os.urandom(3 << 20)
+        assert tier.put("whole", whole)
+        assert tier.put("damaged", damaged)
+        # The store evicts one key at a time: the second part goes, as eviction would take it.
+        assert tier._store.remove(part_name("damaged", 2)) == 0  # the store's own client
+
+        assert tier.get("damaged") is None
+        assert tier.health().errors == 1
+        assert tier.get("whole") == whole  # not answered as down: the store itself is fine
+        assert tier.health().unavailable == 0
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize(("part_mb", "buffer_mb"), [(0, 64), (33, 64), (16, 16)])
+def test_a_part_that_two_do_not_fit_the_buffer_is_refused_naming_both(
+    part_mb: int, buffer_mb: int
+) -> None:
+    with pytest.raises(
+        CacheConfigError, match=rf"part_mb {part_mb} with local_buffer_mb {buffer_mb}"
+    ):
+        MooncakeTier(
+            StoreAddress.parse("mooncake://127.0.0.1:1"), local_buffer_mb=buffer_mb, part_mb=part_mb
+        )

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import urllib.parse
@@ -161,8 +162,30 @@ class StoreAddress:
         return f"{self.scheme}://{self.master}?segment_mb={self.segment_mb}"
 
 
+#: The head of an object stored in parts: a tag, the number of parts and the object's bytes.
+_HEAD: Final = struct.Struct("<8sIQ")
+_HEAD_TAG: Final = b"QSAPARTS"
+
+
+def part_name(key: str, index: int) -> str:
+    """The store key of part ``index`` (1 or more) of the object under ``key``.
+
+    Part 0 is the head, stored under ``key`` itself.
+    """
+    return f"{key}#part{index}"
+
+
 class MooncakeTier:
     """An :class:`ObjectTier` over Mooncake Store, through its TCP transport.
+
+    A store client moves at most its transfer buffer (``local_buffer_mb``) in one call: an object
+    is stored as parts of at most ``part_mb`` MiB (a checkpoint of a 16K-token prompt is hundreds
+    of MiB). The parts go first, under :func:`part_name` keys; the head, under the object's own
+    key, goes last and holds the part count, the object's length and its first part, so an
+    object whose head is visible was written whole. A read whose part is missing (the store
+    evicts objects one key at a time) is a counted error and a miss. Each call holds the GIL
+    while it runs, so a part's size also bounds how long a put or get keeps the calling
+    process's other threads (a scheduler's) waiting.
 
     The client joins the store on a thread of its own, once the master's port accepts a
     connection (Mooncake's ``setup`` would otherwise retry for about a minute and a half,
@@ -177,10 +200,13 @@ class MooncakeTier:
         local_hostname: this client's address as the store's other clients reach it (default
             :meth:`StoreAddress.local_hostname`).
         retry_after_s: seconds a failed store call keeps the tier answering misses at once.
-        local_buffer_mb: MiB of the client's transfer buffer.
+        local_buffer_mb: MiB of the client's transfer buffer (at least two parts: one thread
+            puts while another gets).
+        part_mb: MiB of an object's part.
 
     Raises:
         ImportError: Mooncake is not installed (``pip install 'qsa-hostcache[mooncake]'``).
+        CacheConfigError: ``part_mb`` is not positive or two parts do not fit the buffer.
     """
 
     def __init__(
@@ -189,9 +215,17 @@ class MooncakeTier:
         *,
         local_hostname: str | None = None,
         retry_after_s: float = 10.0,
-        local_buffer_mb: int = 16,
+        local_buffer_mb: int = 64,
+        part_mb: int = 8,
     ) -> None:
+        if not 0 < part_mb <= local_buffer_mb // 2:
+            msg = (
+                f"part_mb {part_mb!r} with local_buffer_mb {local_buffer_mb!r} is not allowed; "
+                "allowed: 1 to local_buffer_mb // 2"
+            )
+            raise CacheConfigError(msg)
         os.environ.setdefault("MC_FORCE_TCP", "true")
+        self._part_bytes = part_mb << 20
         from mooncake.store import MooncakeDistributedStore
 
         self.address = address
@@ -230,15 +264,23 @@ class MooncakeTier:
     def put(self, key: str, value: bytes) -> bool:
         if not self._ready():
             return False
+        size = self._part_bytes
+        count = max(1, -(-len(value) // size))
+        view = memoryview(value)
         try:
             present = self._store.is_exist(key)
             if present == 1:
                 return False
-            rc = -1 if present < 0 else self._store.put(key, value)
+            rc = -1 if present < 0 else 0
+            for index in range(1, count):  # the head last: once visible, the object is whole
+                part = bytes(view[index * size : (index + 1) * size])  # one part copied at a time
+                rc = rc or self._store.put(part_name(key, index), part)
+            head = _HEAD.pack(_HEAD_TAG, count, len(value)) + view[:size]
+            rc = rc or self._store.put(key, head)
         except Exception as exc:
             return self._failed(f"put {key!r}: {exc!r}")
         if rc != 0:
-            return self._failed(f"put {key!r} returned {rc!r}")
+            return self._failed(f"put {key!r} ({count} parts) returned {rc!r}")
         self._count(puts=1, bytes_written=len(value))
         return True
 
@@ -249,15 +291,42 @@ class MooncakeTier:
             present = self._store.is_exist(key)
             if present == 0:
                 return None
-            value = self._store.get(key) if present == 1 else b""
+            head = self._store.get(key) if present == 1 else b""
         except Exception as exc:
             self._failed(f"get {key!r}: {exc!r}")
             return None
-        if not value:  # the store answers a failed read (or a vanished object) with b""
-            self._failed(f"get {key!r}: exists={present!r} but no bytes came back")
+        if (
+            len(head) < _HEAD.size
+        ):  # the store answers a failed read (or a vanished object) with b""
+            self._failed(f"get {key!r}: exists={present!r} but {len(head)!r} bytes came back")
+            return None
+        tag, count, length = _HEAD.unpack_from(head)
+        if tag != _HEAD_TAG or count < 1:
+            self._count(errors=1)
+            logger.warning("shared tier: %r is not an object of this tier; not used", key)
+            return None
+        # bytes only: ``bytes.join`` lets other threads run while it copies only bytes objects
+        chunks = [bytes(head[_HEAD.size :])]
+        for index in range(1, count):
+            try:
+                part = self._store.get(part_name(key, index))
+            except Exception as exc:
+                self._failed(f"get {part_name(key, index)!r}: {exc!r}")
+                return None
+            if not part:  # evicted apart from its head: a miss, the store itself is fine
+                self._count(errors=1)
+                logger.debug("shared tier: part %d of %d of %r is gone", index, count, key)
+                return None
+            chunks.append(bytes(part))  # the store's own bytes: no copy
+        value = b"".join(chunks)
+        if len(value) != length:
+            self._count(errors=1)
+            logger.warning(
+                "shared tier: %r read back %d bytes of %d; not used", key, len(value), length
+            )
             return None
         self._count(gets=1, bytes_read=len(value))
-        return bytes(value)
+        return value
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         if not keys or not self._ready():
