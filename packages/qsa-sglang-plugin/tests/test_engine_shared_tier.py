@@ -187,19 +187,35 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _workers(base: str) -> dict[str, str]:
+    """The router's workers, URL to id (``GET /workers``)."""
+    with urllib.request.urlopen(f"{base}/workers", timeout=hang_guard_s()) as reply:
+        listed = json.loads(reply.read())["workers"]
+    return {worker["url"]: worker["id"] for worker in listed}
+
+
+def _remove_worker(base: str, worker_id: str) -> None:
+    """``DELETE /workers/{id}``: the operator drains a replica from the router."""
+    request = urllib.request.Request(f"{base}/workers/{worker_id}", method="DELETE")
+    with urllib.request.urlopen(request, timeout=hang_guard_s()) as reply:
+        assert reply.status in (200, 202), reply.status
+
+
 @pytest.mark.engine(ENGINE_B)
-def test_a_turn_routed_to_the_other_replica_reuses_the_first_turn_through_the_store(
+def test_a_turn_the_cache_aware_router_moves_to_the_other_replica_reuses_the_store(
     engines: EnginePool, store: Store, tmp_path: Path
 ) -> None:
-    """Two live replicas behind ``sglang-router --policy round_robin``: consecutive turns of one
-    conversation land on different replicas, and the second reuses the first's checkpoints."""
+    """Two live replicas behind ``sglang-router --policy cache_aware``: the second turn of a
+    conversation stays on the replica that served the first (its arena answers); once the
+    operator drains that replica from the router, the third turn lands on the other one and
+    loads the conversation's checkpoints from the store."""
     engines.stop_running()  # this test runs its own two replicas at once
     store = store.running()
     keys = store.master.key_count()
     replicas = EnginePool(tmp_path / "replicas", max_live=2)
     router = None
     try:
-        urls = [replicas.engine(c).address for c in (ENGINE_A, ENGINE_B)]
+        pair = {c.replica: replicas.engine(c) for c in (ENGINE_A, ENGINE_B)}
         port = free_port()
         with (tmp_path / "router.log").open("wb") as log:
             router = subprocess.Popen(
@@ -209,9 +225,10 @@ def test_a_turn_routed_to_the_other_replica_reuses_the_first_turn_through_the_st
                     "sglang_router.launch_router",
                     "--host=127.0.0.1",
                     f"--port={port}",
-                    "--policy=round_robin",
+                    f"--prometheus-port={free_port()}",  # its default, 29000, may be taken
+                    "--policy=cache_aware",
                     "--worker-urls",
-                    *urls,
+                    *(engine.address for engine in pair.values()),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -219,19 +236,51 @@ def test_a_turn_routed_to_the_other_replica_reuses_the_first_turn_through_the_st
             )
         base = f"http://127.0.0.1:{port}"
         wait_until("sglang-router to answer /health", lambda: _answers(f"{base}/health"))
+        wait_until("sglang-router to list both replicas", lambda: len(_workers(base)) == 2)
+
+        def turn(tokens: tuple[int, ...]) -> dict[str, Any]:
+            return _post(f"{base}/generate", GenerateRequest(tokens, max_new_tokens=8).body())
+
+        def lookups() -> dict[int, float]:
+            name = "qsa_hisparse_prefix_cache_lookups_total"
+            return {replica: engine.metric(name) for replica, engine in pair.items()}
 
         first_turn = QWEN.prompt(2100, seed=412)
-        first = _post(f"{base}/generate", GenerateRequest(first_turn, max_new_tokens=8).body())
+        before = lookups()
+        first = turn(first_turn)
         assert first["meta_info"]["cached_tokens"] == 0
-        wait_until(
-            "the first turn's checkpoints in the store",
-            lambda: store.master.key_count() >= keys + 2,
-        )
+        served = [r for r, n in lookups().items() if n > before[r]]
+        assert len(served) == 1, f"lookups before {before}, after {lookups()}"
+        home, other = served[0], 1 - served[0]
+
+        # The second turn stays where the first was served: the arena answers, not the store.
         second_turn = (*first_turn, *first["output_ids"], *QWEN.prompt(1000, seed=413))
-        second = _post(f"{base}/generate", GenerateRequest(second_turn, max_new_tokens=8).body())
-        # The other replica (round robin): its arena never saw the first turn; the store did.
+        before = lookups()
+        second = turn(second_turn)
+        assert lookups()[other] == before[other], "cache_aware moved the second turn"
         assert second["meta_info"]["cached_tokens"] == 2 * CHUNK
-        assert second["meta_info"]["cached_tokens_details"]["storage"] == 2 * CHUNK
+        assert second["meta_info"]["cached_tokens_details"]["host"] == 2 * CHUNK
+        # Its checkpoints (1,024, 2,048 and 3,072 tokens; 3,108 is not a whole page) reach the
+        # store: the first turn's two, then the second turn's one more.
+        wait_until(
+            "the conversation's checkpoints in the store",
+            lambda: store.master.key_count() >= keys + 3,
+        )
+
+        # The operator drains the replica that served the conversation; the third turn lands
+        # on the other one, whose arena never saw it, and loads 3,072 tokens from the store.
+        _remove_worker(base, _workers(base)[pair[home].address])
+        wait_until("the router to drop the drained replica", lambda: len(_workers(base)) == 1)
+        third_turn = (*second_turn, *second["output_ids"], *QWEN.prompt(500, seed=414))
+        before = lookups()
+        third = turn(third_turn)
+        assert lookups()[other] > before[other]
+        assert third["meta_info"]["cached_tokens"] == 3 * CHUNK
+        assert third["meta_info"]["cached_tokens_details"] == {
+            "device": 0,
+            "host": 0,
+            "storage": 3 * CHUNK,
+        }
     finally:
         if router is not None and router.poll() is None:
             os.killpg(router.pid, signal.SIGTERM)
