@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from qsa_core._capacity import CapacityPlan, MemoryPartKind
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qsa_core._capacity import CapacityPlan
 
 __all__ = ("format_bytes", "render_plan")
 
@@ -21,6 +24,9 @@ def format_bytes(nbytes: int) -> str:
 
 def render_plan(plan: CapacityPlan) -> str:
     """A readable table of every part with and without offload, totals, budgets and fits."""
+    from qsa_core._capacity import MemoryPartKind  # the plan prices through PoolPrice, which
+
+    # renders its bytes here: a module-level import would be circular
     p = plan.profile
     lines = [
         "QSA capacity plan (per TP rank)",
