@@ -7,6 +7,7 @@ from typing import Any
 
 from qsa_core import CapacityPlan, KVDType, QSAConfigError, QSAProfile, plan_capacity
 from qsa_sglang_plugin._adapters._namespace import resolved_args
+from qsa_sglang_plugin._adapters._pool_sizing import shard_transport_bytes
 from qsa_sglang_plugin._errors import AdapterError
 
 __all__ = ("capacity_plan_from_sglang",)
@@ -41,7 +42,9 @@ def capacity_plan_from_sglang(
     (HF object or mapping).
     ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
     ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``; the
-    budgets are per rank.
+    budgets are per rank. With ``sharding_size > 1`` the resident layout's fixed transport
+    buffers are :func:`shard_transport_bytes`, the bytes pool sizing charges (query heads split
+    over TP: attention context parallelism off).
 
     Raises:
         AdapterError: no usable QSA profile, an unsupported KV dtype, no context length, or no
@@ -74,9 +77,20 @@ def capacity_plan_from_sglang(
             "(allowed: a positive integer)"
         )
         raise AdapterError(msg)
+    tp_size = int(view.tp_size)
+    transport = 0
+    if sharding_size > 1:
+        transport = shard_transport_bytes(
+            sharding_size=sharding_size,
+            rows=int(requests),
+            block_topk=profile.block_topk,
+            q_heads=max(profile.num_attention_heads // tp_size, 1),
+            head_dim=profile.head_dim,
+            index_sharded=index_sharded,
+        )
     return plan_capacity(
         profile,
-        tp_size=int(view.tp_size),
+        tp_size=tp_size,
         kv_dtype=kv_dtype,
         gpu_budget_bytes=gpu_budget_bytes,
         host_budget_bytes=host_budget_bytes,
@@ -86,4 +100,5 @@ def capacity_plan_from_sglang(
         hot_slots=hot_slots,
         index_sharded=index_sharded,
         staged_prompts=int(getattr(view, "prefill_max_requests", None) or 1),
+        transport_bytes=transport,
     )
