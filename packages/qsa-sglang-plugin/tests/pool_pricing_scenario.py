@@ -138,16 +138,43 @@ def _plan(
     }
 
 
+def _ds_plan(
+    priced: dict[str, Any], text_config: Any, switches: dict[str, str]
+) -> dict[str, int | str]:
+    """Double sparsity's price from the model config (``ds_capacity``, what the doctor prints)."""
+    from qsa_sglang_plugin._adapters import ds_capacity
+    from qsa_sglang_plugin._switches import parse_switches
+
+    ds = parse_switches(switches).double_sparsity
+    assert ds is not None
+    price = ds_capacity(text_config, ds, rows=ROWS, context_len=CONTEXT).price
+    assert price is not None
+    return {
+        "layout": "offloaded" if ds.offload else "resident",
+        "token_bytes": price.token_bytes,
+        "fixed_bytes": price.fixed_bytes,
+        "pool_tokens": price.pool_tokens(
+            AVAILABLE - priced["sglang_fixed_bytes"], priced["page_size"]
+        ),
+    }
+
+
 def _doctor_labels(model_dir: Path, switches: dict[str, str]) -> dict[str, int]:
-    """The label and K/V bytes per token the doctor's double-sparsity line prints."""
+    """The label, K/V and pool bytes per token the doctor's double-sparsity line prints."""
     from qsa_sglang_plugin._switches import parse_switches
     from qsa_sglang_plugin.doctor import _check_double_sparsity
 
-    check = _check_double_sparsity(parse_switches(switches), str(model_dir))
+    check = _check_double_sparsity(parse_switches(switches), str(model_dir), 1, ROWS, CONTEXT)
     assert check is not None
     found = re.search(r"labels add (\d+) B per token to (\d+) B", check.detail)
+    charged = re.search(r"pool sizing charges (\d+) B per token", check.detail)
     assert found is not None, check.detail
-    return {"labels": int(found.group(1)), "kv": int(found.group(2))}
+    assert charged is not None, check.detail
+    return {
+        "labels": int(found.group(1)),
+        "kv": int(found.group(2)),
+        "token_bytes": int(charged.group(1)),
+    }
 
 
 def _qsa_cases(hot_blocks: int) -> tuple[tuple[str, dict[str, str], tuple[str, ...]], ...]:
@@ -197,7 +224,7 @@ def main(directory: str) -> dict[str, Any]:
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
     install_from_environment()
-    from qsa_core import QSAProfile, ds_offload_sizes
+    from qsa_core import QSAProfile
     from qsa_testing import tiny_llama, tiny_qwen4_exp
 
     qwen, llama = tiny_qwen4_exp(), tiny_llama()
@@ -212,30 +239,15 @@ def main(directory: str) -> dict[str, Any]:
         del priced["server_args"]
         report[name] = {"engine": priced, "plan": plan}
 
-    ds = _priced(llama_dir, DS_SWITCHES, *SIZING)
-    report["double sparsity"] = {**_doctor_labels(llama_dir, DS_SWITCHES), **ds}
-
     ds_offload_switches = {**DS_SWITCHES, "SGLANG_QSA_DS_OFFLOAD": "1"}
-    ds_offload = _priced(llama_dir, ds_offload_switches, *SIZING)
-    text = llama.text_config
-    heavy, threshold = 64, 1024
-    sizes = ds_offload_sizes(
-        layers=int(text["num_hidden_layers"]),
-        rows=ROWS,
-        context_len=CONTEXT,
-        # DSConfig.hot_blocks: a dense row's context or a sparse row's heavy tokens, in blocks.
-        hot_blocks=max(heavy, max(threshold - 1, heavy) // 4),
-        kv_heads=int(text["num_key_value_heads"]),
-        head_dim=int(text["head_dim"]),
-        element_bytes=2,
-    )
-    report["DS-Offload"] = {
-        **_doctor_labels(llama_dir, ds_offload_switches),
-        "offload_fixed_bytes": sizes.fixed_device_bytes(),
-        **ds_offload,
-    }
-    for case in (report["double sparsity"], report["DS-Offload"]):
-        del case["server_args"]
+    for name, switches in (("qsa_ds", DS_SWITCHES), ("DS-Offload", ds_offload_switches)):
+        priced = _priced(llama_dir, switches, *SIZING)
+        del priced["server_args"]
+        report[name] = {
+            "engine": priced,
+            "plan": _ds_plan(priced, llama.text_config, switches),
+            "doctor": _doctor_labels(llama_dir, switches),
+        }
     return report
 
 

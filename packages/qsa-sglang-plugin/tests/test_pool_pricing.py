@@ -42,8 +42,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
-#: Every QSA configuration of the scenario, and the plan layout its switches run.
-QSA_CASES = {
+#: Every configuration of the scenario, and the plan layout its switches run.
+CASES = {
     "p2-resident": "resident",
     "p2-offload": "offloaded",
     "p2-offload, hot blocks": "offloaded",
@@ -51,22 +51,26 @@ QSA_CASES = {
     "p2-offload, prefix cache": "offloaded",
     "resident sharding (D1)": "resident",
     "resident sharding, index sharded (D2)": "resident",
+    "qsa_ds": "resident",
+    "DS-Offload": "offloaded",
 }
 
 
-def test_the_scenario_prices_every_qsa_configuration(report: dict[str, Any]) -> None:
+def test_the_scenario_prices_every_configuration(report: dict[str, Any]) -> None:
     """No configuration is left out of the agreement test below."""
-    assert {name for name, case in report.items() if "plan" in case} == set(QSA_CASES)
+    assert set(report) == set(CASES)
 
 
-@pytest.mark.parametrize("name", list(QSA_CASES))
+@pytest.mark.parametrize("name", list(CASES))
 def test_the_pool_price_sglang_uses_is_the_capacity_plans(
     report: dict[str, Any], name: str
 ) -> None:
     """Bytes per token, fixed device bytes and the pool's token slots that the plugin writes into
-    SGLang equal those of the plan's layout for the same flags and switches."""
+    SGLang equal those the plan prints for the same flags and switches: the layout of
+    ``capacity_plan_from_sglang`` its switches run (QSA), or ``ds_capacity`` (double
+    sparsity, the doctor's line)."""
     engine, plan = report[name]["engine"], report[name]["plan"]
-    assert plan["layout"] == QSA_CASES[name]
+    assert plan["layout"] == CASES[name]
     assert (engine["token_bytes"], engine["fixed_bytes"], engine["pool_tokens"]) == (
         plan["token_bytes"],
         plan["fixed_bytes"],
@@ -95,19 +99,14 @@ def test_each_feature_reprices_sglangs_own_price(report: dict[str, Any]) -> None
     assert d2["fixed_bytes"] > d1["fixed_bytes"] > 0
 
 
-def test_double_sparsity_adds_the_label_bytes_the_doctor_prints(report: dict[str, Any]) -> None:
-    """SGLang's K/V price is the doctor's, and the plugin adds the doctor's label bytes."""
-    case = report["double sparsity"]
-    assert case["sglang_token_bytes"] == case["kv"]
-    assert case["token_bytes"] == case["kv"] + case["labels"]
-    assert case["fixed_bytes"] == 0
-
-
-def test_ds_offload_charges_the_labels_alone_and_qsa_cores_offload_bytes(
-    report: dict[str, Any],
-) -> None:
-    """The doctor's label bytes per token; qsa-core's DS-Offload sizes as the fixed bytes."""
-    case = report["DS-Offload"]
-    assert case["sglang_token_bytes"] == case["kv"]
-    assert case["token_bytes"] == case["labels"]
-    assert case["fixed_bytes"] == case["offload_fixed_bytes"] > 0
+def test_double_sparsity_charges_what_the_doctor_prints(report: dict[str, Any]) -> None:
+    """SGLang's K/V price is the doctor's; the plugin adds the doctor's label bytes, or with
+    DS-Offload charges them alone and the offload's buffers fixed."""
+    for name in ("qsa_ds", "DS-Offload"):
+        engine, doctor = report[name]["engine"], report[name]["doctor"]
+        assert engine["sglang_token_bytes"] == doctor["kv"]
+        assert engine["token_bytes"] == doctor["token_bytes"]
+    assert report["qsa_ds"]["doctor"]["token_bytes"] == 256 + 64
+    assert report["qsa_ds"]["engine"]["fixed_bytes"] == 0
+    assert report["DS-Offload"]["doctor"]["token_bytes"] == report["DS-Offload"]["doctor"]["labels"]
+    assert report["DS-Offload"]["engine"]["fixed_bytes"] > 0

@@ -43,7 +43,7 @@ from qsa_core import (
     render_plan,
 )
 from qsa_core.cli import gib_bytes
-from qsa_sglang_plugin._adapters import capacity_plan_from_sglang
+from qsa_sglang_plugin._adapters import capacity_plan_from_sglang, ds_capacity
 from qsa_sglang_plugin._config_check import SUPPORTED_KV_CACHE_DTYPES
 from qsa_sglang_plugin._errors import (
     ActivationError,
@@ -286,11 +286,17 @@ def plan_check(
 
 
 def _check_double_sparsity(
-    switches: Switches, model_path: str | None, tp_size: int = 1
+    switches: Switches,
+    model_path: str | None,
+    tp_size: int = 1,
+    rows: int | None = None,
+    context_len: int | None = None,
 ) -> Check | None:
     """The channel file against the model and the TP size, as start-up loads it.
 
-    Reports what a token costs one TP rank; None with double sparsity off.
+    Reports what a token costs one TP rank and what pool sizing will charge (DS-Offload's fixed
+    buffers with ``rows``, ``--max-running-requests``, and ``context_len``, ``--context-length``);
+    None with double sparsity off.
     """
     ds = switches.double_sparsity
     if ds is None:
@@ -303,11 +309,8 @@ def _check_double_sparsity(
         config = _model_config(model_path)
     except JSONFileError as exc:
         return Check(name, Status.WARN, str(exc))
-    import torch
-
-    from qsa_core import label_bytes_per_token
     from qsa_kernels.double_sparsity import DSConfigError
-    from qsa_sglang_plugin._config_check import ds_channels, ds_geometry
+    from qsa_sglang_plugin._config_check import ds_geometry
 
     nested = config.get("text_config")
     text = nested if isinstance(nested, dict) and nested else config
@@ -316,13 +319,13 @@ def _check_double_sparsity(
     except ConfigurationError as exc:
         return Check(name, Status.FAIL, str(exc))
     try:
-        rank_heads = int(ds_channels(ds, text).for_tp_rank(tp_size, 0).channels.shape[1])
+        capacity = ds_capacity(text, ds, tp_size=tp_size, rows=rows, context_len=context_len)
     except DSConfigError as exc:
         return Check(name, Status.FAIL, f"{named} is refused at --tp-size={tp_size}: {exc}")
-    labels = label_bytes_per_token(
-        layers, rank_heads, ds.heavy_channel_num, torch.bfloat16.itemsize
-    )
-    kv = layers * 2 * rank_heads * head_dim * torch.bfloat16.itemsize
+    except AdapterError as exc:
+        return Check(name, Status.FAIL, str(exc))
+    rank_heads = capacity.kv_heads
+    labels, kv = capacity.label_token_bytes, capacity.kv_token_bytes
     per_rank = f" (each of {tp_size} TP ranks holds {rank_heads})" if tp_size > 1 else ""
     detail = (
         f"{ds.heavy_channel_num} of {head_dim} channels per KV head for {layers} layers x "
@@ -336,6 +339,13 @@ def _check_double_sparsity(
             f"fewer bytes than the K/V), the pinned host arena the {kv} B of K/V per token of "
             "every running request's longest context"
         )
+    if capacity.price is None:
+        detail += "; give --max-running-requests to price DS-Offload's buffers"
+    else:
+        detail += (
+            f"; pool sizing charges {capacity.price.token_bytes} B per token plus "
+            f"{format_bytes(capacity.price.fixed_bytes)} fixed"
+        )
     return Check(name, Status.OK, detail)
 
 
@@ -345,6 +355,8 @@ def run_checks(
     tp_size: int = 1,
     plan: Check | None = None,
     model_path: str | None = None,
+    max_running_requests: int | None = None,
+    context_length: int | None = None,
 ) -> tuple[Check, ...]:
     """Every check, in report order.
 
@@ -354,6 +366,8 @@ def run_checks(
         plan: the capacity-plan line (:func:`plan_check`), appended last when given.
         model_path: the checkpoint directory, whose ``config.json`` the double-sparsity check
             reads.
+        max_running_requests: ``--max-running-requests`` (DS-Offload's buffers are sized by it).
+        context_length: ``--context-length`` (None: the model's).
     """
     checks = [_check_versions(), _check_entry_point(environ)]
     switches: Switches | None
@@ -375,7 +389,9 @@ def run_checks(
             )
         else:
             checks.append(Check("switches", Status.WARN, "every switch is off: the plugin is idle"))
-        ds = _check_double_sparsity(switches, model_path, tp_size)
+        ds = _check_double_sparsity(
+            switches, model_path, tp_size, max_running_requests, context_length
+        )
         if ds is not None:
             checks.append(ds)
     checks.append(_check_fingerprints())
@@ -422,7 +438,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.tp_size < 1:
         parser.error(f"--tp-size={opts.tp_size!r} is not allowed; allowed: a positive integer")
     plan, table = (None, None) if opts.model_path is None else plan_check(opts)
-    checks = run_checks(os.environ, tp_size=opts.tp_size, plan=plan, model_path=opts.model_path)
+    checks = run_checks(
+        os.environ,
+        tp_size=opts.tp_size,
+        plan=plan,
+        model_path=opts.model_path,
+        max_running_requests=opts.max_running_requests,
+        context_length=opts.context_length,
+    )
     for check in checks:
         sys.stdout.write(f"{check}\n")
     if table is not None:

@@ -1,16 +1,29 @@
-"""SGLang server arguments and text config -> ``qsa_core.CapacityPlan``."""
+"""SGLang server arguments and text config -> ``qsa_core.CapacityPlan`` or double sparsity's price.
+
+The figures the doctor prints, priced by the functions pool sizing calls.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from qsa_core import CapacityPlan, KVDType, QSAConfigError, QSAProfile, plan_capacity
+from qsa_core import (
+    CapacityPlan,
+    KVDType,
+    PoolPrice,
+    QSAConfigError,
+    QSAProfile,
+    label_bytes_per_token,
+    plan_capacity,
+)
 from qsa_sglang_plugin._adapters._namespace import resolved_args
-from qsa_sglang_plugin._adapters._pool_sizing import shard_transport_bytes
+from qsa_sglang_plugin._adapters._pool_sizing import labelled_price, shard_transport_bytes
 from qsa_sglang_plugin._errors import AdapterError
+from qsa_sglang_plugin._switches import DoubleSparsitySwitches
 
-__all__ = ("capacity_plan_from_sglang",)
+__all__ = ("LabelledCapacity", "capacity_plan_from_sglang", "ds_capacity")
 
 
 def _text_config(config: Any) -> Mapping[str, object]:
@@ -102,3 +115,68 @@ def capacity_plan_from_sglang(
         staged_prompts=int(getattr(view, "prefill_max_requests", None) or 1),
         transport_bytes=transport,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class LabelledCapacity:
+    """Double sparsity's bytes of a token on one TP rank, and what pool sizing charges.
+
+    Attributes:
+        kv_heads: the rank's KV heads (as the channel file splits them).
+        kv_token_bytes: a token's bf16 K/V on the rank, B.
+        label_token_bytes: its label rows, B.
+        price: the pool price (:func:`labelled_price`, the hook's); None for DS-Offload without
+            a request count (its buffers are sized by it).
+    """
+
+    kv_heads: int
+    kv_token_bytes: int
+    label_token_bytes: int
+    price: PoolPrice | None
+
+
+def ds_capacity(
+    text_config: Mapping[str, Any],
+    switches: DoubleSparsitySwitches,
+    *,
+    tp_size: int = 1,
+    rows: int | None = None,
+    context_len: int | None = None,
+) -> LabelledCapacity:
+    """Double sparsity's price on TP rank 0 of ``tp_size``, from the model config (bf16 K/V).
+
+    ``rows`` is ``--max-running-requests`` and ``context_len`` ``--context-length`` (None: the
+    config's ``max_position_embeddings``); DS-Offload's buffers need both.
+
+    Raises:
+        qsa_kernels.double_sparsity.DSConfigError: the channel file is refused at ``tp_size``.
+        ConfigurationError: the config has no GQA geometry.
+        AdapterError: DS-Offload with rows but no context length.
+    """
+    import torch
+
+    from qsa_kernels.double_sparsity import LabelCache
+    from qsa_sglang_plugin._config_check import ds_channels, ds_geometry
+
+    layers, _, _, head_dim = ds_geometry(text_config)
+    kv_heads = int(ds_channels(switches, text_config).for_tp_rank(tp_size, 0).channels.shape[1])
+    dtype = torch.bfloat16
+    kv = layers * 2 * kv_heads * head_dim * dtype.itemsize
+    element = LabelCache.dtype_for(dtype).itemsize
+    labels = label_bytes_per_token(layers, kv_heads, switches.heavy_channel_num, element)
+    context: Any = context_len
+    if context is None:
+        context = QSAProfile.config_context_len(text_config)
+    if context is None and switches.offload and rows is not None:
+        msg = "DS-Offload sizes its buffers by --context-length; give one"
+        raise AdapterError(msg)
+    price = labelled_price(
+        text_config,
+        switches,
+        kv_token_bytes=kv,
+        kv_heads=kv_heads,
+        dtype=dtype,
+        rows=rows,
+        context_len=int(context or 0),  # read with DS-Offload only
+    )
+    return LabelledCapacity(kv_heads, kv, labels, price)

@@ -21,9 +21,11 @@ from qsa_sglang_plugin._switches import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from qsa_kernels.sharded import HeadLayout
 
-__all__ = ("after_pool_configurator_init", "shard_transport_bytes")
+__all__ = ("after_pool_configurator_init", "labelled_price", "shard_transport_bytes")
 
 logger = logging.getLogger(__name__)
 
@@ -165,32 +167,73 @@ def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     )
 
 
-def _label_price(configurator: Any, kvc: Any, switches: DoubleSparsitySwitches) -> PoolPrice:
-    from sglang.srt.runtime_context import get_parallel
+def labelled_price(
+    text_config: Any,
+    switches: DoubleSparsitySwitches,
+    *,
+    kv_token_bytes: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    rows: int | None,
+    context_len: int,
+    verify: bool = False,
+) -> PoolPrice | None:
+    """Double sparsity's pool price on one rank: :meth:`PoolPrice.labelled`.
 
+    A token costs its K/V (``kv_token_bytes``, bytes) and its label rows, or with DS-Offload its
+    label rows alone and the offload's buffers for ``rows`` requests of ``context_len`` tokens
+    are fixed.
+
+    Args:
+        text_config: the model's text config (a mapping).
+        switches: the double-sparsity switches.
+        kv_token_bytes: a token's K/V on this rank, bytes.
+        kv_heads: this rank's KV heads.
+        dtype: the K/V cache dtype (the labels' follows it).
+        rows: ``--max-running-requests`` (DS-Offload's arena rows); None prices no offload.
+        context_len: tokens of one request's context.
+        verify: the offload keeps a resident copy of every row.
+
+    Returns:
+        The price, or None with DS-Offload and no ``rows``.
+    """
     from qsa_kernels.double_sparsity import LabelCache
-    from qsa_sglang_plugin._adapters._offload import arena_rows, ds_offload_geometry
+    from qsa_sglang_plugin._adapters._offload import ds_offload_geometry
     from qsa_sglang_plugin._config_check import ds_geometry
 
-    model_config = kvc.model_config
-    text_config = model_config.hf_text_config.to_dict()
     layers, _, _, _ = ds_geometry(text_config)
-    kv_heads = int(model_config.get_num_kv_heads(get_parallel().attn_tp_size))  # this rank's
-    element = LabelCache.dtype_for(kvc.kv_cache_dtype).itemsize
+    element = LabelCache.dtype_for(dtype).itemsize
     labels = label_bytes_per_token(layers, kv_heads, switches.heavy_channel_num, element)
     offload = None
     if switches.offload:
+        if rows is None:
+            return None
         offload = ds_offload_geometry(
             text_config,
             switches,
-            rows=arena_rows(kvc),
-            context_len=int(model_config.context_len),
+            rows=rows,
+            context_len=context_len,
             kv_heads=kv_heads,
-            dtype=kvc.kv_cache_dtype,
+            dtype=dtype,
         ).sizes
     return PoolPrice.labelled(
+        kv_token_bytes=kv_token_bytes, label_token_bytes=labels, offload=offload, verify=verify
+    )
+
+
+def _label_price(configurator: Any, kvc: Any, switches: DoubleSparsitySwitches) -> PoolPrice | None:
+    from sglang.srt.runtime_context import get_parallel
+
+    from qsa_sglang_plugin._adapters._offload import arena_rows
+
+    model_config = kvc.model_config
+    return labelled_price(
+        model_config.hf_text_config.to_dict(),
+        switches,
         kv_token_bytes=int(configurator._cell_size),
-        label_token_bytes=labels,
-        offload=offload,
+        kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),  # this rank's
+        dtype=kvc.kv_cache_dtype,
+        rows=arena_rows(kvc) if switches.offload else None,
+        context_len=int(model_config.context_len),
         verify=current_switches().verify_offload,
     )
