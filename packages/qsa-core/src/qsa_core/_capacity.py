@@ -229,17 +229,7 @@ class CapacityPlan:
         SGLang's own price (raw K/V and index per token, nothing fixed), or under resident cache
         sharding :meth:`PoolPrice.sharded` (the transport buffers fixed).
         """
-        return _pool_price(
-            self.profile,
-            tp_size=self.tp_size,
-            kv_dtype=self.kv_dtype,
-            index_dtype=self.index_dtype,
-            sizes=self.offload,
-            offloaded=False,
-            sharding_size=self.sharding_size,
-            index_sharded=self.index_sharded,
-            transport_bytes=self.transport_bytes,
-        )
+        return self._price(offloaded=False)
 
     @property
     def offloaded_price(self) -> PoolPrice:
@@ -248,13 +238,16 @@ class CapacityPlan:
         :meth:`PoolPrice.offloaded`: a token costs its whole compressed index; the offload's
         staging, hot caches, tails and tables (:attr:`offload`) are fixed.
         """
+        return self._price(offloaded=True)
+
+    def _price(self, *, offloaded: bool) -> PoolPrice:
         return _pool_price(
             self.profile,
             tp_size=self.tp_size,
             kv_dtype=self.kv_dtype,
             index_dtype=self.index_dtype,
             sizes=self.offload,
-            offloaded=True,
+            offloaded=offloaded,
             sharding_size=self.sharding_size,
             index_sharded=self.index_sharded,
             transport_bytes=self.transport_bytes,
