@@ -315,6 +315,10 @@ def test_rendered_table_names_every_part_and_the_fit() -> None:
     assert "12.000 GiB" in text
     assert "384.188 MiB" in text
     assert "offloaded 8, resident 5" in text
+    assert (
+        "pool sizing charges: offloaded 768 B per token + 1.901 GiB fixed; "
+        "resident 6,912 B per token + 0 B fixed"
+    ) in text
 
 
 def test_cli_plan_prints_the_default_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -55,6 +55,14 @@ def render_plan(plan: CapacityPlan) -> str:
         )
         + f"; one block of one layer {plan.bytes_per_block:,} B; "
         f"host K/V per request {format_bytes(plan.host_bytes_per_request)}",
+        "  pool sizing charges: "
+        + "; ".join(
+            f"{name} {price.token_bytes:,} B per token + {format_bytes(price.fixed_bytes)} fixed"
+            for name, price in (
+                ("offloaded", plan.offloaded_price),
+                ("resident", plan.resident_price),
+            )
+        ),
         "",
     ]
     header = ("part", "where", "offloaded", "resident", "offloaded formula")
