@@ -252,6 +252,7 @@ def test_an_index_sharded_by_page_divides_the_compressed_index_per_rank() -> Non
     [
         {},
         {"staged_prompts": 3},
+        {"verify": True},
         {"tp_size": 8, "sharding_size": 4, "transport_bytes": 5 * MIB},
         {"tp_size": 8, "sharding_size": 4, "index_sharded": True, "transport_bytes": 7 * MIB},
     ],
@@ -267,6 +268,7 @@ def test_each_layout_is_the_pool_price_the_engine_charges(kwargs: dict[str, Any]
         MemoryPartKind.PREFILL_AREA,
         MemoryPartKind.HOT_CACHE,
         MemoryPartKind.RESIDENCY_TABLES,
+        MemoryPartKind.VERIFICATION,
         MemoryPartKind.SHARD_TRANSPORT,
     )
     for layout, price in (
@@ -275,7 +277,10 @@ def test_each_layout_is_the_pool_price_the_engine_charges(kwargs: dict[str, Any]
     ):
         assert sum(layout.part(k).nbytes for k in per_token) == tokens * price.token_bytes
         assert sum(layout.part(k).nbytes for k in fixed) == price.fixed_bytes
-    assert plan.offloaded_price.fixed_bytes == plan.offload.fixed_device_bytes()
+    verify = kwargs.get("verify", False)
+    assert plan.offloaded_price.fixed_bytes == plan.offload.fixed_device_bytes(verify=verify)
+    copy = plan.offloaded.part(MemoryPartKind.VERIFICATION).nbytes
+    assert copy == (plan.offload.verification_bytes if verify else 0)
     assert plan.resident_price.fixed_bytes == kwargs.get("transport_bytes", 0)
     assert plan.resident.part(MemoryPartKind.SHARD_TRANSPORT).nbytes == plan.transport_bytes
 
@@ -294,6 +299,7 @@ def test_pool_tokens_are_what_is_left_after_the_fixed_bytes_in_whole_pages() -> 
     ("kwargs", "pattern"),
     [
         ({"transport_bytes": 1}, "transport_bytes=1 .*sharding_size=1"),
+        ({"verify": 1}, "verify=1 is not allowed"),
         ({"tp_size": 8, "sharding_size": 4, "transport_bytes": -1}, "transport_bytes=-1"),
         ({"hot_slots": 511}, r"hot_slots=511 .*block_topk=512"),
         ({"context_len": 0}, "context_len=0"),

@@ -29,6 +29,8 @@ allocates by), with ``Ls = qsa_layers`` record layers of one 4-token block of ev
 * hot caches and tails (offload only, GPU): ``Ls × R × (S + 1) × block_bytes`` (one open-block
   tail record per layer and request);
 * residency tables (offload only, GPU): ``Ls × R × (S × 12 + NB × 4)`` bytes;
+* verification copy (offload with ``verify`` only, GPU): a resident copy of every row, the host
+  arena's unsharded size (:attr:`OffloadSizes.verification_bytes`);
 * shard transport buffers (resident cache sharding only, GPU): ``transport_bytes``, the fixed
   bytes of the sharded store's (and with D2 the sharded index's) collective buffers, which the
   caller computes (``qsa_kernels.sharded``; the plugin's adapter does);
@@ -101,6 +103,7 @@ class MemoryPartKind(enum.Enum):
     PREFILL_AREA = "prefill staging"
     HOT_CACHE = "hot caches + tails"
     RESIDENCY_TABLES = "residency tables"
+    VERIFICATION = "verification copy"
     SHARD_TRANSPORT = "shard transport buffers"
     HOST_ARENA = "host K/V arena"
 
@@ -179,6 +182,7 @@ class CapacityPlan:
             resident K/V only).
         transport_bytes: fixed device bytes of the shard group's transport buffers (resident
             cache sharding only; 0 without it).
+        verify: the offload keeps a resident copy of every row (``SGLANG_QSA_HISPARSE_VERIFY``).
     """
 
     profile: QSAProfile
@@ -199,6 +203,7 @@ class CapacityPlan:
     staged_prompts: int = 1
     index_sharded: bool = False
     transport_bytes: int = 0
+    verify: bool = False
 
     @property
     def raw_bytes_per_token(self) -> int:
@@ -251,6 +256,7 @@ class CapacityPlan:
             sharding_size=self.sharding_size,
             index_sharded=self.index_sharded,
             transport_bytes=self.transport_bytes,
+            verify=self.verify,
         )
 
     @property
@@ -328,12 +334,15 @@ def _pool_price(
     sharding_size: int,
     index_sharded: bool,
     transport_bytes: int,
+    verify: bool = False,
 ) -> PoolPrice:
     """The engine's pool price of one layout: offloaded, resident, or resident and sharded."""
     raw = profile.raw_kv_bytes_per_token(kv_dtype, tp_size)
     index = profile.index_bytes_per_token(index_dtype)
     if offloaded:
-        return PoolPrice.offloaded(sizes, resident_token_bytes=raw + index, index_token_bytes=index)
+        return PoolPrice.offloaded(
+            sizes, resident_token_bytes=raw + index, index_token_bytes=index, verify=verify
+        )
     if sharding_size > 1:
         return PoolPrice.sharded(
             resident_token_bytes=raw + index,
@@ -370,6 +379,7 @@ def _layout(
     staged_prompts: int,
     index_sharded: bool = False,
     transport_bytes: int = 0,
+    verify: bool = False,
 ) -> MemoryLayout:
     p = profile
     n, ctx, page = num_requests, context_len, p.page_size
@@ -392,6 +402,7 @@ def _layout(
         sharding_size=sharding_size,
         index_sharded=index_sharded,
         transport_bytes=transport_bytes,
+        verify=verify,
     )
     # What a token costs the pool, split into its raw K/V (resident only) and its index.
     idx_tok = (
@@ -492,6 +503,12 @@ def _layout(
             f"{n} req × {layers} layers × ({hot_slots} × 12 + {nb} × 4) B" if offloaded else "none",
         ),
         MemoryPart(
+            MemoryPartKind.VERIFICATION,
+            gpu,
+            sizes.verification_bytes if offloaded and verify else 0,
+            f"{n} req × {layers} layers × {nb} blocks × {block} B" if verify else "none",
+        ),
+        MemoryPart(
             MemoryPartKind.SHARD_TRANSPORT,
             gpu,
             0 if offloaded else price.fixed_bytes,
@@ -559,6 +576,7 @@ def plan_capacity(
     staged_prompts: int = 1,
     index_sharded: bool = False,
     transport_bytes: int = 0,
+    verify: bool = False,
 ) -> CapacityPlan:
     """Price every per-rank memory part with and without offload, and the largest request count.
 
@@ -584,14 +602,16 @@ def plan_capacity(
         transport_bytes: device bytes of the shard group's transport buffers for
             ``num_requests`` rows (``qsa_kernels.sharded``), fixed in the resident layout when
             ``sharding_size > 1``; must be 0 otherwise.
+        verify: the offload keeps a resident copy of every row on the device (a debug switch,
+            ``SGLANG_QSA_HISPARSE_VERIFY=1``): a fixed part of the offloaded layout.
 
     Returns:
         The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.
 
     Raises:
         CapacityError: a non-positive size, a negative budget, ``hot_slots < block_topk``,
-            recurrent heads that do not split over ``tp_size``, or ``transport_bytes`` that is
-            negative or given without sharding.
+            recurrent heads that do not split over ``tp_size``, ``transport_bytes`` that is
+            negative or given without sharding, or a ``verify`` that is not a bool.
         QSAConfigError: ``tp_size`` does not split the KV heads.
         PlacementError: ``sharding_size`` is not a shard group inside one K/V head's replicas.
     """
@@ -602,6 +622,10 @@ def plan_capacity(
     _check_int_at_least("host_budget_bytes", host_budget_bytes, minimum=0)
     _check_int_at_least("staged_prompts", staged_prompts)
     _check_int_at_least("transport_bytes", transport_bytes, minimum=0)
+    verify_flag: object = verify  # callers may be untyped
+    if not isinstance(verify_flag, bool):
+        msg = f"verify={verify!r} is not allowed; allowed: True or False"
+        raise CapacityError(msg)
     if transport_bytes and sharding_size == 1:
         msg = (
             f"transport_bytes={transport_bytes!r} is not allowed with sharding_size=1; "
@@ -638,6 +662,7 @@ def plan_capacity(
             staged_prompts=staged_prompts,
             index_sharded=index_sharded,
             transport_bytes=transport_bytes,
+            verify=verify,
         )
 
     def largest(offloaded: bool) -> int:
@@ -675,4 +700,5 @@ def plan_capacity(
         staged_prompts=staged_prompts,
         index_sharded=index_sharded,
         transport_bytes=transport_bytes,
+        verify=verify,
     )
