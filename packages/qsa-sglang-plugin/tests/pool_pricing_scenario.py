@@ -125,6 +125,7 @@ def _plan(
         sharding_size=parsed.cache_sharding,
         hot_slots=parsed.hot_blocks,
         index_sharded=parsed.index_sharding,
+        verify=parsed.verify_offload,
     )
     offloaded = parsed.hisparse is HiSparseMode.P2_OFFLOAD
     price = plan.offloaded_price if offloaded else plan.resident_price
@@ -145,9 +146,12 @@ def _ds_plan(
     from qsa_sglang_plugin._adapters import ds_capacity
     from qsa_sglang_plugin._switches import parse_switches
 
-    ds = parse_switches(switches).double_sparsity
+    parsed = parse_switches(switches)
+    ds = parsed.double_sparsity
     assert ds is not None
-    price = ds_capacity(text_config, ds, rows=ROWS, context_len=CONTEXT).price
+    price = ds_capacity(
+        text_config, ds, rows=ROWS, context_len=CONTEXT, verify=parsed.verify_offload
+    ).price
     assert price is not None
     return {
         "layout": "offloaded" if ds.offload else "resident",
@@ -203,6 +207,7 @@ def _qsa_cases(hot_blocks: int) -> tuple[tuple[str, dict[str, str], tuple[str, .
             {**offload, "SGLANG_QSA_CACHE_SHARDING": "2"},
             (*tp4, *one),
         ),
+        ("p2-offload, verify", {**offload, "SGLANG_QSA_HISPARSE_VERIFY": "1"}, one),
         (
             "p2-offload, prefix cache",
             {**offload, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"},
@@ -240,7 +245,11 @@ def main(directory: str) -> dict[str, Any]:
         report[name] = {"engine": priced, "plan": plan}
 
     ds_offload_switches = {**DS_SWITCHES, "SGLANG_QSA_DS_OFFLOAD": "1"}
-    for name, switches in (("qsa_ds", DS_SWITCHES), ("DS-Offload", ds_offload_switches)):
+    for name, switches in (
+        ("qsa_ds", DS_SWITCHES),
+        ("DS-Offload", ds_offload_switches),
+        ("DS-Offload, verify", {**ds_offload_switches, "SGLANG_QSA_HISPARSE_VERIFY": "1"}),
+    ):
         priced = _priced(llama_dir, switches, *SIZING)
         del priced["server_args"]
         report[name] = {

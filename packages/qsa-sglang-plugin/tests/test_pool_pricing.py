@@ -49,10 +49,12 @@ CASES = {
     "p2-offload, hot blocks": "offloaded",
     "p2-offload, host arena sharded (D1)": "offloaded",
     "p2-offload, prefix cache": "offloaded",
+    "p2-offload, verify": "offloaded",
     "resident sharding (D1)": "resident",
     "resident sharding, index sharded (D2)": "resident",
     "qsa_ds": "resident",
     "DS-Offload": "offloaded",
+    "DS-Offload, verify": "offloaded",
 }
 
 

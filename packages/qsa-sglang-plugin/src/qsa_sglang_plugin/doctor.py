@@ -253,9 +253,9 @@ def plan_check(
     try:
         switches = parse_switches(environ)
         sharding, hot_blocks = switches.cache_sharding, switches.hot_blocks
-        index_sharded = switches.index_sharding
+        index_sharded, verify = switches.index_sharding, switches.verify_offload
     except SwitchError:
-        sharding, hot_blocks, index_sharded = 1, None, False
+        sharding, hot_blocks, index_sharded, verify = 1, None, False, False
     try:
         plan = capacity_plan_from_sglang(
             server_args,
@@ -265,6 +265,7 @@ def plan_check(
             sharding_size=sharding,
             hot_slots=hot_blocks,
             index_sharded=index_sharded,
+            verify=verify,
         )
     except (AdapterError, CapacityError, PlacementError, ValueError) as exc:
         return Check("capacity plan", Status.FAIL, str(exc)), None
@@ -319,7 +320,14 @@ def _check_double_sparsity(
     except ConfigurationError as exc:
         return Check(name, Status.FAIL, str(exc))
     try:
-        capacity = ds_capacity(text, ds, tp_size=tp_size, rows=rows, context_len=context_len)
+        capacity = ds_capacity(
+            text,
+            ds,
+            tp_size=tp_size,
+            rows=rows,
+            context_len=context_len,
+            verify=switches.verify_offload,
+        )
     except DSConfigError as exc:
         return Check(name, Status.FAIL, f"{named} is refused at --tp-size={tp_size}: {exc}")
     except AdapterError as exc:

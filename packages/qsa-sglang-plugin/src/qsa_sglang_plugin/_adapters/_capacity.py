@@ -44,6 +44,7 @@ def capacity_plan_from_sglang(
     sharding_size: int = 1,
     hot_slots: int | None = None,
     index_sharded: bool = False,
+    verify: bool = False,
 ) -> CapacityPlan:
     """:func:`qsa_core.plan_capacity` of the operator's flags, with and without host offload.
 
@@ -54,10 +55,11 @@ def capacity_plan_from_sglang(
     ``ServerArgs``, resolved, or an ``argparse.Namespace``), the profile from ``hf_text_config``
     (HF object or mapping).
     ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
-    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``; the
-    budgets are per rank. With ``sharding_size > 1`` the resident layout's fixed transport
-    buffers are :func:`shard_transport_bytes`, the bytes pool sizing charges (query heads split
-    over TP: attention context parallelism off).
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``,
+    ``verify`` ``SGLANG_QSA_HISPARSE_VERIFY=1``; the budgets are per rank. With
+    ``sharding_size > 1`` the resident layout's fixed transport buffers are
+    :func:`shard_transport_bytes`, the bytes pool sizing charges (query heads split over TP:
+    attention context parallelism off).
 
     Raises:
         AdapterError: no usable QSA profile, an unsupported KV dtype, no context length, or no
@@ -114,6 +116,7 @@ def capacity_plan_from_sglang(
         index_sharded=index_sharded,
         staged_prompts=int(getattr(view, "prefill_max_requests", None) or 1),
         transport_bytes=transport,
+        verify=verify,
     )
 
 
@@ -142,11 +145,13 @@ def ds_capacity(
     tp_size: int = 1,
     rows: int | None = None,
     context_len: int | None = None,
+    verify: bool = False,
 ) -> LabelledCapacity:
     """Double sparsity's price on TP rank 0 of ``tp_size``, from the model config (bf16 K/V).
 
     ``rows`` is ``--max-running-requests`` and ``context_len`` ``--context-length`` (None: the
-    config's ``max_position_embeddings``); DS-Offload's buffers need both.
+    config's ``max_position_embeddings``); DS-Offload's buffers need both. ``verify`` is
+    ``SGLANG_QSA_HISPARSE_VERIFY=1`` (DS-Offload keeps a resident copy of every row).
 
     Raises:
         qsa_kernels.double_sparsity.DSConfigError: the channel file is refused at ``tp_size``.
@@ -178,5 +183,6 @@ def ds_capacity(
         dtype=dtype,
         rows=rows,
         context_len=int(context or 0),  # read with DS-Offload only
+        verify=verify,
     )
     return LabelledCapacity(kv_heads, kv, labels, price)
