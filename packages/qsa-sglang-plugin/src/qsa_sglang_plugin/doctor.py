@@ -229,8 +229,9 @@ def plan_check(
     ``flags`` holds ``model_path``, ``tp_size``, ``kv_cache_dtype``, ``context_length``,
     ``max_running_requests``, ``gpu_budget_gib`` and ``host_budget_gib`` (the doctor's options);
     ``SGLANG_QSA_CACHE_SHARDING`` in ``environ`` divides the host arena and
-    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` sizes the hot caches (a malformed switch is the switches
-    check's to report; the plan then assumes the defaults).
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` sizes the hot caches, ``SGLANG_QSA_INDEX_SHARDING`` and
+    ``SGLANG_QSA_HISPARSE_VERIFY`` are priced as pool sizing prices them (a malformed switch is
+    the switches check's to report; the plan then assumes the defaults).
     """
     try:
         config = _model_config(flags.model_path)
