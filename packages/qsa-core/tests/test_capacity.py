@@ -229,13 +229,16 @@ def test_cache_sharding_divides_the_host_arena_and_multiplies_what_it_fits() -> 
 
 def test_an_index_sharded_by_page_divides_the_compressed_index_per_rank() -> None:
     """D2 at TP8, groups of 4: each rank holds a quarter of the compressed index (768 / 4 B per
-    token), so resident sharding fits at least as many requests as D1 alone."""
+    token), so resident sharding fits at least as many requests as D1 alone. D2 is wired for
+    resident K/V only: the offloaded layout keeps the whole index, as the offload's pool price
+    charges it."""
     d1 = _plan(tp_size=8, gpu_budget_bytes=64 * GIB, sharding_size=4)
     d2 = _plan(tp_size=8, gpu_budget_bytes=64 * GIB, sharding_size=4, index_sharded=True)
     assert d2.index_bytes_per_token_per_rank == 768 // 4
     assert d2.resident_token_bytes == 768 // 4 + 6144 // 4
-    for layout in (d2.resident, d2.offloaded):
-        assert layout.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 192
+    assert d2.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 192
+    assert d2.offloaded.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 768
+    assert d2.offloaded_price == d1.offloaded_price
     assert d1.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 768
     assert d2.max_requests_resident >= d1.max_requests_resident
     text = render_plan(d2)
@@ -245,8 +248,59 @@ def test_an_index_sharded_by_page_divides_the_compressed_index_per_rank() -> Non
 
 
 @pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"staged_prompts": 3},
+        {"verify": True},
+        {"tp_size": 8, "sharding_size": 4, "transport_bytes": 5 * MIB},
+        {"tp_size": 8, "sharding_size": 4, "index_sharded": True, "transport_bytes": 7 * MIB},
+    ],
+)
+def test_each_layout_is_the_pool_price_the_engine_charges(kwargs: dict[str, Any]) -> None:
+    """Per token and fixed: a layout's parts are its PoolPrice, the one the plugin's pool sizing
+    writes into SGLang (offloaded: the index per token, the offload's buffers fixed; resident:
+    raw K/V and index per token, sharded over the group, its transport buffers fixed)."""
+    plan = _plan(**kwargs)
+    tokens = 8 * CTX + 64
+    per_token = (MemoryPartKind.RAW_KV, MemoryPartKind.COMPRESSED_INDEX)
+    fixed = (
+        MemoryPartKind.PREFILL_AREA,
+        MemoryPartKind.HOT_CACHE,
+        MemoryPartKind.RESIDENCY_TABLES,
+        MemoryPartKind.VERIFICATION,
+        MemoryPartKind.SHARD_TRANSPORT,
+    )
+    for layout, price in (
+        (plan.offloaded, plan.offloaded_price),
+        (plan.resident, plan.resident_price),
+    ):
+        assert sum(layout.part(k).nbytes for k in per_token) == tokens * price.token_bytes
+        assert sum(layout.part(k).nbytes for k in fixed) == price.fixed_bytes
+    verify = kwargs.get("verify", False)
+    assert plan.offloaded_price.fixed_bytes == plan.offload.fixed_device_bytes(verify=verify)
+    copy = plan.offloaded.part(MemoryPartKind.VERIFICATION).nbytes
+    assert copy == (plan.offload.verification_bytes if verify else 0)
+    assert plan.resident_price.fixed_bytes == kwargs.get("transport_bytes", 0)
+    assert plan.resident.part(MemoryPartKind.SHARD_TRANSPORT).nbytes == plan.transport_bytes
+
+
+def test_pool_tokens_are_what_is_left_after_the_fixed_bytes_in_whole_pages() -> None:
+    """SGLang's sizing: ``(available - fixed) // token_bytes``, rounded down to whole pages."""
+    price = _plan().offloaded_price
+    assert price.token_bytes == 768
+    available = price.fixed_bytes + 768 * 1000 + 767
+    assert price.pool_tokens(available) == 1000
+    assert price.pool_tokens(available, page_size=64) == 960
+    assert price.pool_tokens(price.fixed_bytes - 1) == 0
+
+
+@pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
+        ({"transport_bytes": 1}, "transport_bytes=1 .*sharding_size=1"),
+        ({"verify": 1}, "verify=1 is not allowed"),
+        ({"tp_size": 8, "sharding_size": 4, "transport_bytes": -1}, "transport_bytes=-1"),
         ({"hot_slots": 511}, r"hot_slots=511 .*block_topk=512"),
         ({"context_len": 0}, "context_len=0"),
         ({"gpu_budget_bytes": -1}, "gpu_budget_bytes=-1"),
@@ -267,6 +321,10 @@ def test_rendered_table_names_every_part_and_the_fit() -> None:
     assert "12.000 GiB" in text
     assert "384.188 MiB" in text
     assert "offloaded 8, resident 5" in text
+    assert (
+        "pool sizing charges: offloaded 768 B per token + 1.901 GiB fixed; "
+        "resident 6,912 B per token + 0 B fixed"
+    ) in text
 
 
 def test_cli_plan_prints_the_default_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,11 +1,14 @@
 """SGLang's real pool configurator, repriced by the plugin's hook, beside qsa-core's figures.
 
 Usage: ``python pool_pricing_scenario.py <directory>``. Runs in a fresh process (it publishes
-SGLang's process-wide runtime context): for each feature it resolves a real ``ServerArgs`` on CPU,
-builds SGLang's ``ModelConfig``, ``KVCacheConfigurator`` and ``DefaultPoolConfigurator`` as a
-model runner does, runs the plugin's AFTER hook on the configurator, and reports the price SGLang
-will size its pools by next to what the capacity plan (QSA) or the doctor and qsa-core
-(double sparsity) say for the same flags. The last stdout line is a JSON object.
+SGLang's process-wide runtime context): for each feature configuration it resolves a real
+``ServerArgs`` on CPU, builds SGLang's ``ModelConfig``, ``KVCacheConfigurator`` and
+``DefaultPoolConfigurator`` as a model runner does, runs the plugin's AFTER hook on the
+configurator, and reports the price SGLang will size its pools by (bytes per token, fixed bytes,
+and the token slots SGLang's ``calculate_pool_sizes`` gives :data:`AVAILABLE` bytes) next to what
+the capacity plan (QSA: the layout the switches run, ``capacity_plan_from_sglang``) or the doctor
+and qsa-core (double sparsity) say for the same flags and switches. The last stdout line is a JSON
+object: one entry per configuration, ``engine`` and ``plan`` side by side.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ DS_SWITCHES = {
 }
 ROWS, CONTEXT = 4, 4096
 SIZING = ["--max-running-requests", str(ROWS), "--context-length", str(CONTEXT)]
+#: Device bytes SGLang sizes each pool from (after the model's weights), per rank.
+AVAILABLE = 1 << 30
 
 
 def _priced(model_dir: Path, switches: dict[str, str], *flags: str) -> dict[str, Any]:
@@ -87,96 +92,171 @@ def _priced(model_dir: Path, switches: dict[str, str], *flags: str) -> dict[str,
     configurator = DefaultPoolConfigurator(kvc)
     before = (int(configurator._cell_size), int(configurator._fixed_overhead_bytes))
     after_pool_configurator_init(None, configurator, kvc)
+    page = int(resolved_args(server_args).page_size or 1)
+    pool = configurator.calculate_pool_sizes(AVAILABLE, page)
     return {
         "server_args": server_args,
+        "page_size": page,
+        "sglang_fixed_bytes": before[1],
         "sglang_token_bytes": before[0],
         "token_bytes": int(configurator._cell_size),
         "fixed_bytes": int(configurator._fixed_overhead_bytes) - before[1],
+        "pool_tokens": int(pool.max_total_num_tokens),
     }
 
 
-def _plan(priced: dict[str, Any], text_config: Any, sharding: int = 1) -> dict[str, int]:
-    from qsa_core import MemoryPartKind
-    from qsa_sglang_plugin import capacity_plan_from_sglang
+def _plan(
+    priced: dict[str, Any], text_config: Any, switches: dict[str, str]
+) -> dict[str, int | str]:
+    """The price of the plan's layout that ``switches`` run, for the flags ``priced`` resolved.
 
+    SGLang's own fixed bytes (the model's, before the hook adds the feature's) come off
+    :data:`AVAILABLE` first, as SGLang's sizing takes them.
+    """
+    from qsa_sglang_plugin import capacity_plan_from_sglang
+    from qsa_sglang_plugin._switches import HiSparseMode, parse_switches
+
+    parsed = parse_switches(switches)
     plan = capacity_plan_from_sglang(
-        priced["server_args"], text_config, 1 << 40, 1 << 40, sharding_size=sharding
+        priced["server_args"],
+        text_config,
+        1 << 40,
+        1 << 40,
+        sharding_size=parsed.cache_sharding,
+        hot_slots=parsed.hot_blocks,
+        index_sharded=parsed.index_sharding,
+        verify=parsed.verify_offload,
     )
-    fixed_parts = (
-        MemoryPartKind.PREFILL_AREA,
-        MemoryPartKind.HOT_CACHE,
-        MemoryPartKind.RESIDENCY_TABLES,
-    )
+    offloaded = parsed.hisparse is HiSparseMode.P2_OFFLOAD
+    price = plan.offloaded_price if offloaded else plan.resident_price
     return {
-        "offloaded_token_bytes": plan.index_bytes_per_token,
-        "resident_token_bytes": plan.resident_token_bytes,
-        "offloaded_fixed_bytes": sum(plan.offloaded.part(k).nbytes for k in fixed_parts),
+        "layout": "offloaded" if offloaded else "resident",
+        "token_bytes": price.token_bytes,
+        "fixed_bytes": price.fixed_bytes,
+        "pool_tokens": price.pool_tokens(
+            AVAILABLE - priced["sglang_fixed_bytes"], priced["page_size"]
+        ),
+    }
+
+
+def _ds_plan(
+    priced: dict[str, Any], text_config: Any, switches: dict[str, str]
+) -> dict[str, int | str]:
+    """Double sparsity's price from the model config (``ds_capacity``, what the doctor prints)."""
+    from qsa_sglang_plugin._adapters import ds_capacity
+    from qsa_sglang_plugin._switches import parse_switches
+
+    parsed = parse_switches(switches)
+    ds = parsed.double_sparsity
+    assert ds is not None
+    price = ds_capacity(
+        text_config, ds, rows=ROWS, context_len=CONTEXT, verify=parsed.verify_offload
+    ).price
+    assert price is not None
+    return {
+        "layout": "offloaded" if ds.offload else "resident",
+        "token_bytes": price.token_bytes,
+        "fixed_bytes": price.fixed_bytes,
+        "pool_tokens": price.pool_tokens(
+            AVAILABLE - priced["sglang_fixed_bytes"], priced["page_size"]
+        ),
     }
 
 
 def _doctor_labels(model_dir: Path, switches: dict[str, str]) -> dict[str, int]:
-    """The label and K/V bytes per token the doctor's double-sparsity line prints."""
+    """The label, K/V and pool bytes per token the doctor's double-sparsity line prints."""
     from qsa_sglang_plugin._switches import parse_switches
     from qsa_sglang_plugin.doctor import _check_double_sparsity
 
-    check = _check_double_sparsity(parse_switches(switches), str(model_dir))
+    check = _check_double_sparsity(parse_switches(switches), str(model_dir), 1, ROWS, CONTEXT)
     assert check is not None
     found = re.search(r"labels add (\d+) B per token to (\d+) B", check.detail)
+    charged = re.search(r"pool sizing charges (\d+) B per token", check.detail)
     assert found is not None, check.detail
-    return {"labels": int(found.group(1)), "kv": int(found.group(2))}
+    assert charged is not None, check.detail
+    return {
+        "labels": int(found.group(1)),
+        "kv": int(found.group(2)),
+        "token_bytes": int(charged.group(1)),
+    }
+
+
+def _qsa_cases(hot_blocks: int) -> tuple[tuple[str, dict[str, str], tuple[str, ...]], ...]:
+    """Every QSA configuration that prices the pool: (name, switches, extra flags).
+
+    The tiny Qwen model has two K/V heads: on four TP ranks each head's two copies form a shard
+    group. ``hot_blocks`` sets the hot caches of one offload case.
+    """
+    compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
+    offload = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+    tp4 = ("--tp-size", "4")
+    one = ("--prefill-max-requests", "1")  # the offload refuses no limit at start-up
+    # Two prompts staged at once: the staging area the plan prints is the one pool sizing charges.
+    staged = ("--prefill-max-requests", "2")
+    sharded = {**compat, "SGLANG_QSA_CACHE_SHARDING": "2"}
+    return (
+        ("p2-resident", {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-resident"}, ()),
+        ("p2-offload", offload, staged),
+        (
+            "p2-offload, hot blocks",
+            {**offload, "SGLANG_QSA_HISPARSE_HOT_BLOCKS": str(hot_blocks)},
+            one,
+        ),
+        (
+            "p2-offload, host arena sharded (D1)",
+            {**offload, "SGLANG_QSA_CACHE_SHARDING": "2"},
+            (*tp4, *one),
+        ),
+        ("p2-offload, verify", {**offload, "SGLANG_QSA_HISPARSE_VERIFY": "1"}, one),
+        (
+            "p2-offload, prefix cache",
+            {**offload, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"},
+            staged,
+        ),
+        ("resident sharding (D1)", sharded, tp4),
+        (
+            "resident sharding, index sharded (D2)",
+            {**sharded, "SGLANG_QSA_INDEX_SHARDING": "1"},
+            tp4,
+        ),
+    )
 
 
 def main(directory: str) -> dict[str, Any]:
-    """Every feature's price beside the figures printed for it."""
+    """Every configuration's price beside the figures printed for it."""
     from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, install_from_environment
 
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
     install_from_environment()
-    from qsa_core import ds_offload_sizes
+    from qsa_core import QSAProfile
     from qsa_testing import tiny_llama, tiny_qwen4_exp
 
     qwen, llama = tiny_qwen4_exp(), tiny_llama()
     qwen_dir, llama_dir = qwen.write(Path(directory)), llama.write(Path(directory))
     report: dict[str, Any] = {}
 
-    compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
-    # Two prompts staged at once: the staging area the plan prints is the one pool sizing charges.
-    staged = ["--prefill-max-requests", "2"]
-    offload = _priced(
-        qwen_dir, {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}, *SIZING, *staged
-    )
-    report["p2-offload"] = {**_plan(offload, qwen.text_config), **offload}
-
-    # Two K/V heads on four TP ranks: each head's two copies form a shard group.
-    sharding = {**compat, "SGLANG_QSA_CACHE_SHARDING": "2"}
-    sharded = _priced(qwen_dir, sharding, "--tp-size", "4", *SIZING)
-    report["resident sharding"] = {**_plan(sharded, qwen.text_config, sharding=2), **sharded}
-
-    ds = _priced(llama_dir, DS_SWITCHES, *SIZING)
-    report["double sparsity"] = {**_doctor_labels(llama_dir, DS_SWITCHES), **ds}
+    # Twice one step's selection: more hot slots than the default and fewer than a context holds.
+    hot = 2 * QSAProfile.from_text_config(qwen.text_config).block_topk
+    for name, switches, flags in _qsa_cases(hot):
+        priced = _priced(qwen_dir, switches, *SIZING, *flags)
+        plan = _plan(priced, qwen.text_config, switches)
+        del priced["server_args"]
+        report[name] = {"engine": priced, "plan": plan}
 
     ds_offload_switches = {**DS_SWITCHES, "SGLANG_QSA_DS_OFFLOAD": "1"}
-    ds_offload = _priced(llama_dir, ds_offload_switches, *SIZING)
-    text = llama.text_config
-    heavy, threshold = 64, 1024
-    sizes = ds_offload_sizes(
-        layers=int(text["num_hidden_layers"]),
-        rows=ROWS,
-        context_len=CONTEXT,
-        # DSConfig.hot_blocks: a dense row's context or a sparse row's heavy tokens, in blocks.
-        hot_blocks=max(heavy, max(threshold - 1, heavy) // 4),
-        kv_heads=int(text["num_key_value_heads"]),
-        head_dim=int(text["head_dim"]),
-        element_bytes=2,
-    )
-    report["DS-Offload"] = {
-        **_doctor_labels(llama_dir, ds_offload_switches),
-        "offload_fixed_bytes": sizes.fixed_device_bytes(),
-        **ds_offload,
-    }
-    for case in report.values():
-        del case["server_args"]
+    for name, switches in (
+        ("qsa_ds", DS_SWITCHES),
+        ("DS-Offload", ds_offload_switches),
+        ("DS-Offload, verify", {**ds_offload_switches, "SGLANG_QSA_HISPARSE_VERIFY": "1"}),
+    ):
+        priced = _priced(llama_dir, switches, *SIZING)
+        del priced["server_args"]
+        report[name] = {
+            "engine": priced,
+            "plan": _ds_plan(priced, llama.text_config, switches),
+            "doctor": _doctor_labels(llama_dir, switches),
+        }
     return report
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import resource
 import shutil
 from pathlib import Path
@@ -85,6 +86,7 @@ def test_double_sparsity_channel_file_is_loaded_against_the_model(tmp_path: Path
     assert ds.status is Status.OK, ds
     assert "8 of 16 channels per KV head for 2 layers x 2 KV heads" in ds.detail
     assert "labels add 64 B per token to 256 B of bf16 K/V (25.0%)" in ds.detail
+    assert "pool sizing charges 320 B per token plus 0 B fixed" in ds.detail
 
 
 def test_double_sparsity_prices_a_token_per_tp_rank_and_refuses_a_tp_size_by_name(
@@ -110,6 +112,10 @@ def test_ds_offload_shows_what_the_gpu_and_the_host_hold_per_token(tmp_path: Pat
     assert ds.status is Status.OK, ds
     assert "DS-Offload: the GPU keeps the 64 B of labels per token (4.0x fewer" in ds.detail
     assert "the pinned host arena the 256 B of K/V per token" in ds.detail
+    assert "give --max-running-requests to price DS-Offload's buffers" in ds.detail
+    priced = run_checks(env, model_path=str(model), max_running_requests=4, context_length=4096)
+    ds = {c.name: c for c in priced}["double sparsity"]
+    assert re.search(r"pool sizing charges 64 B per token plus \d+\.\d{3} MiB fixed", ds.detail)
 
 
 def test_a_malformed_channel_file_fails_the_doctor_naming_the_field(tmp_path: Path) -> None:

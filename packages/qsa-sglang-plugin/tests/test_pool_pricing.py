@@ -1,9 +1,11 @@
 """One capacity model: the price the plugin gives SGLang's pool sizing is the price it prints.
 
-For p2-offload, resident cache sharding, double sparsity and DS-Offload, a fresh process builds
-SGLang's real ``DefaultPoolConfigurator`` on CPU for the tiny models (as a model runner does,
-without starting an engine), runs the plugin's AFTER hook on it, and reports the per-token price
-and the fixed bytes SGLang will size its pools by beside what the capacity plan
+For every feature configuration that prices the pool (p2-resident, p2-offload with staged
+prompts, hot blocks, a sharded host arena or the prefix cache, resident cache sharding D1 and
+with the index sharded D2, double sparsity and DS-Offload), a fresh process builds SGLang's real
+``DefaultPoolConfigurator`` on CPU for the tiny models (as a model runner does, without starting
+an engine), runs the plugin's AFTER hook on it, and reports the per-token price, the fixed bytes
+and the pool's token slots SGLang will size its pools by beside what the capacity plan
 (``capacity_plan_from_sglang``, which ``doctor`` and ``plan`` print) and the doctor's
 double-sparsity line say for the same flags (``pool_pricing_scenario.py``).
 """
@@ -40,38 +42,73 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
-def test_p2_offload_charges_the_plans_index_price_and_fixed_offload_bytes(
-    report: dict[str, Any],
+#: Every configuration of the scenario, and the plan layout its switches run.
+CASES = {
+    "p2-resident": "resident",
+    "p2-offload": "offloaded",
+    "p2-offload, hot blocks": "offloaded",
+    "p2-offload, host arena sharded (D1)": "offloaded",
+    "p2-offload, prefix cache": "offloaded",
+    "p2-offload, verify": "offloaded",
+    "resident sharding (D1)": "resident",
+    "resident sharding, index sharded (D2)": "resident",
+    "qsa_ds": "resident",
+    "DS-Offload": "offloaded",
+    "DS-Offload, verify": "offloaded",
+}
+
+
+def test_the_scenario_prices_every_configuration(report: dict[str, Any]) -> None:
+    """No configuration is left out of the agreement test below."""
+    assert set(report) == set(CASES)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_pool_price_sglang_uses_is_the_capacity_plans(
+    report: dict[str, Any], name: str
 ) -> None:
-    """A token costs its index (SGLang's QSA pool price equals the plan's); staging, hot caches,
-    tails and tables are the fixed bytes the plan's offloaded layout prints."""
-    case = report["p2-offload"]
-    assert case["token_bytes"] == case["offloaded_token_bytes"] < case["sglang_token_bytes"]
-    assert case["sglang_token_bytes"] == case["resident_token_bytes"]
-    assert case["fixed_bytes"] == case["offloaded_fixed_bytes"] > 0
+    """Bytes per token, fixed device bytes and the pool's token slots that the plugin writes into
+    SGLang equal those the plan prints for the same flags and switches: the layout of
+    ``capacity_plan_from_sglang`` its switches run (QSA), or ``ds_capacity`` (double
+    sparsity, the doctor's line)."""
+    engine, plan = report[name]["engine"], report[name]["plan"]
+    assert plan["layout"] == CASES[name]
+    assert (engine["token_bytes"], engine["fixed_bytes"], engine["pool_tokens"]) == (
+        plan["token_bytes"],
+        plan["fixed_bytes"],
+        plan["pool_tokens"],
+    )
+    assert engine["pool_tokens"] > 0
 
 
-def test_resident_sharding_charges_the_plans_sharded_token_price(report: dict[str, Any]) -> None:
-    """Index plus half the raw K/V over a shard group of two; the transport buffers are fixed
-    bytes of the sharded store the plan does not price."""
-    case = report["resident sharding"]
-    assert case["token_bytes"] == case["resident_token_bytes"] < case["sglang_token_bytes"]
-    assert case["fixed_bytes"] > 0
+def test_each_feature_reprices_sglangs_own_price(report: dict[str, Any]) -> None:
+    """The configurations differ where their features do: offload charges the index alone and
+    the offload's buffers, sharding a share of the raw K/V and the transport buffers, D2 a share
+    of the index too; p2-resident and the prefix cache leave the price as it was."""
+
+    def engine(name: str) -> dict[str, int]:
+        case: dict[str, int] = report[name]["engine"]
+        return case
+
+    resident, offload = engine("p2-resident"), engine("p2-offload")
+    assert (resident["token_bytes"], resident["fixed_bytes"]) == (resident["sglang_token_bytes"], 0)
+    assert offload["token_bytes"] < offload["sglang_token_bytes"] == resident["token_bytes"]
+    assert offload["fixed_bytes"] > 0
+    assert engine("p2-offload, prefix cache") == offload
+    assert engine("p2-offload, hot blocks")["fixed_bytes"] != offload["fixed_bytes"]
+    d1, d2 = engine("resident sharding (D1)"), engine("resident sharding, index sharded (D2)")
+    assert d2["token_bytes"] < d1["token_bytes"] < d1["sglang_token_bytes"]
+    assert d2["fixed_bytes"] > d1["fixed_bytes"] > 0
 
 
-def test_double_sparsity_adds_the_label_bytes_the_doctor_prints(report: dict[str, Any]) -> None:
-    """SGLang's K/V price is the doctor's, and the plugin adds the doctor's label bytes."""
-    case = report["double sparsity"]
-    assert case["sglang_token_bytes"] == case["kv"]
-    assert case["token_bytes"] == case["kv"] + case["labels"]
-    assert case["fixed_bytes"] == 0
-
-
-def test_ds_offload_charges_the_labels_alone_and_qsa_cores_offload_bytes(
-    report: dict[str, Any],
-) -> None:
-    """The doctor's label bytes per token; qsa-core's DS-Offload sizes as the fixed bytes."""
-    case = report["DS-Offload"]
-    assert case["sglang_token_bytes"] == case["kv"]
-    assert case["token_bytes"] == case["labels"]
-    assert case["fixed_bytes"] == case["offload_fixed_bytes"] > 0
+def test_double_sparsity_charges_what_the_doctor_prints(report: dict[str, Any]) -> None:
+    """SGLang's K/V price is the doctor's; the plugin adds the doctor's label bytes, or with
+    DS-Offload charges them alone and the offload's buffers fixed."""
+    for name in ("qsa_ds", "DS-Offload"):
+        engine, doctor = report[name]["engine"], report[name]["doctor"]
+        assert engine["sglang_token_bytes"] == doctor["kv"]
+        assert engine["token_bytes"] == doctor["token_bytes"]
+    assert report["qsa_ds"]["doctor"]["token_bytes"] == 256 + 64
+    assert report["qsa_ds"]["engine"]["fixed_bytes"] == 0
+    assert report["DS-Offload"]["doctor"]["token_bytes"] == report["DS-Offload"]["doctor"]["labels"]
+    assert report["DS-Offload"]["engine"]["fixed_bytes"] > 0

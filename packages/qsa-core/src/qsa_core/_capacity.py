@@ -1,18 +1,21 @@
 """Capacity plan: the bytes of every per-rank memory part, with and without host KV offload.
 
 All figures are per TP rank, in bytes, and exact integer arithmetic from the profile. They are
-what the engine allocates: the offload's buffers come from :class:`OffloadSizes` (the arithmetic
-the offload's store allocates by and the engine's pool sizing charges), with ``Ls = qsa_layers``
-record layers of one 4-token block of every KV head, ``NB = ceil(L / ratio)`` blocks of a
-context, ``S`` hot slots and ``block_bytes`` per record:
+what the engine allocates and its pool sizing charges: each layout's price per token and fixed
+bytes are a :class:`PoolPrice` (:attr:`CapacityPlan.offloaded_price`,
+:attr:`CapacityPlan.resident_price`), built by the methods the plugin's pool sizing calls, and
+the offload's buffers come from :class:`OffloadSizes` (the arithmetic the offload's store
+allocates by), with ``Ls = qsa_layers`` record layers of one 4-token block of every KV head,
+``NB = ceil(L / ratio)`` blocks of a context, ``S`` hot slots and ``block_bytes`` per record:
 
 * raw K/V (resident only, GPU): ``(R × L + page) × raw_bytes_per_token``; under resident cache
   sharding over ``N`` ranks ``(R × L + page) × ceil(raw_bytes_per_token / N)``
-  (:func:`sharded_token_bytes`);
+  (:meth:`PoolPrice.sharded`, :func:`sharded_token_bytes`);
 * compressed index-K (GPU, never offloaded, replicated on every rank):
   ``(R × L + page) × index_bytes_per_token``; with offload it is all a token costs in the
-  engine's pool; sharded by page too (D2, ``index_sharded``) ``(R × L + page) ×
-  ceil(index_bytes_per_token / N)``;
+  engine's pool (:meth:`PoolPrice.offloaded`); under resident cache sharding with the index
+  sharded by page too (D2, ``index_sharded``) ``(R × L + page) × ceil(index_bytes_per_token /
+  N)`` (D2 is wired for resident K/V only: the offloaded layout keeps the whole index);
 * pending ring (GPU): ``R × (qsa_layers × ratio × index_kv_heads × index_head_dim × 2 B + ratio × 3
   × 8 B)`` (bf16 raw index keys plus their int64 3-axis RoPE positions);
 * GDN recurrent state (GPU, fp32): ``slots × linear_layers × (value_heads / TP) × key_dim ×
@@ -26,6 +29,11 @@ context, ``S`` hot slots and ``block_bytes`` per record:
 * hot caches and tails (offload only, GPU): ``Ls × R × (S + 1) × block_bytes`` (one open-block
   tail record per layer and request);
 * residency tables (offload only, GPU): ``Ls × R × (S × 12 + NB × 4)`` bytes;
+* verification copy (offload with ``verify`` only, GPU): a resident copy of every row, the host
+  arena's unsharded size (:attr:`OffloadSizes.verification_bytes`);
+* shard transport buffers (resident cache sharding only, GPU): ``transport_bytes``, the fixed
+  bytes of the sharded store's (and with D2 the sharded index's) collective buffers, which the
+  caller computes (``qsa_kernels.sharded``; the plugin's adapter does);
 * host arena (offload only, pinned host): ``R × Ls × NB × block_bytes``; with cache sharding over
   ``N`` ranks, the blocks of the busiest rank (:meth:`ShardPlacement.blocks_on_rank`: whole
   16-block pages, every ``N``-th).
@@ -34,10 +42,10 @@ context, ``S`` hot slots and ``block_bytes`` per record:
 slots (``R`` unless given). ``S`` is :func:`hot_cache_slots`: 4 × the block top-k unless given,
 no more than a context's blocks and never fewer than the top-k. Staging, hot caches, tails and
 tables are the fixed bytes the engine's pool sizing charges before it sizes the index pool
-(:meth:`OffloadSizes.fixed_device_bytes`). With the Qwen3.8-Flash-Next TP2 FP8 setup of 8 ×
-262,144 tokens: 6,144 B raw and 768 B index per token, 1.5 GiB host K/V per request (12 GiB for
-eight), staging 1.5 GiB, hot caches and tails 384.188 MiB, tables 26.25 MiB: 2,040,987,648 B of
-fixed device bytes.
+(:meth:`OffloadSizes.fixed_device_bytes`, :attr:`PoolPrice.fixed_bytes`). With the
+Qwen3.8-Flash-Next TP2 FP8 setup of 8 × 262,144 tokens: 6,144 B raw and 768 B index per token,
+1.5 GiB host K/V per request (12 GiB for eight), staging 1.5 GiB, hot caches and tails 384.188
+MiB, tables 26.25 MiB: 2,040,987,648 B of fixed device bytes.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from qsa_core._checks import is_int
 from qsa_core._errors import CapacityError
 from qsa_core._offload_sizes import OffloadSizes, context_blocks, sharded_token_bytes
 from qsa_core._placement import ShardPlacement
+from qsa_core._pool_price import PoolPrice
 from qsa_core._profile import KVDType, QSAProfile
 
 __all__ = (
@@ -94,6 +103,8 @@ class MemoryPartKind(enum.Enum):
     PREFILL_AREA = "prefill staging"
     HOT_CACHE = "hot caches + tails"
     RESIDENCY_TABLES = "residency tables"
+    VERIFICATION = "verification copy"
+    SHARD_TRANSPORT = "shard transport buffers"
     HOST_ARENA = "host K/V arena"
 
 
@@ -167,7 +178,11 @@ class CapacityPlan:
         sharding_size: ranks of a shard group that store the K/V once (1 = off): the
             offloaded K/V's host arena, or the resident raw K/V, divides by it.
         staged_prompts: prompts the offload stages at once (an engine's prefill batch).
-        index_sharded: the compressed index is sharded by page over the same ``N`` ranks (D2).
+        index_sharded: the compressed index is sharded by page over the same ``N`` ranks (D2,
+            resident K/V only).
+        transport_bytes: fixed device bytes of the shard group's transport buffers (resident
+            cache sharding only; 0 without it).
+        verify: the offload keeps a resident copy of every row (``SGLANG_QSA_HISPARSE_VERIFY``).
     """
 
     profile: QSAProfile
@@ -187,6 +202,8 @@ class CapacityPlan:
     sharding_size: int = 1
     staged_prompts: int = 1
     index_sharded: bool = False
+    transport_bytes: int = 0
+    verify: bool = False
 
     @property
     def raw_bytes_per_token(self) -> int:
@@ -200,17 +217,46 @@ class CapacityPlan:
 
     @property
     def index_bytes_per_token_per_rank(self) -> int:
-        """Compressed index bytes per token on one rank (``1 / N`` with ``index_sharded``)."""
-        return _rank_index_bytes(self.index_bytes_per_token, self.sharding_size, self.index_sharded)
+        """Compressed index bytes per token on one rank without offload (``1 / N`` with D2)."""
+        return sharded_token_bytes(
+            0, self.index_bytes_per_token, self.sharding_size, index_sharded=self.index_sharded
+        )
 
     @property
     def resident_token_bytes(self) -> int:
-        """A token's price in the engine's pool without offload (index + raw, sharded)."""
-        return sharded_token_bytes(
-            self.raw_bytes_per_token,
-            self.index_bytes_per_token,
-            self.sharding_size,
+        """A token's price in the engine's pool without offload (index + raw, sharded), B."""
+        return self.resident_price.token_bytes
+
+    @property
+    def resident_price(self) -> PoolPrice:
+        """What the engine's pool sizing charges without offload, per rank.
+
+        SGLang's own price (raw K/V and index per token, nothing fixed), or under resident cache
+        sharding :meth:`PoolPrice.sharded` (the transport buffers fixed).
+        """
+        return self._price(offloaded=False)
+
+    @property
+    def offloaded_price(self) -> PoolPrice:
+        """What the engine's pool sizing charges with ``p2-offload``, per rank.
+
+        :meth:`PoolPrice.offloaded`: a token costs its whole compressed index; the offload's
+        staging, hot caches, tails and tables (:attr:`offload`) are fixed.
+        """
+        return self._price(offloaded=True)
+
+    def _price(self, *, offloaded: bool) -> PoolPrice:
+        return _pool_price(
+            self.profile,
+            tp_size=self.tp_size,
+            kv_dtype=self.kv_dtype,
+            index_dtype=self.index_dtype,
+            sizes=self.offload,
+            offloaded=offloaded,
+            sharding_size=self.sharding_size,
             index_sharded=self.index_sharded,
+            transport_bytes=self.transport_bytes,
+            verify=self.verify,
         )
 
     @property
@@ -218,7 +264,7 @@ class CapacityPlan:
         """The offload's buffers for ``num_requests`` rows of ``context_len`` tokens.
 
         ``offload.fixed_device_bytes()`` is the fixed overhead the engine's pool sizing charges
-        with offload, where a token costs :attr:`index_bytes_per_token` alone.
+        with offload (:attr:`offloaded_price`).
         """
         return _offload_sizes(
             self.profile,
@@ -244,11 +290,6 @@ class CapacityPlan:
     @property
     def _layer_block_bytes(self) -> int:
         return self.profile.num_qsa_layers * self.bytes_per_block
-
-
-def _rank_index_bytes(index_bytes: int, sharding_size: int, index_sharded: bool) -> int:
-    """A token's compressed index bytes on one rank: ``ceil(index / N)`` when sharded (D2)."""
-    return -(-index_bytes // sharding_size) if index_sharded else index_bytes
 
 
 def _host_blocks(profile: QSAProfile, context_len: int, sharding_size: int = 1) -> int:
@@ -282,6 +323,40 @@ def _offload_sizes(
     )
 
 
+def _pool_price(
+    profile: QSAProfile,
+    *,
+    tp_size: int,
+    kv_dtype: KVDType,
+    index_dtype: KVDType,
+    sizes: OffloadSizes,
+    offloaded: bool,
+    sharding_size: int,
+    index_sharded: bool,
+    transport_bytes: int,
+    verify: bool = False,
+) -> PoolPrice:
+    """The engine's pool price of one layout: offloaded, resident, or resident and sharded."""
+    raw = profile.raw_kv_bytes_per_token(kv_dtype, tp_size)
+    index = profile.index_bytes_per_token(index_dtype)
+    if offloaded:
+        return PoolPrice.offloaded(
+            sizes, resident_token_bytes=raw + index, index_token_bytes=index, verify=verify
+        )
+    if sharding_size > 1:
+        return PoolPrice.sharded(
+            resident_token_bytes=raw + index,
+            index_token_bytes=index,
+            sharding_size=sharding_size,
+            transport_bytes=transport_bytes,
+            index_sharded=index_sharded,
+        )
+    detail = (
+        f"pool sizing charges {raw + index} B per token ({raw} B of raw K/V, {index} B of index)"
+    )
+    return PoolPrice(raw + index, 0, detail)
+
+
 def _split(total: int, tp_size: int, name: str) -> int:
     if total % tp_size != 0:
         msg = f"{name}={total!r} does not split over tp_size={tp_size!r}; it must be a multiple"
@@ -303,13 +378,11 @@ def _layout(
     sharding_size: int,
     staged_prompts: int,
     index_sharded: bool = False,
+    transport_bytes: int = 0,
+    verify: bool = False,
 ) -> MemoryLayout:
     p = profile
     n, ctx, page = num_requests, context_len, p.page_size
-    raw_tok = p.raw_kv_bytes_per_token(kv_dtype, tp_size)
-    idx_tok = p.index_bytes_per_token(index_dtype)
-    resident_raw = sharded_token_bytes(raw_tok, idx_tok, sharding_size) - idx_tok
-    idx_tok = _rank_index_bytes(idx_tok, sharding_size, index_sharded)
     sizes = _offload_sizes(
         p,
         tp_size=tp_size,
@@ -319,6 +392,27 @@ def _layout(
         hot_slots=hot_slots,
         staged_prompts=staged_prompts,
     )
+    price = _pool_price(
+        p,
+        tp_size=tp_size,
+        kv_dtype=kv_dtype,
+        index_dtype=index_dtype,
+        sizes=sizes,
+        offloaded=offloaded,
+        sharding_size=sharding_size,
+        index_sharded=index_sharded,
+        transport_bytes=transport_bytes,
+        verify=verify,
+    )
+    # What a token costs the pool, split into its raw K/V (resident only) and its index.
+    idx_tok = (
+        price.token_bytes
+        if offloaded
+        else sharded_token_bytes(
+            0, p.index_bytes_per_token(index_dtype), sharding_size, index_sharded=index_sharded
+        )
+    )
+    resident_raw = price.token_bytes - idx_tok
     block, layers, nb = sizes.record_bytes, sizes.store_layers, sizes.max_blocks
     gpu, host = MemoryTier.GPU, MemoryTier.HOST
 
@@ -409,6 +503,18 @@ def _layout(
             f"{n} req × {layers} layers × ({hot_slots} × 12 + {nb} × 4) B" if offloaded else "none",
         ),
         MemoryPart(
+            MemoryPartKind.VERIFICATION,
+            gpu,
+            sizes.verification_bytes if offloaded and verify else 0,
+            f"{n} req × {layers} layers × {nb} blocks × {block} B" if verify else "none",
+        ),
+        MemoryPart(
+            MemoryPartKind.SHARD_TRANSPORT,
+            gpu,
+            0 if offloaded else price.fixed_bytes,
+            "none (resident cache sharding only)" if offloaded else "collective buffers",
+        ),
+        MemoryPart(
             MemoryPartKind.HOST_ARENA,
             host,
             sizes.arena_bytes(host_blocks) if offloaded else 0,
@@ -469,6 +575,8 @@ def plan_capacity(
     sharding_size: int = 1,
     staged_prompts: int = 1,
     index_sharded: bool = False,
+    transport_bytes: int = 0,
+    verify: bool = False,
 ) -> CapacityPlan:
     """Price every per-rank memory part with and without offload, and the largest request count.
 
@@ -489,14 +597,21 @@ def plan_capacity(
             and the resident raw K/V divide by it; :meth:`ShardPlacement.for_tp` rules).
         staged_prompts: prompts the offload stages at once (``--prefill-max-requests``).
         index_sharded: the compressed index sharded by page over the ``sharding_size`` ranks
-            too (D2): its GPU bytes per rank divide by ``sharding_size``.
+            too (D2, resident K/V only): its GPU bytes per rank without offload divide by
+            ``sharding_size``.
+        transport_bytes: device bytes of the shard group's transport buffers for
+            ``num_requests`` rows (``qsa_kernels.sharded``), fixed in the resident layout when
+            ``sharding_size > 1``; must be 0 otherwise.
+        verify: the offload keeps a resident copy of every row on the device (a debug switch,
+            ``SGLANG_QSA_HISPARSE_VERIFY=1``): a fixed part of the offloaded layout.
 
     Returns:
         The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.
 
     Raises:
-        CapacityError: a non-positive size, a negative budget, ``hot_slots < block_topk``, or
-            recurrent heads that do not split over ``tp_size``.
+        CapacityError: a non-positive size, a negative budget, ``hot_slots < block_topk``,
+            recurrent heads that do not split over ``tp_size``, ``transport_bytes`` that is
+            negative or given without sharding, or a ``verify`` that is not a bool.
         QSAConfigError: ``tp_size`` does not split the KV heads.
         PlacementError: ``sharding_size`` is not a shard group inside one K/V head's replicas.
     """
@@ -506,6 +621,17 @@ def plan_capacity(
     _check_int_at_least("gpu_budget_bytes", gpu_budget_bytes, minimum=0)
     _check_int_at_least("host_budget_bytes", host_budget_bytes, minimum=0)
     _check_int_at_least("staged_prompts", staged_prompts)
+    _check_int_at_least("transport_bytes", transport_bytes, minimum=0)
+    verify_flag: object = verify  # callers may be untyped
+    if not isinstance(verify_flag, bool):
+        msg = f"verify={verify!r} is not allowed; allowed: True or False"
+        raise CapacityError(msg)
+    if transport_bytes and sharding_size == 1:
+        msg = (
+            f"transport_bytes={transport_bytes!r} is not allowed with sharding_size=1; "
+            "transport buffers belong to a shard group (allowed: 0)"
+        )
+        raise CapacityError(msg)
     dtypes: tuple[tuple[str, object], ...] = (("kv_dtype", kv_dtype), ("index_dtype", index_dtype))
     for name, dtype in dtypes:
         if not isinstance(dtype, KVDType):
@@ -535,6 +661,8 @@ def plan_capacity(
             sharding_size=sharding_size,
             staged_prompts=staged_prompts,
             index_sharded=index_sharded,
+            transport_bytes=transport_bytes,
+            verify=verify,
         )
 
     def largest(offloaded: bool) -> int:
@@ -571,4 +699,6 @@ def plan_capacity(
         sharding_size=sharding_size,
         staged_prompts=staged_prompts,
         index_sharded=index_sharded,
+        transport_bytes=transport_bytes,
+        verify=verify,
     )

@@ -12,7 +12,9 @@ allocates once. Each feature reprices what the engine computed for resident K/V:
   (:func:`label_bytes_per_token`); with DS-Offload its label rows alone, and the offload's
   buffers are fixed.
 
-These are the figures :func:`qsa_core.plan_capacity` prints for the same flags.
+:func:`qsa_core.plan_capacity` prices its layouts with these same methods
+(:attr:`CapacityPlan.offloaded_price`, :attr:`CapacityPlan.resident_price`), so the figures it
+prints are the ones the engine's pool sizing charges for the same flags.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from qsa_core._offload_sizes import OffloadSizes, _non_negative, sharded_token_bytes
+from qsa_core._offload_sizes import (
+    OffloadSizes,
+    _non_negative,
+    _positive,
+    sharded_token_bytes,
+)
 from qsa_core._render import format_bytes
 
 __all__ = ("PoolPrice",)
@@ -42,6 +49,22 @@ class PoolPrice:
     token_bytes: int
     fixed_bytes: int
     detail: str
+
+    def pool_tokens(self, available_bytes: int, page_size: int = 1) -> int:
+        """Token slots of a pool sized from ``available_bytes`` of device memory (per rank).
+
+        As SGLang's ``DefaultPoolConfigurator.calculate_pool_sizes``: the fixed bytes first,
+        then whole token slots, rounded down to whole pages of ``page_size`` tokens.
+
+        Raises:
+            CapacityError: a negative ``available_bytes``, a ``page_size`` that is not positive,
+                or a price of 0 B per token.
+        """
+        _non_negative("available_bytes", available_bytes)
+        _positive("page_size", page_size)
+        _positive("token_bytes", self.token_bytes)
+        tokens = max(available_bytes - self.fixed_bytes, 0) // self.token_bytes
+        return tokens // page_size * page_size
 
     @classmethod
     def offloaded(

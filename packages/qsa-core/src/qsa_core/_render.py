@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from qsa_core._capacity import CapacityPlan, MemoryPartKind
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qsa_core._capacity import CapacityPlan
 
 __all__ = ("format_bytes", "render_plan")
 
@@ -21,6 +24,9 @@ def format_bytes(nbytes: int) -> str:
 
 def render_plan(plan: CapacityPlan) -> str:
     """A readable table of every part with and without offload, totals, budgets and fits."""
+    from qsa_core._capacity import MemoryPartKind  # the plan prices through PoolPrice, which
+
+    # renders its bytes here: a module-level import would be circular
     p = plan.profile
     lines = [
         "QSA capacity plan (per TP rank)",
@@ -49,6 +55,14 @@ def render_plan(plan: CapacityPlan) -> str:
         )
         + f"; one block of one layer {plan.bytes_per_block:,} B; "
         f"host K/V per request {format_bytes(plan.host_bytes_per_request)}",
+        "  pool sizing charges: "
+        + "; ".join(
+            f"{name} {price.token_bytes:,} B per token + {format_bytes(price.fixed_bytes)} fixed"
+            for name, price in (
+                ("offloaded", plan.offloaded_price),
+                ("resident", plan.resident_price),
+            )
+        ),
         "",
     ]
     header = ("part", "where", "offloaded", "resident", "offloaded formula")

@@ -43,7 +43,7 @@ from qsa_core import (
     render_plan,
 )
 from qsa_core.cli import gib_bytes
-from qsa_sglang_plugin._adapters import capacity_plan_from_sglang
+from qsa_sglang_plugin._adapters import capacity_plan_from_sglang, ds_capacity
 from qsa_sglang_plugin._config_check import SUPPORTED_KV_CACHE_DTYPES
 from qsa_sglang_plugin._errors import (
     ActivationError,
@@ -229,8 +229,9 @@ def plan_check(
     ``flags`` holds ``model_path``, ``tp_size``, ``kv_cache_dtype``, ``context_length``,
     ``max_running_requests``, ``gpu_budget_gib`` and ``host_budget_gib`` (the doctor's options);
     ``SGLANG_QSA_CACHE_SHARDING`` in ``environ`` divides the host arena and
-    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` sizes the hot caches (a malformed switch is the switches
-    check's to report; the plan then assumes the defaults).
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS`` sizes the hot caches, ``SGLANG_QSA_INDEX_SHARDING`` and
+    ``SGLANG_QSA_HISPARSE_VERIFY`` are priced as pool sizing prices them (a malformed switch is
+    the switches check's to report; the plan then assumes the defaults).
     """
     try:
         config = _model_config(flags.model_path)
@@ -253,9 +254,9 @@ def plan_check(
     try:
         switches = parse_switches(environ)
         sharding, hot_blocks = switches.cache_sharding, switches.hot_blocks
-        index_sharded = switches.index_sharding
+        index_sharded, verify = switches.index_sharding, switches.verify_offload
     except SwitchError:
-        sharding, hot_blocks, index_sharded = 1, None, False
+        sharding, hot_blocks, index_sharded, verify = 1, None, False, False
     try:
         plan = capacity_plan_from_sglang(
             server_args,
@@ -265,6 +266,7 @@ def plan_check(
             sharding_size=sharding,
             hot_slots=hot_blocks,
             index_sharded=index_sharded,
+            verify=verify,
         )
     except (AdapterError, CapacityError, PlacementError, ValueError) as exc:
         return Check("capacity plan", Status.FAIL, str(exc)), None
@@ -286,11 +288,17 @@ def plan_check(
 
 
 def _check_double_sparsity(
-    switches: Switches, model_path: str | None, tp_size: int = 1
+    switches: Switches,
+    model_path: str | None,
+    tp_size: int = 1,
+    rows: int | None = None,
+    context_len: int | None = None,
 ) -> Check | None:
     """The channel file against the model and the TP size, as start-up loads it.
 
-    Reports what a token costs one TP rank; None with double sparsity off.
+    Reports what a token costs one TP rank and what pool sizing will charge (DS-Offload's fixed
+    buffers with ``rows``, ``--max-running-requests``, and ``context_len``, ``--context-length``);
+    None with double sparsity off.
     """
     ds = switches.double_sparsity
     if ds is None:
@@ -303,11 +311,8 @@ def _check_double_sparsity(
         config = _model_config(model_path)
     except JSONFileError as exc:
         return Check(name, Status.WARN, str(exc))
-    import torch
-
-    from qsa_core import label_bytes_per_token
     from qsa_kernels.double_sparsity import DSConfigError
-    from qsa_sglang_plugin._config_check import ds_channels, ds_geometry
+    from qsa_sglang_plugin._config_check import ds_geometry
 
     nested = config.get("text_config")
     text = nested if isinstance(nested, dict) and nested else config
@@ -316,13 +321,20 @@ def _check_double_sparsity(
     except ConfigurationError as exc:
         return Check(name, Status.FAIL, str(exc))
     try:
-        rank_heads = int(ds_channels(ds, text).for_tp_rank(tp_size, 0).channels.shape[1])
+        capacity = ds_capacity(
+            text,
+            ds,
+            tp_size=tp_size,
+            rows=rows,
+            context_len=context_len,
+            verify=switches.verify_offload,
+        )
     except DSConfigError as exc:
         return Check(name, Status.FAIL, f"{named} is refused at --tp-size={tp_size}: {exc}")
-    labels = label_bytes_per_token(
-        layers, rank_heads, ds.heavy_channel_num, torch.bfloat16.itemsize
-    )
-    kv = layers * 2 * rank_heads * head_dim * torch.bfloat16.itemsize
+    except AdapterError as exc:
+        return Check(name, Status.FAIL, str(exc))
+    rank_heads = capacity.kv_heads
+    labels, kv = capacity.label_token_bytes, capacity.kv_token_bytes
     per_rank = f" (each of {tp_size} TP ranks holds {rank_heads})" if tp_size > 1 else ""
     detail = (
         f"{ds.heavy_channel_num} of {head_dim} channels per KV head for {layers} layers x "
@@ -336,6 +348,13 @@ def _check_double_sparsity(
             f"fewer bytes than the K/V), the pinned host arena the {kv} B of K/V per token of "
             "every running request's longest context"
         )
+    if capacity.price is None:
+        detail += "; give --max-running-requests to price DS-Offload's buffers"
+    else:
+        detail += (
+            f"; pool sizing charges {capacity.price.token_bytes} B per token plus "
+            f"{format_bytes(capacity.price.fixed_bytes)} fixed"
+        )
     return Check(name, Status.OK, detail)
 
 
@@ -345,6 +364,8 @@ def run_checks(
     tp_size: int = 1,
     plan: Check | None = None,
     model_path: str | None = None,
+    max_running_requests: int | None = None,
+    context_length: int | None = None,
 ) -> tuple[Check, ...]:
     """Every check, in report order.
 
@@ -354,6 +375,8 @@ def run_checks(
         plan: the capacity-plan line (:func:`plan_check`), appended last when given.
         model_path: the checkpoint directory, whose ``config.json`` the double-sparsity check
             reads.
+        max_running_requests: ``--max-running-requests`` (DS-Offload's buffers are sized by it).
+        context_length: ``--context-length`` (None: the model's).
     """
     checks = [_check_versions(), _check_entry_point(environ)]
     switches: Switches | None
@@ -375,7 +398,9 @@ def run_checks(
             )
         else:
             checks.append(Check("switches", Status.WARN, "every switch is off: the plugin is idle"))
-        ds = _check_double_sparsity(switches, model_path, tp_size)
+        ds = _check_double_sparsity(
+            switches, model_path, tp_size, max_running_requests, context_length
+        )
         if ds is not None:
             checks.append(ds)
     checks.append(_check_fingerprints())
@@ -422,7 +447,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.tp_size < 1:
         parser.error(f"--tp-size={opts.tp_size!r} is not allowed; allowed: a positive integer")
     plan, table = (None, None) if opts.model_path is None else plan_check(opts)
-    checks = run_checks(os.environ, tp_size=opts.tp_size, plan=plan, model_path=opts.model_path)
+    checks = run_checks(
+        os.environ,
+        tp_size=opts.tp_size,
+        plan=plan,
+        model_path=opts.model_path,
+        max_running_requests=opts.max_running_requests,
+        context_length=opts.context_length,
+    )
     for check in checks:
         sys.stdout.write(f"{check}\n")
     if table is not None:

@@ -5,7 +5,11 @@ Each function reads SGLang objects that already exist (``ServerArgs``, ``ModelCo
 module import time.
 """
 
-from qsa_sglang_plugin._adapters._capacity import capacity_plan_from_sglang
+from qsa_sglang_plugin._adapters._capacity import (
+    LabelledCapacity,
+    capacity_plan_from_sglang,
+    ds_capacity,
+)
 from qsa_sglang_plugin._adapters._multimodal import (
     mm_items_from_sglang,
     prompt_identity_from_sglang,
@@ -19,9 +23,11 @@ from qsa_sglang_plugin._adapters._namespace import (
 
 __all__ = (
     "DIGEST_SERVER_FIELDS",
+    "LabelledCapacity",
     "cache_namespace_from_sglang",
     "capacity_plan_from_sglang",
     "config_digest_from_sglang",
+    "ds_capacity",
     "kv_storage_dtype",
     "mm_items_from_sglang",
     "prompt_identity_from_sglang",

@@ -1,15 +1,29 @@
-"""SGLang server arguments and text config -> ``qsa_core.CapacityPlan``."""
+"""SGLang server arguments and text config -> ``qsa_core.CapacityPlan`` or double sparsity's price.
+
+The figures the doctor prints, priced by the functions pool sizing calls.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from qsa_core import CapacityPlan, KVDType, QSAConfigError, QSAProfile, plan_capacity
+from qsa_core import (
+    CapacityPlan,
+    KVDType,
+    PoolPrice,
+    QSAConfigError,
+    QSAProfile,
+    label_bytes_per_token,
+    plan_capacity,
+)
 from qsa_sglang_plugin._adapters._namespace import resolved_args
+from qsa_sglang_plugin._adapters._pool_sizing import labelled_price, shard_transport_bytes
 from qsa_sglang_plugin._errors import AdapterError
+from qsa_sglang_plugin._switches import DoubleSparsitySwitches
 
-__all__ = ("capacity_plan_from_sglang",)
+__all__ = ("LabelledCapacity", "capacity_plan_from_sglang", "ds_capacity")
 
 
 def _text_config(config: Any) -> Mapping[str, object]:
@@ -30,6 +44,7 @@ def capacity_plan_from_sglang(
     sharding_size: int = 1,
     hot_slots: int | None = None,
     index_sharded: bool = False,
+    verify: bool = False,
 ) -> CapacityPlan:
     """:func:`qsa_core.plan_capacity` of the operator's flags, with and without host offload.
 
@@ -40,8 +55,11 @@ def capacity_plan_from_sglang(
     ``ServerArgs``, resolved, or an ``argparse.Namespace``), the profile from ``hf_text_config``
     (HF object or mapping).
     ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
-    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``; the
-    budgets are per rank.
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``,
+    ``verify`` ``SGLANG_QSA_HISPARSE_VERIFY=1``; the budgets are per rank. With
+    ``sharding_size > 1`` the resident layout's fixed transport buffers are
+    :func:`shard_transport_bytes`, the bytes pool sizing charges (query heads split over TP:
+    attention context parallelism off).
 
     Raises:
         AdapterError: no usable QSA profile, an unsupported KV dtype, no context length, or no
@@ -74,9 +92,20 @@ def capacity_plan_from_sglang(
             "(allowed: a positive integer)"
         )
         raise AdapterError(msg)
+    tp_size = int(view.tp_size)
+    transport = 0
+    if sharding_size > 1:
+        transport = shard_transport_bytes(
+            sharding_size=sharding_size,
+            rows=int(requests),
+            block_topk=profile.block_topk,
+            q_heads=max(profile.num_attention_heads // tp_size, 1),
+            head_dim=profile.head_dim,
+            index_sharded=index_sharded,
+        )
     return plan_capacity(
         profile,
-        tp_size=int(view.tp_size),
+        tp_size=tp_size,
         kv_dtype=kv_dtype,
         gpu_budget_bytes=gpu_budget_bytes,
         host_budget_bytes=host_budget_bytes,
@@ -86,4 +115,74 @@ def capacity_plan_from_sglang(
         hot_slots=hot_slots,
         index_sharded=index_sharded,
         staged_prompts=int(getattr(view, "prefill_max_requests", None) or 1),
+        transport_bytes=transport,
+        verify=verify,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class LabelledCapacity:
+    """Double sparsity's bytes of a token on one TP rank, and what pool sizing charges.
+
+    Attributes:
+        kv_heads: the rank's KV heads (as the channel file splits them).
+        kv_token_bytes: a token's bf16 K/V on the rank, B.
+        label_token_bytes: its label rows, B.
+        price: the pool price (:func:`labelled_price`, the hook's); None for DS-Offload without
+            a request count (its buffers are sized by it).
+    """
+
+    kv_heads: int
+    kv_token_bytes: int
+    label_token_bytes: int
+    price: PoolPrice | None
+
+
+def ds_capacity(
+    text_config: Mapping[str, Any],
+    switches: DoubleSparsitySwitches,
+    *,
+    tp_size: int = 1,
+    rows: int | None = None,
+    context_len: int | None = None,
+    verify: bool = False,
+) -> LabelledCapacity:
+    """Double sparsity's price on TP rank 0 of ``tp_size``, from the model config (bf16 K/V).
+
+    ``rows`` is ``--max-running-requests`` and ``context_len`` ``--context-length`` (None: the
+    config's ``max_position_embeddings``); DS-Offload's buffers need both. ``verify`` is
+    ``SGLANG_QSA_HISPARSE_VERIFY=1`` (DS-Offload keeps a resident copy of every row).
+
+    Raises:
+        qsa_kernels.double_sparsity.DSConfigError: the channel file is refused at ``tp_size``.
+        ConfigurationError: the config has no GQA geometry.
+        AdapterError: DS-Offload with rows but no context length.
+    """
+    import torch
+
+    from qsa_kernels.double_sparsity import LabelCache
+    from qsa_sglang_plugin._config_check import ds_channels, ds_geometry
+
+    layers, _, _, head_dim = ds_geometry(text_config)
+    kv_heads = int(ds_channels(switches, text_config).for_tp_rank(tp_size, 0).channels.shape[1])
+    dtype = torch.bfloat16
+    kv = layers * 2 * kv_heads * head_dim * dtype.itemsize
+    element = LabelCache.dtype_for(dtype).itemsize
+    labels = label_bytes_per_token(layers, kv_heads, switches.heavy_channel_num, element)
+    context: Any = context_len
+    if context is None:
+        context = QSAProfile.config_context_len(text_config)
+    if context is None and switches.offload and rows is not None:
+        msg = "DS-Offload sizes its buffers by --context-length; give one"
+        raise AdapterError(msg)
+    price = labelled_price(
+        text_config,
+        switches,
+        kv_token_bytes=kv,
+        kv_heads=kv_heads,
+        dtype=dtype,
+        rows=rows,
+        context_len=int(context or 0),  # read with DS-Offload only
+        verify=verify,
+    )
+    return LabelledCapacity(kv_heads, kv, labels, price)

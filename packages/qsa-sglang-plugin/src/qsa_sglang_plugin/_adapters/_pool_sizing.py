@@ -3,13 +3,15 @@
 One AFTER hook on ``DefaultPoolConfigurator.__init__`` (SGLang has no registry for pool sizing)
 reads SGLang's own per-token costs from the configurator it just built and writes the feature's
 price into its private ``_cell_size`` and ``_fixed_overhead_bytes``. The switches turn on at
-most one feature that reprices.
+most one feature that reprices. The capacity plan (``capacity_plan_from_sglang``) prices its
+layouts with the same ``PoolPrice`` methods and the same :func:`shard_transport_bytes`;
+``test_pool_pricing.py`` pins that both agree for every feature.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qsa_core import PoolPrice, label_bytes_per_token
 from qsa_sglang_plugin._switches import (
@@ -18,7 +20,12 @@ from qsa_sglang_plugin._switches import (
     current_switches,
 )
 
-__all__ = ("after_pool_configurator_init",)
+if TYPE_CHECKING:
+    import torch
+
+    from qsa_kernels.sharded import HeadLayout
+
+__all__ = ("after_pool_configurator_init", "labelled_price", "shard_transport_bytes")
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +94,53 @@ def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     )
 
 
+def shard_transport_bytes(
+    *,
+    sharding_size: int,
+    rows: int | None,
+    block_topk: int,
+    q_heads: int,
+    head_dim: int,
+    index_sharded: bool,
+    layout: HeadLayout | None = None,
+) -> int:
+    """Device bytes of one rank's shard-group transport buffers, allocated once.
+
+    The sharded store's decode and prefill buffers (``ShardedKVStore.transport_bytes``) and,
+    with ``index_sharded`` (D2), the sharded index's candidate buffers.
+
+    Args:
+        sharding_size: ranks ``N`` of the shard group.
+        rows: ``--max-running-requests`` (None: 1).
+        block_topk: blocks the indexer selects per row.
+        q_heads: query heads of one rank's attention layers.
+        head_dim: ``D``.
+        index_sharded: D2 is on.
+        layout: how the query heads spread over the group (None: split over TP, ``SHARDED``,
+            as without attention context parallelism).
+    """
+    from qsa_kernels.sharded import HeadLayout, ShardedIndex, ShardedKVStore
+    from qsa_sglang_plugin._adapters._sharded_kv import index_rows
+
+    max_rows = 1 if rows is None else int(rows)
+    transport = ShardedKVStore.transport_bytes(
+        world_size=sharding_size,
+        max_rows=max_rows,
+        block_topk=block_topk,
+        q_heads=q_heads,
+        head_dim=head_dim,
+        layout=HeadLayout.SHARDED if layout is None else layout,
+    )
+    if index_sharded:
+        transport += ShardedIndex.buffer_bytes_for(
+            world_size=sharding_size, block_topk=block_topk, max_rows=index_rows(max_rows)
+        )
+    return transport
+
+
 def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_kernels.sharded import ShardedKVStore
     from qsa_sglang_plugin._adapters._qsa_common import group_head_layout, qsa_profile_of
 
     layers = _qsa_layers(kvc)
@@ -98,25 +148,16 @@ def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
         return None
     model_config = kvc.model_config
     sharding = current_switches().cache_sharding
-    rows = kvc.server_args.max_running_requests
-    transport = ShardedKVStore.transport_bytes(
-        world_size=sharding,
-        max_rows=int(rows) if rows is not None else 1,
+    index_sharded = current_switches().index_sharding
+    transport = shard_transport_bytes(
+        sharding_size=sharding,
+        rows=kvc.server_args.max_running_requests,
         block_topk=int(qsa_profile_of(model_config).block_topk),
         q_heads=int(model_config.get_num_attention_heads(get_parallel().attn_tp_size)),
         head_dim=int(model_config.head_dim),
+        index_sharded=index_sharded,
         layout=group_head_layout(),
     )
-    index_sharded = current_switches().index_sharding
-    if index_sharded:
-        from qsa_kernels.sharded import ShardedIndex
-        from qsa_sglang_plugin._adapters._sharded_kv import index_rows
-
-        transport += ShardedIndex.buffer_bytes_for(
-            world_size=sharding,
-            block_topk=int(qsa_profile_of(model_config).block_topk),
-            max_rows=index_rows(int(rows) if rows is not None else 1),
-        )
     return PoolPrice.sharded(
         resident_token_bytes=int(configurator._cell_size),
         index_token_bytes=_index_bytes_per_token(configurator, kvc, layers),
@@ -126,32 +167,73 @@ def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     )
 
 
-def _label_price(configurator: Any, kvc: Any, switches: DoubleSparsitySwitches) -> PoolPrice:
-    from sglang.srt.runtime_context import get_parallel
+def labelled_price(
+    text_config: Any,
+    switches: DoubleSparsitySwitches,
+    *,
+    kv_token_bytes: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    rows: int | None,
+    context_len: int,
+    verify: bool = False,
+) -> PoolPrice | None:
+    """Double sparsity's pool price on one rank: :meth:`PoolPrice.labelled`.
 
+    A token costs its K/V (``kv_token_bytes``, bytes) and its label rows, or with DS-Offload its
+    label rows alone and the offload's buffers for ``rows`` requests of ``context_len`` tokens
+    are fixed.
+
+    Args:
+        text_config: the model's text config (a mapping).
+        switches: the double-sparsity switches.
+        kv_token_bytes: a token's K/V on this rank, bytes.
+        kv_heads: this rank's KV heads.
+        dtype: the K/V cache dtype (the labels' follows it).
+        rows: ``--max-running-requests`` (DS-Offload's arena rows); None prices no offload.
+        context_len: tokens of one request's context.
+        verify: the offload keeps a resident copy of every row.
+
+    Returns:
+        The price, or None with DS-Offload and no ``rows``.
+    """
     from qsa_kernels.double_sparsity import LabelCache
-    from qsa_sglang_plugin._adapters._offload import arena_rows, ds_offload_geometry
+    from qsa_sglang_plugin._adapters._offload import ds_offload_geometry
     from qsa_sglang_plugin._config_check import ds_geometry
 
-    model_config = kvc.model_config
-    text_config = model_config.hf_text_config.to_dict()
     layers, _, _, _ = ds_geometry(text_config)
-    kv_heads = int(model_config.get_num_kv_heads(get_parallel().attn_tp_size))  # this rank's
-    element = LabelCache.dtype_for(kvc.kv_cache_dtype).itemsize
+    element = LabelCache.dtype_for(dtype).itemsize
     labels = label_bytes_per_token(layers, kv_heads, switches.heavy_channel_num, element)
     offload = None
     if switches.offload:
+        if rows is None:
+            return None
         offload = ds_offload_geometry(
             text_config,
             switches,
-            rows=arena_rows(kvc),
-            context_len=int(model_config.context_len),
+            rows=rows,
+            context_len=context_len,
             kv_heads=kv_heads,
-            dtype=kvc.kv_cache_dtype,
+            dtype=dtype,
         ).sizes
     return PoolPrice.labelled(
+        kv_token_bytes=kv_token_bytes, label_token_bytes=labels, offload=offload, verify=verify
+    )
+
+
+def _label_price(configurator: Any, kvc: Any, switches: DoubleSparsitySwitches) -> PoolPrice | None:
+    from sglang.srt.runtime_context import get_parallel
+
+    from qsa_sglang_plugin._adapters._offload import arena_rows
+
+    model_config = kvc.model_config
+    return labelled_price(
+        model_config.hf_text_config.to_dict(),
+        switches,
         kv_token_bytes=int(configurator._cell_size),
-        label_token_bytes=labels,
-        offload=offload,
+        kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),  # this rank's
+        dtype=kvc.kv_cache_dtype,
+        rows=arena_rows(kvc) if switches.offload else None,
+        context_len=int(model_config.context_len),
         verify=current_switches().verify_offload,
     )
