@@ -19,7 +19,12 @@ from qsa_kernels.sharded._attention import (
     owner_sparse_prefill,
     partial_attention_reference,
 )
-from qsa_kernels.sharded._buffers import CollectiveBytes, HeadLayout, ShardedDecodeBuffers
+from qsa_kernels.sharded._buffers import (
+    PREFILL_GROUP_ROWS,
+    CollectiveBytes,
+    HeadLayout,
+    ShardedDecodeBuffers,
+)
 from qsa_kernels.sharded._group import ShardGroup, all_gather_flat, all_to_all_flat
 from qsa_kernels.sharded._index import ShardedIndex
 from qsa_kernels.sharded._layout import (
@@ -34,7 +39,7 @@ from qsa_kernels.sharded._layout import (
     unshard_index_pages,
     unshard_raw_kv,
 )
-from qsa_kernels.sharded._store import PREFILL_GROUP_ROWS, ShardedKVStore
+from qsa_kernels.sharded._store import ShardedKVStore
 from qsa_kernels.sharded._topk import local_topk_candidates, sharded_indexer_topk
 from qsa_kernels.sharded._writes import (
     LocalWriteTargets,

@@ -18,7 +18,10 @@ import torch
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS
 
-__all__ = ("CollectiveBytes", "HeadLayout", "ShardedDecodeBuffers")
+__all__ = ("PREFILL_GROUP_ROWS", "CollectiveBytes", "HeadLayout", "ShardedDecodeBuffers")
+
+#: Query tokens of a prefill chunk after a prefix that attend in one owner-side round.
+PREFILL_GROUP_ROWS = 256
 
 _CANDIDATE_WORDS = 2  # fp32 score, int32 global block id (bit-cast to fp32)
 

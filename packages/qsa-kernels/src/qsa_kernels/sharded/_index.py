@@ -18,7 +18,7 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._path import KernelPath
-from qsa_kernels.sharded._buffers import HeadLayout, ShardedDecodeBuffers
+from qsa_kernels.sharded._buffers import PREFILL_GROUP_ROWS, HeadLayout, ShardedDecodeBuffers
 from qsa_kernels.sharded._group import ShardGroup
 from qsa_kernels.sharded._layout import local_index_table
 from qsa_kernels.sharded._topk import sharded_indexer_topk
@@ -69,6 +69,11 @@ class ShardedIndex:
     def buffer_bytes(self) -> int:
         """Bytes of the candidate buffers (allocated once, shared by every layer)."""
         return self.buffers.nbytes
+
+    @staticmethod
+    def rows_for(max_running: int) -> int:
+        """Rows of one candidate all-gather: every decode row, or one prefill group."""
+        return max(max_running, PREFILL_GROUP_ROWS)
 
     @staticmethod
     def buffer_bytes_for(*, world_size: int, block_topk: int, max_rows: int) -> int:

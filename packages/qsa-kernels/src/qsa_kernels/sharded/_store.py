@@ -19,15 +19,13 @@ from qsa_kernels._path import KernelPath
 from qsa_kernels.context import PrefillKernels, ZigzagEntries, attend_chunks, attend_context
 from qsa_kernels.expand import complete_blocks
 from qsa_kernels.sharded._attention import owner_sparse_decode, owner_sparse_prefill
-from qsa_kernels.sharded._buffers import HeadLayout, ShardedDecodeBuffers
+from qsa_kernels.sharded._buffers import PREFILL_GROUP_ROWS, HeadLayout, ShardedDecodeBuffers
 from qsa_kernels.sharded._group import ShardGroup
+from qsa_kernels.sharded._index import ShardedIndex
 from qsa_kernels.sharded._layout import owned_token_bound
 from qsa_kernels.sharded._writes import raw_write_targets, write_owned_raw_kv
 
-__all__ = ("PREFILL_GROUP_ROWS", "ShardedKVStore")
-
-#: Query tokens of a prefill chunk after a prefix that attend in one owner-side round.
-PREFILL_GROUP_ROWS = 256
+__all__ = ("ShardedKVStore",)
 
 
 class ShardedKVStore:
@@ -335,9 +333,22 @@ class ShardedKVStore:
         q_heads: int,
         head_dim: int,
         layout: HeadLayout = HeadLayout.SHARDED,
+        index_sharded: bool = False,
     ) -> int:
-        """Device bytes of one rank's transport buffers (decode and prefill), without allocating."""
-        return sum(
+        """Device bytes of one rank's transport buffers (decode and prefill), without allocating.
+
+        With ``index_sharded`` (D2), the :class:`ShardedIndex` candidate buffers of the same
+        group too (:meth:`ShardedIndex.rows_for` ``max_rows``): all a shard group allocates once,
+        the fixed part of its pool price.
+        """
+        index = 0
+        if index_sharded:
+            index = ShardedIndex.buffer_bytes_for(
+                world_size=world_size,
+                block_topk=block_topk,
+                max_rows=ShardedIndex.rows_for(max_rows),
+            )
+        return index + sum(
             ShardedDecodeBuffers.for_rank(
                 world_size,
                 layout,

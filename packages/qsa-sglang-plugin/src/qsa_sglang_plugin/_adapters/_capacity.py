@@ -19,7 +19,7 @@ from qsa_core import (
     plan_capacity,
 )
 from qsa_sglang_plugin._adapters._namespace import resolved_args
-from qsa_sglang_plugin._adapters._pool_sizing import labelled_price, shard_transport_bytes
+from qsa_sglang_plugin._adapters._pool_sizing import labelled_price
 from qsa_sglang_plugin._errors import AdapterError
 from qsa_sglang_plugin._switches import DoubleSparsitySwitches
 
@@ -58,7 +58,7 @@ def capacity_plan_from_sglang(
     ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``,
     ``verify`` ``SGLANG_QSA_HISPARSE_VERIFY=1``; the budgets are per rank. With
     ``sharding_size > 1`` the resident layout's fixed transport buffers are
-    :func:`shard_transport_bytes`, the bytes pool sizing charges (query heads split over TP:
+    ``ShardedKVStore.transport_bytes``, the bytes pool sizing charges (query heads split over TP:
     attention context parallelism off).
 
     Raises:
@@ -95,9 +95,11 @@ def capacity_plan_from_sglang(
     tp_size = int(view.tp_size)
     transport = 0
     if sharding_size > 1:
-        transport = shard_transport_bytes(
-            sharding_size=sharding_size,
-            rows=int(requests),
+        from qsa_kernels.sharded import ShardedKVStore
+
+        transport = ShardedKVStore.transport_bytes(
+            world_size=sharding_size,
+            max_rows=int(requests),
             block_topk=profile.block_topk,
             q_heads=max(profile.num_attention_heads // tp_size, 1),
             head_dim=profile.head_dim,

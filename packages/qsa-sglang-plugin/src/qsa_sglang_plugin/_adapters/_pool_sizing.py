@@ -4,7 +4,7 @@ One AFTER hook on ``DefaultPoolConfigurator.__init__`` (SGLang has no registry f
 reads SGLang's own per-token costs from the configurator it just built and writes the feature's
 price into its private ``_cell_size`` and ``_fixed_overhead_bytes``. The switches turn on at
 most one feature that reprices. The capacity plan (``capacity_plan_from_sglang``) prices its
-layouts with the same ``PoolPrice`` methods and the same :func:`shard_transport_bytes`;
+layouts with the same ``PoolPrice`` methods and the same ``ShardedKVStore.transport_bytes``;
 ``test_pool_pricing.py`` pins that both agree for every feature.
 """
 
@@ -23,9 +23,8 @@ from qsa_sglang_plugin._switches import (
 if TYPE_CHECKING:
     import torch
 
-    from qsa_kernels.sharded import HeadLayout
 
-__all__ = ("after_pool_configurator_init", "labelled_price", "shard_transport_bytes")
+__all__ = ("after_pool_configurator_init", "labelled_price")
 
 logger = logging.getLogger(__name__)
 
@@ -94,53 +93,10 @@ def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     )
 
 
-def shard_transport_bytes(
-    *,
-    sharding_size: int,
-    rows: int | None,
-    block_topk: int,
-    q_heads: int,
-    head_dim: int,
-    index_sharded: bool,
-    layout: HeadLayout | None = None,
-) -> int:
-    """Device bytes of one rank's shard-group transport buffers, allocated once.
-
-    The sharded store's decode and prefill buffers (``ShardedKVStore.transport_bytes``) and,
-    with ``index_sharded`` (D2), the sharded index's candidate buffers.
-
-    Args:
-        sharding_size: ranks ``N`` of the shard group.
-        rows: ``--max-running-requests`` (None: 1).
-        block_topk: blocks the indexer selects per row.
-        q_heads: query heads of one rank's attention layers.
-        head_dim: ``D``.
-        index_sharded: D2 is on.
-        layout: how the query heads spread over the group (None: split over TP, ``SHARDED``,
-            as without attention context parallelism).
-    """
-    from qsa_kernels.sharded import HeadLayout, ShardedIndex, ShardedKVStore
-    from qsa_sglang_plugin._adapters._sharded_kv import index_rows
-
-    max_rows = 1 if rows is None else int(rows)
-    transport = ShardedKVStore.transport_bytes(
-        world_size=sharding_size,
-        max_rows=max_rows,
-        block_topk=block_topk,
-        q_heads=q_heads,
-        head_dim=head_dim,
-        layout=HeadLayout.SHARDED if layout is None else layout,
-    )
-    if index_sharded:
-        transport += ShardedIndex.buffer_bytes_for(
-            world_size=sharding_size, block_topk=block_topk, max_rows=index_rows(max_rows)
-        )
-    return transport
-
-
 def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     from sglang.srt.runtime_context import get_parallel
 
+    from qsa_kernels.sharded import ShardedKVStore
     from qsa_sglang_plugin._adapters._qsa_common import group_head_layout, qsa_profile_of
 
     layers = _qsa_layers(kvc)
@@ -149,14 +105,15 @@ def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     model_config = kvc.model_config
     sharding = current_switches().cache_sharding
     index_sharded = current_switches().index_sharding
-    transport = shard_transport_bytes(
-        sharding_size=sharding,
-        rows=kvc.server_args.max_running_requests,
+    rows = kvc.server_args.max_running_requests
+    transport = ShardedKVStore.transport_bytes(
+        world_size=sharding,
+        max_rows=1 if rows is None else int(rows),
         block_topk=int(qsa_profile_of(model_config).block_topk),
         q_heads=int(model_config.get_num_attention_heads(get_parallel().attn_tp_size)),
         head_dim=int(model_config.head_dim),
-        index_sharded=index_sharded,
         layout=group_head_layout(),
+        index_sharded=index_sharded,
     )
     return PoolPrice.sharded(
         resident_token_bytes=int(configurator._cell_size),

@@ -14,7 +14,7 @@ import torch
 
 from qsa_core import format_bytes
 from qsa_kernels.context import ZigzagEntries
-from qsa_kernels.sharded import PREFILL_GROUP_ROWS, ShardedIndex, ShardedKVStore, ShardGroup
+from qsa_kernels.sharded import ShardedIndex, ShardedKVStore, ShardGroup
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     group_head_layout,
@@ -27,7 +27,7 @@ from qsa_sglang_plugin._adapters._sharded_index import install_sharded_index
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._switches import current_switches
 
-__all__ = ("attend_extend", "index_rows", "sharded_store_of")
+__all__ = ("attend_extend", "sharded_store_of")
 
 logger = logging.getLogger(__name__)
 
@@ -134,17 +134,12 @@ def _build_store(runner: Any) -> ShardedKVStore:
     return runtime
 
 
-def index_rows(max_running: int) -> int:
-    """Rows per candidate all-gather of the index shard: every decode row, or a prefill group."""
-    return max(max_running, PREFILL_GROUP_ROWS)
-
-
 def _install_index(runner: Any, shard: ShardGroup, device: torch.device, tp_rank: int) -> None:
     """The rank's :class:`ShardedIndex` on the raw K/V's shard group (index sharding, D2)."""
     index = ShardedIndex(
         shard,
         block_topk=int(qsa_profile_of(runner.model_config).block_topk),
-        max_rows=index_rows(int(runner.req_to_token_pool.size)),
+        max_rows=ShardedIndex.rows_for(int(runner.req_to_token_pool.size)),
         device=device,
     )
     install_sharded_index(index)
