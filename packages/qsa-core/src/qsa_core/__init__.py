@@ -52,7 +52,7 @@ from qsa_core._profile import (
     QSAProfile,
 )
 from qsa_core._prompt import check_prompt
-from qsa_core._render import format_bytes, render_plan
+from qsa_core._render import render_plan
 from qsa_core._residency import (
     HotCacheState,
     ResidencyFill,
@@ -61,6 +61,7 @@ from qsa_core._residency import (
     plan_residency_step,
 )
 from qsa_core._series import CountSeries
+from qsa_core._units import format_bytes
 from qsa_core._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)

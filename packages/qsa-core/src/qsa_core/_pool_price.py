@@ -28,7 +28,7 @@ from qsa_core._offload_sizes import (
     _positive,
     sharded_token_bytes,
 )
-from qsa_core._render import format_bytes
+from qsa_core._units import format_bytes
 
 __all__ = ("PoolPrice",)
 

@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from qsa_core._capacity import CapacityPlan, MemoryPartKind
+from qsa_core._units import format_bytes
 
-if TYPE_CHECKING:
-    from qsa_core._capacity import CapacityPlan
-
-__all__ = ("format_bytes", "render_plan")
-
-_KIB = 1024
-
-
-def format_bytes(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that keeps it >= 1, three decimals (``1.500 GiB``)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < _KIB or unit == "GiB":
-            return f"{nbytes} B" if unit == "B" else f"{value:.3f} {unit}"
-        value /= _KIB
-    raise AssertionError  # pragma: no cover - the loop always returns
+__all__ = ("render_plan",)
 
 
 def render_plan(plan: CapacityPlan) -> str:
     """A readable table of every part with and without offload, totals, budgets and fits."""
-    from qsa_core._capacity import MemoryPartKind  # the plan prices through PoolPrice, which
-
-    # renders its bytes here: a module-level import would be circular
     p = plan.profile
     lines = [
         "QSA capacity plan (per TP rank)",
