@@ -129,14 +129,15 @@ def test_drift_in_a_module_a_registration_relies_on_is_refused() -> None:
 
 
 def test_index_sharding_declares_its_six_hooks_and_no_replace() -> None:
-    """D2's hooks: the index pool's shape (AFTER), owned writes (AROUND), the fused compress off
-    (AFTER), prefill inputs without the logical gather (AROUND), the two selections (AROUND)."""
+    """D2's hooks: the index pool's shape, its whole buffer never allocated (AROUND), owned writes
+    (AROUND), the fused compress off (AFTER), prefill inputs without the logical gather (AROUND),
+    the two selections (AROUND)."""
     from qsa_sglang_plugin._hooks import specs_for
     from qsa_sglang_plugin._switches import Feature
 
     d2 = specs_for([Feature.INDEX_SHARDING])
     assert [(s.qualname, s.kind) for s in d2] == [
-        ("QSATokenToKVPool.__init__", HookKind.AFTER),
+        ("QSATokenToKVPool.__init__", HookKind.AROUND),
         ("QSATokenToKVPool.set_qsa_compressed_k_buffer", HookKind.AROUND),
         ("QSAIndexer._use_fused_compress", HookKind.AFTER),
         ("QSAIndexerMetadata.get_prefill_mqa_inputs", HookKind.AROUND),

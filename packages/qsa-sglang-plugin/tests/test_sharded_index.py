@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from qsa_testing import Platform, current_platform, run_on_gloo_ranks
 
@@ -112,7 +113,8 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             path=KernelPath.REFERENCE,
         )
     )
-    pool = _pool(QSATokenToKVPool)  # the hook keeps this rank's pages only
+    with _Allocations() as allocations:  # the hook keeps this rank's pages only
+        pool = _pool(QSATokenToKVPool)
     from types import SimpleNamespace
 
     config = SimpleNamespace(
@@ -166,7 +168,36 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         "index_bytes": index_bytes[0],
         "full_index_bytes": index_bytes[1],
         "mem_usage": [pool.mem_usage, full.mem_usage],
+        # Every tensor the hooked pool's construction made with the whole index's shape, by
+        # the device it went to.
+        "whole_index_allocations": [
+            device
+            for shape, device in allocations.made
+            if shape == tuple(full.qsa_compressed_flat.shape)
+        ],
     }
+
+
+class _Allocations(TorchFunctionMode):
+    """Records the shape and device type of every tensor a factory call makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[tuple[int, ...], str]] = []
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.zeros, torch.empty, torch.ones, torch.full) and isinstance(
+            out, torch.Tensor
+        ):
+            self.made.append((tuple(out.shape), out.device.type))
+        return out
 
 
 _METHODS = {
@@ -377,6 +408,13 @@ def test_index_pool_holds_one_nth_of_its_pages(ranks: list[Any]) -> None:
         pages = full // (len(LAYER_IDS) * (PAGE // RATIO) * DIM * 2)
         assert result["index_bytes"] == full // pages * -(-pages // world)
         assert result["mem_usage"][0] < result["mem_usage"][1]
+
+
+def test_no_rank_ever_allocates_the_whole_index(ranks: list[Any]) -> None:
+    """Upstream's constructor makes its whole compressed-key buffer once, on the meta device
+    (no memory); the rank's shard is the only real index buffer (its size: the next test)."""
+    for result in ranks:
+        assert result["whole_index_allocations"] == ["meta"]
 
 
 def test_a_qsa_pool_whose_pages_are_not_the_kernels_is_refused_by_value() -> None:

@@ -165,13 +165,14 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         module="sglang.srt.mem_cache.qsa_kv_pool",
         qualname="QSATokenToKVPool.__init__",
-        kind=HookKind.AFTER,
+        kind=HookKind.AROUND,
         feature=Feature.INDEX_SHARDING,
-        hook="qsa_sglang_plugin._adapters._sharded_index:after_qsa_pool_init",
+        hook="qsa_sglang_plugin._adapters._sharded_index:around_qsa_pool_init",
         reason=(
             "Index sharding: each QSA layer's compressed-key buffer holds this rank's pages only "
-            "(1/N). The configurator builds QSATokenToKVPool by name and sizes the buffer from "
-            "the token count inside __init__; no argument or registry shapes it."
+            "(1/N), and the whole buffer is never allocated (built on the meta device). The "
+            "configurator builds QSATokenToKVPool by name and sizes the buffer from the token "
+            "count inside __init__; no argument or registry shapes it."
         ),
     ),
     HookSpec(

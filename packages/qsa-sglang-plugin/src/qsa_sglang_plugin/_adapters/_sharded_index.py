@@ -3,8 +3,9 @@
 The index shard and its operations are :class:`qsa_kernels.sharded.ShardedIndex`
 (docs/sharding.md). Here, the hooks on upstream's QSA pool and indexer that route through it:
 
-- AFTER ``QSATokenToKVPool.__init__``: the compressed-key buffer of every QSA layer becomes
-  ``ceil(P / N)`` pages (page ``p`` at local page ``p // N`` on rank ``p % N``);
+- AROUND ``QSATokenToKVPool.__init__``: the compressed-key buffer of every QSA layer is
+  ``ceil(P / N)`` pages (page ``p`` at local page ``p // N`` on rank ``p % N``); upstream's
+  whole buffer is built on the meta device, so it never takes memory;
 - AROUND ``QSATokenToKVPool.set_qsa_compressed_k_buffer``: a closed block is stored by its page's
   owner only (the pending ring stays replicated, so every rank compresses every group);
 - AFTER ``QSAIndexer._use_fused_compress``: False, since the fused JIT compress stores into the
@@ -23,11 +24,14 @@ runner per scheduler process); the sharded backend installs it with the store of
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from qsa_core import QWEN38_FLASH_NEXT, ShardPlacement, format_bytes
 from qsa_kernels.sharded import ShardedIndex
@@ -35,9 +39,9 @@ from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._switches import current_switches
 
 __all__ = (
-    "after_qsa_pool_init",
     "after_use_fused_compress",
     "around_get_prefill_mqa_inputs",
+    "around_qsa_pool_init",
     "around_select_decode_tokens",
     "around_select_prefill_tokens",
     "around_set_qsa_compressed_k_buffer",
@@ -110,14 +114,71 @@ def index_placement(pool: Any, sharding: int) -> ShardPlacement:
     return ShardPlacement(sharding, page, ratio)
 
 
-def after_qsa_pool_init(result: object, pool: Any, *args: object, **kwargs: object) -> None:
-    """AFTER hook on ``QSATokenToKVPool.__init__``: each layer's compressed keys at ``1 / N``.
+class _WholeIndexOnMeta(TorchFunctionMode):
+    """Upstream's whole compressed-key buffer on the meta device, while its QSA pool is built.
 
-    Upstream's buffer (``[L, capacity * H * D]``, one view per layer) is replaced by one of
-    ``ceil(P / N) * 16`` blocks per layer, ``P`` the logical pages; SGLang's memory report
-    (``mem_usage``) is recomputed. Upstream's full buffer exists until this hook returns.
+    Only ``torch.zeros`` of ``shape`` is diverted; every other allocation is upstream's own.
     """
-    del result, args, kwargs
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.shape = shape
+        self.diverted = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.zeros and args and tuple(args[0]) == self.shape:
+            self.diverted += 1
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+def _whole_index(
+    original: Callable[..., None], pool: Any, *args: Any, **kwargs: Any
+) -> tuple[tuple[int, int], torch.device]:
+    """The shape and device upstream's ``__init__`` gives the compressed-key buffer.
+
+    The shape is ``(L, C * H * D)`` with ``C = ceil((size + page_size) / ratio)`` blocks, read
+    from the constructor's arguments.
+    """
+    bound = inspect.signature(original).bind(pool, *args, **kwargs).arguments
+    capacity = -(
+        -(int(bound["size"]) + int(bound["page_size"])) // int(bound["qsa_compress_ratio"])
+    )
+    per_layer = capacity * int(bound["qsa_index_kv_heads"]) * int(bound["qsa_index_head_dim"])
+    return (len(bound["full_attention_layer_ids"]), per_layer), torch.device(bound["device"])
+
+
+def around_qsa_pool_init(
+    original: Callable[..., None], pool: Any, *args: Any, **kwargs: Any
+) -> None:
+    """AROUND hook on ``QSATokenToKVPool.__init__``: each layer's compressed keys at ``1 / N``.
+
+    Upstream's constructor runs with its whole buffer (``[L, capacity * H * D]``, one view per
+    layer) on the meta device; then one of ``ceil(P / N) * 16`` blocks per layer, ``P`` the
+    logical pages, takes its place and SGLang's memory report (``mem_usage``) is recomputed. No
+    rank ever holds the whole index.
+
+    Raises:
+        ConfigurationError: upstream's constructor no longer allocates the buffer this hook
+            knows (one ``torch.zeros`` of the shape its arguments give), or its pages are not the
+            kernels'.
+    """
+    shape, device = _whole_index(original, pool, *args, **kwargs)
+    with _WholeIndexOnMeta(shape) as divert:
+        original(pool, *args, **kwargs)
+    if divert.diverted != 1 or not pool.qsa_compressed_flat.is_meta:
+        msg = (
+            f"index sharding expected QSATokenToKVPool.__init__ to allocate its compressed keys "
+            f"once as torch.zeros{shape!r}; it did {divert.diverted!r} times"
+        )
+        raise ConfigurationError(msg)
     sharding = current_switches().cache_sharding
     placement = index_placement(pool, sharding)
     page = placement.blocks_per_page
@@ -125,12 +186,15 @@ def after_qsa_pool_init(result: object, pool: Any, *args: object, **kwargs: obje
     local_blocks = placement.local_capacity(logical_pages) * page
     old = pool.qsa_compressed_flat
     layers, heads, dim = old.shape[0], int(pool.qsa_index_kv_heads), int(pool.qsa_index_head_dim)
-    flat = torch.zeros((layers, local_blocks * heads * dim), dtype=old.dtype, device=old.device)
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    with pool.full_kv_pool.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):  # as upstream's
+        flat = torch.zeros((layers, local_blocks * heads * dim), dtype=old.dtype, device=device)
     pool.qsa_compressed_flat = flat
     pool.qsa_compressed_k_buffer_pool = [
         flat[layer].view(local_blocks, heads, dim) for layer in range(layers)
     ]
-    del old
+    del old  # a meta tensor: no memory
     from sglang.srt.mem_cache.memory_pool import GB
 
     k_size, v_size = pool.get_kv_size_bytes()
