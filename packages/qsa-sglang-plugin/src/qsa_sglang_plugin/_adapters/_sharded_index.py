@@ -133,10 +133,19 @@ class _WholeIndexOnMeta(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is torch.zeros and args and tuple(args[0]) == self.shape:
+        if func is torch.zeros and _shape_of(args) == self.shape:
             self.diverted += 1
             kwargs = {**kwargs, "device": "meta"}
         return func(*args, **kwargs)
+
+
+def _shape_of(args: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """The shape a factory call's positional arguments give: ``(2, 3)`` or ``2, 3``."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = tuple(args[0])
+    if all(isinstance(n, int) for n in args):
+        return tuple(args)
+    return None  # a SymInt or another form: not the buffer this hook knows
 
 
 def _whole_index(
