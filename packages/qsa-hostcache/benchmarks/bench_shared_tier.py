@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from qsa_hostcache import MooncakeTier, StoreAddress
@@ -74,8 +75,8 @@ def run(sizes_mib: list[int], parts_mib: list[int], segment_mb: int) -> list[dic
                     for size in sizes_mib:
                         value = os.urandom(size << 20)
                         key = f"bench-{size}-{part}"
-                        put_s, put_wait, stored = _timed(lambda: tier.put(key, value))  # noqa: B023
-                        get_s, get_wait, read = _timed(lambda: tier.get(key))  # noqa: B023
+                        put_s, put_wait, stored = _timed(partial(tier.put, key, value))
+                        get_s, get_wait, read = _timed(partial(tier.get, key))
                         if not stored or read != value:
                             msg = f"{size} MiB in parts of {part} MiB did not read back whole"
                             raise SystemExit(msg)

@@ -35,6 +35,7 @@ from qsa_testing import (
     assert_same_generation,
     tiny_qwen4_exp,
 )
+from qsa_testing.demo import DEMO_ENGINE
 
 QWEN = tiny_qwen4_exp()
 #: The master's RPC port, chosen when the module is imported: the engines' switches name it.
@@ -46,22 +47,12 @@ SWITCHES = {
     "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "6",
     "SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE": f"mooncake://127.0.0.1:{MASTER_PORT}?segment_mb=0",
 }
-#: As the prefix-cache engine of ``test_engine_offload.py``: checkpoints where a 1,024-token
-#: prefill chunk ends.
-SERVER_ARGS = {
-    "radix_cache_backend": "qsa_hisparse",
-    "disable_overlap_schedule": True,
-    "enable_metrics": True,
-    "enable_cache_report": True,
-    "max_running_requests": 4,
-    "prefill_max_requests": 2,
-    "chunked_prefill_size": 1024,
-    "context_length": 8192,
-    "cuda_graph_backend_prefill": "disabled",
-}
+#: The demo's serving flags (the README's, scaled down): checkpoints where a 1,024-token prefill
+#: chunk ends.
+SERVER_ARGS = DEMO_ENGINE.server_args
 ENGINE_A = EngineConfig(QWEN, switches=SWITCHES, server_args=SERVER_ARGS)
 ENGINE_B = dataclasses.replace(ENGINE_A, replica=1)
-CHUNK = 1024
+CHUNK = int(SERVER_ARGS["chunked_prefill_size"])
 #: Its prompt is checkpointed at 1,024 and 2,048 tokens (the end, 3,000, is not a whole page):
 #: a hit covers 2,048.
 PROMPT = QWEN.prompt(3000, seed=410)

@@ -10,16 +10,13 @@ values and float32 scales and nothing of a table's size besides, on the device o
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from qsa_pytest.processes import hang_guard_s
+from qsa_pytest.processes import script_report
 
 SCENARIO = Path(__file__).with_name("ple_allocation_scenario.py")
 #: Bytes the constructor may create beside the table: its one-element scale and a row count.
@@ -30,18 +27,7 @@ SMALL = 64
 def report(tiny_model_dir: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_QSA_")}
     env.update(SGLANG_QSA_MODEL_COMPAT="1", SGLANG_PLUGINS="qsa_hisparse")
-    proc = subprocess.run(
-        [sys.executable, str(SCENARIO), str(tiny_model_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=hang_guard_s(),
-        check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"scenario failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
+    result: dict[str, Any] = script_report(SCENARIO, str(tiny_model_dir), env=env)
     return result
 
 

@@ -12,15 +12,12 @@ double-sparsity line say for the same flags (``pool_pricing_scenario.py``).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from qsa_pytest.processes import hang_guard_s
+from qsa_pytest.processes import script_report
 
 SCENARIO = Path(__file__).with_name("pool_pricing_scenario.py")
 
@@ -28,17 +25,7 @@ SCENARIO = Path(__file__).with_name("pool_pricing_scenario.py")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("pool-pricing")
-    done = subprocess.run(
-        [sys.executable, str(SCENARIO), str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=hang_guard_s(),
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.strip()]
-    if done.returncode != 0 or not lines:
-        pytest.fail(f"rc {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
+    result: dict[str, Any] = script_report(SCENARIO, str(directory))
     return result
 
 

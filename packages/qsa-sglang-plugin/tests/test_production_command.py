@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ import pytest
 import torch
 
 from qsa_kernels.int8_rows import quantize_int8_rows
-from qsa_pytest.processes import hang_guard_s
+from qsa_pytest.processes import script_report
 from qsa_sglang_plugin import launch
 from qsa_sglang_plugin._readiness import server_topology
 from qsa_testing import ple_table_shape, tiny_qwen4_exp, write_ple_checkpoint
@@ -83,25 +81,14 @@ def resolved(model_dir: Path) -> list[dict[str, Any]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_QSA_")}
     env.update(SWITCHES)
     flags = [*PRODUCTION_FLAGS, *DEVICE]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCENARIO),
-            str(model_dir),
-            json.dumps(flags),
-            json.dumps(RADIX_CACHE_BACKEND),
-            json.dumps(PLUGIN_FLAGS),
-        ],
+    result: list[dict[str, Any]] = script_report(
+        SCENARIO,
+        str(model_dir),
+        json.dumps(flags),
+        json.dumps(RADIX_CACHE_BACKEND),
+        json.dumps(PLUGIN_FLAGS),
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=hang_guard_s(),
-        check=False,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"scenario failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    result: list[dict[str, Any]] = json.loads(lines[-1])
     return result
 
 

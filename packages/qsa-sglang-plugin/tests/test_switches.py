@@ -17,6 +17,14 @@ from qsa_sglang_plugin._switches import (
 ON = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
 
 
+def _assert_refused(env: dict[str, str], fragments: list[str]) -> None:
+    """``parse_switches(env)`` raises ``SwitchError`` whose message holds every fragment."""
+    with pytest.raises(SwitchError) as info:
+        parse_switches(env)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
 def test_no_switch_means_no_feature() -> None:
     """Unset and empty values parse to an all-off Switches with no features."""
     for env in ({}, {"SGLANG_QSA_MODEL_COMPAT": "", "SGLANG_QSA_HISPARSE_V3": ""}):
@@ -158,10 +166,7 @@ def test_malformed_switch_names_variable_value_and_allowed(
     env: dict[str, str], fragments: list[str]
 ) -> None:
     """Each malformed or contradictory value raises SwitchError naming variable and allowed set."""
-    with pytest.raises(SwitchError) as info:
-        parse_switches(env)
-    for fragment in fragments:
-        assert fragment in str(info.value)
+    _assert_refused(env, fragments)
 
 
 @given(st.text(max_size=12))
@@ -315,10 +320,7 @@ def test_double_sparsity_switches_take_the_library_defaults() -> None:
 def test_a_malformed_double_sparsity_switch_is_named(
     env: dict[str, str], fragments: list[str]
 ) -> None:
-    with pytest.raises(SwitchError) as caught:
-        parse_switches(env)
-    for fragment in fragments:
-        assert fragment in str(caught.value)
+    _assert_refused(env, fragments)
 
 
 def test_ds_offload_turns_on_the_offload_feature_and_allows_verification() -> None:
@@ -359,10 +361,7 @@ def test_ds_offload_turns_on_the_offload_feature_and_allows_verification() -> No
     ],
 )
 def test_a_malformed_ds_offload_switch_is_named(env: dict[str, str], fragments: list[str]) -> None:
-    with pytest.raises(SwitchError) as caught:
-        parse_switches(env)
-    for fragment in fragments:
-        assert fragment in str(caught.value)
+    _assert_refused(env, fragments)
 
 
 def test_double_sparsity_and_the_qsa_switches_are_refused_together() -> None:
@@ -486,10 +485,7 @@ def test_a_shared_tier_store_parses_with_the_prefix_cache() -> None:
 def test_index_sharding_refuses_a_bad_combination_by_name(
     env: dict[str, str], fragments: list[str]
 ) -> None:
-    with pytest.raises(SwitchError) as info:
-        parse_switches(env)
-    for fragment in fragments:
-        assert fragment in str(info.value)
+    _assert_refused(env, fragments)
 
 
 @pytest.mark.parametrize(
@@ -514,7 +510,4 @@ def test_a_bad_shared_tier_store_is_refused_naming_the_value_and_the_form(
 ) -> None:
     environ = {**ON, **env}
     environ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE"] = environ.pop("STORE")
-    with pytest.raises(SwitchError) as info:
-        parse_switches(environ)
-    for fragment in fragments:
-        assert fragment in str(info.value)
+    _assert_refused(environ, fragments)

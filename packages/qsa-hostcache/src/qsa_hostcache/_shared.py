@@ -32,7 +32,7 @@ from qsa_hostcache._errors import CorruptObjectError
 from qsa_hostcache._keys import PrefixKey
 from qsa_hostcache._layout import SegmentSpec
 from qsa_hostcache._segments import segment_buffer
-from qsa_hostcache._tiers import ObjectTier
+from qsa_hostcache._tiers import ObjectTier, TierHealth
 
 __all__ = ("SharedCheckpoint", "SharedCheckpoints", "TierStats")
 
@@ -60,10 +60,10 @@ _COUNTER_HELP: Final = {
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class TierStats:
-    """A shared tier's counters (all monotonic; bytes are object bytes, tokens prompt tokens).
+class TierStats(TierHealth):
+    """A shared tier's counters: its store's (the :class:`TierHealth` fields) and its lookups'.
 
-    The fields from ``puts`` on are the store's (:class:`TierHealth`).
+    All are monotonic; bytes are object bytes, tokens prompt tokens.
 
     Attributes:
         tier: the tier's label (``"mooncake"``).
@@ -75,19 +75,13 @@ class TierStats:
         writes: checkpoints written to the tier.
     """
 
-    tier: str
+    tier: str = ""
     lookups: int = 0
     hits: int = 0
     hit_tokens: int = 0
     corrupt: int = 0
     mismatched: int = 0
     writes: int = 0
-    puts: int = 0
-    gets: int = 0
-    errors: int = 0
-    unavailable: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
 
     @property
     def misses(self) -> int:
@@ -209,7 +203,7 @@ class SharedCheckpoints:
         self.tier = tier
         self._scope = scope
         self._lock = threading.Lock()
-        self._stats = TierStats(tier.name)
+        self._stats = TierStats(tier=tier.name)
 
     @property
     def scope(self) -> str:

@@ -14,13 +14,16 @@ its threads' tracebacks to its output, which the failure message carries.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from pathlib import Path
+from typing import Any, Final
 
 __all__ = (
     "ENV_HANG_GUARD_S",
@@ -28,6 +31,7 @@ __all__ = (
     "Finished",
     "hang_guard_s",
     "run_together",
+    "script_report",
     "wait_until",
 )
 
@@ -152,3 +156,29 @@ def wait_until(what: str, condition: Callable[[], object], *, poll_s: float = 0.
             msg = f"{what}: still not true after the {guard:.0f} s hang guard"
             raise AssertionError(msg)
         time.sleep(poll_s)
+
+
+def script_report(script: Path, *args: str, env: Mapping[str, str] | None = None) -> Any:
+    """Run ``python SCRIPT ARGS`` (this interpreter); the JSON of the last line it printed.
+
+    Fails the calling test (``pytest.fail``) with the status and both streams' tails when the
+    script exits non-zero or prints nothing; a script still running after
+    :func:`hang_guard_s` seconds raises ``subprocess.TimeoutExpired``.
+    """
+    import pytest
+
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        env=None if env is None else dict(env),
+        capture_output=True,
+        text=True,
+        timeout=hang_guard_s(),
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0 or not lines:
+        pytest.fail(
+            f"{script.name} failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n"
+            f"{done.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1])
