@@ -26,7 +26,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from qsa_hostcache import MooncakeTier, StoreAddress
+from qsa_hostcache import MooncakeAddress, MooncakeTier
 from qsa_pytest.mooncake import MooncakeMaster
 
 #: How often the second thread wakes, in seconds.
@@ -66,7 +66,7 @@ def run(sizes_mib: list[int], parts_mib: list[int], segment_mb: int) -> list[dic
         try:
             for part in parts_mib:
                 tier = MooncakeTier(
-                    StoreAddress.parse(master.address()), part_mb=part, local_buffer_mb=4 * part
+                    MooncakeAddress.parse(master.address()), part_mb=part, local_buffer_mb=4 * part
                 )
                 if not tier.wait_connected(60.0):
                     msg = f"the store client did not join the master at {master.address()}"

@@ -1,35 +1,43 @@
-"""The shared tier over a real Mooncake Store: a ``mooncake_master`` process on a free localhost
-port and real store clients (TCP transport), never a stand-in.
+"""The shared tiers: Mooncake Store (a real ``mooncake_master`` process on a free localhost port
+and real store clients over TCP, never a stand-in) and the disk tier (a real directory).
 
-Checkpoints written by one client are read back bit for bit by another (another process
-included); keys match exactly, per namespace; a corrupt or truncated object is counted and never
-used; a master that goes away turns every call into a counted miss, never an exception.
+Every tier keeps the same contract (the ``tier`` fixture runs each test on both): checkpoints
+written by one client are read back bit for bit by another (another process included); keys
+match exactly, per namespace; a corrupt or truncated object is counted and never used. Then each
+tier's own failures: a master that goes away turns every call into a counted miss, never an
+exception; a full directory evicts its least recently used objects.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("mooncake.store", reason="the shared tier's tests need qsa-hostcache[mooncake]")
-
 from qsa_hostcache import (
     CacheConfigError,
     CacheNamespace,
+    DiskAddress,
+    DiskTier,
     HostPrefixCache,
+    MooncakeAddress,
     MooncakeTier,
+    ObjectTier,
     PrefixKey,
     PromptCheckpoints,
     SharedCheckpoints,
-    StoreAddress,
+    parse_store_address,
 )
 from qsa_hostcache._shared import encode, object_name
 from qsa_hostcache._tiers import part_name
@@ -41,22 +49,39 @@ PAGE = 4
 READY_LIMIT_S = hang_guard_s()
 
 
+#: Tests of Mooncake's own failures, which start masters of their own.
+needs_mooncake = pytest.mark.skipif(
+    importlib.util.find_spec("mooncake") is None,
+    reason="Mooncake's tests need qsa-hostcache[mooncake]",
+)
+
+
 def _tier(address: str) -> MooncakeTier:
-    tier = MooncakeTier(StoreAddress.parse(address), retry_after_s=60.0)
+    tier = MooncakeTier(MooncakeAddress.parse(address), retry_after_s=60.0)
     assert tier.wait_connected(READY_LIMIT_S), f"no store client joined {address} in time"
     return tier
 
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    pytest.importorskip("mooncake.store", reason="Mooncake's tests need qsa-hostcache[mooncake]")
     m = MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log")
     yield m
     m.kill()
 
 
+@pytest.fixture(scope="module", params=["mooncake", "disk"])
+def address(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Where each tier's store is: a Mooncake master, or a directory."""
+    if request.param == "disk":
+        return f"file://{tmp_path_factory.mktemp('disk-tier')}?max_mb=64"
+    master: MooncakeMaster = request.getfixturevalue("master")
+    return master.address()
+
+
 @pytest.fixture(scope="module")
-def tier(master: MooncakeMaster) -> Iterator[MooncakeTier]:
-    t = _tier(master.address())
+def tier(address: str) -> Iterator[ObjectTier]:
+    t = _tier(address) if address.startswith("mooncake") else DiskTier(DiskAddress.parse(address))
     yield t
     t.close()
 
@@ -89,7 +114,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 def test_a_checkpoint_reads_back_bit_exact_as_the_longest_prefix_of_a_longer_query(
-    tier: MooncakeTier,
+    tier: ObjectTier,
 ) -> None:
     shared = SharedCheckpoints(tier, scope="round-trip")
     tokens = _tokens(6 * PAGE + 1, seed=1)
@@ -109,7 +134,7 @@ def test_a_checkpoint_reads_back_bit_exact_as_the_longest_prefix_of_a_longer_que
     assert stats.errors == 0
 
 
-def test_another_salt_or_one_changed_token_shares_nothing(tier: MooncakeTier) -> None:
+def test_another_salt_or_one_changed_token_shares_nothing(tier: ObjectTier) -> None:
     shared = SharedCheckpoints(tier, scope="namespaces")
     tokens = _tokens(4 * PAGE, seed=3)
     shared.write(PrefixKey(_ns("a"), tokens, page_size=PAGE), _segments(4 * PAGE, seed=4))
@@ -125,7 +150,7 @@ def test_another_salt_or_one_changed_token_shares_nothing(tier: MooncakeTier) ->
 
 
 @pytest.mark.parametrize("damage", ["flipped_byte", "truncated"])
-def test_a_damaged_object_is_counted_and_never_used(tier: MooncakeTier, damage: str) -> None:
+def test_a_damaged_object_is_counted_and_never_used(tier: ObjectTier, damage: str) -> None:
     shared = SharedCheckpoints(tier, scope=f"damaged-{damage}")
     key = PrefixKey(_ns(), _tokens(2 * PAGE, seed=5), page_size=PAGE)
     good = encode(key, _segments(2 * PAGE, seed=6))
@@ -139,7 +164,7 @@ def test_a_damaged_object_is_counted_and_never_used(tier: MooncakeTier, damage: 
 
 
 def test_a_second_process_with_an_empty_arena_restores_what_the_first_published(
-    tier: MooncakeTier, master: MooncakeMaster, tmp_path: Path
+    tier: ObjectTier, address: str, tmp_path: Path
 ) -> None:
     # Process one: publish in its arena; the checkpoint is written through to the store.
     tokens = _tokens(3 * PAGE + 2, seed=7)
@@ -154,15 +179,17 @@ def test_a_second_process_with_an_empty_arena_restores_what_the_first_published(
     torch.save({"tokens": tokens, "segments": segments}, tmp_path / "expected.pt")
 
     # Process two: another client, its arena empty, finds it in the store and restores it.
-    reader = master.address(segment_mb=0)
+    reader = parse_store_address(address)
+    if isinstance(reader, MooncakeAddress):  # a client lending no memory: the objects are A's
+        reader = dataclasses.replace(reader, segment_mb=0)
     script = textwrap.dedent(
         f"""
         import json, sys, torch
-        from qsa_hostcache import (CacheNamespace, HostPrefixCache, MooncakeTier,
-            PromptCheckpoints, PrefixKey, SharedCheckpoints, StoreAddress)
+        from qsa_hostcache import (CacheNamespace, HostPrefixCache, PromptCheckpoints,
+            PrefixKey, SharedCheckpoints, open_tier, parse_store_address)
         want = torch.load({str(tmp_path / "expected.pt")!r})
-        tier = MooncakeTier(StoreAddress.parse({reader!r}))
-        assert tier.wait_connected({READY_LIMIT_S!r})
+        tier = open_tier(parse_store_address({str(reader)!r}))
+        assert getattr(tier, "wait_connected", lambda s: True)({READY_LIMIT_S!r})
         prompts = PromptCheckpoints(HostPrefixCache(1 << 20, page_size={PAGE}, block_bytes=4096),
             shared=SharedCheckpoints(tier))
         ns = CacheNamespace(model="org/m@r", dtype="bfloat16", tp_size=1, tp_rank=0,
@@ -187,11 +214,11 @@ def test_a_second_process_with_an_empty_arena_restores_what_the_first_published(
     )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result == {"found": 3 * PAGE, "tier": "mooncake", "same": True}
+    assert result == {"found": 3 * PAGE, "tier": tier.name, "same": True}
 
 
 def test_the_arena_answers_first_and_the_store_only_for_longer_prefixes(
-    tier: MooncakeTier,
+    tier: ObjectTier,
 ) -> None:
     shared = SharedCheckpoints(tier, scope="ram-first")
     prompts: PromptCheckpoints[None] = PromptCheckpoints(
@@ -207,11 +234,12 @@ def test_the_arena_answers_first_and_the_store_only_for_longer_prefixes(
     assert prompts.last_tier == "ram"
     assert shared.stats().lookups == 0  # the arena held all its whole pages
     assert prompts.lookup(key) == 4 * PAGE
-    assert prompts.last_tier == "mooncake"
+    assert prompts.last_tier == tier.name
     assert prompts.lookup(key) == 4 * PAGE  # copied into the arena by the lookup before
     assert prompts.last_tier == "ram"
 
 
+@needs_mooncake
 def test_a_master_gone_mid_run_turns_every_call_into_a_counted_miss(tmp_path: Path) -> None:
     own = MooncakeMaster(tmp_path / "master.log")
     try:
@@ -233,29 +261,42 @@ def test_a_master_gone_mid_run_turns_every_call_into_a_counted_miss(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    "text",
+    ("text", "form"),
     [
-        "redis://127.0.0.1:1",
-        "mooncake://127.0.0.1",
-        "mooncake://:50051",
-        "mooncake://h:50051/path",
-        "mooncake://h:50051?segment_mb=-1",
-        "mooncake://h:50051?segments=4",
-        "127.0.0.1:50051",
+        ("redis://127.0.0.1:1", "mooncake://HOST:PORT"),
+        ("127.0.0.1:50051", "mooncake://HOST:PORT"),
+        ("mooncake://127.0.0.1", "mooncake://HOST:PORT"),
+        ("mooncake://:50051", "mooncake://HOST:PORT"),
+        ("mooncake://h:50051/path", "mooncake://HOST:PORT"),
+        ("mooncake://h:50051?segment_mb=-1", "mooncake://HOST:PORT"),
+        ("mooncake://h:50051?segments=4", "mooncake://HOST:PORT"),
+        ("file://relative/dir", "file:///ABSOLUTE/DIR"),
+        ("file:///tmp/t?max_mb=0", "file:///ABSOLUTE/DIR"),
+        ("file:///tmp/t?max_gb=4", "file:///ABSOLUTE/DIR"),
     ],
 )
-def test_a_bad_store_address_is_refused_naming_the_value_and_the_form(text: str) -> None:
-    with pytest.raises(CacheConfigError, match=r"mooncake://HOST:PORT") as info:
-        StoreAddress.parse(text)
+def test_a_bad_store_address_is_refused_naming_the_value_and_the_form(text: str, form: str) -> None:
+    with pytest.raises(CacheConfigError, match=re.escape(form)) as info:
+        parse_store_address(text)
     assert repr(text) in str(info.value)
 
 
+def test_a_store_address_reads_back_as_the_address_it_prints(tmp_path: Path) -> None:
+    for address in (
+        MooncakeAddress("h", 50051, 0),
+        DiskAddress(tmp_path / "with space", 4096),
+    ):
+        assert parse_store_address(str(address)) == address
+    assert parse_store_address("file:///var/qsa") == DiskAddress(Path("/var/qsa"))
+
+
+@needs_mooncake
 def test_a_tier_started_before_its_master_misses_then_joins_once_the_master_answers(
     tmp_path: Path,
 ) -> None:
     port = free_port()
     tier = MooncakeTier(
-        StoreAddress.parse(f"mooncake://127.0.0.1:{port}?segment_mb=64"), retry_after_s=0.2
+        MooncakeAddress.parse(f"mooncake://127.0.0.1:{port}?segment_mb=64"), retry_after_s=0.2
     )
     shared = SharedCheckpoints(tier, scope="late-master")
     key = PrefixKey(_ns(), _tokens(2 * PAGE, seed=15), page_size=PAGE)
@@ -296,7 +337,7 @@ def test_an_object_missing_a_part_is_a_counted_miss_and_the_tier_answers_on(
     master: MooncakeMaster,
 ) -> None:
     tier = MooncakeTier(
-        StoreAddress.parse(master.address(segment_mb=32)),
+        MooncakeAddress.parse(master.address(segment_mb=32)),
         retry_after_s=60.0,
         local_buffer_mb=4,
         part_mb=1,
@@ -325,5 +366,58 @@ def test_a_part_that_two_do_not_fit_the_buffer_is_refused_naming_both(
         CacheConfigError, match=rf"part_mb {part_mb} with local_buffer_mb {buffer_mb}"
     ):
         MooncakeTier(
-            StoreAddress.parse("mooncake://127.0.0.1:1"), local_buffer_mb=buffer_mb, part_mb=part_mb
+            MooncakeAddress.parse("mooncake://127.0.0.1:1"),
+            local_buffer_mb=buffer_mb,
+            part_mb=part_mb,
         )
+
+
+# ---- the disk tier's own ----------------------------------------------------------------------
+
+
+def test_a_full_directory_evicts_its_least_recently_read_objects_first(tmp_path: Path) -> None:
+    tier = DiskTier(DiskAddress(tmp_path, max_mb=1))
+    size = 300 << 10  # four fit in 1 MiB, the fourth goes over 90% of it
+    values = {name: os.urandom(size) for name in ("a", "b", "c")}
+    for name, value in values.items():
+        assert tier.put(name, value)
+        time.sleep(0.01)  # distinct modification times, on any file system's clock
+    assert tier.get("a") == values["a"]  # read: now the most recently used
+
+    assert tier.put("d", os.urandom(size))
+
+    assert tier.contains(["a", "b", "c", "d"]) == [True, False, True, True]
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("*/*.qsa"))
+    assert on_disk <= (1 << 20) * 9 // 10
+
+
+def test_a_key_is_written_once_and_a_restarted_tier_reads_it_back(tmp_path: Path) -> None:
+    first = DiskTier(DiskAddress(tmp_path))
+    assert first.put("k", b"one")
+    assert not first.put("k", b"two")  # the object under a key never changes
+
+    again = DiskTier(DiskAddress(tmp_path))  # a restarted process over the same directory
+
+    assert again.get("k") == b"one"
+    assert again.contains(["k", "absent"]) == [True, False]
+    assert list(tmp_path.glob("*/.*")) == []  # no temporary file left behind
+
+
+def test_a_directory_that_cannot_be_written_is_refused_naming_it(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(CacheConfigError, match=r"a-file/tier'? is not usable"):
+        DiskTier(DiskAddress(blocker / "tier"))
+
+
+def test_a_failing_disk_is_a_counted_miss_never_an_exception(tmp_path: Path) -> None:
+    tier = DiskTier(DiskAddress(tmp_path), retry_after_s=60.0)
+    assert tier.put("k", b"v")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    tier._root = blocked  # every path below it now fails with NotADirectoryError
+
+    assert not tier.put("other", b"v")
+    assert tier.get("k") is None  # answered at once: the tier is down for its retry period
+    health = tier.health()
+    assert (health.errors, health.unavailable, health.puts) == (1, 1, 1)

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from qsa_hostcache import MooncakeTier, StoreAddress
+from qsa_hostcache import MooncakeAddress, MooncakeTier
 from qsa_pytest.mooncake import MooncakeMaster, free_port
 from qsa_pytest.processes import hang_guard_s, wait_until
 from qsa_testing import (
@@ -73,7 +73,7 @@ class Store:
         self._starts += 1
         log = self._directory / f"master-{self._starts}.log"
         master = MooncakeMaster(log, port=MASTER_PORT)
-        holder = MooncakeTier(StoreAddress.parse(master.address(segment_mb=256)))
+        holder = MooncakeTier(MooncakeAddress.parse(master.address(segment_mb=256)))
         assert holder.wait_connected(hang_guard_s()), f"the holder did not join; see {log}"
         return master, holder
 

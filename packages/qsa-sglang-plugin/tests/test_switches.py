@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -445,9 +447,10 @@ def test_index_sharding_rides_on_resident_cache_sharding() -> None:
     assert Feature.INDEX_SHARDING not in off.features
 
 
-def test_a_shared_tier_store_parses_with_the_prefix_cache() -> None:
-    """SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE names the master; segment_mb defaults to 1024."""
-    from qsa_hostcache import StoreAddress
+def test_a_shared_tier_store_parses_with_the_prefix_cache(tmp_path: Path) -> None:
+    """SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE names the master (segment_mb defaults to 1024) or
+    a directory, made at parse time so an unusable one is refused before the engine starts."""
+    from qsa_hostcache import DiskAddress, MooncakeAddress
 
     with_cache = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"}
     plain = parse_switches(
@@ -456,9 +459,21 @@ def test_a_shared_tier_store_parses_with_the_prefix_cache() -> None:
     sized = parse_switches(
         {**with_cache, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE": "mooncake://h:7?segment_mb=0"}
     )
-    assert plain.prefix_cache_store == StoreAddress("mooncake", "h", 7, 1024)
-    assert sized.prefix_cache_store == StoreAddress("mooncake", "h", 7, 0)
+    assert plain.prefix_cache_store == MooncakeAddress("h", 7, 1024)
+    assert sized.prefix_cache_store == MooncakeAddress("h", 7, 0)
     assert parse_switches(with_cache).prefix_cache_store is None
+    directory = tmp_path / "tier"
+    disk = parse_switches(
+        {**with_cache, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE": f"file://{directory}"}
+    )
+    assert disk.prefix_cache_store == DiskAddress(directory)
+    assert directory.is_dir()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SwitchError, match=r"a-file/tier.*is not usable"):
+        parse_switches(
+            {**with_cache, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE": f"file://{blocker}/tier"}
+        )
 
 
 @pytest.mark.parametrize(

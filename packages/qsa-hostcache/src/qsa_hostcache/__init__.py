@@ -54,7 +54,17 @@ from qsa_hostcache._segments import (
 )
 from qsa_hostcache._shared import SharedCheckpoint, SharedCheckpoints, TierStats
 from qsa_hostcache._stats import CacheStats
-from qsa_hostcache._tiers import MooncakeTier, ObjectTier, StoreAddress, TierHealth
+from qsa_hostcache._tiers import (
+    DiskAddress,
+    DiskTier,
+    MooncakeAddress,
+    MooncakeTier,
+    ObjectTier,
+    StoreAddress,
+    TierHealth,
+    open_tier,
+    parse_store_address,
+)
 from qsa_hostcache._version import __version__
 
 __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
@@ -105,7 +115,12 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # a shared tier below the arena
     "ObjectTier",
     "MooncakeTier",
+    "MooncakeAddress",
+    "DiskTier",
+    "DiskAddress",
     "StoreAddress",
+    "open_tier",
+    "parse_store_address",
     "TierHealth",
     "SharedCheckpoints",
     "SharedCheckpoint",

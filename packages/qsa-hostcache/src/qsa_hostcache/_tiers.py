@@ -1,9 +1,12 @@
 """A shared tier below the host arena: whole objects by key in a store other processes read too.
 
 :class:`ObjectTier` is all a tier does (put, get and ask for whole objects by key); the
-checkpoints' format, digests and keys are :mod:`qsa_hostcache._shared`'s. :class:`MooncakeTier`
-is one over Mooncake Store (``mooncake.store.MooncakeDistributedStore``, the optional extra
-``qsa-hostcache[mooncake]``).
+checkpoints' format, digests and keys are :mod:`qsa_hostcache._shared`'s. Two tiers:
+:class:`MooncakeTier` over Mooncake Store (``mooncake.store.MooncakeDistributedStore``, the
+optional extra ``qsa-hostcache[mooncake]``), shared by the hosts that join it, and
+:class:`DiskTier` over a local directory, shared by the processes of one host and kept across
+their restarts. :func:`parse_store_address` reads an operator's address of either;
+:func:`open_tier` opens the tier it names.
 
 A tier never fails its caller: a store that is down, slow to answer or answering errors gives
 misses. The first error of an incident is logged (a warning) and the tier then answers misses
@@ -14,8 +17,10 @@ too. Every error and every call answered while down is counted (:class:`TierHeal
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
+import pathlib
 import socket
 import struct
 import threading
@@ -26,14 +31,25 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 from qsa_hostcache._errors import CacheConfigError
 
-__all__ = ("MooncakeTier", "ObjectTier", "StoreAddress", "TierHealth")
+__all__ = (
+    "DiskAddress",
+    "DiskTier",
+    "MooncakeAddress",
+    "MooncakeTier",
+    "ObjectTier",
+    "StoreAddress",
+    "TierHealth",
+    "open_tier",
+    "parse_store_address",
+)
 
 logger = logging.getLogger(__name__)
 
-STORE_SCHEMES: Final = ("mooncake",)
-"""The schemes :meth:`StoreAddress.parse` accepts."""
-
-_ADDRESS_FORM: Final = "mooncake://HOST:PORT[?segment_mb=N] (PORT: the mooncake_master RPC port)"
+_MOONCAKE_FORM: Final = "mooncake://HOST:PORT[?segment_mb=N] (PORT: the mooncake_master RPC port)"
+_DISK_FORM: Final = "file:///ABSOLUTE/DIR[?max_mb=N] (N: the directory's byte budget in MiB)"
+_ADDRESS_FORMS: Final = f"{_MOONCAKE_FORM} or {_DISK_FORM}"
+#: The disk tier's byte budget when the address names none.
+DEFAULT_DISK_MB: Final = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,53 +108,36 @@ class ObjectTier(Protocol):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StoreAddress:
-    """Where a shared tier's store is: ``mooncake://HOST:PORT[?segment_mb=N]``.
+class MooncakeAddress:
+    """Where a Mooncake Store is: ``mooncake://HOST:PORT[?segment_mb=N]``.
 
     Attributes:
-        scheme: the store's kind (``"mooncake"``).
         host: the Mooncake master's host.
         port: its RPC port (``mooncake_master --rpc_port``).
         segment_mb: MiB of this process's memory lent to the store for objects (0: lend none;
             objects then live in the segments of other clients).
     """
 
-    scheme: str
     host: str
     port: int
     segment_mb: int = 1024
 
+    @property
+    def scheme(self) -> str:
+        return "mooncake"
+
     @classmethod
-    def parse(cls, text: str) -> StoreAddress:
+    def parse(cls, text: str) -> MooncakeAddress:
         """The address ``text`` names.
 
         Raises:
             CacheConfigError: ``text`` is not of the form above; the message names the value and
                 the form.
         """
-        try:
-            url = urllib.parse.urlsplit(text)
-            port = url.port
-            query = urllib.parse.parse_qs(url.query, strict_parsing=bool(url.query))
-        except ValueError:
-            url, port, query = None, None, {}
-        unknown = set(query) - {"segment_mb"}
-        if (
-            url is None
-            or url.scheme not in STORE_SCHEMES
-            or not url.hostname
-            or port is None
-            or url.path not in ("", "/")
-            or unknown
-        ):
-            raise CacheConfigError(f"store address {text!r} is not allowed; use {_ADDRESS_FORM}")
-        segment = query.get("segment_mb", ["1024"])[-1]
-        if not segment.isdigit():
-            raise CacheConfigError(
-                f"store address {text!r}: segment_mb={segment!r} must be an int >= 0; use "
-                f"{_ADDRESS_FORM}"
-            )
-        return cls(url.scheme, url.hostname, port, int(segment))
+        url, query = _split(text, "mooncake", {"segment_mb"}, _MOONCAKE_FORM)
+        if not url.hostname or url.port is None or url.path not in ("", "/"):
+            raise CacheConfigError(f"store address {text!r} is not allowed; use {_MOONCAKE_FORM}")
+        return cls(url.hostname, url.port, _size(text, query, "segment_mb", 1024, 0))
 
     def local_hostname(self) -> str:
         """This host's address as the store's other clients reach it.
@@ -159,7 +158,178 @@ class StoreAddress:
         return f"{self.host}:{self.port}"
 
     def __str__(self) -> str:
-        return f"{self.scheme}://{self.master}?segment_mb={self.segment_mb}"
+        return f"mooncake://{self.master}?segment_mb={self.segment_mb}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DiskAddress:
+    """Where a disk tier is: ``file:///ABSOLUTE/DIR[?max_mb=N]``.
+
+    Attributes:
+        path: the directory (absolute; made if absent).
+        max_mb: MiB the tier's objects may take in it (:data:`DEFAULT_DISK_MB` if not named).
+    """
+
+    path: pathlib.Path
+    max_mb: int = DEFAULT_DISK_MB
+
+    @property
+    def scheme(self) -> str:
+        return "file"
+
+    @classmethod
+    def parse(cls, text: str) -> DiskAddress:
+        """The address ``text`` names.
+
+        Raises:
+            CacheConfigError: ``text`` is not of the form above (a host, or a relative path);
+                the message names the value and the form.
+        """
+        url, query = _split(text, "file", {"max_mb"}, _DISK_FORM)
+        if url.netloc or not url.path.startswith("/"):
+            raise CacheConfigError(f"store address {text!r} is not allowed; use {_DISK_FORM}")
+        path = pathlib.Path(urllib.parse.unquote(url.path))
+        return cls(path, _size(text, query, "max_mb", DEFAULT_DISK_MB, 1))
+
+    def __str__(self) -> str:
+        return f"file://{self.path}?max_mb={self.max_mb}"
+
+    def check_usable(self) -> None:
+        """Make the directory if absent and write a file in it, as the tier will.
+
+        Raises:
+            CacheConfigError: it cannot be made or written; the message names it and the error.
+        """
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".probe-{os.getpid()}-{threading.get_ident()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            msg = f"disk tier directory {str(self.path)!r} is not usable: {exc}"
+            raise CacheConfigError(msg) from exc
+
+
+#: Any shared tier's address.
+StoreAddress = MooncakeAddress | DiskAddress
+
+
+def parse_store_address(text: str) -> StoreAddress:
+    """The address ``text`` names, of either tier.
+
+    ``mooncake://HOST:PORT[?segment_mb=N]`` (:meth:`MooncakeAddress.parse`) or
+    ``file:///ABSOLUTE/DIR[?max_mb=N]`` (:meth:`DiskAddress.parse`).
+
+    Raises:
+        CacheConfigError: ``text`` is neither; the message names the value and the forms.
+    """
+    scheme = text.partition("://")[0]
+    if scheme == "mooncake":
+        return MooncakeAddress.parse(text)
+    if scheme == "file":
+        return DiskAddress.parse(text)
+    raise CacheConfigError(f"store address {text!r} is not allowed; use {_ADDRESS_FORMS}")
+
+
+def _split(text: str, scheme: str, names: set[str], form: str) -> tuple[Any, dict[str, list[str]]]:
+    """``text`` split as a URL of ``scheme`` whose query names only ``names``.
+
+    Raises:
+        CacheConfigError: it is not; the message names the value and ``form``.
+    """
+    try:
+        url = urllib.parse.urlsplit(text)
+        url.port  # noqa: B018 (raises for a port that is not a number)
+        query = urllib.parse.parse_qs(url.query, strict_parsing=bool(url.query))
+    except ValueError:
+        url, query = None, {}
+    if url is None or url.scheme != scheme or set(query) - names:
+        raise CacheConfigError(f"store address {text!r} is not allowed; use {form}")
+    return url, query
+
+
+def _size(text: str, query: dict[str, list[str]], name: str, default: int, least: int) -> int:
+    """The int ``name`` of an address's query (``default`` if absent), at least ``least``.
+
+    Raises:
+        CacheConfigError: it is not such an int; the message names the value and the forms.
+    """
+    value = query.get(name, [str(default)])[-1]
+    if not value.isdigit() or int(value) < least:
+        raise CacheConfigError(
+            f"store address {text!r}: {name}={value!r} must be an int >= {least}; use "
+            f"{_ADDRESS_FORMS}"
+        )
+    return int(value)
+
+
+def open_tier(address: StoreAddress) -> ObjectTier:
+    """The tier ``address`` names, with its defaults.
+
+    Raises:
+        ImportError: a Mooncake address where Mooncake is not installed.
+    """
+    if isinstance(address, DiskAddress):
+        return DiskTier(address)
+    return MooncakeTier(address)
+
+
+class _Health:
+    """A tier's counters and incidents, thread-safe.
+
+    The first failure of an incident is logged (a warning), the tier then answers misses at once
+    for ``retry_after_s`` seconds, and its recovery is logged too.
+    """
+
+    def __init__(self, where: object, retry_after_s: float) -> None:
+        self._where = where
+        self._retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._health = TierHealth()
+        self._down_until = 0.0
+        self._incident = False
+
+    def snapshot(self) -> TierHealth:
+        with self._lock:
+            return self._health
+
+    def up(self) -> bool:
+        """False (counted ``unavailable``) while an incident's retry period runs."""
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                self._add(unavailable=1)
+                return False
+        return True
+
+    def failed(self, what: str) -> bool:
+        """Count a failed call and start a retry period; False (the call's miss)."""
+        with self._lock:
+            self._add(errors=1)
+            self._down_until = time.monotonic() + self._retry_after_s
+            first = not self._incident
+            self._incident = True
+        if first:
+            logger.warning(
+                "shared tier %s failed (%s); it answers misses for %.1f s at a time until it "
+                "recovers",
+                self._where,
+                what,
+                self._retry_after_s,
+            )
+        return False
+
+    def count(self, **more: int) -> None:
+        with self._lock:
+            self._add(**more)
+            if (more.get("gets") or more.get("puts")) and self._incident:
+                logger.info("shared tier %s answers again", self._where)
+                self._incident = False
+
+    def _add(self, **more: int) -> None:
+        h = self._health
+        self._health = dataclasses.replace(
+            h, **{name: getattr(h, name) + n for name, n in more.items()}
+        )
 
 
 #: The head of an object stored in parts: a tag, the number of parts and the object's bytes.
@@ -196,9 +366,9 @@ class MooncakeTier:
     here unless already set).
 
     Args:
-        address: the master's address (:meth:`StoreAddress.parse`).
+        address: the master's address (:func:`parse_store_address`).
         local_hostname: this client's address as the store's other clients reach it (default
-            :meth:`StoreAddress.local_hostname`).
+            :meth:`MooncakeAddress.local_hostname`).
         retry_after_s: seconds a failed store call keeps the tier answering misses at once.
         local_buffer_mb: MiB of the client's transfer buffer (at least two parts: one thread
             puts while another gets).
@@ -211,7 +381,7 @@ class MooncakeTier:
 
     def __init__(
         self,
-        address: StoreAddress,
+        address: MooncakeAddress,
         *,
         local_hostname: str | None = None,
         retry_after_s: float = 10.0,
@@ -231,10 +401,7 @@ class MooncakeTier:
         self.address = address
         self._store: Any = MooncakeDistributedStore()
         self._retry_after_s = retry_after_s
-        self._lock = threading.Lock()
-        self._health = TierHealth()
-        self._down_until = 0.0
-        self._incident = False
+        self._health = _Health(address, retry_after_s)
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._setup_args = (
@@ -341,8 +508,7 @@ class MooncakeTier:
         return [f == 1 for f in found]
 
     def health(self) -> TierHealth:
-        with self._lock:
-            return self._health
+        return self._health.snapshot()
 
     def close(self) -> None:
         self._closed.set()
@@ -400,38 +566,129 @@ class MooncakeTier:
         if not self._connected.is_set() or self._closed.is_set():
             self._count(unavailable=1)
             return False
-        now = time.monotonic()
-        with self._lock:
-            if now < self._down_until:
-                self._health = dataclasses.replace(
-                    self._health, unavailable=self._health.unavailable + 1
-                )
-                return False
-        return True
+        return self._health.up()
 
     def _failed(self, what: str) -> bool:
-        with self._lock:
-            self._health = dataclasses.replace(self._health, errors=self._health.errors + 1)
-            self._down_until = time.monotonic() + self._retry_after_s
-            first = not self._incident
-            self._incident = True
-        if first:
-            logger.warning(
-                "shared tier %s failed (%s); it answers misses for %.1f s at a time until it "
-                "recovers",
-                self.address,
-                what,
-                self._retry_after_s,
-            )
-        return False
+        return self._health.failed(what)
 
     def _count(self, **more: int) -> None:
+        self._health.count(**more)
+
+
+class DiskTier:
+    """An :class:`ObjectTier` over a local directory: one file per object, kept across restarts.
+
+    The processes of one host (replicas, or one replica restarted) share what any of them wrote.
+    An object's file is named by the SHA-256 of its key (two levels of directories); it is
+    written to a temporary file in the same directory and linked into place, so a reader sees a
+    whole file or none, and a key that holds a file is never written again. A read marks its
+    file used (its modification time); when the files would take more than ``max_mb`` MiB the
+    least recently used go until they take at most 90% of it. Reading a file another process
+    is deleting is safe (POSIX keeps an open file's bytes). A file damaged on disk is the
+    checkpoint format's to detect (its digest), as in any tier.
+
+    Args:
+        address: the directory and its byte budget (:func:`parse_store_address`).
+        retry_after_s: seconds a failed file call (a full or read-only disk) keeps the tier
+            answering misses at once.
+
+    Raises:
+        CacheConfigError: the directory cannot be made or written
+            (:meth:`DiskAddress.check_usable`).
+    """
+
+    _SUFFIX: Final = ".qsa"
+
+    def __init__(self, address: DiskAddress, *, retry_after_s: float = 10.0) -> None:
+        self.address = address
+        self._root = address.path
+        self._budget = address.max_mb << 20
+        self._health = _Health(address, retry_after_s)
+        self._lock = threading.Lock()
+        address.check_usable()
+        self._bytes = sum(size for _, _, size in self._files())
+
+    @property
+    def name(self) -> str:
+        return "disk"
+
+    def put(self, key: str, value: bytes) -> bool:
+        if not self._health.up():
+            return False
+        path = self._path(key)
+        if path.exists():
+            return False
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_bytes(value)
+            try:
+                os.link(temporary, path)  # never replaces: another writer's object stays
+            except FileExistsError:
+                return False
+            finally:
+                temporary.unlink(missing_ok=True)
+        except OSError as exc:
+            return self._health.failed(f"write {str(path)!r}: {exc}")
+        self._health.count(puts=1, bytes_written=len(value))
         with self._lock:
-            h = self._health
-            self._health = dataclasses.replace(
-                h, **{name: getattr(h, name) + n for name, n in more.items()}
-            )
-            if more.get("gets") or more.get("puts"):
-                if self._incident:
-                    logger.info("shared tier %s answers again", self.address)
-                self._incident = False
+            self._bytes += len(value)
+            over = self._bytes > self._budget
+        if over:
+            self._evict()
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        if not self._health.up():
+            return None
+        path = self._path(key)
+        try:
+            value = path.read_bytes()
+            os.utime(path)  # used now: the last to go
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._health.failed(f"read {str(path)!r}: {exc}")
+            return None
+        self._health.count(gets=1, bytes_read=len(value))
+        return value
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return [self._path(key).is_file() for key in keys]
+
+    def health(self) -> TierHealth:
+        return self._health.snapshot()
+
+    def close(self) -> None:
+        """Nothing to let go: the files stay for the next process."""
+
+    def _path(self, key: str) -> pathlib.Path:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return self._root / digest[:2] / f"{digest}{self._SUFFIX}"
+
+    def _files(self) -> list[tuple[float, pathlib.Path, int]]:
+        """``(last used, path, bytes)`` of every object file, as the directory holds them now."""
+        found = []
+        for path in self._root.glob(f"*/*{self._SUFFIX}"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # another process evicted it
+                continue
+            found.append((stat.st_mtime, path, stat.st_size))
+        return found
+
+    def _evict(self) -> None:
+        """Remove the least recently used files until they take at most 90% of the budget.
+
+        The directory is listed again: other processes write and evict in it too.
+        """
+        with self._lock:
+            files = sorted(self._files(), key=lambda f: f[0])
+            total = sum(size for _, _, size in files)
+            target = self._budget * 9 // 10
+            for _, path, size in files:
+                if total <= target:
+                    break
+                path.unlink(missing_ok=True)
+                total -= size
+            self._bytes = total

@@ -394,10 +394,12 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
     raw_store = environ.get(ENV_PREFIX_CACHE_STORE, "")
     store = None
     if raw_store:
-        from qsa_hostcache import CacheConfigError, StoreAddress
+        from qsa_hostcache import CacheConfigError, DiskAddress, parse_store_address
 
         try:
-            store = StoreAddress.parse(raw_store)
+            store = parse_store_address(raw_store)
+            if isinstance(store, DiskAddress):
+                store.check_usable()
         except CacheConfigError as exc:
             msg = f"{ENV_PREFIX_CACHE_STORE}={raw_store!r} is not allowed: {exc}"
             raise SwitchError(msg) from None

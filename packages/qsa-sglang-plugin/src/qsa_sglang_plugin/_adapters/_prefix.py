@@ -340,11 +340,11 @@ def build_prefix_cache(
 
 
 def _shared_tier(store: StoreAddress) -> SharedCheckpoints:
-    """The shared tier over ``store`` (the client joins the store on a thread of its own)."""
-    from qsa_hostcache import MooncakeTier
+    """The shared tier at ``store`` (a Mooncake client joins its store on a thread of its own)."""
+    from qsa_hostcache import open_tier
 
     try:
-        tier = MooncakeTier(store)
+        tier = open_tier(store)
     except ImportError as exc:
         msg = (
             f"{ENV_PREFIX_CACHE_STORE}={str(store)!r} needs Mooncake Store: install "
