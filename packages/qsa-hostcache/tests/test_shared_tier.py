@@ -243,19 +243,30 @@ def test_the_arena_answers_first_and_the_store_only_for_longer_prefixes(
 def test_a_master_gone_mid_run_turns_every_call_into_a_counted_miss(tmp_path: Path) -> None:
     own = MooncakeMaster(tmp_path / "master.log")
     try:
-        tier = _tier(own.address())
-        shared = SharedCheckpoints(tier, scope="killed")
+        watched = _tier(own.address())
+        # A tier that never looks at the master's port again: its calls reach the dead store.
+        unwatched = MooncakeTier(MooncakeAddress.parse(own.address()), watch_s=3600.0)
+        assert unwatched.wait_connected(READY_LIMIT_S)
         key = PrefixKey(_ns(), _tokens(2 * PAGE, seed=12), page_size=PAGE)
-        assert shared.write(key, _segments(2 * PAGE, seed=13))
+        assert SharedCheckpoints(watched, scope="killed").write(key, _segments(2 * PAGE, seed=13))
         own.kill()
 
-        assert shared.lookup(key) is None  # the store's error: a miss, no exception
+        # The watched tier sees the port close and answers misses without calling the store.
+        wait_until("the tier to see its master gone", lambda: not watched.master_answers)
+        shared = SharedCheckpoints(watched, scope="killed")
+        assert shared.lookup(key) is None
         assert not shared.write(key.prefix(1), _segments(PAGE, seed=14))
-        assert shared.lookup(key) is None  # answered at once while the tier is marked down
-        health = shared.stats()
-        assert health.errors >= 1
-        assert health.unavailable >= 1
-        tier.close()
+        assert (shared.stats().errors, shared.stats().unavailable) == (0, 2)
+
+        # The unwatched one calls the store: its error is a miss, no exception, and the tier
+        # then answers at once for its retry period.
+        blind = SharedCheckpoints(unwatched, scope="killed")
+        assert blind.lookup(key) is None
+        assert blind.lookup(key) is None
+        assert blind.stats().errors >= 1
+        assert blind.stats().unavailable >= 1
+        watched.close()
+        unwatched.close()
     finally:
         own.kill()
 

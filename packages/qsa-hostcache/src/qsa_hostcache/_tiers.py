@@ -360,8 +360,11 @@ class MooncakeTier:
     The client joins the store on a thread of its own, once the master's port accepts a
     connection (Mooncake's ``setup`` would otherwise retry for about a minute and a half,
     holding the GIL); until it has joined, every call is a miss counted as ``unavailable``.
-    A store call is made on the caller's thread and holds the GIL while it runs: a master that
-    dies makes the first failing call of each retry period block (about 4 s measured). Set
+    A store call is made on the caller's thread and holds the GIL while it runs, and a call to a
+    master that died blocks (about 4 s measured). So, once joined, the same thread asks the
+    master's port every ``watch_s`` seconds (a TCP connect, which lets other threads run): while
+    it does not answer, every call is a miss at once, counted as ``unavailable``, and only a call
+    made in the ``watch_s`` after the master died can block. Set
     ``MC_FORCE_TCP=true`` where the host has RDMA devices the store must not use (it is set
     here unless already set).
 
@@ -370,6 +373,7 @@ class MooncakeTier:
         local_hostname: this client's address as the store's other clients reach it (default
             :meth:`MooncakeAddress.local_hostname`).
         retry_after_s: seconds a failed store call keeps the tier answering misses at once.
+        watch_s: seconds between two looks at the master's port once joined.
         local_buffer_mb: MiB of the client's transfer buffer (at least two parts: one thread
             puts while another gets).
         part_mb: MiB of an object's part.
@@ -385,6 +389,7 @@ class MooncakeTier:
         *,
         local_hostname: str | None = None,
         retry_after_s: float = 10.0,
+        watch_s: float = 1.0,
         local_buffer_mb: int = 64,
         part_mb: int = 8,
     ) -> None:
@@ -401,8 +406,10 @@ class MooncakeTier:
         self.address = address
         self._store: Any = MooncakeDistributedStore()
         self._retry_after_s = retry_after_s
+        self._watch_s = watch_s
         self._health = _Health(address, retry_after_s)
         self._connected = threading.Event()
+        self._answering = threading.Event()
         self._closed = threading.Event()
         self._setup_args = (
             local_hostname or address.local_hostname(),
@@ -427,6 +434,11 @@ class MooncakeTier:
     def wait_connected(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` seconds for the client to join; True if it did."""
         return self._connected.wait(timeout_s)
+
+    @property
+    def master_answers(self) -> bool:
+        """True once joined while the master's port answered at the last look."""
+        return self._answering.is_set()
 
     def put(self, key: str, value: bytes) -> bool:
         if not self._ready():
@@ -518,10 +530,11 @@ class MooncakeTier:
     # ---- internals ---------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        """Join the store once its master answers; until then, look again every retry period.
+        """Join the store once its master answers, then watch its port (:meth:`_watch`).
 
-        Mooncake's ``setup`` holds the GIL while it retries a master that does not answer
-        (about 90 s): it is called only after the master's port accepted a connection.
+        Until the master answers, it is asked again every retry period. Mooncake's ``setup``
+        holds the GIL while it retries a master that does not answer (about 90 s): it is called
+        only after the master's port accepted a connection.
         """
         warned = False
         while not self._closed.is_set():
@@ -534,8 +547,10 @@ class MooncakeTier:
                     if self._closed.is_set():
                         self._store.close()
                         return
+                    self._answering.set()
                     self._connected.set()
                     logger.info("shared tier: joined Mooncake Store at %s", self.address)
+                    self._watch()
                     return
                 self._count(errors=1)
                 logger.warning(
@@ -555,6 +570,23 @@ class MooncakeTier:
                 )
             self._closed.wait(self._retry_after_s)
 
+    def _watch(self) -> None:
+        """Look at the master's port every ``watch_s`` until closed; log each change."""
+        while not self._closed.wait(self._watch_s):
+            answers = self._master_answers()
+            if answers == self._answering.is_set():
+                continue
+            if answers:
+                self._answering.set()
+                logger.info("shared tier: the Mooncake master at %s answers again", self.address)
+            else:
+                self._answering.clear()
+                logger.warning(
+                    "shared tier: the Mooncake master at %s stopped answering; lookups miss the "
+                    "shared tier until it answers again",
+                    self.address,
+                )
+
     def _master_answers(self) -> bool:
         try:
             socket.create_connection((self.address.host, self.address.port), timeout=2).close()
@@ -563,7 +595,7 @@ class MooncakeTier:
         return True
 
     def _ready(self) -> bool:
-        if not self._connected.is_set() or self._closed.is_set():
+        if not self._answering.is_set() or self._closed.is_set():
             self._count(unavailable=1)
             return False
         return self._health.up()
