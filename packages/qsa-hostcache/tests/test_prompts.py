@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from qsa_hostcache import (
+    Admission,
     CacheNamespace,
     Claim,
     CopyFence,
@@ -109,6 +110,37 @@ def test_a_failed_gather_is_counted_and_the_ranks_still_agree() -> None:
     assert checkpoints.publish(_key(8), gather) is None
     assert votes == [0]
     assert checkpoints.counts.publish_errors == 1
+
+
+def test_admission_second_checkpoints_a_prefix_the_second_time_a_request_reaches_it() -> None:
+    checkpoints: PromptCheckpoints[int] = PromptCheckpoints(_cache(), admission=Admission.SECOND)
+    gathered: list[int] = []
+
+    def offer(tokens: int, first: int = 0) -> CopyFence | None:
+        def gather() -> dict[str, torch.Tensor]:
+            gathered.append(tokens)
+            return _segments(tokens, 1.0)
+
+        return checkpoints.publish(_key(tokens, first), gather)
+
+    assert offer(8) is None  # first sighting: nothing gathered, nothing copied
+    assert offer(8, first=100) is None  # another prompt of the same length is another prefix
+    assert checkpoints.lookup(_key(8)) == 0
+    fence = offer(8)  # the second request that reaches it
+    assert fence is not None
+    fence.synchronize()
+
+    assert checkpoints.lookup(_key(12)) == 8  # the third loads it
+    assert gathered == [8]
+    assert checkpoints.counts.deferred == 2
+    assert checkpoints.cache.stats().publishes == 1
+
+
+def test_admission_always_checkpoints_the_first_sighting() -> None:
+    checkpoints: PromptCheckpoints[int] = PromptCheckpoints(_cache())
+    _published(checkpoints, 8, 1.0)
+    assert checkpoints.lookup(_key(8)) == 8
+    assert checkpoints.counts.deferred == 0
 
 
 def test_a_checkpoint_larger_than_the_arena_is_skipped_not_an_error() -> None:

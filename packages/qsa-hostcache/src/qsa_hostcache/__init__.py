@@ -37,6 +37,7 @@ from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
 from qsa_hostcache._model_config import kv_storage_dtype, model_config_digest, model_dtype
 from qsa_hostcache._prompt_pools import PromptPools, TokenSlots, admits_host_hit, host_hit
 from qsa_hostcache._prompts import (
+    Admission,
     Agree,
     Claim,
     PromptCheckpoints,
@@ -96,6 +97,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "CacheStats",
     # a serving engine's prompts, agreed by its ranks
     "PromptCheckpoints",
+    "Admission",
     "PromptCounts",
     "Claim",
     "Agree",

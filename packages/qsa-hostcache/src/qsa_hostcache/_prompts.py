@@ -12,7 +12,9 @@ at that boundary as named segments: each attention layer's K/V (``k.<i>`` and ``
   (:meth:`~PromptCheckpoints.forget`);
 - :meth:`~PromptCheckpoints.restore_kv`: the K/V layer by layer, each layer's copies fenced on
   their own so the engine's layers before it run meanwhile;
-- :meth:`~PromptCheckpoints.publish`: a checkpoint of the segments the engine gathers.
+- :meth:`~PromptCheckpoints.publish`: a checkpoint of the segments the engine gathers, when the
+  admission policy lets it in (:class:`Admission`: every prefix, or only a prefix some request
+  reached before).
 
 Tensor-parallel ranks each hold their own cache, and a rank-local eviction or a full arena must
 never split them: every hit length, load and publish goes through ``agree`` (the minimum over
@@ -23,7 +25,9 @@ weights that computed it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -40,7 +44,15 @@ from qsa_hostcache._keys import PrefixKey
 from qsa_hostcache._segments import kv_segments, prompt_segment_spec, segment_buffer
 from qsa_hostcache._shared import SharedCheckpoints
 
-__all__ = ("Agree", "Claim", "PromptCheckpoints", "PromptCounts", "agree_min", "kv_segments")
+__all__ = (
+    "Admission",
+    "Agree",
+    "Claim",
+    "PromptCheckpoints",
+    "PromptCounts",
+    "agree_min",
+    "kv_segments",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +63,43 @@ T = TypeVar("T")
 
 #: Most write-throughs to the shared tier in flight at once; a checkpoint beyond stays in RAM.
 _MAX_WRITES: Final = 4
+#: Prefixes :attr:`Admission.SECOND` remembers having seen once (the least recent are forgotten).
+SEEN_PREFIXES: Final = 65_536
+
+
+class Admission(enum.Enum):
+    """Which prefixes :meth:`PromptCheckpoints.publish` checkpoints.
+
+    Attributes:
+        ALWAYS: every prefix the engine offers (a conversation's next turn finds its last one).
+        SECOND: a prefix the second time a request reaches it (SGLang HiCache's
+            ``write_through_selective`` for prompts): a workload that never repeats a prefix
+            copies nothing; the first request of a shared prefix does not checkpoint it, the
+            second does, the third loads it.
+    """
+
+    ALWAYS = "always"
+    SECOND = "second"
+
+
+class _SeenOnce:
+    """The prefixes offered once and not checkpointed, as ``(pages, chained hash)``; bounded LRU."""
+
+    def __init__(self, capacity: int = SEEN_PREFIXES) -> None:
+        self._capacity = capacity
+        self._seen: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+
+    def second_time(self, key: PrefixKey) -> bool:
+        """True if ``key`` was offered before (it is forgotten); else remember it, False."""
+        pages = key.num_pages
+        mark = (pages, key.page_hashes()[pages - 1])
+        if mark in self._seen:
+            del self._seen[mark]
+            return True
+        self._seen[mark] = None
+        if len(self._seen) > self._capacity:
+            self._seen.popitem(last=False)
+        return False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,6 +141,7 @@ _COUNT_HELP: Final = {
     "loaded_tokens": "Prompt tokens served from checkpoints instead of computed.",
     "load_back_failures": "Hits that could not be loaded back (the request recomputed its prompt).",
     "publish_errors": "Checkpoints that failed while being written (the request was served).",
+    "deferred": "Prefixes offered for the first time and not checkpointed (admission second).",
 }
 
 
@@ -106,12 +156,15 @@ class PromptCounts:
             computed).
         publish_errors: checkpoints that failed while being gathered or written (logged; the
             request was served either way).
+        deferred: prefixes offered for the first time and not checkpointed
+            (:attr:`Admission.SECOND`).
     """
 
     loads: int = 0
     loaded_tokens: int = 0
     load_back_failures: int = 0
     publish_errors: int = 0
+    deferred: int = 0
 
     @staticmethod
     def series() -> tuple[CountSeries, ...]:
@@ -136,6 +189,8 @@ class PromptCheckpoints(Generic[T]):
             it for a longer checkpoint (copied into the arena, then loaded as any other), and
             every checkpoint published is written through to it on a thread of its own. Its
             objects are scoped by the weights' version.
+        admission: which prefixes :meth:`publish` checkpoints. The ranks take the same decision
+            (they offer the same prefixes in the same order).
     """
 
     def __init__(
@@ -145,9 +200,12 @@ class PromptCheckpoints(Generic[T]):
         agree: Agree = _alone,
         weights: Callable[[], object] = lambda: None,
         shared: SharedCheckpoints | None = None,
+        admission: Admission = Admission.ALWAYS,
     ) -> None:
         self.cache = cache
         self.shared = shared
+        self.admission = admission
+        self._seen_once = _SeenOnce()
         self._agree = agree
         self._weights = weights
         self._version = weights()
@@ -294,10 +352,14 @@ class PromptCheckpoints(Generic[T]):
 
         Returns:
             The copies' fence when the checkpoint was committed on every rank (matchable once
-            its copies finish); None when it was skipped (already cached, no room on some rank,
-            too large) or failed (logged, counted; the request is served either way).
+            its copies finish); None when it was skipped (not admitted yet, already cached, no
+            room on some rank, too large) or failed (logged, counted; the request is served
+            either way).
         """
         self._check_weights()
+        if self.admission is Admission.SECOND and not self._seen_once.second_time(key):
+            self._count(deferred=self._counts.deferred + 1)
+            return None
         ticket = None
         sources: Mapping[str, torch.Tensor] = {}
         try:
