@@ -5,11 +5,7 @@ Each function reads SGLang objects that already exist (``ServerArgs``, ``ModelCo
 module import time.
 """
 
-from qsa_sglang_plugin._adapters._capacity import (
-    LabelledCapacity,
-    capacity_plan_from_sglang,
-    ds_capacity,
-)
+from qsa_sglang_plugin._adapters._capacity import capacity_plan_from_sglang, ds_capacity
 from qsa_sglang_plugin._adapters._multimodal import (
     mm_items_from_sglang,
     prompt_identity_from_sglang,
@@ -23,7 +19,6 @@ from qsa_sglang_plugin._adapters._namespace import (
 
 __all__ = (
     "DIGEST_SERVER_FIELDS",
-    "LabelledCapacity",
     "cache_namespace_from_sglang",
     "capacity_plan_from_sglang",
     "config_digest_from_sglang",

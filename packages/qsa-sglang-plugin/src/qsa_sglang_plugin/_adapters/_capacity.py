@@ -1,29 +1,33 @@
-"""SGLang server arguments and text config -> ``qsa_core.CapacityPlan`` or double sparsity's price.
+"""SGLang server arguments and model config -> ``qsa_core.PlanInputs`` or ``labelled_capacity``.
 
-The figures the doctor prints, priced by the functions pool sizing calls.
+The figures the doctor prints, priced by the library calls pool sizing makes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qsa_core import (
+    CapacityError,
     CapacityPlan,
-    KVDType,
-    PoolPrice,
+    LabelledCapacity,
+    PlanInputs,
     QSAConfigError,
     QSAProfile,
-    label_bytes_per_token,
-    plan_capacity,
+    labelled_capacity,
 )
 from qsa_sglang_plugin._adapters._namespace import resolved_args
-from qsa_sglang_plugin._adapters._pool_sizing import labelled_price
 from qsa_sglang_plugin._errors import AdapterError
 from qsa_sglang_plugin._switches import DoubleSparsitySwitches
 
-__all__ = ("LabelledCapacity", "capacity_plan_from_sglang", "ds_capacity")
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ("capacity_plan_from_sglang", "ds_capacity", "labelled")
+
+#: ``server_args`` fields :meth:`PlanInputs.from_flags` reads as they are (None: its default).
+_PLAN_FLAGS = ("page_size", "context_length", "max_running_requests", "prefill_max_requests")
 
 
 def _text_config(config: Any) -> Mapping[str, object]:
@@ -46,98 +50,85 @@ def capacity_plan_from_sglang(
     index_sharded: bool = False,
     verify: bool = False,
 ) -> CapacityPlan:
-    """:func:`qsa_core.plan_capacity` of the operator's flags, with and without host offload.
+    """:meth:`qsa_core.PlanInputs.plan` of the operator's flags, with and without host offload.
 
-    Reads ``--tp-size``, ``--kv-cache-dtype`` (``auto`` = bf16), ``--page-size`` (``None``: 64),
-    ``--context-length`` (``None``: :meth:`QSAProfile.config_context_len`),
-    ``--max-running-requests`` and ``--prefill-max-requests`` (the prompts the offload stages;
-    ``None``: 1, as the offload refuses no limit at start-up) from ``server_args`` (SGLang's
-    ``ServerArgs``, resolved, or an ``argparse.Namespace``), the profile from ``hf_text_config``
-    (HF object or mapping).
-    ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
+    ``--tp-size``, ``--kv-cache-dtype`` and :data:`_PLAN_FLAGS` from ``server_args`` (SGLang's
+    ``ServerArgs``, resolved, or an ``argparse.Namespace``; an absent one takes
+    :meth:`PlanInputs.from_flags`' default), the profile from ``hf_text_config`` (HF object or
+    mapping). ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
     ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``,
-    ``verify`` ``SGLANG_QSA_HISPARSE_VERIFY=1``; the budgets are per rank. With
+    ``verify`` ``SGLANG_QSA_HISPARSE_VERIFY=1``; the budgets are per rank, bytes. With
     ``sharding_size > 1`` the resident layout's fixed transport buffers are
-    ``ShardedKVStore.transport_bytes``, the bytes pool sizing charges (query heads split over TP:
-    attention context parallelism off).
+    ``ShardedKVStore.transport_bytes``, the bytes pool sizing charges.
 
     Raises:
-        AdapterError: no usable QSA profile, an unsupported KV dtype, no context length, or no
-            ``--max-running-requests``; the message names the flag.
+        AdapterError: a flag or config :meth:`PlanInputs.from_flags` refuses (named).
         qsa_core.CapacityError: a budget or size ``plan_capacity`` refuses.
         qsa_core.PlacementError: a ``sharding_size`` that does not fit ``--tp-size``.
     """
     view = resolved_args(server_args)
-    config = _text_config(hf_text_config)
-    page_size = getattr(view, "page_size", None)
+    flags = {name: getattr(view, name, None) for name in _PLAN_FLAGS}
+    dtype = str(getattr(view, "kv_cache_dtype", "auto"))
     try:
-        profile = (
-            QSAProfile.from_text_config(config)
-            if page_size is None
-            else QSAProfile.from_text_config(config, page_size=int(page_size))
+        inputs = PlanInputs.from_flags(
+            _text_config(hf_text_config), tp_size=int(view.tp_size), kv_cache_dtype=dtype, **flags
         )
-        kv_dtype = KVDType.parse(str(getattr(view, "kv_cache_dtype", "auto")))
     except QSAConfigError as exc:
         raise AdapterError(f"no capacity plan for these flags: {exc}") from exc
-    context_len: Any = getattr(view, "context_length", None)
-    if context_len is None:
-        context_len = QSAProfile.config_context_len(config)
-    if context_len is None:
-        msg = "--context-length=None and the config has no max_position_embeddings; give one"
-        raise AdapterError(msg)
-    requests = getattr(view, "max_running_requests", None)
-    if requests is None:
-        msg = (
-            "--max-running-requests=None; the plan needs the request count "
-            "(allowed: a positive integer)"
-        )
-        raise AdapterError(msg)
-    tp_size = int(view.tp_size)
     transport = 0
     if sharding_size > 1:
         from qsa_kernels.sharded import ShardedKVStore
 
         transport = ShardedKVStore.transport_bytes(
             world_size=sharding_size,
-            max_rows=int(requests),
-            block_topk=profile.block_topk,
-            q_heads=max(profile.num_attention_heads // tp_size, 1),
-            head_dim=profile.head_dim,
+            max_rows=inputs.num_requests,
+            block_topk=inputs.profile.block_topk,
+            q_heads=inputs.q_heads_per_rank,
+            head_dim=inputs.profile.head_dim,
             index_sharded=index_sharded,
         )
-    return plan_capacity(
-        profile,
-        tp_size=tp_size,
-        kv_dtype=kv_dtype,
-        gpu_budget_bytes=gpu_budget_bytes,
-        host_budget_bytes=host_budget_bytes,
-        context_len=int(context_len),
-        num_requests=int(requests),
+    return inputs.plan(
+        gpu_budget_bytes,
+        host_budget_bytes,
         sharding_size=sharding_size,
         hot_slots=hot_slots,
         index_sharded=index_sharded,
-        staged_prompts=int(getattr(view, "prefill_max_requests", None) or 1),
         transport_bytes=transport,
         verify=verify,
     )
 
 
-@dataclass(frozen=True, slots=True)
-class LabelledCapacity:
-    """Double sparsity's bytes of a token on one TP rank, and what pool sizing charges.
+def labelled(
+    text_config: Mapping[str, Any],
+    switches: DoubleSparsitySwitches,
+    *,
+    kv_heads: int,
+    dtype: torch.dtype,
+    **sizes: Any,
+) -> LabelledCapacity:
+    """:func:`qsa_core.labelled_capacity` of a model config and the double-sparsity switches.
 
-    Attributes:
-        kv_heads: the rank's KV heads (as the channel file splits them).
-        kv_token_bytes: a token's bf16 K/V on the rank, B.
-        label_token_bytes: its label rows, B.
-        price: the pool price (:func:`labelled_price`, the hook's); None for DS-Offload without
-            a request count (its buffers are sized by it).
+    ``kv_heads`` are one rank's, ``dtype`` the K/V cache's (the labels' follows it); ``sizes``
+    are ``labelled_capacity``'s ``kv_token_bytes``, ``rows``, ``context_len`` and ``verify``.
+
+    Raises:
+        ConfigurationError: the config has no GQA geometry.
+        qsa_core.CapacityError: a size qsa-core refuses.
     """
+    from qsa_kernels.double_sparsity import LabelCache
+    from qsa_sglang_plugin._config_check import ds_config, ds_geometry
 
-    kv_heads: int
-    kv_token_bytes: int
-    label_token_bytes: int
-    price: PoolPrice | None
+    layers, _, _, head_dim = ds_geometry(text_config)
+    return labelled_capacity(
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        heavy_channels=switches.heavy_channel_num,
+        kv_element_bytes=dtype.itemsize,
+        label_element_bytes=LabelCache.dtype_for(dtype).itemsize,
+        offload_hot_blocks=ds_config(switches).hot_blocks() if switches.offload else None,
+        **sizes,
+    )
 
 
 def ds_capacity(
@@ -153,38 +144,30 @@ def ds_capacity(
 
     ``rows`` is ``--max-running-requests`` and ``context_len`` ``--context-length`` (None: the
     config's ``max_position_embeddings``); DS-Offload's buffers need both. ``verify`` is
-    ``SGLANG_QSA_HISPARSE_VERIFY=1`` (DS-Offload keeps a resident copy of every row).
+    ``SGLANG_QSA_HISPARSE_VERIFY=1``.
 
     Raises:
         qsa_kernels.double_sparsity.DSConfigError: the channel file is refused at ``tp_size``.
         ConfigurationError: the config has no GQA geometry.
-        AdapterError: DS-Offload with rows but no context length.
+        AdapterError: a size qsa-core refuses (DS-Offload with rows but no context length).
     """
     import torch
 
-    from qsa_kernels.double_sparsity import LabelCache
-    from qsa_sglang_plugin._config_check import ds_channels, ds_geometry
+    from qsa_sglang_plugin._config_check import ds_channels
 
-    layers, _, _, head_dim = ds_geometry(text_config)
-    kv_heads = int(ds_channels(switches, text_config).for_tp_rank(tp_size, 0).channels.shape[1])
-    dtype = torch.bfloat16
-    kv = layers * 2 * kv_heads * head_dim * dtype.itemsize
-    element = LabelCache.dtype_for(dtype).itemsize
-    labels = label_bytes_per_token(layers, kv_heads, switches.heavy_channel_num, element)
-    context: Any = context_len
-    if context is None:
-        context = QSAProfile.config_context_len(text_config)
-    if context is None and switches.offload and rows is not None:
-        msg = "DS-Offload sizes its buffers by --context-length; give one"
-        raise AdapterError(msg)
-    price = labelled_price(
-        text_config,
-        switches,
-        kv_token_bytes=kv,
-        kv_heads=kv_heads,
-        dtype=dtype,
-        rows=rows,
-        context_len=int(context or 0),  # read with DS-Offload only
-        verify=verify,
+    channels = ds_channels(switches, text_config).for_tp_rank(tp_size, 0).channels
+    context: Any = (
+        QSAProfile.config_context_len(text_config) if context_len is None else context_len
     )
-    return LabelledCapacity(kv_heads, kv, labels, price)
+    try:
+        return labelled(
+            text_config,
+            switches,
+            kv_heads=int(channels.shape[1]),
+            dtype=torch.bfloat16,
+            rows=rows,
+            context_len=context,
+            verify=verify,
+        )
+    except CapacityError as exc:
+        raise AdapterError(f"{exc} (--context-length, --max-running-requests)") from exc
