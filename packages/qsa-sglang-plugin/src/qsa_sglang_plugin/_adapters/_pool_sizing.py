@@ -245,12 +245,16 @@ def labelled(
     *,
     kv_heads: int,
     dtype: torch.dtype,
-    **sizes: Any,
+    kv_token_bytes: int | None = None,
+    rows: int | None = None,
+    context_len: int | None = None,
+    verify: bool = False,
 ) -> LabelledCapacity:
     """:func:`qsa_core.labelled_capacity` of a model config and the double-sparsity switches.
 
-    ``kv_heads`` are one rank's, ``dtype`` the K/V cache's (the labels' follows it); ``sizes``
-    are ``labelled_capacity``'s ``kv_token_bytes``, ``rows``, ``context_len`` and ``verify``.
+    ``kv_heads`` are one rank's, ``dtype`` the K/V cache's (the labels' follows it); the other
+    keywords are ``labelled_capacity``'s (``kv_token_bytes`` in bytes, ``rows`` requests,
+    ``context_len`` tokens).
 
     Raises:
         ConfigurationError: the config has no GQA geometry.
@@ -267,8 +271,11 @@ def labelled(
         heavy_channels=switches.heavy_channel_num,
         kv_element_bytes=dtype.itemsize,
         label_element_bytes=LabelCache.dtype_for(dtype).itemsize,
+        kv_token_bytes=kv_token_bytes,
         offload_hot_blocks=ds_config(switches).hot_blocks() if switches.offload else None,
-        **sizes,
+        rows=rows,
+        context_len=context_len,
+        verify=verify,
     )
 
 
