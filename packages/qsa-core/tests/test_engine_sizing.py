@@ -83,7 +83,8 @@ QWEN = QWEN38_FLASH_NEXT_TEXT_CONFIG
         ({"num_attention_heads": 8}, {"max_running_requests": 1}, "num_hidden_layers"),
         (QWEN, {"kv_cache_dtype": "int4", "max_running_requests": 1}, "int4"),
         (QWEN, {}, "max_running_requests=None"),
-        (NO_CONTEXT, {"max_running_requests": 1}, "context_length=None"),
+        (NO_CONTEXT, {"max_running_requests": 1}, "context_length=None and the config's max_"),
+        (QWEN, {"context_length": "8k", "max_running_requests": 1}, r"context_length='8k';"),
     ],
 )
 def test_flags_without_a_profile_dtype_context_or_request_count_are_refused_by_name(

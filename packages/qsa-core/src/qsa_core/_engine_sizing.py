@@ -78,13 +78,12 @@ class PlanInputs:
         )
         kv_dtype = KVDType.parse(kv_cache_dtype)
         context: object = context_length
+        named = f"context_length={context_length!r}"
         if context is None:
             context = QSAProfile.config_context_len(text_config)
+            named += f" and the config's max_position_embeddings={context!r}"
         if not is_int(context):
-            msg = (
-                f"context_length={context_length!r} and the config's max_position_embeddings="
-                f"{context!r}; the plan needs the tokens of a request (allowed: a positive integer)"
-            )
+            msg = f"{named}; the plan needs the tokens of a request (allowed: a positive integer)"
             raise QSAConfigError(msg)
         if max_running_requests is None:
             msg = (
