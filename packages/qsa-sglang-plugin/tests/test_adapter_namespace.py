@@ -227,7 +227,7 @@ def test_plan_at_the_originals_flags_matches_qsa_core(resolve: Resolve) -> None:
 def test_plan_needs_a_request_count_and_a_qsa_config(resolve: Resolve) -> None:
     """Without --max-running-requests or a QSA profile the plan names what is missing."""
     args, cfg = resolve()
-    with pytest.raises(AdapterError, match="--max-running-requests=None"):
+    with pytest.raises(AdapterError, match="max_running_requests=None"):
         capacity_plan_from_sglang(args, cfg.hf_text_config, GIB, GIB)
     plain = argparse.Namespace(
         tp_size=1,

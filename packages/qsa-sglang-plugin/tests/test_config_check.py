@@ -565,15 +565,16 @@ def test_the_runtime_sizes_hot_caches_from_the_switch_clipped_to_a_contexts_bloc
         env["SGLANG_QSA_HISPARSE_HOT_BLOCKS"] = str(switch)
     monkeypatch.setattr(_offload, "current_switches", lambda: parse_switches(env))
     monkeypatch.setattr(_offload, "qsa_profile_of", lambda config: SimpleNamespace(block_topk=512))
-    geometry = _offload.offload_geometry(
+    layout = _offload.qsa_layout(
         SimpleNamespace(context_len=context_len),
-        layers=1,
+        SimpleNamespace(prefill_max_requests=1),
+        [0],
         rows=1,
         kv_heads=1,
         head_dim=64,
         dtype=torch.bfloat16,
     )
-    assert geometry.hot_slots == slots
+    assert layout.geometry.hot_slots == slots
 
 
 def test_index_sharding_refuses_prefill_cp_and_hicache_by_name() -> None:

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from qsa_kernels import KernelPath
-from qsa_kernels.offload import OffloadedKV, OffloadGeometry, OffloadRuntime, RowState
+from qsa_kernels.offload import ChunkSpan, OffloadedKV, OffloadGeometry, OffloadRuntime, RowState
 from qsa_sglang_plugin._adapters._offload import (
-    ExtendSpan,
     extend_spans,
     plan_decode,
     stage_chunk,
@@ -70,8 +69,8 @@ def test_an_extend_batch_is_read_as_each_requests_chunk_and_rows() -> None:
     batch's token rows."""
     batch = extend_batch([(SLOTS[0], 24, 33), (SLOTS[1], 0, 13)])
     assert extend_spans(batch) == [
-        ExtendSpan(SLOTS[0], 24, 33, slice(0, 9)),
-        ExtendSpan(SLOTS[1], 0, 13, slice(9, 22)),
+        ChunkSpan(SLOTS[0], 24, 33, slice(0, 9)),
+        ChunkSpan(SLOTS[1], 0, 13, slice(9, 22)),
     ]
 
 

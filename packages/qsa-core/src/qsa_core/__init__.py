@@ -17,6 +17,7 @@ from qsa_core._capacity import (
     plan_capacity,
 )
 from qsa_core._cp import MAX_CP_SIZE, MAX_SEQ_LEN, ZigzagLayout
+from qsa_core._engine_sizing import LabelledCapacity, PlanInputs, labelled_capacity
 from qsa_core._errors import (
     CapacityError,
     JSONFileError,
@@ -97,16 +98,19 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # capacity plan
     "HOT_SLOTS_PER_TOPK",
     "CapacityPlan",
+    "LabelledCapacity",
     "MemoryLayout",
     "MemoryPart",
     "MemoryPartKind",
     "MemoryTier",
     "OffloadSizes",
+    "PlanInputs",
     "PoolPrice",
     "ds_offload_sizes",
     "format_bytes",
     "hot_cache_slots",
     "label_bytes_per_token",
+    "labelled_capacity",
     "plan_capacity",
     "render_plan",
     "sharded_token_bytes",

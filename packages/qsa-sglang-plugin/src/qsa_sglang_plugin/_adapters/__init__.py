@@ -5,11 +5,6 @@ Each function reads SGLang objects that already exist (``ServerArgs``, ``ModelCo
 module import time.
 """
 
-from qsa_sglang_plugin._adapters._capacity import (
-    LabelledCapacity,
-    capacity_plan_from_sglang,
-    ds_capacity,
-)
 from qsa_sglang_plugin._adapters._multimodal import (
     mm_items_from_sglang,
     prompt_identity_from_sglang,
@@ -20,10 +15,10 @@ from qsa_sglang_plugin._adapters._namespace import (
     config_digest_from_sglang,
     kv_storage_dtype,
 )
+from qsa_sglang_plugin._adapters._pool_sizing import capacity_plan_from_sglang, ds_capacity
 
 __all__ = (
     "DIGEST_SERVER_FIELDS",
-    "LabelledCapacity",
     "cache_namespace_from_sglang",
     "capacity_plan_from_sglang",
     "config_digest_from_sglang",

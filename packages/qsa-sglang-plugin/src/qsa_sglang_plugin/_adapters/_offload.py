@@ -3,22 +3,28 @@
 The offload itself is :class:`qsa_kernels.offload.OffloadRuntime` (docs/plugin.md,
 "p2-offload"). Here: a ``ForwardBatch`` as a planned decode step (:func:`plan_decode`) or its
 requests' prefill chunks (:func:`extend_spans`, :func:`stage_chunk`); SGLang's pools and model
-config as the runtime's geometry (priced by :mod:`._pool_sizing`); the model runner's one runtime
-(:func:`runtime_of`), whose counts are ``qsa_hisparse_*`` series (:meth:`OffloadCounts.series`).
+config as the runtime's :class:`OffloadLayout` (:func:`qsa_layout`, priced by
+:mod:`._pool_sizing`); the model runner's one runtime (:func:`runtime_of`), whose counts are
+``qsa_hisparse_*`` series (:meth:`OffloadCounts.series`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from qsa_core import format_bytes
 from qsa_kernels import KernelInputError
-from qsa_kernels.offload import OffloadCounts, OffloadGeometry, OffloadRuntime
+from qsa_kernels.offload import (
+    ChunkSpan,
+    OffloadCounts,
+    OffloadLayout,
+    OffloadRuntime,
+    chunk_spans,
+)
 from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     group_head_layout,
@@ -31,16 +37,12 @@ from qsa_sglang_plugin._hostmem import meminfo_bytes
 from qsa_sglang_plugin._switches import DoubleSparsitySwitches, current_switches
 
 __all__ = (
-    "ExtendSpan",
-    "arena_rows",
-    "ds_offload_geometry",
     "extend_span",
     "extend_spans",
-    "offload_geometry",
     "plan_decode",
+    "qsa_layout",
     "runtime_of",
     "stage_chunk",
-    "staged_prompts",
 )
 
 logger = logging.getLogger(__name__)
@@ -67,33 +69,13 @@ def plan_decode(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class ExtendSpan:
-    """One request's chunk in an extend batch.
-
-    Attributes:
-        slot: the request's engine slot (SGLang's ``req_pool_idx``).
-        start: tokens of its prompt before the chunk.
-        end: the chunk's end.
-        rows: the chunk's rows of the batch's ``[T, ...]`` q, k, v and indexer output.
-    """
-
-    slot: int
-    start: int
-    end: int
-    rows: slice
-
-
-def extend_spans(forward_batch: Any) -> list[ExtendSpan]:
-    """Each request's chunk of an extend batch, in the batch's order."""
-    spans, offset = [], 0
-    lengths = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-    ends = [int(n) for n in forward_batch.seq_lens_cpu]
-    slots = forward_batch.req_pool_indices.tolist()
-    for slot, end, length in zip(slots, ends, lengths, strict=True):
-        spans.append(ExtendSpan(int(slot), end - length, end, slice(offset, offset + length)))
-        offset += length
-    return spans
+def extend_spans(forward_batch: Any) -> list[ChunkSpan]:
+    """Each request's chunk of an extend batch, in the batch's order (:func:`chunk_spans`)."""
+    return chunk_spans(
+        forward_batch.req_pool_indices.tolist(),
+        [int(n) for n in forward_batch.seq_lens_cpu],
+        [int(n) for n in forward_batch.extend_seq_lens_cpu],
+    )
 
 
 def extend_span(forward_batch: Any) -> tuple[int, int, int]:
@@ -113,14 +95,6 @@ def extend_span(forward_batch: Any) -> tuple[int, int, int]:
     return spans[0].slot, spans[0].start, spans[0].end
 
 
-def staged_prompts(server_args: Any) -> int:
-    """Prompts the offload's staging area holds: ``--prefill-max-requests``.
-
-    Start-up refuses none or fewer than 1 (:mod:`qsa_sglang_plugin._config_check`).
-    """
-    return int(server_args.prefill_max_requests)
-
-
 def stage_chunk(
     runtime: OffloadRuntime, layer_id: int, k: torch.Tensor, v: torch.Tensor, forward_batch: Any
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -137,99 +111,80 @@ def stage_chunk(
 # ---- construction --------------------------------------------------------------------------------
 
 
-def arena_rows(kvc: Any) -> int:
-    """Host-arena rows of an engine's offload: ``--max-running-requests`` of ``kvc.server_args``.
-
-    Raises:
-        ConfigurationError: it was not given (start-up refuses it earlier).
-    """
-    rows = kvc.server_args.max_running_requests
-    if rows is None:
-        msg = "the offload sizes its host arena by --max-running-requests; give one"
-        raise ConfigurationError(msg)
-    return int(rows)
-
-
-def _geometry(build: Callable[..., OffloadGeometry], **sizes: Any) -> OffloadGeometry:
-    """``build(**sizes)``; a size the library refuses raises ConfigurationError."""
+def _refused(build: Callable[..., OffloadLayout], *args: Any, **sizes: Any) -> OffloadLayout:
+    """``build(*args, **sizes)``; a size the library refuses raises ConfigurationError."""
     try:
-        return build(**sizes)
+        return build(*args, **sizes)
     except KernelInputError as exc:
         raise ConfigurationError(f"the offload cannot hold this KV cache: {exc}") from exc
 
 
-def offload_geometry(model_config: Any, **sizes: Any) -> OffloadGeometry:
-    """:meth:`OffloadGeometry.for_block_topk` of a QSA model, the hot-blocks switch and ``sizes``.
+def qsa_layout(
+    model_config: Any,
+    server_args: Any,
+    layer_ids: Sequence[int],
+    *,
+    rows: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> OffloadLayout:
+    """:meth:`OffloadLayout.qsa` of a QSA model's layers ``layer_ids`` and SGLang's flags.
+
+    The hot-blocks switch, ``--prefill-max-requests`` (start-up refuses none) and the model's
+    context length and block top-k; the sizes are this rank's.
 
     Raises:
         ConfigurationError: the library refuses a size (naming it).
     """
-    return _geometry(
-        OffloadGeometry.for_block_topk,
+    return _refused(
+        OffloadLayout.qsa,
+        layer_ids,
+        rows=rows,
         context_len=int(model_config.context_len),
         block_topk=int(qsa_profile_of(model_config).block_topk),
         hot_blocks=current_switches().hot_blocks,
-        **sizes,
-    )
-
-
-def ds_offload_geometry(
-    text_config: Any,
-    switches: DoubleSparsitySwitches,
-    *,
-    rows: int,
-    context_len: int,
-    kv_heads: int,
-    dtype: torch.dtype,
-) -> OffloadGeometry:
-    """:meth:`OffloadGeometry.per_head_for_context` of a model config (a refusal: as above)."""
-    layers, _, _, head_dim = ds_geometry(text_config)
-    return _geometry(
-        OffloadGeometry.per_head_for_context,
-        layers=layers,
-        rows=rows,
-        context_len=context_len,
-        hot_blocks=ds_config(switches).hot_blocks(),
+        staged_prompts=int(server_args.prefill_max_requests),
         kv_heads=kv_heads,
         head_dim=head_dim,
         dtype=dtype,
     )
 
 
-def _layout(
-    runner: Any, ds: DoubleSparsitySwitches | None
-) -> tuple[OffloadGeometry, dict[int, int], int | None]:
-    """``(geometry, SGLang layer id -> ordinal, block top-k)``: QSA layers, or every layer (DS)."""
+def _layout(runner: Any, ds: DoubleSparsitySwitches | None) -> OffloadLayout:
+    """The runner's offloaded layers: the QSA layers, or every layer (double sparsity)."""
     pool, config = runner.token_to_kv_pool, runner.model_config
-    rows, context_len = int(runner.req_to_token_pool.size), int(config.context_len)
-    if ds is not None:
-        geometry = ds_offload_geometry(
-            config.hf_text_config.to_dict(),
-            ds,
+    rows = int(runner.req_to_token_pool.size)
+    if ds is None:
+        full, ordinal = pool.full_kv_pool, pool.full_attention_layer_id_mapping
+        return qsa_layout(
+            config,
+            runner.server_args,
+            sorted(ordinal, key=ordinal.__getitem__),
             rows=rows,
-            context_len=context_len,
-            kv_heads=int(pool.head_num),
-            dtype=pool.dtype,  # the logical dtype
+            kv_heads=int(full.head_num),
+            head_dim=int(full.head_dim),
+            dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
         )
-        return geometry, {i: i for i in range(geometry.layers)}, None
-    full, layer_ordinal = pool.full_kv_pool, dict(pool.full_attention_layer_id_mapping)
-    geometry = offload_geometry(
-        config,
-        layers=len(layer_ordinal),
+    layers, _, _, head_dim = ds_geometry(config.hf_text_config.to_dict())
+    return _refused(
+        OffloadLayout.per_head,
+        layers=layers,
         rows=rows,
-        staged_prompts=staged_prompts(runner.server_args),
-        kv_heads=int(full.head_num),
-        head_dim=int(full.head_dim),
-        dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
+        context_len=int(config.context_len),
+        hot_blocks=ds_config(ds).hot_blocks(),
+        kv_heads=int(pool.head_num),
+        head_dim=head_dim,
+        dtype=pool.dtype,  # the logical dtype
     )
-    return geometry, layer_ordinal, int(qsa_profile_of(config).block_topk)
 
 
 def _build_runtime(runner: Any) -> OffloadRuntime:
     from sglang.srt.runtime_context import get_parallel
 
     switches = current_switches()
-    geometry, layer_ordinal, block_topk = _layout(runner, switches.double_sparsity)
+    layout = _layout(runner, switches.double_sparsity)
+    geometry = layout.geometry
     shard = shard_group(runner, switches.cache_sharding)
     try:
         geometry.check_host_memory(meminfo_bytes("MemAvailable"), shard)
@@ -244,8 +199,8 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
     runtime = OffloadRuntime.for_geometry(
         geometry,
         torch.device(runner.device),
-        layer_ordinal,
-        block_topk,
+        layout.layer_ordinal,
+        layout.block_topk,
         shard=shard,
         verify=switches.verify_offload,
         q_heads=int(runner.model_config.get_num_attention_heads(parallel.attn_tp_size)),

@@ -1,30 +1,39 @@
-"""SGLang's pool sizing repriced by :class:`qsa_core.PoolPrice` (what ``plan_capacity`` prints).
+"""SGLang's pool sizing and the doctor's figures, priced by ``qsa_core`` (one capacity model).
 
 One AFTER hook on ``DefaultPoolConfigurator.__init__`` (SGLang has no registry for pool sizing)
 reads SGLang's own per-token costs from the configurator it just built and writes the feature's
-price into its private ``_cell_size`` and ``_fixed_overhead_bytes``. The switches turn on at
-most one feature that reprices. The capacity plan (``capacity_plan_from_sglang``) prices its
-layouts with the same ``PoolPrice`` methods and the same ``ShardedKVStore.transport_bytes``;
-``test_pool_pricing.py`` pins that both agree for every feature.
+:class:`qsa_core.PoolPrice` into its private ``_cell_size`` and ``_fixed_overhead_bytes``; the
+switches turn on at most one feature that reprices. The doctor's plan
+(:func:`capacity_plan_from_sglang`, ``qsa_core.PlanInputs``) prices its layouts with the same
+``PoolPrice`` methods and ``ShardedKVStore.transport_bytes``, and double sparsity's line
+(:func:`ds_capacity`) with the hook's :func:`labelled`; ``test_pool_pricing.py`` pins that both
+agree for every feature.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from qsa_core import PoolPrice, label_bytes_per_token
-from qsa_sglang_plugin._switches import (
-    DoubleSparsitySwitches,
-    HiSparseMode,
-    current_switches,
+from qsa_core import (
+    CapacityError,
+    CapacityPlan,
+    LabelledCapacity,
+    PlanInputs,
+    PoolPrice,
+    QSAConfigError,
+    QSAProfile,
+    labelled_capacity,
 )
+from qsa_sglang_plugin._adapters._namespace import resolved_args
+from qsa_sglang_plugin._errors import AdapterError, ConfigurationError
+from qsa_sglang_plugin._switches import DoubleSparsitySwitches, HiSparseMode, current_switches
 
 if TYPE_CHECKING:
     import torch
 
-
-__all__ = ("after_pool_configurator_init", "labelled_price")
+__all__ = ("after_pool_configurator_init", "capacity_plan_from_sglang", "ds_capacity", "labelled")
 
 logger = logging.getLogger(__name__)
 
@@ -32,63 +41,79 @@ logger = logging.getLogger(__name__)
 def after_pool_configurator_init(
     result: object, configurator: Any, kvc: Any, *args: object, **kwargs: object
 ) -> None:
-    """AFTER hook on ``DefaultPoolConfigurator.__init__``: reprice for the requested features."""
+    """AFTER hook on ``DefaultPoolConfigurator.__init__``: reprice for the requested features.
+
+    Raises:
+        ConfigurationError: qsa-core refuses a size of the price (naming it).
+    """
     del result, args, kwargs
     switches = current_switches()
-    if switches.hisparse is HiSparseMode.P2_OFFLOAD:
-        _charge(configurator, "offload", _offloaded_price(configurator, kvc))
-    if switches.resident_sharding:
-        _charge(configurator, "cache sharding", _sharded_price(configurator, kvc))
-    if switches.double_sparsity is not None:
-        price = _label_price(configurator, kvc, switches.double_sparsity)
-        _charge(configurator, "qsa_ds", price)
+    for feature, price_of, on in (
+        ("offload", _offloaded_price, switches.hisparse is HiSparseMode.P2_OFFLOAD),
+        ("cache sharding", _sharded_price, switches.resident_sharding),
+        ("qsa_ds", _label_price, switches.double_sparsity is not None),
+    ):
+        try:
+            price = price_of(configurator, kvc) if on else None
+        except CapacityError as exc:
+            raise ConfigurationError(f"pool sizing cannot price {feature}: {exc}") from exc
+        if price is not None:  # None: the model has no QSA layers
+            configurator._cell_size = price.token_bytes
+            configurator._fixed_overhead_bytes += price.fixed_bytes
+            logger.info("%s: %s", feature, price.detail)
 
 
-def _charge(configurator: Any, feature: str, price: PoolPrice | None) -> None:
-    """Write ``price`` into SGLang's configurator (None: the model has no QSA layers)."""
-    if price is None:
-        return
-    configurator._cell_size = price.token_bytes
-    configurator._fixed_overhead_bytes += price.fixed_bytes
-    logger.info("%s: %s", feature, price.detail)
-
-
-def _qsa_layers(kvc: Any) -> int | None:
+def _qsa_layer_ids(kvc: Any) -> list[int] | None:
     """The QSA (full attention) layers of a hybrid model; None for any other model."""
     from sglang.srt.configs.hybrid_arch import mambaish_config
 
     hybrid = mambaish_config(kvc.model_config)
-    return None if hybrid is None else len(hybrid.full_attention_layer_ids)
+    return None if hybrid is None else list(hybrid.full_attention_layer_ids)
 
 
-def _index_bytes_per_token(configurator: Any, kvc: Any, layers: int) -> int:
-    """SGLang's price of a token's compressed index (its QSA pool), over ``layers`` layers."""
+def _token_bytes(configurator: Any, kvc: Any, layers: int) -> tuple[int, int]:
+    """SGLang's price of a token resident, and of its compressed index over ``layers`` layers."""
     hf_config = kvc.model_config.hf_config
-    return int(configurator._compute_qsa_cell_size(hf_config=hf_config, num_layers=layers))
+    index = configurator._compute_qsa_cell_size(hf_config=hf_config, num_layers=layers)
+    return int(configurator._cell_size), int(index)
+
+
+def _arena_rows(kvc: Any) -> int:
+    """``--max-running-requests``: the offload's host-arena rows.
+
+    Raises:
+        ConfigurationError: it was not given (start-up refuses it earlier).
+    """
+    rows = kvc.server_args.max_running_requests
+    if rows is None:
+        msg = "the offload sizes its host arena by --max-running-requests; give one"
+        raise ConfigurationError(msg)
+    return int(rows)
 
 
 def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_sglang_plugin._adapters._offload import arena_rows, offload_geometry, staged_prompts
+    from qsa_sglang_plugin._adapters._offload import qsa_layout
 
-    layers = _qsa_layers(kvc)
-    if layers is None:
+    layer_ids = _qsa_layer_ids(kvc)
+    if layer_ids is None:
         return None
     model_config = kvc.model_config
-    geometry = offload_geometry(
+    layout = qsa_layout(
         model_config,
-        layers=layers,
-        rows=arena_rows(kvc),
-        staged_prompts=staged_prompts(kvc.server_args),
+        kvc.server_args,
+        layer_ids,
+        rows=_arena_rows(kvc),
         kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),
         head_dim=int(model_config.head_dim),
         dtype=kvc.kv_cache_dtype,
     )
+    resident, index = _token_bytes(configurator, kvc, len(layer_ids))
     return PoolPrice.offloaded(
-        geometry.sizes,
-        resident_token_bytes=int(configurator._cell_size),
-        index_token_bytes=_index_bytes_per_token(configurator, kvc, layers),
+        layout.geometry.sizes,
+        resident_token_bytes=resident,
+        index_token_bytes=index,
         verify=current_switches().verify_offload,
     )
 
@@ -99,98 +124,198 @@ def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     from qsa_kernels.sharded import ShardedKVStore
     from qsa_sglang_plugin._adapters._qsa_common import group_head_layout, qsa_profile_of
 
-    layers = _qsa_layers(kvc)
-    if layers is None:
+    layer_ids = _qsa_layer_ids(kvc)
+    if layer_ids is None:
         return None
-    model_config = kvc.model_config
-    sharding = current_switches().cache_sharding
-    index_sharded = current_switches().index_sharding
+    model_config, switches = kvc.model_config, current_switches()
     rows = kvc.server_args.max_running_requests
     transport = ShardedKVStore.transport_bytes(
-        world_size=sharding,
+        world_size=switches.cache_sharding,
         max_rows=1 if rows is None else int(rows),
         block_topk=int(qsa_profile_of(model_config).block_topk),
         q_heads=int(model_config.get_num_attention_heads(get_parallel().attn_tp_size)),
         head_dim=int(model_config.head_dim),
         layout=group_head_layout(),
-        index_sharded=index_sharded,
+        index_sharded=switches.index_sharding,
     )
+    resident, index = _token_bytes(configurator, kvc, len(layer_ids))
     return PoolPrice.sharded(
-        resident_token_bytes=int(configurator._cell_size),
-        index_token_bytes=_index_bytes_per_token(configurator, kvc, layers),
-        sharding_size=sharding,
+        resident_token_bytes=resident,
+        index_token_bytes=index,
+        sharding_size=switches.cache_sharding,
         transport_bytes=transport,
-        index_sharded=index_sharded,
+        index_sharded=switches.index_sharding,
     )
 
 
-def labelled_price(
-    text_config: Any,
-    switches: DoubleSparsitySwitches,
-    *,
-    kv_token_bytes: int,
-    kv_heads: int,
-    dtype: torch.dtype,
-    rows: int | None,
-    context_len: int,
-    verify: bool = False,
-) -> PoolPrice | None:
-    """Double sparsity's pool price on one rank: :meth:`PoolPrice.labelled`.
-
-    A token costs its K/V (``kv_token_bytes``, bytes) and its label rows, or with DS-Offload its
-    label rows alone and the offload's buffers for ``rows`` requests of ``context_len`` tokens
-    are fixed.
-
-    Args:
-        text_config: the model's text config (a mapping).
-        switches: the double-sparsity switches.
-        kv_token_bytes: a token's K/V on this rank, bytes.
-        kv_heads: this rank's KV heads.
-        dtype: the K/V cache dtype (the labels' follows it).
-        rows: ``--max-running-requests`` (DS-Offload's arena rows); None prices no offload.
-        context_len: tokens of one request's context.
-        verify: the offload keeps a resident copy of every row.
-
-    Returns:
-        The price, or None with DS-Offload and no ``rows``.
-    """
-    from qsa_kernels.double_sparsity import LabelCache
-    from qsa_sglang_plugin._adapters._offload import ds_offload_geometry
-    from qsa_sglang_plugin._config_check import ds_geometry
-
-    layers, _, _, _ = ds_geometry(text_config)
-    element = LabelCache.dtype_for(dtype).itemsize
-    labels = label_bytes_per_token(layers, kv_heads, switches.heavy_channel_num, element)
-    offload = None
-    if switches.offload:
-        if rows is None:
-            return None
-        offload = ds_offload_geometry(
-            text_config,
-            switches,
-            rows=rows,
-            context_len=context_len,
-            kv_heads=kv_heads,
-            dtype=dtype,
-        ).sizes
-    return PoolPrice.labelled(
-        kv_token_bytes=kv_token_bytes, label_token_bytes=labels, offload=offload, verify=verify
-    )
-
-
-def _label_price(configurator: Any, kvc: Any, switches: DoubleSparsitySwitches) -> PoolPrice | None:
+def _label_price(configurator: Any, kvc: Any) -> PoolPrice | None:
+    """Double sparsity's price of a token of SGLang's K/V (``_cell_size``) on this rank."""
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_sglang_plugin._adapters._offload import arena_rows
-
-    model_config = kvc.model_config
-    return labelled_price(
+    switches = current_switches()
+    ds, model_config = switches.double_sparsity, kvc.model_config
+    assert ds is not None  # the hook prices labels only with double sparsity on
+    return labelled(
         model_config.hf_text_config.to_dict(),
-        switches,
-        kv_token_bytes=int(configurator._cell_size),
+        ds,
         kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),  # this rank's
         dtype=kvc.kv_cache_dtype,
-        rows=arena_rows(kvc) if switches.offload else None,
+        kv_token_bytes=int(configurator._cell_size),
+        rows=_arena_rows(kvc) if ds.offload else None,
         context_len=int(model_config.context_len),
-        verify=current_switches().verify_offload,
+        verify=switches.verify_offload,
+    ).price
+
+
+#: ``server_args`` fields :meth:`PlanInputs.from_flags` reads as they are (None: its default).
+_PLAN_FLAGS = ("page_size", "context_length", "max_running_requests", "prefill_max_requests")
+
+
+def _text_config(config: Any) -> Mapping[str, object]:
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    if isinstance(config, Mapping):
+        return config
+    msg = f"expected an HF text config or a mapping, got {type(config)!r}"
+    raise AdapterError(msg)
+
+
+def capacity_plan_from_sglang(
+    server_args: Any,
+    hf_text_config: Any,
+    gpu_budget_bytes: int,
+    host_budget_bytes: int,
+    *,
+    sharding_size: int = 1,
+    hot_slots: int | None = None,
+    index_sharded: bool = False,
+    verify: bool = False,
+) -> CapacityPlan:
+    """:meth:`qsa_core.PlanInputs.plan` of the operator's flags, with and without host offload.
+
+    ``--tp-size``, ``--kv-cache-dtype`` and :data:`_PLAN_FLAGS` from ``server_args`` (SGLang's
+    ``ServerArgs``, resolved, or an ``argparse.Namespace``; an absent one takes
+    :meth:`PlanInputs.from_flags`' default), the profile from ``hf_text_config`` (HF object or
+    mapping). ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
+    ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``,
+    ``verify`` ``SGLANG_QSA_HISPARSE_VERIFY=1``; the budgets are per rank, bytes. With
+    ``sharding_size > 1`` the resident layout's fixed transport buffers are
+    ``ShardedKVStore.transport_bytes``, the bytes pool sizing charges.
+
+    Raises:
+        AdapterError: a flag or config :meth:`PlanInputs.from_flags` refuses (named).
+        qsa_core.CapacityError: a budget or size ``plan_capacity`` refuses.
+        qsa_core.PlacementError: a ``sharding_size`` that does not fit ``--tp-size``.
+    """
+    view = resolved_args(server_args)
+    flags = {name: getattr(view, name, None) for name in _PLAN_FLAGS}
+    dtype = str(getattr(view, "kv_cache_dtype", "auto"))
+    try:
+        inputs = PlanInputs.from_flags(
+            _text_config(hf_text_config), tp_size=int(view.tp_size), kv_cache_dtype=dtype, **flags
+        )
+    except QSAConfigError as exc:
+        raise AdapterError(f"no capacity plan for these flags: {exc}") from exc
+    transport = 0
+    if sharding_size > 1:
+        from qsa_kernels.sharded import ShardedKVStore
+
+        transport = ShardedKVStore.transport_bytes(
+            world_size=sharding_size,
+            max_rows=inputs.num_requests,
+            block_topk=inputs.profile.block_topk,
+            q_heads=inputs.q_heads_per_rank,
+            head_dim=inputs.profile.head_dim,
+            index_sharded=index_sharded,
+        )
+    return inputs.plan(
+        gpu_budget_bytes,
+        host_budget_bytes,
+        sharding_size=sharding_size,
+        hot_slots=hot_slots,
+        index_sharded=index_sharded,
+        transport_bytes=transport,
+        verify=verify,
     )
+
+
+def labelled(
+    text_config: Mapping[str, Any],
+    switches: DoubleSparsitySwitches,
+    *,
+    kv_heads: int,
+    dtype: torch.dtype,
+    kv_token_bytes: int | None = None,
+    rows: int | None = None,
+    context_len: int | None = None,
+    verify: bool = False,
+) -> LabelledCapacity:
+    """:func:`qsa_core.labelled_capacity` of a model config and the double-sparsity switches.
+
+    ``kv_heads`` are one rank's, ``dtype`` the K/V cache's (the labels' follows it); the other
+    keywords are ``labelled_capacity``'s (``kv_token_bytes`` in bytes, ``rows`` requests,
+    ``context_len`` tokens).
+
+    Raises:
+        ConfigurationError: the config has no GQA geometry.
+        qsa_core.CapacityError: a size qsa-core refuses.
+    """
+    from qsa_kernels.double_sparsity import LabelCache
+    from qsa_sglang_plugin._config_check import ds_config, ds_geometry
+
+    layers, _, _, head_dim = ds_geometry(text_config)
+    return labelled_capacity(
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        heavy_channels=switches.heavy_channel_num,
+        kv_element_bytes=dtype.itemsize,
+        label_element_bytes=LabelCache.dtype_for(dtype).itemsize,
+        kv_token_bytes=kv_token_bytes,
+        offload_hot_blocks=ds_config(switches).hot_blocks() if switches.offload else None,
+        rows=rows,
+        context_len=context_len,
+        verify=verify,
+    )
+
+
+def ds_capacity(
+    text_config: Mapping[str, Any],
+    switches: DoubleSparsitySwitches,
+    *,
+    tp_size: int = 1,
+    rows: int | None = None,
+    context_len: int | None = None,
+    verify: bool = False,
+) -> LabelledCapacity:
+    """Double sparsity's price on TP rank 0 of ``tp_size``, from the model config (bf16 K/V).
+
+    ``rows`` is ``--max-running-requests`` and ``context_len`` ``--context-length`` (None: the
+    config's ``max_position_embeddings``); DS-Offload's buffers need both. ``verify`` is
+    ``SGLANG_QSA_HISPARSE_VERIFY=1``.
+
+    Raises:
+        qsa_kernels.double_sparsity.DSConfigError: the channel file is refused at ``tp_size``.
+        ConfigurationError: the config has no GQA geometry.
+        AdapterError: a size qsa-core refuses (DS-Offload with rows but no context length).
+    """
+    import torch
+
+    from qsa_sglang_plugin._config_check import ds_channels
+
+    channels = ds_channels(switches, text_config).for_tp_rank(tp_size, 0).channels
+    context: Any = (
+        QSAProfile.config_context_len(text_config) if context_len is None else context_len
+    )
+    try:
+        return labelled(
+            text_config,
+            switches,
+            kv_heads=int(channels.shape[1]),
+            dtype=torch.bfloat16,
+            rows=rows,
+            context_len=context,
+            verify=verify,
+        )
+    except CapacityError as exc:
+        raise AdapterError(f"{exc} (--context-length, --max-running-requests)") from exc
