@@ -26,7 +26,7 @@ from qsa_kernels.sharded._buffers import (
     ShardedDecodeBuffers,
 )
 from qsa_kernels.sharded._group import ShardGroup, all_gather_flat, all_to_all_flat
-from qsa_kernels.sharded._index import ShardedIndex
+from qsa_kernels.sharded._index import IndexRows, IndexShard, ShardedIndex, ZerosOnMeta
 from qsa_kernels.sharded._layout import (
     LocalIndexTable,
     compact_owned_slots,
@@ -80,7 +80,10 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "PREFILL_GROUP_ROWS",
     "ShardedKVStore",
     # -- One rank's index shard (D2) --
+    "IndexRows",
+    "IndexShard",
     "ShardedIndex",
+    "ZerosOnMeta",
     # -- Decode step --
     "gather_group_queries",
     "local_topk_candidates",

@@ -117,6 +117,20 @@ class ShardedKVStore:
             f"{format_bytes(self.buffer_bytes)}; kernels: {self.path.resolve(self.device).value}"
         )
 
+    def index(self, max_running: int) -> ShardedIndex:
+        """The compressed index's shard operations on this store's group, width, device, path (D2).
+
+        Its candidate buffers hold ``max_running`` decode rows or one prefill group
+        (:meth:`ShardedIndex.rows_for`).
+        """
+        return ShardedIndex(
+            self.shard,
+            block_topk=self._block_topk,
+            max_rows=ShardedIndex.rows_for(max_running),
+            device=self.device,
+            path=self.path,
+        )
+
     def layer(self, layer_id: int) -> torch.Tensor:
         """``[NS_local, 2, 4, Hkv, D]`` this rank's records of one QSA layer."""
         ordinal = self._ordinal.get(layer_id)

@@ -1,8 +1,6 @@
 """Resident cache sharding (``SGLANG_QSA_CACHE_SHARDING=N``, no offload) inside SGLang.
 
-The store is :class:`qsa_kernels.sharded.ShardedKVStore` (docs/sharding.md). Here: an extend
-batch's ``ForwardBatch`` (zigzag prefill CP included) as the store's calls
-(:func:`attend_extend`), the model runner's store, ``qsa_hisparse_sharded_kv_bytes``.
+SGLang's batches as :class:`qsa_kernels.sharded.ShardedKVStore` calls, the runner's store.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import torch
 
 from qsa_core import format_bytes
 from qsa_kernels.context import ZigzagEntries
-from qsa_kernels.sharded import ShardedIndex, ShardedKVStore, ShardGroup
+from qsa_kernels.sharded import ShardedKVStore
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     group_head_layout,
@@ -45,11 +43,10 @@ def attend_extend(  # noqa: PLR0917 (the attention call's own order)
     *,
     cp: bool = False,
 ) -> torch.Tensor:
-    """One QSA layer of an extend batch (:meth:`ShardedKVStore.extend`): ``[T, Hq * D]``.
+    """One QSA layer of an extend batch: ``[T, Hq * D]``.
 
-    With ``cp`` (zigzag prefill CP: ``q`` this rank's rows, ``k``/``v`` the chunk in token
-    order): :meth:`ShardedKVStore.extend_zigzag` where :meth:`ZigzagEntries.applies`, else SGLang's
-    CP strategy gathers the rows into token order and keeps this rank's of the output.
+    With ``cp`` (``q`` this rank's rows, ``k``/``v`` the chunk in token order): the zigzag rows
+    where :meth:`ZigzagEntries.applies`, else SGLang's CP strategy gathers the rows.
     """
     from sglang.srt.layers.cp.utils import get_cp_strategy
 
@@ -96,9 +93,6 @@ def attend_extend(  # noqa: PLR0917 (the attention call's own order)
     return mine
 
 
-# ---- construction and SGLang's side --------------------------------------------------------------
-
-
 def _build_store(runner: Any) -> ShardedKVStore:
     from sglang.srt.runtime_context import get_parallel
 
@@ -130,18 +124,13 @@ def _build_store(runner: Any) -> ShardedKVStore:
     ).set(runtime.nbytes)
     logger.info("cache sharding (resident): %s", runtime.describe())
     if current_switches().index_sharding:
-        _install_index(runner, shard, device, int(parallel.tp_rank))
+        _install_index(runner, runtime, int(parallel.tp_rank))
     return runtime
 
 
-def _install_index(runner: Any, shard: ShardGroup, device: torch.device, tp_rank: int) -> None:
-    """The rank's :class:`ShardedIndex` on the raw K/V's shard group (index sharding, D2)."""
-    index = ShardedIndex(
-        shard,
-        block_topk=int(qsa_profile_of(runner.model_config).block_topk),
-        max_rows=ShardedIndex.rows_for(int(runner.req_to_token_pool.size)),
-        device=device,
-    )
+def _install_index(runner: Any, store: ShardedKVStore, tp_rank: int) -> None:
+    """The rank's :class:`~qsa_kernels.sharded.ShardedIndex` on the store's group (D2)."""
+    index = store.index(int(runner.req_to_token_pool.size))
     install_sharded_index(index)
     pool = runner.token_to_kv_pool
     index_bytes = sum(t.numel() * t.element_size() for t in pool.qsa_compressed_k_buffer_pool)
@@ -150,11 +139,10 @@ def _install_index(runner: Any, shard: ShardGroup, device: torch.device, tp_rank
         "Bytes of this rank's share of the QSA layers' compressed index (index sharding).",
     ).set(index_bytes)
     logger.info(
-        "index sharding: %s of compressed index on this rank (rank %d of %d), %s of candidate "
-        "buffers",
+        "index sharding: %s of compressed index on rank %d of %d, %s of candidate buffers",
         format_bytes(index_bytes),
-        shard.rank,
-        shard.world_size,
+        store.shard.rank,
+        store.shard.world_size,
         format_bytes(index.buffer_bytes),
     )
 
