@@ -64,6 +64,11 @@ def test_an_index_shard_holds_ceil_p_over_n_pages_and_refuses_other_pages() -> N
     shard = IndexShard.of(2, blocks_per_page=BPP, compress_ratio=RATIO, capacity_blocks=33)
     assert (shard.logical_pages, shard.local_pages, shard.local_blocks) == (3, 2, 2 * BPP)
     assert "(2 of 3 pages of 16 blocks, 4 layers" in shard.describe(layers=4, block_bytes=256)
+    flat, views = shard.allocate(layers=3, heads=1, dim=8, dtype=torch.bfloat16, device="cpu")
+    assert flat.shape == (3, 2 * BPP * 8)
+    assert [v.shape for v in views] == [(2 * BPP, 1, 8)] * 3
+    views[2][1, 0, 3] = 1  # each layer's view is its row of the one allocation
+    assert flat[2, 8 + 3] == 1
     with pytest.raises(KernelInputError, match=r"16 blocks of 4 tokens; .* has 8 blocks of 4"):
         IndexShard.of(2, blocks_per_page=8, compress_ratio=RATIO, capacity_blocks=33)
 

@@ -77,6 +77,19 @@ class IndexShard:
         """Blocks one rank stores per layer: ``local_pages * blocks_per_page``."""
         return self.local_pages * self.placement.blocks_per_page
 
+    def allocate(
+        self, *, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device | str
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A rank's compressed keys of ``layers`` layers, zeros, in one allocation.
+
+        Returns:
+            ``[L, local_blocks * H * D]`` ``dtype``, and each layer's ``[local_blocks, H, D]``
+            view of it.
+        """
+        blocks = self.local_blocks
+        flat = torch.zeros((layers, blocks * heads * dim), dtype=dtype, device=device)
+        return flat, [flat[layer].view(blocks, heads, dim) for layer in range(layers)]
+
     def describe(self, *, layers: int, block_bytes: int) -> str:
         """One line of a rank's share for ``layers`` layers of ``block_bytes``-byte blocks."""
         page = self.placement.blocks_per_page

@@ -121,19 +121,16 @@ def around_qsa_pool_init(
         )
         raise ConfigurationError(msg)
     shard = index_shard(pool, current_switches().cache_sharding)
-    dtype, layers = pool.qsa_compressed_flat.dtype, shape[0]
-    heads, dim, blocks = (
-        int(pool.qsa_index_kv_heads),
-        int(pool.qsa_index_head_dim),
-        shard.local_blocks,
-    )
+    layers, heads, dim = shape[0], int(pool.qsa_index_kv_heads), int(pool.qsa_index_head_dim)
+    dtype = pool.qsa_compressed_flat.dtype  # the meta buffer's
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.mem_cache.memory_pool import GB
 
     with pool.full_kv_pool.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):  # as upstream's
-        flat = torch.zeros((layers, blocks * heads * dim), dtype=dtype, device=device)
-    pool.qsa_compressed_flat = flat
-    pool.qsa_compressed_k_buffer_pool = [flat[i].view(blocks, heads, dim) for i in range(layers)]
+        flat, views = shard.allocate(
+            layers=layers, heads=heads, dim=dim, dtype=dtype, device=device
+        )
+    pool.qsa_compressed_flat, pool.qsa_compressed_k_buffer_pool = flat, views
     k_size, v_size = pool.get_kv_size_bytes()
     pool.mem_usage = (k_size + v_size) / GB
     block_bytes = heads * dim * flat.element_size()

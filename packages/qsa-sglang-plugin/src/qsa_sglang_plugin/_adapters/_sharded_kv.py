@@ -138,13 +138,7 @@ def _install_index(runner: Any, store: ShardedKVStore, tp_rank: int) -> None:
         "qsa_hisparse_sharded_index_bytes",
         "Bytes of this rank's share of the QSA layers' compressed index (index sharding).",
     ).set(index_bytes)
-    logger.info(
-        "index sharding: %s of compressed index on rank %d of %d, %s of candidate buffers",
-        format_bytes(index_bytes),
-        store.shard.rank,
-        store.shard.world_size,
-        format_bytes(index.buffer_bytes),
-    )
+    logger.info("index sharding: %s of candidate buffers", format_bytes(index.buffer_bytes))
 
 
 def sharded_store_of(runner: Any) -> ShardedKVStore:
