@@ -39,7 +39,7 @@ from qsa_kernels.sharded._layout import (
     unshard_index_pages,
     unshard_raw_kv,
 )
-from qsa_kernels.sharded._store import ShardedKVStore
+from qsa_kernels.sharded._store import RowExchange, ShardedKVStore
 from qsa_kernels.sharded._topk import local_topk_candidates, sharded_indexer_topk
 from qsa_kernels.sharded._writes import (
     LocalWriteTargets,
@@ -78,6 +78,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "write_owned_raw_kv",
     # -- One rank's store (D1) --
     "PREFILL_GROUP_ROWS",
+    "RowExchange",
     "ShardedKVStore",
     # -- One rank's index shard (D2) --
     "IndexRows",

@@ -6,12 +6,12 @@ SGLang's batches as :class:`qsa_kernels.sharded.ShardedKVStore` calls, the runne
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from qsa_core import format_bytes
-from qsa_kernels.context import ZigzagEntries
 from qsa_kernels.sharded import ShardedKVStore
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
@@ -30,6 +30,22 @@ __all__ = ("attend_extend", "sharded_store_of")
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class _CPRows:
+    """SGLang's CP strategy as the store's :class:`~qsa_kernels.sharded.RowExchange`."""
+
+    strategy: Any
+    forward_batch: Any
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.strategy.gather_hidden_states(rows, self.forward_batch)
+        return out
+
+    def scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.strategy.shard_hidden_states(rows, self.forward_batch)
+        return out
+
+
 def attend_extend(  # noqa: PLR0917 (the attention call's own order)
     store: ShardedKVStore,
     layer_id: int,
@@ -43,54 +59,24 @@ def attend_extend(  # noqa: PLR0917 (the attention call's own order)
     *,
     cp: bool = False,
 ) -> torch.Tensor:
-    """One QSA layer of an extend batch: ``[T, Hq * D]``.
-
-    With ``cp`` (``q`` this rank's rows, ``k``/``v`` the chunk in token order): the zigzag rows
-    where :meth:`ZigzagEntries.applies`, else SGLang's CP strategy gathers the rows.
-    """
+    """One QSA layer of an extend batch (:meth:`ShardedKVStore.extend`): ``[T, Hq * D]``."""
     from sglang.srt.layers.cp.utils import get_cp_strategy
 
-    rows = int(indices.shape[0])
-    lengths = [int(n) for n in forward_batch.seq_lens_cpu]
-    extend = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-    meta, kernels = forward_batch.attn_cp_metadata if cp else None, prefill_kernels()
-    if meta is not None and ZigzagEntries.applies(int(meta.bs), lengths, extend):
-        return store.extend_zigzag(
-            layer_id,
-            q,
-            k,
-            v,
-            indices,
-            slots=forward_batch.out_cache_loc,
-            zigzag=zigzag_entries(meta),
-            scale=scale,
-            kernels=kernels,
-        )
-    strategy = get_cp_strategy() if cp else None
-    if cp and strategy is None:
-        msg = "a context-parallel batch without SGLang's CP strategy"
-        raise OffloadRuntimeError(msg)
-    if strategy is not None:
-        q = strategy.gather_hidden_states(q.reshape(rows, -1), forward_batch)
-        indices = strategy.gather_hidden_states(indices, forward_batch)
-    out = store.extend(
-        layer_id,
-        q,
-        k,
-        v,
-        indices,
-        slots=forward_batch.out_cache_loc,
-        extend_lens=extend,
-        seq_lens=lengths,
-        slot_table=req_to_token,
-        table_rows=forward_batch.req_pool_indices,
-        scale=scale,
-        kernels=kernels,
-    )
-    if strategy is None:
-        return out
-    mine: torch.Tensor = strategy.shard_hidden_states(out, forward_batch)[:rows]
-    return mine
+    exchange, zigzag = None, None
+    if cp:
+        strategy, meta = get_cp_strategy(), forward_batch.attn_cp_metadata
+        if strategy is None:
+            msg = "a context-parallel batch without SGLang's CP strategy"
+            raise OffloadRuntimeError(msg)
+        exchange = _CPRows(strategy, forward_batch)
+        zigzag = zigzag_entries(meta) if int(meta.bs) == 1 else None
+    return store.extend(
+        layer_id, q, k, v, indices, slots=forward_batch.out_cache_loc,
+        extend_lens=[int(n) for n in forward_batch.extend_seq_lens_cpu],
+        seq_lens=[int(n) for n in forward_batch.seq_lens_cpu], slot_table=req_to_token,
+        table_rows=forward_batch.req_pool_indices, scale=scale, kernels=prefill_kernels(),
+        exchange=exchange, zigzag=zigzag,
+    )  # fmt: skip
 
 
 def _build_store(runner: Any) -> ShardedKVStore:
