@@ -649,3 +649,35 @@ def test_an_extend_batch_attends_each_request_over_its_own_staged_prompt() -> No
     for handle, rows, n in ((a, first, lens[0]), (b, second, lens[1])):
         k_layers, _v_layers = runtime.staged_layers(handle.slot, n)
         assert torch.equal(k_layers[0], k[rows])
+
+
+def test_a_context_parallel_extend_is_one_requests_prefill_by_its_zigzag_rows() -> None:
+    """With zigzag entries the batch is one request: the rows are its prefill's with them; a
+    batch of two is refused by its count."""
+    from qsa_kernels import KernelInputError
+    from qsa_kernels.context import PrefillKernels, ZigzagEntries
+
+    gen = torch.Generator().manual_seed(12)
+    k = torch.randn((8, 1, D), generator=gen).to(torch.bfloat16)
+    v = torch.randn((8, 1, D), generator=gen).to(torch.bfloat16)
+    q = torch.randn((8, 4, D), generator=gen).to(torch.bfloat16)
+    picks = torch.full((8, 4), -1)
+    for p in range(8):
+        chosen = torch.randperm(p + 1, generator=gen)[:4]
+        picks[p, : chosen.numel()] = chosen
+    zigzag = ZigzagEntries(torch.tensor([0, 4, 8]).int(), torch.tensor([4, 8]).int(), 4)
+    kernels = PrefillKernels.reference()
+    want = _runtime().prefill(
+        3, q, k, v, picks, slot=SLOT, start=0, end=8, scale=SCALE, kernels=kernels, zigzag=zigzag
+    )
+    runtime = _runtime()
+    got = runtime.extend(
+        3, q, k, v, picks, slots=[SLOT], extend_lens=[8], seq_lens=[8], scale=SCALE,
+        kernels=kernels, zigzag=zigzag,
+    )  # fmt: skip
+    assert torch.equal(got, want)
+    with pytest.raises(KernelInputError, match="extend batch of 2 requests; allowed: 1"):
+        runtime.extend(
+            3, q, k, v, picks, slots=[SLOT, SLOT], extend_lens=[4, 4], seq_lens=[4, 4],
+            scale=SCALE, kernels=kernels, zigzag=zigzag,
+        )  # fmt: skip

@@ -528,8 +528,12 @@ class OffloadRuntime:
         seq_lens: Sequence[int],
         scale: float,
         kernels: PrefillKernels,
+        zigzag: ZigzagEntries | None = None,
     ) -> torch.Tensor:
         """One layer of an extend batch: each request's chunk through :meth:`prefill`, in order.
+
+        Under context parallelism (``zigzag``) the batch is one request whose chunk every rank
+        stages whole, and ``q`` / ``indices`` are this rank's zigzag rows.
 
         Args:
             layer_id: the engine's layer id.
@@ -542,13 +546,34 @@ class OffloadRuntime:
             seq_lens: each request's length with its chunk.
             scale: softmax scale.
             kernels: the engine's prefill kernels.
+            zigzag: this rank's zigzag entries of a one-request batch, or None.
 
         Returns:
             ``[T, Hq, D]`` in ``q``'s dtype.
 
         Raises:
             OffloadStateError: as :meth:`stage`, for any request.
+            KernelInputError: ``zigzag`` with a batch of other than one request.
         """
+        if zigzag is not None:
+            if len(extend_lens) != 1:
+                requests = len(extend_lens)
+                msg = f"zigzag entries with an extend batch of {requests!r} requests; allowed: 1"
+                raise KernelInputError(msg)
+            end = int(seq_lens[0])
+            return self.prefill(
+                layer_id,
+                q,
+                k,
+                v,
+                indices,
+                slot=int(slots[0]),
+                start=end - int(extend_lens[0]),
+                end=end,
+                scale=scale,
+                kernels=kernels,
+                zigzag=zigzag,
+            )
         outs, offset = [], 0
         for slot, count, end in zip(slots, extend_lens, seq_lens, strict=True):
             rows = slice(offset, offset + int(count))

@@ -10,7 +10,7 @@ from sglang.srt.layers.cp.utils import ContextParallelStrategyKind, get_cp_strat
 from sglang.srt.runtime_context import get_stream
 from torch import Tensor
 
-from qsa_sglang_plugin._adapters._offload import extend_span, plan_decode, runtime_of
+from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of
 from qsa_sglang_plugin._adapters._qsa_common import prefill_kernels, zigzag_entries
 from qsa_sglang_plugin._adapters._sharded_kv import attend_extend, sharded_store_of
 from qsa_sglang_plugin._errors import OffloadRuntimeError
@@ -151,18 +151,11 @@ class HiSparseOffloadBackend(PluginQSABackend):
         self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, *, cp: bool
     ) -> Tensor:
         """Each request's chunk staged and attended; under CP one request, this rank's rows."""
-        runtime, scale, kernels = self.qsa_runtime, layer.scaling, prefill_kernels()
-        if cp:
-            slot, start, end = extend_span(batch)
-            zigzag = zigzag_entries(batch.attn_cp_metadata)
-            return runtime.prefill(
-                layer.layer_id, q, k, v, idx, slot=slot, start=start, end=end, scale=scale,
-                kernels=kernels, zigzag=zigzag,
-            )  # fmt: skip
-        return runtime.extend(
+        zigzag = zigzag_entries(batch.attn_cp_metadata) if cp else None
+        return self.qsa_runtime.extend(
             layer.layer_id, q, k, v, idx, slots=batch.req_pool_indices.tolist(),
-            extend_lens=batch.extend_seq_lens_cpu, seq_lens=batch.seq_lens_cpu, scale=scale,
-            kernels=kernels,
+            extend_lens=batch.extend_seq_lens_cpu, seq_lens=batch.seq_lens_cpu,
+            scale=layer.scaling, kernels=prefill_kernels(), zigzag=zigzag,
         )  # fmt: skip
 
     def _decode(  # noqa: PLR0917
