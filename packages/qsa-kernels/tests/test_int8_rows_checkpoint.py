@@ -146,3 +146,33 @@ def test_a_shard_read_twice_is_refused() -> None:
     reader.add_values(0, _source()[:3], name="a")
     with pytest.raises(KernelInputError, match=r"b holds rows \[0, 3\) of which some were"):
         reader.add_values(0, _source()[:3], name="b")
+
+
+def test_loading_a_stream_passes_other_tensors_and_notes_each_table_quantized_at_load() -> None:
+    """``load``: the table's shards fill it, every other tensor goes on in order, and a table
+    stored as bf16 gets one note once the stream ends (one stored as INT8 rows gets none)."""
+    from qsa_kernels.int8_rows import Int8RowShardRouter, Int8RowVocabShard
+
+    source = _source()
+    notes: list[str] = []
+    for module, stored in (("bf16", None), ("int8", quantize_int8_rows(source))):
+        shard = Int8RowVocabShard.zeros(
+            rows=ROWS, dim=DIM, vocab_start=0, vocab_end=ROWS, total_rows=ROWS, used_rows=ROWS,
+            device=torch.device("cpu"),
+        )  # fmt: skip
+        size = checkpoint_shard_rows(ROWS, PARTS)
+        weights: list[tuple[str, torch.Tensor]] = [("other.weight", torch.ones(2))]
+        for i, first in enumerate(range(0, ROWS, size)):
+            if stored is None:
+                weights.append((f"{module}.shard_{i}.weight", source[first : first + size]))
+            else:
+                weights.append((f"{module}.shard_{i}.weight", stored.values[first : first + size]))
+                weights.append(
+                    (f"{module}.shard_{i}.weight_scale", stored.scales[first : first + size])
+                )
+        router = Int8RowShardRouter({module: shard}, parts=PARTS)
+        passed = [name for name, _ in router.load(weights, note=notes.append)]
+        assert passed == ["other.weight"]
+        assert torch.equal(shard.table.values, quantize_int8_rows(source).values)
+    assert len(notes) == 1
+    assert notes[0].startswith("INT8-row table bf16 is stored as a 16/32-bit table")

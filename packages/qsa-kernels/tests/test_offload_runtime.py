@@ -620,3 +620,64 @@ def test_prefill_stages_the_chunk_and_attends_over_the_staged_prompt(prefix: int
     )
     assert torch.equal(runtime.staging_k[0, 0, prefix:tokens], k[prefix:])
     assert torch.equal(got, attend_context(q, k, v, picks, SCALE, kernels))
+
+
+def test_an_extend_batch_attends_each_request_over_its_own_staged_prompt() -> None:
+    """Two prompts packed in one extend batch: each request's rows are its own prefill's, in the
+    batch's order, and each prompt is staged in its own area."""
+    from qsa_kernels.context import PrefillKernels, attend_context
+
+    runtime, (a, b, _) = _two_area_runtime()
+    gen = torch.Generator().manual_seed(11)
+    lens, hq = [7, 5], 4
+    k = torch.randn((sum(lens), 1, D), generator=gen).to(torch.bfloat16)
+    v = torch.randn((sum(lens), 1, D), generator=gen).to(torch.bfloat16)
+    q = torch.randn((sum(lens), hq, D), generator=gen).to(torch.bfloat16)
+    picks = torch.full((sum(lens), 4), -1)
+    positions = [p for n in lens for p in range(n)]
+    for row, p in enumerate(positions):
+        chosen = torch.randperm(p + 1, generator=gen)[:4]
+        picks[row, : chosen.numel()] = chosen
+    kernels = PrefillKernels.reference()
+    got = runtime.extend(
+        3, q, k, v, picks, slots=[5, 6], extend_lens=lens, seq_lens=lens, scale=SCALE,
+        kernels=kernels,
+    )  # fmt: skip
+    first, second = slice(0, lens[0]), slice(lens[0], None)
+    want = [attend_context(q[r], k[r], v[r], picks[r], SCALE, kernels) for r in (first, second)]
+    assert torch.equal(got, torch.cat(want))
+    for handle, rows, n in ((a, first, lens[0]), (b, second, lens[1])):
+        k_layers, _v_layers = runtime.staged_layers(handle.slot, n)
+        assert torch.equal(k_layers[0], k[rows])
+
+
+def test_a_context_parallel_extend_is_one_requests_prefill_by_its_zigzag_rows() -> None:
+    """With zigzag entries the batch is one request: the rows are its prefill's with them; a
+    batch of two is refused by its count."""
+    from qsa_kernels import KernelInputError
+    from qsa_kernels.context import PrefillKernels, ZigzagEntries
+
+    gen = torch.Generator().manual_seed(12)
+    k = torch.randn((8, 1, D), generator=gen).to(torch.bfloat16)
+    v = torch.randn((8, 1, D), generator=gen).to(torch.bfloat16)
+    q = torch.randn((8, 4, D), generator=gen).to(torch.bfloat16)
+    picks = torch.full((8, 4), -1)
+    for p in range(8):
+        chosen = torch.randperm(p + 1, generator=gen)[:4]
+        picks[p, : chosen.numel()] = chosen
+    zigzag = ZigzagEntries(torch.tensor([0, 4, 8]).int(), torch.tensor([4, 8]).int(), 4)
+    kernels = PrefillKernels.reference()
+    want = _runtime().prefill(
+        3, q, k, v, picks, slot=SLOT, start=0, end=8, scale=SCALE, kernels=kernels, zigzag=zigzag
+    )
+    runtime = _runtime()
+    got = runtime.extend(
+        3, q, k, v, picks, slots=[SLOT], extend_lens=[8], seq_lens=[8], scale=SCALE,
+        kernels=kernels, zigzag=zigzag,
+    )  # fmt: skip
+    assert torch.equal(got, want)
+    with pytest.raises(KernelInputError, match="extend batch of 2 requests; allowed: 1"):
+        runtime.extend(
+            3, q, k, v, picks, slots=[SLOT, SLOT], extend_lens=[4, 4], seq_lens=[4, 4],
+            scale=SCALE, kernels=kernels, zigzag=zigzag,
+        )  # fmt: skip

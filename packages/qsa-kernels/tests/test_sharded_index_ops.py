@@ -10,7 +10,7 @@ import torch
 from qsa_core import QWEN38_FLASH_NEXT, ShardPlacement
 from qsa_kernels import KernelInputError, KernelPath
 from qsa_kernels.indexer_topk import indexer_topk_reference
-from qsa_kernels.sharded import ShardedIndex, ShardGroup
+from qsa_kernels.sharded import IndexShard, ShardedIndex, ShardGroup, ZerosOnMeta
 
 BPP, RATIO = QWEN38_FLASH_NEXT.blocks_per_page, QWEN38_FLASH_NEXT.compress_ratio
 
@@ -57,3 +57,70 @@ def test_the_buffer_price_is_what_the_buffers_hold() -> None:
     index = _index(max_rows=5)
     priced = ShardedIndex.buffer_bytes_for(world_size=1, block_topk=8, max_rows=5)
     assert index.buffer_bytes == priced
+
+
+def test_an_index_shard_holds_ceil_p_over_n_pages_and_refuses_other_pages() -> None:
+    """33 blocks are 3 pages of 16: 2 of them on each of 2 ranks; 8-block pages are named."""
+    shard = IndexShard.of(2, blocks_per_page=BPP, compress_ratio=RATIO, capacity_blocks=33)
+    assert (shard.logical_pages, shard.local_pages, shard.local_blocks) == (3, 2, 2 * BPP)
+    assert "(2 of 3 pages of 16 blocks, 4 layers" in shard.describe(layers=4, block_bytes=256)
+    flat, views = shard.allocate(layers=3, heads=1, dim=8, dtype=torch.bfloat16, device="cpu")
+    assert flat.shape == (3, 2 * BPP * 8)
+    assert [v.shape for v in views] == [(2 * BPP, 1, 8)] * 3
+    views[2][1, 0, 3] = 1  # each layer's view is its row of the one allocation
+    assert flat[2, 8 + 3] == 1
+    with pytest.raises(KernelInputError, match=r"16 blocks of 4 tokens; .* has 8 blocks of 4"):
+        IndexShard.of(2, blocks_per_page=8, compress_ratio=RATIO, capacity_blocks=33)
+
+
+def test_prefill_rows_are_each_tokens_request_pages_and_its_position_plus_one() -> None:
+    """Page ids from the slot table's page-aligned slots (unset -1 slots read as page 0)."""
+    page = BPP * RATIO
+    table = torch.full((3, 3 * page), -1)
+    table[1, : 2 * page] = torch.cat(
+        [torch.arange(5 * page, 6 * page), torch.arange(page, 2 * page)]
+    )
+    table[2, :page] = torch.arange(7 * page, 8 * page)
+    rows = _index(max_rows=2).prefill_rows(
+        table, torch.tensor([2, 1, 1]), torch.tensor([0, 64, 70])
+    )
+    assert rows.page_table.tolist() == [[7, 0, 0], [5, 1, 0], [5, 1, 0]]
+    assert rows.seq_lens.tolist() == [1, 65, 71]
+    decode = _index(max_rows=2).decode_rows(rows.page_table, torch.tensor([3, 0, 17]))
+    assert decode.seq_lens.tolist() == [12, 0, 68]
+
+
+def test_writes_through_the_local_view_land_in_the_engines_buffer() -> None:
+    """A ``[blocks, H, D]`` buffer viewed as pages; ``[M, H, D]`` fp32 rows are cast."""
+    buffer = torch.zeros((2 * BPP, 1, 128), dtype=torch.bfloat16)
+    index = _index(max_rows=1)
+    rows = torch.ones((1, 1, 128))
+    index.write(index.local_view(buffer), torch.tensor([BPP + 3]), rows)
+    assert index.local_view(buffer).shape == (2, BPP, 128)
+    assert torch.equal(buffer[BPP + 3, 0], rows[0, 0].to(torch.bfloat16))
+    assert int(buffer.float().abs().sum()) == 128
+
+
+def test_zeros_of_the_named_shape_go_to_meta_and_nothing_else() -> None:
+    with ZerosOnMeta((2, 6)) as divert:
+        whole = torch.zeros((2, 6))
+        also = torch.zeros(2, 6)
+        other = torch.zeros((2, 5))
+        ones = torch.ones((2, 6))
+    assert [t.is_meta for t in (whole, also, other, ones)] == [True, True, False, False]
+    assert divert.diverted == 2
+
+
+def test_a_stores_index_selects_on_its_group_with_its_width() -> None:
+    """``ShardedKVStore.index``: the raw K/V's group, block top-k and path, buffers for every
+    decode row or one prefill group."""
+    from qsa_kernels.sharded import PREFILL_GROUP_ROWS, ShardedKVStore
+
+    shard = ShardGroup(ShardPlacement(1, BPP, RATIO), 0)
+    store = ShardedKVStore(
+        shard, {3: 0}, slots=256, kv_heads=1, head_dim=64, dtype=torch.bfloat16, q_heads=4,
+        block_topk=8, max_rows=3, device=torch.device("cpu"), path=KernelPath.REFERENCE,
+    )  # fmt: skip
+    index = store.index(3)
+    assert (index.shard, index.block_topk, index.path) == (shard, 8, KernelPath.REFERENCE)
+    assert index.buffers.max_rows == max(3, PREFILL_GROUP_ROWS)

@@ -421,14 +421,18 @@ def test_a_qsa_pool_whose_pages_are_not_the_kernels_is_refused_by_value() -> Non
     """Index sharding pages the index in 16 blocks of 4 tokens; another geometry is named."""
     from types import SimpleNamespace
 
-    from qsa_sglang_plugin._adapters._sharded_index import index_placement
+    from qsa_sglang_plugin._adapters._sharded_index import index_shard
     from qsa_sglang_plugin._errors import ConfigurationError
 
-    good = SimpleNamespace(qsa_compressed_page_size=16, qsa_compress_ratio=4)
-    assert index_placement(good, 2).world_size == 2
-    pool = SimpleNamespace(qsa_compressed_page_size=8, qsa_compress_ratio=4)
+    good = SimpleNamespace(
+        qsa_compressed_page_size=16, qsa_compress_ratio=4, qsa_compressed_capacity=33
+    )
+    assert index_shard(good, 2).local_pages == 2
+    pool = SimpleNamespace(
+        qsa_compressed_page_size=8, qsa_compress_ratio=4, qsa_compressed_capacity=8
+    )
     with pytest.raises(ConfigurationError, match=r"16 blocks of 4 tokens; .* has 8 blocks of 4"):
-        index_placement(pool, 2)
+        index_shard(pool, 2)
 
 
 def test_a_prefill_selection_without_its_sharded_inputs_is_refused() -> None:

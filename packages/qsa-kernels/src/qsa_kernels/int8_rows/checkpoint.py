@@ -273,7 +273,7 @@ class Int8RowShardRouter:
         rename: maps a checkpoint tensor's name to the names ``tables`` uses (an engine's own
             prefix rewriting); the identity by default.
 
-    Use :meth:`route` over the ``(name, tensor)`` pairs, then :meth:`finish`.
+    Use :meth:`route` over the ``(name, tensor)`` pairs, then :meth:`finish` (both: :meth:`load`).
     """
 
     def __init__(
@@ -321,6 +321,25 @@ class Int8RowShardRouter:
             KernelInputError: as :meth:`Int8RowShardReader.finish`.
         """
         return {module: reader.finish() for module, reader in self._readers.items()}
+
+    def load(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        note: Callable[[str], None] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`route`, then :meth:`finish` once ``weights`` is exhausted.
+
+        ``note`` gets each table's :meth:`Int8RowShardSummary.quantized_note` (quantized at load).
+
+        Raises:
+            KernelInputError: as :meth:`route` and :meth:`finish`.
+        """
+        yield from self.route(weights)
+        for module, summary in self.finish().items():
+            text = summary.quantized_note(module)
+            if note is not None and text is not None:
+                note(text)
 
     def _reader(self, module: str, shard: Int8RowVocabShard) -> Int8RowShardReader:
         reader = self._readers.get(module)

@@ -515,6 +515,85 @@ class OffloadRuntime:
             return attend_chunks(q, k, v, indices, [int(q.shape[0])], scale, kernels)
         return attend_context(q, staged_k, staged_v, indices, scale, kernels, zigzag=zigzag)
 
+    def extend(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        indices: torch.Tensor,
+        *,
+        slots: Sequence[int],
+        extend_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        scale: float,
+        kernels: PrefillKernels,
+        zigzag: ZigzagEntries | None = None,
+    ) -> torch.Tensor:
+        """One layer of an extend batch: each request's chunk through :meth:`prefill`, in order.
+
+        Under context parallelism (``zigzag``) the batch is one request whose chunk every rank
+        stages whole, and ``q`` / ``indices`` are this rank's zigzag rows.
+
+        Args:
+            layer_id: the engine's layer id.
+            q: ``[T, Hq, D]`` the batch's query rows, packed request by request.
+            k: ``[T, Hkv * D]`` (or ``[T, Hkv, D]``) the chunks' keys, packed alike.
+            v: their values, shaped like ``k``.
+            indices: ``[T, W]`` the indexer's token positions per row, ``-1`` padded.
+            slots: each request's engine slot.
+            extend_lens: each request's chunk tokens (summing to ``T``).
+            seq_lens: each request's length with its chunk.
+            scale: softmax scale.
+            kernels: the engine's prefill kernels.
+            zigzag: this rank's zigzag entries of a one-request batch, or None.
+
+        Returns:
+            ``[T, Hq, D]`` in ``q``'s dtype.
+
+        Raises:
+            OffloadStateError: as :meth:`stage`, for any request.
+            KernelInputError: ``zigzag`` with a batch of other than one request.
+        """
+        if zigzag is not None:
+            if len(extend_lens) != 1:
+                requests = len(extend_lens)
+                msg = f"zigzag entries with an extend batch of {requests!r} requests; allowed: 1"
+                raise KernelInputError(msg)
+            end = int(seq_lens[0])
+            return self.prefill(
+                layer_id,
+                q,
+                k,
+                v,
+                indices,
+                slot=int(slots[0]),
+                start=end - int(extend_lens[0]),
+                end=end,
+                scale=scale,
+                kernels=kernels,
+                zigzag=zigzag,
+            )
+        outs, offset = [], 0
+        for slot, count, end in zip(slots, extend_lens, seq_lens, strict=True):
+            rows = slice(offset, offset + int(count))
+            outs.append(
+                self.prefill(
+                    layer_id,
+                    q[rows],
+                    k[rows],
+                    v[rows],
+                    indices[rows],
+                    slot=int(slot),
+                    start=int(end) - int(count),
+                    end=int(end),
+                    scale=scale,
+                    kernels=kernels,
+                )
+            )
+            offset += int(count)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     def staged_layers(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, ``[tokens, Hkv, D]`` views of ``row``'s first ``tokens`` staged tokens.
 

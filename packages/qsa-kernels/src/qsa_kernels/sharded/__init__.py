@@ -26,7 +26,7 @@ from qsa_kernels.sharded._buffers import (
     ShardedDecodeBuffers,
 )
 from qsa_kernels.sharded._group import ShardGroup, all_gather_flat, all_to_all_flat
-from qsa_kernels.sharded._index import ShardedIndex
+from qsa_kernels.sharded._index import IndexRows, IndexShard, ShardedIndex, ZerosOnMeta
 from qsa_kernels.sharded._layout import (
     LocalIndexTable,
     compact_owned_slots,
@@ -39,7 +39,7 @@ from qsa_kernels.sharded._layout import (
     unshard_index_pages,
     unshard_raw_kv,
 )
-from qsa_kernels.sharded._store import ShardedKVStore
+from qsa_kernels.sharded._store import RowExchange, ShardedKVStore
 from qsa_kernels.sharded._topk import local_topk_candidates, sharded_indexer_topk
 from qsa_kernels.sharded._writes import (
     LocalWriteTargets,
@@ -78,9 +78,13 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "write_owned_raw_kv",
     # -- One rank's store (D1) --
     "PREFILL_GROUP_ROWS",
+    "RowExchange",
     "ShardedKVStore",
     # -- One rank's index shard (D2) --
+    "IndexRows",
+    "IndexShard",
     "ShardedIndex",
+    "ZerosOnMeta",
     # -- Decode step --
     "gather_group_queries",
     "local_topk_candidates",

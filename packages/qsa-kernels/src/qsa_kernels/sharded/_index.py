@@ -7,15 +7,24 @@ The compressed index is sharded by 16-block page (page ``p`` on rank ``p % N`` a
 a write of closed blocks by logical block slot that keeps only the owned ones
 (:meth:`ShardedIndex.write`), and the block top-k of any number of query rows (decode rows,
 or prefill rows as decode rows of their positions) through :func:`sharded_indexer_topk` in
-groups of ``max_rows`` rows (:meth:`ShardedIndex.select`).
+groups of ``max_rows`` rows (:meth:`ShardedIndex.select`, its rows from an engine's slot table
+or decode page table by :meth:`ShardedIndex.prefill_rows` / :meth:`ShardedIndex.decode_rows`).
+An engine that builds the whole index in its own constructor builds it under
+:class:`ZerosOnMeta` (no memory) and puts a rank's :class:`IndexShard` in its place.
 Every rank of the group must call :meth:`ShardedIndex.select` with the same rows (the
 candidate all-gather pairs up group by group), as tensor-parallel ranks do.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+import torch
+from torch.overrides import TorchFunctionMode
+
+from qsa_core import QWEN38_FLASH_NEXT, ShardPlacement, format_bytes
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._path import KernelPath
 from qsa_kernels.sharded._buffers import PREFILL_GROUP_ROWS, HeadLayout, ShardedDecodeBuffers
@@ -24,7 +33,119 @@ from qsa_kernels.sharded._layout import local_index_table
 from qsa_kernels.sharded._topk import sharded_indexer_topk
 from qsa_kernels.sharded._writes import index_write_targets, write_owned_index_blocks
 
-__all__ = ("ShardedIndex",)
+__all__ = ("IndexRows", "IndexShard", "ShardedIndex", "ZerosOnMeta")
+
+
+@dataclass(frozen=True, slots=True)
+class IndexShard:
+    """One layer's compressed index under a placement: its pages and one rank's share.
+
+    Attributes:
+        placement: the page placement (``blocks_per_page`` blocks of ``compress_ratio`` tokens).
+        logical_pages: ``P``, pages of the whole index.
+    """
+
+    placement: ShardPlacement
+    logical_pages: int
+
+    @classmethod
+    def of(
+        cls, world_size: int, *, blocks_per_page: int, compress_ratio: int, capacity_blocks: int
+    ) -> IndexShard:
+        """The shard of an index of ``capacity_blocks`` blocks over ``world_size`` ranks.
+
+        Raises:
+            KernelInputError: pages other than the index kernels' (16 blocks of 4 tokens).
+        """
+        want = (QWEN38_FLASH_NEXT.blocks_per_page, QWEN38_FLASH_NEXT.compress_ratio)
+        if (blocks_per_page, compress_ratio) != want:
+            msg = (
+                f"index sharding needs compressed pages of {want[0]} blocks of {want[1]} tokens; "
+                f"the index has {blocks_per_page!r} blocks of {compress_ratio!r}"
+            )
+            raise KernelInputError(msg)
+        placement = ShardPlacement(world_size, blocks_per_page, compress_ratio)
+        return cls(placement, -(-capacity_blocks // blocks_per_page))
+
+    @property
+    def local_pages(self) -> int:
+        """Pages one rank stores: ``ceil(P / N)`` (page ``p`` at local page ``p // N``)."""
+        return self.placement.local_capacity(self.logical_pages)
+
+    @property
+    def local_blocks(self) -> int:
+        """Blocks one rank stores per layer: ``local_pages * blocks_per_page``."""
+        return self.local_pages * self.placement.blocks_per_page
+
+    def allocate(
+        self, *, layers: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device | str
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A rank's compressed keys of ``layers`` layers, zeros, in one allocation.
+
+        Returns:
+            ``[L, local_blocks * H * D]`` ``dtype``, and each layer's ``[local_blocks, H, D]``
+            view of it.
+        """
+        blocks = self.local_blocks
+        flat = torch.zeros((layers, blocks * heads * dim), dtype=dtype, device=device)
+        return flat, [flat[layer].view(blocks, heads, dim) for layer in range(layers)]
+
+    def describe(self, *, layers: int, block_bytes: int) -> str:
+        """One line of a rank's share for ``layers`` layers of ``block_bytes``-byte blocks."""
+        page = self.placement.blocks_per_page
+        return (
+            f"compressed index {format_bytes(layers * self.local_blocks * block_bytes)} per rank "
+            f"({self.local_pages} of {self.logical_pages} pages of {page} blocks, {layers} "
+            f"layers; unsharded {format_bytes(layers * self.logical_pages * page * block_bytes)})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRows:
+    """The query rows of one selection, as :meth:`ShardedIndex.select` takes them.
+
+    Attributes:
+        page_table: ``[B, P]`` int logical compressed page ids of each row's request.
+        seq_lens: ``[B]`` int64 tokens each row sees.
+    """
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+class ZerosOnMeta(TorchFunctionMode):
+    """While active, ``torch.zeros`` of ``shape`` allocates on the meta device (no memory).
+
+    Every other call is untouched; :attr:`diverted` counts the diverted ones, so an engine can
+    refuse a constructor that no longer allocates the buffer it expects.
+    """
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape = shape
+        self.diverted = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.zeros and _shape_of(args) == self.shape:
+            self.diverted += 1
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+def _shape_of(args: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """The shape a factory call's positional arguments give: ``(2, 3)`` or ``2, 3``."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = tuple(args[0])
+    if all(isinstance(n, int) for n in args):
+        return tuple(args)
+    return None  # a SymInt or another form: not a shape this mode diverts
 
 
 class ShardedIndex:
@@ -88,6 +209,31 @@ class ShardedIndex:
             device="meta",
         ).nbytes
 
+    def local_view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``[P_local, 16, H * D]``: a view of ``[16 P_local, H, D]`` or ``[P_local, 16, H, D]``."""
+        page = self.shard.placement.blocks_per_page
+        return buffer.view(-1, page, buffer.shape[-2] * buffer.shape[-1])
+
+    def prefill_rows(
+        self, slot_table: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor
+    ) -> IndexRows:
+        """The rows of prefill query tokens, each a decode row of its position.
+
+        Args:
+            slot_table: ``[R, S]`` int the engine's token slot of each (request row, position),
+                its pages slot-aligned (negative: none).
+            requests: ``[B]`` int each query token's row of ``slot_table``.
+            positions: ``[B]`` int each query token's position in its request.
+        """
+        page_tokens = self.shard.placement.blocks_per_page * self.shard.placement.compress_ratio
+        pages = slot_table[:, ::page_tokens].long().clamp_min(0) // page_tokens
+        return IndexRows(pages.index_select(0, requests.long()), positions.long() + 1)
+
+    def decode_rows(self, page_table: torch.Tensor, closed_blocks: torch.Tensor) -> IndexRows:
+        """Decode rows: ``page_table [B, P]`` page ids, ``closed_blocks [B]`` complete blocks."""
+        seq_lens = closed_blocks.to(torch.int64) * self.shard.placement.compress_ratio
+        return IndexRows(page_table, seq_lens)
+
     def write(
         self, local_index: torch.Tensor, block_slots: torch.Tensor, rows: torch.Tensor
     ) -> None:
@@ -99,12 +245,14 @@ class ShardedIndex:
             local_index: ``[P_local, 16, Dk]`` this rank's index shard of one layer, contiguous.
             block_slots: ``[M]`` int32/int64 logical compressed block slots (``raw slot // 4``),
                 negative for padding rows.
-            rows: ``[M, Dk]`` the closed blocks' keys, ``local_index``'s dtype.
+            rows: ``[M, Dk]`` (or ``[M, H, D]``) the closed blocks' keys, cast to
+                ``local_index``'s dtype.
 
         Raises:
-            KernelInputError: bad shapes or dtypes.
+            KernelInputError: bad shapes.
         """
         targets = index_write_targets(block_slots, self.shard.placement, self.shard.rank)
+        rows = rows.reshape(block_slots.shape[0], -1).to(local_index.dtype)
         write_owned_index_blocks(local_index, targets, rows)
 
     def select(

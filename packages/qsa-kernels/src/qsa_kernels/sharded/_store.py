@@ -9,6 +9,7 @@ prefix with :meth:`ShardedKVStore.prefill`, and prices the fixed buffers with
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -25,7 +26,19 @@ from qsa_kernels.sharded._index import ShardedIndex
 from qsa_kernels.sharded._layout import owned_token_bound
 from qsa_kernels.sharded._writes import raw_write_targets, write_owned_raw_kv
 
-__all__ = ("ShardedKVStore",)
+__all__ = ("RowExchange", "ShardedKVStore")
+
+
+class RowExchange(Protocol):
+    """An engine's context-parallel row exchange for one extend batch."""
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[T_local, ...]`` this rank's rows -> ``[T, ...]`` every rank's, in token order."""
+        ...
+
+    def scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` in token order -> this rank's rows first (``[>= T_local, ...]``)."""
+        ...
 
 
 class ShardedKVStore:
@@ -115,6 +128,20 @@ class ShardedKVStore:
             f"{format_bytes(self.nbytes)} of the QSA layers' raw K/V on {self.device} "
             f"({format_bytes(self.nbytes * shard.world_size)} unsharded); transport buffers "
             f"{format_bytes(self.buffer_bytes)}; kernels: {self.path.resolve(self.device).value}"
+        )
+
+    def index(self, max_running: int) -> ShardedIndex:
+        """The compressed index's shard operations on this store's group, width, device, path (D2).
+
+        Its candidate buffers hold ``max_running`` decode rows or one prefill group
+        (:meth:`ShardedIndex.rows_for`).
+        """
+        return ShardedIndex(
+            self.shard,
+            block_topk=self._block_topk,
+            max_rows=ShardedIndex.rows_for(max_running),
+            device=self.device,
+            path=self.path,
         )
 
     def layer(self, layer_id: int) -> torch.Tensor:
@@ -239,18 +266,25 @@ class ShardedKVStore:
         table_rows: torch.Tensor,
         scale: float,
         kernels: PrefillKernels,
+        exchange: RowExchange | None = None,
+        zigzag: ZigzagEntries | None = None,
     ) -> torch.Tensor:
         """One layer of a prefill batch: store the owned rows, attend every query token.
 
         Requests with no prefix attend over their own chunk, which every rank holds whole, with
         the engine's no-prefix kernel (:func:`~qsa_kernels.context.attend_chunks`); when any
         request has a prefix each request attends owner-side (:meth:`prefill`), in the batch's
-        order on every rank.
+        order on every rank. Under context parallelism (``exchange``) one request whose chunk is
+        its whole prompt attends by this rank's ``zigzag`` rows (:meth:`extend_zigzag`, as
+        :meth:`ZigzagEntries.applies` decides); any other batch's rows are gathered into token
+        order, attended as above, and this rank's kept.
 
         Args:
             layer_id: the engine's layer id.
-            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's query heads, ``T`` valid rows.
-            k: ``[>= T, Hkv * D]`` the chunks' keys, packed in the batch's order.
+            q: ``[T, Hq * D]`` (or ``[T, Hq, D]``) this rank's query heads, ``T`` valid rows
+                (with ``exchange``: this rank's rows, every head).
+            k: ``[>= T, Hkv * D]`` the chunks' keys, packed in the batch's order (with
+                ``exchange``: every rank's, token order).
             v: their values.
             indices: ``[T, 4 block_topk + 3]`` the indexer's token positions per query.
             slots: ``[>= T]`` the logical slot of each new token.
@@ -260,10 +294,43 @@ class ShardedKVStore:
             table_rows: ``[B]`` each request's row of ``slot_table``.
             scale: softmax scale.
             kernels: the engine's prefill kernels.
+            exchange: the engine's context-parallel row exchange for this batch, or None.
+            zigzag: this rank's entries when a context-parallel batch is one request.
 
         Returns:
             ``[T, Hq * D]`` attention output of this rank's heads, in ``q``'s dtype.
         """
+        if exchange is not None:
+            if zigzag is not None and ZigzagEntries.applies(
+                len(extend_lens), seq_lens, extend_lens
+            ):
+                return self.extend_zigzag(
+                    layer_id,
+                    q,
+                    k,
+                    v,
+                    indices,
+                    slots=slots,
+                    zigzag=zigzag,
+                    scale=scale,
+                    kernels=kernels,
+                )
+            mine = int(indices.shape[0])
+            out = self.extend(
+                layer_id,
+                exchange.gather(q.reshape(mine, -1)),
+                k,
+                v,
+                exchange.gather(indices),
+                slots=slots,
+                extend_lens=extend_lens,
+                seq_lens=seq_lens,
+                slot_table=slot_table,
+                table_rows=table_rows,
+                scale=scale,
+                kernels=kernels,
+            )
+            return exchange.scatter(out)[:mine]
         tokens = int(indices.shape[0])
         self.write(layer_id, k[:tokens], v[:tokens], slots[:tokens])
         extend = [int(n) for n in extend_lens]

@@ -1,10 +1,4 @@
-"""The plugin's QSA attention backends: subclasses of upstream's ``QwenSparseAttnBackend``.
-
-Imported only when SGLang builds an attention backend (:mod:`._qsa_backend`'s hook).
-:class:`HiSparseOffloadBackend` (``p2-offload``, :mod:`._offload`) and
-:class:`HiSparseShardedBackend` (resident cache sharding, :mod:`._sharded_kv`) share
-:class:`PluginQSABackend`'s narrowed attention entries.
-"""
+"""The plugin's QSA attention backends (imported by :mod:`._qsa_backend`'s hook only)."""
 
 from __future__ import annotations
 
@@ -16,12 +10,7 @@ from sglang.srt.layers.cp.utils import ContextParallelStrategyKind, get_cp_strat
 from sglang.srt.runtime_context import get_stream
 from torch import Tensor
 
-from qsa_sglang_plugin._adapters._offload import (
-    extend_span,
-    extend_spans,
-    plan_decode,
-    runtime_of,
-)
+from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of
 from qsa_sglang_plugin._adapters._qsa_common import prefill_kernels, zigzag_entries
 from qsa_sglang_plugin._adapters._sharded_kv import attend_extend, sharded_store_of
 from qsa_sglang_plugin._errors import OffloadRuntimeError
@@ -32,10 +21,8 @@ __all__ = ("HiSparseOffloadBackend", "HiSparseShardedBackend", "PluginQSABackend
 class PluginQSABackend(upstream.QwenSparseAttnBackend):
     """Upstream's QSA backend, its attention entries narrowed to ``_prefill`` and ``_decode``.
 
-    Decode takes the indexer's block ids unexpanded; a context-parallel prefill gathers the
-    chunk's K/V as upstream does (``cp=True``: ``k``/``v`` the chunk in token order, ``q`` this
-    rank's rows). ``_prefill(...) -> [T, Hq * D]``, ``_decode(...) -> [B, Hq * D]``; ``feature``
-    names the subclass in refusals.
+    ``_prefill -> [T, Hq * D]`` (``cp``: ``k``/``v`` the chunk in token order, ``q`` this rank's
+    rows), ``_decode -> [B, Hq * D]`` (block ids unexpanded); ``feature`` names it in refusals.
     """
 
     feature = "the plugin's QSA backend"
@@ -163,29 +150,13 @@ class HiSparseOffloadBackend(PluginQSABackend):
     def _prefill(  # noqa: PLR0917
         self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, *, cp: bool
     ) -> Tensor:
-        """Upstream's prefill kernels over each request's staged prompt.
-
-        Context parallel: one request, the whole chunk staged, this rank's rows attended.
-        """
-        runtime, layer_id, scale, kernels = (
-            self.qsa_runtime, layer.layer_id, layer.scaling, prefill_kernels()
+        """Each request's chunk staged and attended; under CP one request, this rank's rows."""
+        zigzag = zigzag_entries(batch.attn_cp_metadata) if cp else None
+        return self.qsa_runtime.extend(
+            layer.layer_id, q, k, v, idx, slots=batch.req_pool_indices.tolist(),
+            extend_lens=batch.extend_seq_lens_cpu, seq_lens=batch.seq_lens_cpu,
+            scale=layer.scaling, kernels=prefill_kernels(), zigzag=zigzag,
         )  # fmt: skip
-        if cp:
-            slot, start, end = extend_span(batch)
-            zigzag = zigzag_entries(batch.attn_cp_metadata)
-            return runtime.prefill(
-                layer_id, q, k, v, idx, slot=slot, start=start, end=end, scale=scale,
-                kernels=kernels, zigzag=zigzag,
-            )  # fmt: skip
-        outs = []
-        for span in extend_spans(batch):
-            rows = span.rows
-            out = runtime.prefill(
-                layer_id, q[rows], k[rows], v[rows], idx[rows], slot=span.slot, start=span.start,
-                end=span.end, scale=scale, kernels=kernels,
-            )  # fmt: skip
-            outs.append(out)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(  # noqa: PLR0917
         self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor

@@ -1,13 +1,7 @@
 """INT8-row PLE tables in SGLang's Qwen4Exp (``ple_embedding_dtype: "int8_row"``).
 
-Three hooks (docs/model-compat.md) hold the PLE n-gram table as a
-:class:`qsa_kernels.int8_rows.Int8RowVocabShard`, the only allocation of a table's size: AROUND
-``Qwen4ExpNGramEmbedding.__init__`` (SGLang builds its module from a config copy that says
-offloaded, so its table is on meta, then :class:`Int8RowPLEEmbedding` replaces it), AROUND
-``allocate_ple_host_table`` (a meta tensor, not the bf16 pinned table, during that build), and
-BEFORE ``Qwen4ExpForConditionalGeneration.load_weights`` (the tables' checkpoint shards go to
-:class:`qsa_kernels.int8_rows.Int8RowShardRouter`). Translation only: the format, its reader,
-router and gather are in :mod:`qsa_kernels.int8_rows`.
+Three hooks (docs/model-compat.md) hold each PLE n-gram table as a
+:class:`qsa_kernels.int8_rows.Int8RowVocabShard`, the only allocation of its size.
 """
 
 from __future__ import annotations
@@ -49,19 +43,12 @@ _BUILDING_INT8_ROW: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 @functools.cache
 def int8_row_embedding_class() -> type:
-    """The table module class (a subclass of SGLang's ``Qwen4ExpPinnedHostEmbedding``).
-
-    Defined on first use, so importing this module imports no SGLang model.
-    """
+    """The table module class, a ``Qwen4ExpPinnedHostEmbedding`` (defined on first use)."""
     from sglang.srt.models.qwen4_exp import Qwen4ExpPinnedHostEmbedding
     from torch import nn
 
     class Int8RowPLEEmbedding(Qwen4ExpPinnedHostEmbedding):  # type: ignore[misc]
-        """A PLE table's vocabulary shard as INT8 rows (:attr:`shard`, zero until loaded).
-
-        Copies the metadata of the module SGLang built (its weight on meta); keeps upstream's
-        ``reduce``, ``allocate_output`` and ``forward``.
-        """
+        """:attr:`shard` (zero until loaded), the built module's metadata, upstream's forward."""
 
         def __init__(self, built: Any, *, offload: bool, used_rows: int) -> None:
             nn.Module.__init__(self)
@@ -98,7 +85,10 @@ def int8_row_embedding_class() -> type:
 def around_ngram_embedding_init(
     original: Callable[..., None], module: Any, config: Any, *args: Any, **kwargs: Any
 ) -> None:
-    """AROUND hook on ``Qwen4ExpNGramEmbedding.__init__``: an INT8-row table for ``int8_row``.
+    """AROUND ``Qwen4ExpNGramEmbedding.__init__``: an INT8-row table for ``int8_row``.
+
+    Upstream builds from a config copy that says offloaded (its table on meta), then the INT8-row
+    table replaces it.
 
     Raises:
         ConfigurationError: ``int8_row`` with a host-table backend other than pinned memory.
@@ -132,7 +122,7 @@ def around_ngram_embedding_init(
 def around_allocate_ple_host_table(
     original: Callable[..., torch.Tensor], shape: Any, dtype: torch.dtype, *args: Any, **kwargs: Any
 ) -> torch.Tensor:
-    """AROUND hook on ``allocate_ple_host_table``: a meta tensor while an INT8-row one is built."""
+    """AROUND ``allocate_ple_host_table``: a meta tensor while an INT8-row table is built."""
     if _BUILDING_INT8_ROW.get():
         return torch.empty(tuple(shape), dtype=dtype, device="meta")
     return original(shape, dtype, *args, **kwargs)
@@ -141,9 +131,9 @@ def around_allocate_ple_host_table(
 def before_load_weights(
     model: Any, *args: Any, **kwargs: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """BEFORE hook on ``Qwen4ExpForConditionalGeneration.load_weights(weights)``.
+    """BEFORE ``Qwen4ExpForConditionalGeneration.load_weights``: shards to INT8-row tables.
 
-    None (SGLang's call unchanged) without an INT8-row table; else ``weights`` routed.
+    None (SGLang's call unchanged) without an INT8-row table.
     """
     embedding_class = int8_row_embedding_class()
     tables: dict[str, Int8RowVocabShard] = {
@@ -169,18 +159,13 @@ def _sglang_name(name: str) -> str:
 def _route_ple_shards(
     weights: Iterable[tuple[str, torch.Tensor]], tables: dict[str, Int8RowVocabShard], parts: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor but the INT8-row tables' shards, in order; those fill the tables.
+    """:meth:`Int8RowShardRouter.load` under SGLang's names.
 
     Raises:
         ModelCompatError: a malformed shard (the library's message, with the tensor's name).
     """
     router = Int8RowShardRouter(tables, parts=parts, rename=_sglang_name)
     try:
-        yield from router.route(weights)
-        summaries = router.finish()
+        yield from router.load(weights, note=lambda text: logger.info("PLE: %s", text))
     except KernelInputError as error:
         raise ModelCompatError(f"INT8-row PLE checkpoint: {error}") from error
-    for module_name, summary in summaries.items():
-        note = summary.quantized_note(module_name)
-        if note is not None:
-            logger.info("PLE: %s", note)

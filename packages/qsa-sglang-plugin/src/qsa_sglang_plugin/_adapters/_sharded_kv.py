@@ -1,20 +1,18 @@
 """Resident cache sharding (``SGLANG_QSA_CACHE_SHARDING=N``, no offload) inside SGLang.
 
-The store is :class:`qsa_kernels.sharded.ShardedKVStore` (docs/sharding.md). Here: an extend
-batch's ``ForwardBatch`` (zigzag prefill CP included) as the store's calls
-(:func:`attend_extend`), the model runner's store, ``qsa_hisparse_sharded_kv_bytes``.
+SGLang's batches as :class:`qsa_kernels.sharded.ShardedKVStore` calls, the runner's store.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from qsa_core import format_bytes
-from qsa_kernels.context import ZigzagEntries
-from qsa_kernels.sharded import ShardedIndex, ShardedKVStore, ShardGroup
+from qsa_kernels.sharded import ShardedKVStore
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
     group_head_layout,
@@ -32,6 +30,22 @@ __all__ = ("attend_extend", "sharded_store_of")
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class _CPRows:
+    """SGLang's CP strategy as the store's :class:`~qsa_kernels.sharded.RowExchange`."""
+
+    strategy: Any
+    forward_batch: Any
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.strategy.gather_hidden_states(rows, self.forward_batch)
+        return out
+
+    def scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.strategy.shard_hidden_states(rows, self.forward_batch)
+        return out
+
+
 def attend_extend(  # noqa: PLR0917 (the attention call's own order)
     store: ShardedKVStore,
     layer_id: int,
@@ -45,58 +59,24 @@ def attend_extend(  # noqa: PLR0917 (the attention call's own order)
     *,
     cp: bool = False,
 ) -> torch.Tensor:
-    """One QSA layer of an extend batch (:meth:`ShardedKVStore.extend`): ``[T, Hq * D]``.
-
-    With ``cp`` (zigzag prefill CP: ``q`` this rank's rows, ``k``/``v`` the chunk in token
-    order): :meth:`ShardedKVStore.extend_zigzag` where :meth:`ZigzagEntries.applies`, else SGLang's
-    CP strategy gathers the rows into token order and keeps this rank's of the output.
-    """
+    """One QSA layer of an extend batch (:meth:`ShardedKVStore.extend`): ``[T, Hq * D]``."""
     from sglang.srt.layers.cp.utils import get_cp_strategy
 
-    rows = int(indices.shape[0])
-    lengths = [int(n) for n in forward_batch.seq_lens_cpu]
-    extend = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-    meta, kernels = forward_batch.attn_cp_metadata if cp else None, prefill_kernels()
-    if meta is not None and ZigzagEntries.applies(int(meta.bs), lengths, extend):
-        return store.extend_zigzag(
-            layer_id,
-            q,
-            k,
-            v,
-            indices,
-            slots=forward_batch.out_cache_loc,
-            zigzag=zigzag_entries(meta),
-            scale=scale,
-            kernels=kernels,
-        )
-    strategy = get_cp_strategy() if cp else None
-    if cp and strategy is None:
-        msg = "a context-parallel batch without SGLang's CP strategy"
-        raise OffloadRuntimeError(msg)
-    if strategy is not None:
-        q = strategy.gather_hidden_states(q.reshape(rows, -1), forward_batch)
-        indices = strategy.gather_hidden_states(indices, forward_batch)
-    out = store.extend(
-        layer_id,
-        q,
-        k,
-        v,
-        indices,
-        slots=forward_batch.out_cache_loc,
-        extend_lens=extend,
-        seq_lens=lengths,
-        slot_table=req_to_token,
-        table_rows=forward_batch.req_pool_indices,
-        scale=scale,
-        kernels=kernels,
-    )
-    if strategy is None:
-        return out
-    mine: torch.Tensor = strategy.shard_hidden_states(out, forward_batch)[:rows]
-    return mine
-
-
-# ---- construction and SGLang's side --------------------------------------------------------------
+    exchange, zigzag = None, None
+    if cp:
+        strategy, meta = get_cp_strategy(), forward_batch.attn_cp_metadata
+        if strategy is None:
+            msg = "a context-parallel batch without SGLang's CP strategy"
+            raise OffloadRuntimeError(msg)
+        exchange = _CPRows(strategy, forward_batch)
+        zigzag = zigzag_entries(meta) if int(meta.bs) == 1 else None
+    return store.extend(
+        layer_id, q, k, v, indices, slots=forward_batch.out_cache_loc,
+        extend_lens=[int(n) for n in forward_batch.extend_seq_lens_cpu],
+        seq_lens=[int(n) for n in forward_batch.seq_lens_cpu], slot_table=req_to_token,
+        table_rows=forward_batch.req_pool_indices, scale=scale, kernels=prefill_kernels(),
+        exchange=exchange, zigzag=zigzag,
+    )  # fmt: skip
 
 
 def _build_store(runner: Any) -> ShardedKVStore:
@@ -130,18 +110,13 @@ def _build_store(runner: Any) -> ShardedKVStore:
     ).set(runtime.nbytes)
     logger.info("cache sharding (resident): %s", runtime.describe())
     if current_switches().index_sharding:
-        _install_index(runner, shard, device, int(parallel.tp_rank))
+        _install_index(runner, runtime, int(parallel.tp_rank))
     return runtime
 
 
-def _install_index(runner: Any, shard: ShardGroup, device: torch.device, tp_rank: int) -> None:
-    """The rank's :class:`ShardedIndex` on the raw K/V's shard group (index sharding, D2)."""
-    index = ShardedIndex(
-        shard,
-        block_topk=int(qsa_profile_of(runner.model_config).block_topk),
-        max_rows=ShardedIndex.rows_for(int(runner.req_to_token_pool.size)),
-        device=device,
-    )
+def _install_index(runner: Any, store: ShardedKVStore, tp_rank: int) -> None:
+    """The rank's :class:`~qsa_kernels.sharded.ShardedIndex` on the store's group (D2)."""
+    index = store.index(int(runner.req_to_token_pool.size))
     install_sharded_index(index)
     pool = runner.token_to_kv_pool
     index_bytes = sum(t.numel() * t.element_size() for t in pool.qsa_compressed_k_buffer_pool)
@@ -149,14 +124,7 @@ def _install_index(runner: Any, shard: ShardGroup, device: torch.device, tp_rank
         "qsa_hisparse_sharded_index_bytes",
         "Bytes of this rank's share of the QSA layers' compressed index (index sharding).",
     ).set(index_bytes)
-    logger.info(
-        "index sharding: %s of compressed index on this rank (rank %d of %d), %s of candidate "
-        "buffers",
-        format_bytes(index_bytes),
-        shard.rank,
-        shard.world_size,
-        format_bytes(index.buffer_bytes),
-    )
+    logger.info("index sharding: %s of candidate buffers", format_bytes(index.buffer_bytes))
 
 
 def sharded_store_of(runner: Any) -> ShardedKVStore:
