@@ -89,30 +89,22 @@ def create_backend(runner: Any) -> Any:
     return DoubleSparsityBackend(dense, runtime, runner, offload=offload)
 
 
-class _StagingKV:
-    """SGLang's K/V-pool reads over the staging area (token ``t`` of the prompt is row ``t``)."""
-
-    def __init__(self, runtime: OffloadRuntime) -> None:
-        self.get_kv_buffer = runtime.staging_layer
-        self.get_key_buffer = lambda layer_id: runtime.staging_layer(layer_id)[0]
-        self.get_value_buffer = lambda layer_id: runtime.staging_layer(layer_id)[1]
-
-    def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
-        del args, kwargs
-        msg = "DS-Offload stages a prefill chunk through the offload runtime, not the K/V pool"
-        raise AdapterError(msg)
-
-
 class _DSOffload:
     """DS-Offload's prefill: the dense backend (``dense_name``) reads the staging area.
 
-    ``torch_native`` through a one-row ``req_to_token`` (:func:`staging_token_table`), ``triton``
-    through its metadata's ``kv_indices`` (:func:`staging_slots`).
+    Its K/V pool becomes the staging area's layers; ``torch_native`` reads them through a
+    one-row ``req_to_token`` (:func:`staging_token_table`), ``triton`` through its metadata's
+    ``kv_indices`` (:func:`staging_slots`).
     """
 
     def __init__(self, dense: Any, dense_name: str, runtime: OffloadRuntime) -> None:
         self.runtime, self._dense, self._name = runtime, dense, dense_name
-        dense.token_to_kv_pool = _StagingKV(runtime)
+        dense.token_to_kv_pool = SimpleNamespace(
+            get_kv_buffer=runtime.staging_layer,
+            get_key_buffer=lambda layer_id: runtime.staging_layer(layer_id)[0],
+            get_value_buffer=lambda layer_id: runtime.staging_layer(layer_id)[1],
+            set_kv_buffer=_refuse_pool_write,
+        )
         if dense_name == DENSE_BACKENDS["cpu"]:
             table = staging_token_table(runtime.kv.geometry.max_tokens, runtime.kv.device)
             dense.req_to_token_pool = SimpleNamespace(req_to_token=table)
@@ -155,9 +147,7 @@ class DoubleSparsityBackend:
         *,
         offload: _DSOffload | None = None,
     ) -> None:
-        self.dense = dense
-        self.runtime = runtime
-        self._offload = offload
+        self.dense, self.runtime, self._offload = dense, runtime, offload
         self._kv_pool = runner.token_to_kv_pool
         self._req_to_token = runner.req_to_token_pool.req_to_token
 
@@ -244,18 +234,12 @@ class DoubleSparsityBackend:
         **kwargs: Any,
     ) -> torch.Tensor:
         """Dense prefill as upstream (DS-Offload: over the staged prompt), and the new labels."""
-        offload, dense = self._offload, self.dense
-        return self.runtime.extend_layer(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k,
-            v,
-            lambda: (
-                dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-                if offload is None
-                else offload.prefill(q, k, v, layer, forward_batch)
-            ),
-        )
+        offload, dense, batch = self._offload, self.dense, forward_batch
+        if offload is None:
+            attend = lambda: dense.forward_extend(q, k, v, layer, batch, save_kv_cache, **kwargs)
+        else:
+            attend = lambda: offload.prefill(q, k, v, layer, batch)
+        return self.runtime.extend_layer(layer.layer_id, batch.out_cache_loc, k, v, attend)
 
     def forward_decode(  # noqa: PLR0917
         self,
@@ -287,6 +271,12 @@ class DoubleSparsityBackend:
         queries = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         loc, lens = forward_batch.out_cache_loc, forward_batch.seq_lens
         return self.runtime.decode_layer(layer_id, queries, k, v, loc, lens, layer.scaling, engine)
+
+
+def _refuse_pool_write(*args: Any, **kwargs: Any) -> None:
+    del args, kwargs
+    msg = "DS-Offload stages a prefill chunk through the offload runtime, not the K/V pool"
+    raise AdapterError(msg)
 
 
 def _host_seq_lens(forward_batch: Any) -> Any:
