@@ -169,7 +169,7 @@ class DoubleSparsityBackend:
         else:
             self._offload.init_prefill(forward_batch)
         if decode:
-            lengths = [int(n) for n in _host_seq_lens(forward_batch)]
+            lengths = _host_seq_lens(forward_batch)
             self.runtime.plan_step(lengths, self._req_to_token, forward_batch.req_pool_indices)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any) -> None:
@@ -188,7 +188,7 @@ class DoubleSparsityBackend:
             plan_decode(self._offload.runtime, forward_batch, graph=True, capture=in_capture)
         dense = self.runtime.plan_graph_step(
             forward_batch.seq_lens,
-            None if in_capture else [int(n) for n in _host_seq_lens(forward_batch)],
+            None if in_capture else _host_seq_lens(forward_batch),
             capture=in_capture,
             padding=int(getattr(forward_batch, "num_padding", 0) or 0),
             idle=mode.is_idle(),
@@ -279,7 +279,7 @@ def _refuse_pool_write(*args: Any, **kwargs: Any) -> None:
     raise AdapterError(msg)
 
 
-def _host_seq_lens(forward_batch: Any) -> Any:
+def _host_seq_lens(forward_batch: Any) -> list[int]:
     """The batch's sequence lengths on the host (SGLang's copy when it made one)."""
     lengths = getattr(forward_batch, "seq_lens_cpu", None)
-    return forward_batch.seq_lens.cpu() if lengths is None else lengths
+    return [int(n) for n in (forward_batch.seq_lens.cpu() if lengths is None else lengths)]
