@@ -152,6 +152,7 @@ def test_prompt_counts_describe_their_own_counters() -> None:
         "loaded_tokens",
         "load_back_failures",
         "publish_errors",
+        "deferred",
     ]
     assert all(s.counter and s.help for s in series)
 

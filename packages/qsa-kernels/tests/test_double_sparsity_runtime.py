@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
-from qsa_kernels import KernelPath
+from qsa_kernels import KernelInputError, KernelPath
 from qsa_kernels.double_sparsity import (
+    DenseLayer,
     DSConfig,
     DSCounts,
     DSDecodeRuntime,
@@ -25,6 +27,8 @@ from qsa_kernels.double_sparsity import (
     ds_heavy_decode_split_reference,
     ds_positions,
     ds_positions_fixed,
+    staging_slots,
+    staging_token_table,
 )
 from qsa_kernels.offload import OffloadGeometry, OffloadRuntime, PerHeadOffloadedKV
 
@@ -390,3 +394,97 @@ def test_a_runtime_over_an_engines_slots_keeps_one_label_row_per_slot(
         f"{C} heavy channels of {D}, 8 heavy tokens, dense below 24 tokens; label cache "
         f"{LAYERS} layers x 64 slots ({mib:.1f} MiB)"
     )
+
+
+# ---- one layer as the engine calls it ------------------------------------------------------------
+
+
+class _Engine:
+    """The engine's side of one decode layer, recording which calls the runtime made."""
+
+    def __init__(self, pool: _Pool, layer: int, rows: int) -> None:
+        self.calls: list[str] = []
+        self.out = torch.full((rows, HQ * D), 7.0)
+        self.layer = DenseLayer(
+            attend=lambda: self._call("attend", self.out),
+            write_kv=lambda: self._call("write_kv", None),
+            buffers=lambda: self._call("buffers", (pool.k[layer], pool.v[layer])),
+        )
+
+    def _call(self, name: str, value: Any) -> Any:
+        self.calls.append(name)
+        return value
+
+
+def test_each_step_kind_takes_its_engine_calls_after_the_new_keys_labels() -> None:
+    """DENSE: only the dense attention; SPARSE: the K/V write, the buffers, the split decode
+    (flattened to ``[B, Hq * D]``); CAPTURED: the dense attention, then the buffers. Every kind
+    writes the new keys' labels first."""
+    pool = _Pool([SHORT, LONG], seed=5)
+    runtime = pool.runtime()
+    loc = pool.table[pool.slots, 0]
+    key = torch.ones(2, HKV * D, dtype=torch.bfloat16)
+    lens = torch.tensor(pool.lengths)
+
+    runtime.plan_step([SHORT, SHORT], pool.table, pool.slots)
+    engine = _Engine(pool, 0, 2)
+    assert runtime.decode_layer(0, pool.queries(), key, key, loc, lens, SCALE, engine.layer) is (
+        engine.out
+    )
+    assert engine.calls == ["attend"]
+    assert bool((pool.labels.layer(0)[loc.long()] == 1).all())
+
+    runtime.plan_step(pool.lengths, pool.table, pool.slots)
+    engine, q = _Engine(pool, 1, 2), pool.queries()
+    got = runtime.decode_layer(1, q, key, key, loc, lens, SCALE, engine.layer)
+    assert engine.calls == ["write_kv", "buffers"]
+    want = runtime.decode(1, q, pool.k[1], pool.v[1], SCALE)
+    assert torch.equal(got, want.reshape(2, HQ * D))
+    engine = _Engine(pool, 1, 2)
+    runtime.decode_layer(1, q, None, None, loc, lens, SCALE, engine.layer)
+    assert engine.calls == ["buffers"]  # no new K/V given: nothing to write
+
+    runtime.init_graph_state(2)
+    runtime.plan_graph_step(lens, capture=True)
+    runtime.capture_tables(pool.table, pool.slots)
+    engine = _Engine(pool, 0, 2)
+    got = runtime.decode_layer(0, q, key, key, loc, lens, SCALE, engine.layer)
+    assert engine.calls == ["attend", "buffers"]
+    assert got.shape == engine.out.shape
+
+
+def test_an_offloaded_layer_without_the_new_kv_is_refused_naming_the_layer() -> None:
+    pool = _Pool([SHORT, LONG], seed=6)
+    mine, _ = _offloads(pool)
+    runtime = pool.runtime(offload=mine)
+    mine.plan_decode(pool.slots.tolist(), [n + 1 for n in pool.lengths])
+    runtime.plan_step([n + 1 for n in pool.lengths], pool.table, pool.slots)
+    engine, loc = _Engine(pool, 0, 2), pool.table[pool.slots, 0]
+    with pytest.raises(KernelInputError, match=r"offloaded decode .* layer 1 gave none"):
+        runtime.decode_layer(1, pool.queries(), None, None, loc, loc, SCALE, engine.layer)
+    assert engine.calls == []
+    with pytest.raises(KernelInputError, match=r"every prefill chunk's K/V; layer 0 gave none"):
+        runtime.extend_layer(0, loc, None, None, lambda: engine.out)
+
+
+def test_a_prefill_layer_returns_the_engines_attention_and_writes_the_chunks_labels() -> None:
+    """Resident K/V: the engine's prefill, then the labels (none without keys)."""
+    pool = _Pool([SHORT])
+    runtime = pool.runtime()
+    slots = pool.table[1, :SHORT]
+    out = torch.zeros(SHORT, HQ * D)
+    keys = torch.ones(SHORT, HKV * D, dtype=torch.bfloat16)
+    assert runtime.extend_layer(0, slots, keys, keys, lambda: out) is out
+    assert bool((pool.labels.layer(0)[slots.long()] == 1).all())
+    assert runtime.extend_layer(1, slots, None, None, lambda: out) is out
+
+
+def test_the_staging_area_is_read_by_position() -> None:
+    """DS-Offload's prefill reads the staged prompt's token ``t`` at staging row ``t``."""
+    table = staging_token_table(6, "cpu")
+    assert table.dtype == torch.int32
+    assert table.tolist() == [[0, 1, 2, 3, 4, 5]]
+    like = torch.tensor([9, 8], dtype=torch.int64)
+    slots = staging_slots(3, like)
+    assert slots.dtype == torch.int64
+    assert slots.tolist() == [0, 1, 2]

@@ -20,6 +20,7 @@ from qsa_hostcache._errors import (
     InvalidKeyError,
     LeaseError,
     SegmentError,
+    StoreUnavailableError,
     TicketStateError,
 )
 from qsa_hostcache._keys import (
@@ -35,6 +36,7 @@ from qsa_hostcache._keys import (
 )
 from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
 from qsa_hostcache._model_config import kv_storage_dtype, model_config_digest, model_dtype
+from qsa_hostcache._prompt_cache import PromptCache, PromptCacheNumbers
 from qsa_hostcache._prompt_pools import PromptPools, TokenSlots, admits_host_hit, host_hit
 from qsa_hostcache._prompts import (
     Admission,
@@ -105,6 +107,8 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "PromptKeys",
     "PromptPools",
     "TokenSlots",
+    "PromptCache",
+    "PromptCacheNumbers",
     "host_hit",
     "admits_host_hit",
     # what a prompt's checkpoint holds
@@ -138,4 +142,5 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "LeaseError",
     "DeviceError",
     "CorruptObjectError",
+    "StoreUnavailableError",
 )

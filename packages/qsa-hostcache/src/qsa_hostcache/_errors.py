@@ -56,3 +56,7 @@ class DeviceError(HostCacheError, RuntimeError):
 
 class CorruptObjectError(HostCacheError, ValueError):
     """An object read from a shared tier has a wrong frame, length or digest (never used)."""
+
+
+class StoreUnavailableError(HostCacheError, ImportError):
+    """A shared tier's store cannot be reached from here: its client is not installed."""

@@ -28,11 +28,11 @@ import torch
 import xxhash
 
 from qsa_core import CountSeries
-from qsa_hostcache._errors import CorruptObjectError
+from qsa_hostcache._errors import CorruptObjectError, StoreUnavailableError
 from qsa_hostcache._keys import PrefixKey
 from qsa_hostcache._layout import SegmentSpec
 from qsa_hostcache._segments import segment_buffer
-from qsa_hostcache._tiers import ObjectTier, TierHealth
+from qsa_hostcache._tiers import ObjectTier, StoreAddress, TierHealth, open_tier
 
 __all__ = ("SharedCheckpoint", "SharedCheckpoints", "TierStats")
 
@@ -204,6 +204,26 @@ class SharedCheckpoints:
         self._scope = scope
         self._lock = threading.Lock()
         self._stats = TierStats(tier=tier.name)
+
+    @classmethod
+    def over_store(cls, store: StoreAddress) -> SharedCheckpoints:
+        """The shared tier over the store at ``store`` (:func:`open_tier`, its defaults).
+
+        A Mooncake client joins its store on a thread of its own; until then every call misses.
+
+        Raises:
+            StoreUnavailableError: the store's client is not installed (the message names the
+                extra that installs it).
+        """
+        try:
+            tier = open_tier(store)
+        except ImportError as exc:
+            msg = (
+                f"the shared tier at {str(store)!r} needs Mooncake Store: install "
+                f"'qsa-hostcache[mooncake]' ({exc})"
+            )
+            raise StoreUnavailableError(msg) from None
+        return cls(tier)
 
     @property
     def scope(self) -> str:

@@ -18,7 +18,9 @@ and attends exactly over those. This subpackage holds:
   device, the selected tokens' blocks fetched into the hot cache;
 * the decode runtime of an engine's attention backend (:class:`DSDecodeRuntime`): each step's
   dense and sparse rows, the eager, captured and offloaded decode of each layer over the engine's
-  token slots, label writes, and the counts (:class:`DSCounts`).
+  token slots, label writes, which engine call each step's layers take (:class:`DenseLayer`),
+  DS-Offload's prefill over the staging area (:func:`staging_token_table`), and the counts
+  (:class:`DSCounts`).
 """
 
 from qsa_kernels.double_sparsity._calibrate import calibrate_channels
@@ -46,11 +48,14 @@ from qsa_kernels.double_sparsity._label_cache import LabelCache
 from qsa_kernels.double_sparsity._offload import DSOffloadedKV
 from qsa_kernels.double_sparsity._runtime import (
     DecodePath,
+    DenseLayer,
     DenseLengths,
     DSCounts,
     DSDecodeRuntime,
     StepKind,
     StepMode,
+    staging_slots,
+    staging_token_table,
 )
 
 __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
@@ -83,7 +88,10 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "DSCounts",
     "DSDecodeRuntime",
     "DecodePath",
+    "DenseLayer",
     "DenseLengths",
     "StepKind",
     "StepMode",
+    "staging_slots",
+    "staging_token_table",
 )

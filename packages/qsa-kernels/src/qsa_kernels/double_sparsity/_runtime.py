@@ -69,9 +69,12 @@ __all__ = (
     "DSCounts",
     "DSDecodeRuntime",
     "DecodePath",
+    "DenseLayer",
     "DenseLengths",
     "StepKind",
     "StepMode",
+    "staging_slots",
+    "staging_token_table",
 )
 
 
@@ -151,6 +154,51 @@ class DenseLengths:
 
     seq_lens: torch.Tensor
     host: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DenseLayer:
+    """What the engine does for one decode layer that the runtime asks of it.
+
+    :meth:`DSDecodeRuntime.decode_layer` calls each as the step's :class:`StepKind` needs.
+
+    Attributes:
+        attend: the engine's dense attention of the layer over every row, writing the step's new
+            K/V as it always does; returns ``B`` rows of ``Hq * D`` values in the engine's shape.
+        write_kv: writes the step's new K/V into the engine's buffers (where the dense attention
+            does not run; the engine may skip it, e.g. when told not to save the K/V).
+        buffers: the layer's key and value buffers, ``[N, Hkv, D]`` each over the engine's ``N``
+            token slots, read after ``attend`` or ``write_kv``.
+    """
+
+    attend: Callable[[], torch.Tensor]
+    write_kv: Callable[[], None]
+    buffers: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
+def staging_token_table(max_tokens: int, device: torch.device | str) -> torch.Tensor:
+    """DS-Offload's prefill: a one-row token table over the staged prompt.
+
+    The offload stages the prompt being prefilled with its token ``t`` at staging row ``t``; an
+    engine's dense attention that reads its K/V through a token table (request slot -> token
+    slots) reads the staging area through this one (every request at row 0).
+
+    Returns:
+        ``[1, max_tokens]`` int32 on ``device``: position ``t`` maps to staging row ``t``.
+    """
+    return torch.arange(max_tokens, dtype=torch.int32, device=device).unsqueeze(0)
+
+
+def staging_slots(prefix: int, like: torch.Tensor) -> torch.Tensor:
+    """DS-Offload's prefill: the staging rows of a chunk's ``prefix`` earlier tokens.
+
+    For a dense attention that reads an extend's prefix through a flat list of token slots (one
+    request a batch: DS-Offload stages one prompt at a time).
+
+    Returns:
+        ``[prefix]`` ``0 .. prefix - 1`` in ``like``'s dtype, on its device.
+    """
+    return torch.arange(prefix, dtype=like.dtype, device=like.device)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -259,14 +307,17 @@ class DSDecodeRuntime:
         """What the runtime has decoded so far."""
         return self._counts
 
-    def write_labels(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+    def write_labels(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor | None) -> None:
         """The labels of the keys the engine writes at ``slots`` (prefill and decode).
 
         Args:
             layer_id: the engine's layer id.
             slots: ``[N]`` int32/int64 token slots, on the label cache's device.
-            k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``) the keys written there.
+            k: ``[N, Hkv * D]`` (or ``[N, Hkv, D]``) the keys written there; None when the layer
+                gave none (nothing is written).
         """
+        if k is None:
+            return
         keys = k if k.dim() == 3 else k.reshape(k.shape[0], self.labels.channels.shape[1], -1)
         self.labels.write_slots(layer_id, slots, keys)
 
@@ -397,6 +448,95 @@ class DSDecodeRuntime:
         return StepKind.DENSE if step.slot_table is None else StepKind.SPARSE
 
     # ---- one layer of the step -------------------------------------------------------------------
+
+    def extend_layer(
+        self,
+        layer_id: int,
+        slots: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        attend: Callable[[], torch.Tensor],
+    ) -> torch.Tensor:
+        """One prefill layer: the engine's dense prefill, and the labels of the keys it writes.
+
+        With DS-Offload ``attend`` stages the chunk and attends over the staged prompt
+        (:func:`staging_token_table`, :func:`staging_slots`); the labels are written first.
+
+        Args:
+            layer_id: the engine's layer id.
+            slots: ``[N]`` token slots the chunk's keys are written at.
+            k: ``[N, Hkv * D]`` the chunk's keys, or None when the layer gave none.
+            v: ``[N, Hkv * D]`` its values, or None.
+            attend: the engine's dense prefill of the layer; its output is returned as is.
+
+        Raises:
+            KernelInputError: DS-Offload, and the layer gave no K/V (every chunk is staged).
+        """
+        if self.offload is not None:
+            if k is None or v is None:
+                msg = f"DS-Offload stages every prefill chunk's K/V; layer {layer_id} gave none"
+                raise KernelInputError(msg)
+            self.write_labels(layer_id, slots, k)
+            return attend()
+        out = attend()
+        self.write_labels(layer_id, slots, k)
+        return out
+
+    def decode_layer(  # noqa: PLR0917 (decode's order, then the engine's side)
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        engine: DenseLayer,
+    ) -> torch.Tensor:
+        """One layer of the planned decode step, as its :attr:`step_kind` asks.
+
+        The new keys' labels first; then :attr:`StepKind.DENSE`: the engine's dense attention;
+        ``CAPTURED``: the dense attention, then :meth:`decode_captured` over the buffers;
+        ``OFFLOADED``: :meth:`decode_offloaded`; ``SPARSE``: the engine writes the new K/V (when
+        it gave one), then :meth:`decode` over the buffers.
+
+        Args:
+            layer_id: the engine's layer id.
+            q: ``[B, Hq, D]`` queries.
+            k: ``[B, Hkv * D]`` the new token's keys, or None when the layer gave none.
+            v: ``[B, Hkv * D]`` its values, or None.
+            slots: ``[B]`` token slots the new keys are written at.
+            seq_lens: ``[B]`` int device lengths, the new token included (a captured step's).
+            scale: softmax scale.
+            engine: the engine's side of the layer (:class:`DenseLayer`).
+
+        Returns:
+            ``B`` rows of ``Hq * D`` values: the dense attention's output as it gave it (``DENSE``,
+            ``CAPTURED``: its shape), else ``[B, Hq * D]`` in ``q``'s dtype.
+
+        Raises:
+            KernelInputError: an offloaded step, and the layer gave no K/V.
+            DSStateError: no decode step is planned.
+        """
+        self.write_labels(layer_id, slots, k)
+        kind = self.step_kind
+        if kind is StepKind.DENSE:
+            return engine.attend()
+        if kind is StepKind.CAPTURED:
+            dense = engine.attend()  # writes this step's K/V
+            k_buffer, v_buffer = engine.buffers()
+            return self.decode_captured(layer_id, q, k_buffer, v_buffer, seq_lens, dense, scale)
+        if kind is StepKind.OFFLOADED:
+            if k is None or v is None:
+                msg = f"an offloaded decode needs the new token's K/V; layer {layer_id} gave none"
+                raise KernelInputError(msg)
+            out = self.decode_offloaded(layer_id, q, k, v, scale)
+        else:
+            if k is not None and v is not None:
+                engine.write_kv()
+            k_buffer, v_buffer = engine.buffers()
+            out = self.decode(layer_id, q, k_buffer, v_buffer, scale)
+        return out.reshape(q.shape[0], -1)
 
     def decode(
         self,

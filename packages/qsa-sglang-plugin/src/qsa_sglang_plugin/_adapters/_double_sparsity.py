@@ -13,11 +13,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from qsa_kernels.double_sparsity import DSCounts, DSDecodeRuntime, StepKind
+from qsa_kernels.double_sparsity import (
+    DenseLayer,
+    DSCounts,
+    DSDecodeRuntime,
+    staging_slots,
+    staging_token_table,
+)
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
 from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of, stage_chunk
@@ -82,45 +89,25 @@ def create_backend(runner: Any) -> Any:
     return DoubleSparsityBackend(dense, runtime, runner, offload=offload)
 
 
-class _StagingKV:
-    """SGLang's K/V-pool reads over the staging area (token ``t`` of the prompt is row ``t``)."""
-
-    def __init__(self, runtime: OffloadRuntime) -> None:
-        self._runtime = runtime
-
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._runtime.staging_layer(layer_id)[0]
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._runtime.staging_layer(layer_id)[1]
-
-    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._runtime.staging_layer(layer_id)
-
-    def set_kv_buffer(self, *args: Any, **kwargs: Any) -> None:
-        del args, kwargs
-        msg = "DS-Offload stages a prefill chunk through the offload runtime, not the K/V pool"
-        raise AdapterError(msg)
-
-
 class _DSOffload:
-    """DS-Offload's prefill: the dense backend reads the staged prompt by position, not slot.
+    """DS-Offload's prefill: the dense backend (``dense_name``) reads the staging area.
 
-    ``dense_name`` is one of :data:`DENSE_BACKENDS` (:func:`create_backend` checks). Its K/V
-    pool becomes :class:`_StagingKV`; ``torch_native`` gets a one-row table of positions (the
-    batch's one request at row 0), ``triton`` its metadata's ``kv_indices`` as ``0 .. prefix -
-    1``. Kernels and arguments are otherwise upstream's.
+    Its K/V pool becomes the staging area's layers; ``torch_native`` reads them through a
+    one-row ``req_to_token`` (:func:`staging_token_table`), ``triton`` through its metadata's
+    ``kv_indices`` (:func:`staging_slots`).
     """
 
     def __init__(self, dense: Any, dense_name: str, runtime: OffloadRuntime) -> None:
-        self.runtime = runtime
-        self._dense = dense
-        self._name = dense_name
-        g = runtime.kv.geometry
-        dense.token_to_kv_pool = _StagingKV(runtime)
+        self.runtime, self._dense, self._name = runtime, dense, dense_name
+        dense.token_to_kv_pool = SimpleNamespace(
+            get_kv_buffer=runtime.staging_layer,
+            get_key_buffer=lambda layer_id: runtime.staging_layer(layer_id)[0],
+            get_value_buffer=lambda layer_id: runtime.staging_layer(layer_id)[1],
+            set_kv_buffer=_refuse_pool_write,
+        )
         if dense_name == DENSE_BACKENDS["cpu"]:
-            positions = torch.arange(g.max_tokens, dtype=torch.int32, device=runtime.kv.device)
-            dense.req_to_token_pool = _PositionTable(positions.unsqueeze(0))
+            table = staging_token_table(runtime.kv.geometry.max_tokens, runtime.kv.device)
+            dense.req_to_token_pool = SimpleNamespace(req_to_token=table)
 
     def init_prefill(self, forward_batch: Any) -> None:
         """The dense backend's metadata of an extend batch, reading the staging area."""
@@ -128,30 +115,21 @@ class _DSOffload:
         if self._name == DENSE_BACKENDS["cuda"]:
             meta = self._dense.forward_metadata
             prefixes = forward_batch.extend_prefix_lens_cpu  # None when SGLang kept them on GPU
-            prefix = int((prefixes or forward_batch.extend_prefix_lens)[0])
-            slots = meta.kv_indices
-            positions = torch.arange(prefix, dtype=slots.dtype, device=slots.device)
-            self._dense.forward_metadata = dataclasses.replace(meta, kv_indices=positions)
+            slots = staging_slots(
+                int((prefixes or forward_batch.extend_prefix_lens)[0]), meta.kv_indices
+            )
+            self._dense.forward_metadata = dataclasses.replace(meta, kv_indices=slots)
 
-    def prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any
-    ) -> torch.Tensor:
+    def prefill(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any) -> torch.Tensor:
         """Stage one layer's chunk, then attend over the staged prompt with the dense backend."""
         stage_chunk(self.runtime, layer.layer_id, k, v, forward_batch)
-        if self._name == DENSE_BACKENDS["cpu"]:
+        if self._name == DENSE_BACKENDS["cpu"]:  # the one row of the staging table
             forward_batch = copy.copy(forward_batch)
             forward_batch.req_pool_indices = torch.zeros_like(forward_batch.req_pool_indices)
         out: torch.Tensor = self._dense.forward_extend(
             q, k, v, layer, forward_batch, save_kv_cache=False
         )
         return out
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _PositionTable:
-    """A ``ReqToTokenPool`` stand-in whose one row maps each position to itself."""
-
-    req_to_token: torch.Tensor
 
 
 class DoubleSparsityBackend:
@@ -169,9 +147,7 @@ class DoubleSparsityBackend:
         *,
         offload: _DSOffload | None = None,
     ) -> None:
-        self.dense = dense
-        self.runtime = runtime
-        self._offload = offload
+        self.dense, self.runtime, self._offload = dense, runtime, offload
         self._kv_pool = runner.token_to_kv_pool
         self._req_to_token = runner.req_to_token_pool.req_to_token
 
@@ -193,7 +169,7 @@ class DoubleSparsityBackend:
         else:
             self._offload.init_prefill(forward_batch)
         if decode:
-            lengths = [int(n) for n in _host_seq_lens(forward_batch)]
+            lengths = _host_seq_lens(forward_batch)
             self.runtime.plan_step(lengths, self._req_to_token, forward_batch.req_pool_indices)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any) -> None:
@@ -212,7 +188,7 @@ class DoubleSparsityBackend:
             plan_decode(self._offload.runtime, forward_batch, graph=True, capture=in_capture)
         dense = self.runtime.plan_graph_step(
             forward_batch.seq_lens,
-            None if in_capture else [int(n) for n in _host_seq_lens(forward_batch)],
+            None if in_capture else _host_seq_lens(forward_batch),
             capture=in_capture,
             padding=int(getattr(forward_batch, "num_padding", 0) or 0),
             idle=mode.is_idle(),
@@ -258,17 +234,12 @@ class DoubleSparsityBackend:
         **kwargs: Any,
     ) -> torch.Tensor:
         """Dense prefill as upstream (DS-Offload: over the staged prompt), and the new labels."""
-        if self._offload is not None:
-            if k is None or v is None:
-                msg = "DS-Offload stages every prefill chunk's K/V; the layer gave none"
-                raise AdapterError(msg)
-            self._write_labels(layer, forward_batch, k)
-            return self._offload.prefill(q, k, v, layer, forward_batch)
-        out: torch.Tensor = self.dense.forward_extend(
-            q, k, v, layer, forward_batch, save_kv_cache, **kwargs
-        )
-        self._write_labels(layer, forward_batch, k)
-        return out
+        offload, dense, batch = self._offload, self.dense, forward_batch
+        if offload is None:
+            attend = lambda: dense.forward_extend(q, k, v, layer, batch, save_kv_cache, **kwargs)
+        else:
+            attend = lambda: offload.prefill(q, k, v, layer, batch)
+        return self.runtime.extend_layer(layer.layer_id, batch.out_cache_loc, k, v, attend)
 
     def forward_decode(  # noqa: PLR0917
         self,
@@ -280,46 +251,35 @@ class DoubleSparsityBackend:
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """Label of the new key, then the layer as the runtime's planned step asks."""
+        """The layer as the runtime's planned step asks (``DSDecodeRuntime.decode_layer``)."""
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-        self._write_labels(layer, forward_batch, k)
-        kind = self.runtime.step_kind
-        if kind is StepKind.DENSE:
-            return self.dense.forward_decode(  # type: ignore[no-any-return]
-                q, k, v, layer, forward_batch, save_kv_cache, **kwargs
-            )
-        queries = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        pool, layer_id, scale = self._kv_pool, layer.layer_id, layer.scaling
-        if kind is StepKind.CAPTURED:
-            dense: torch.Tensor = self.dense.forward_decode(
-                q, k, v, layer, forward_batch, save_kv_cache, **kwargs
-            )  # writes this step's K/V
-            k_buffer, v_buffer = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
-            seq_lens = forward_batch.seq_lens
-            return self.runtime.decode_captured(
-                layer_id, queries, k_buffer, v_buffer, seq_lens, dense, scale
-            )
-        if kind is StepKind.OFFLOADED:
-            if k is None or v is None:
-                msg = "qsa_ds: an offloaded decode needs the new token's K/V; the layer gave none"
-                raise AdapterError(msg)
-            out = self.runtime.decode_offloaded(layer_id, queries, k, v, scale)
-        else:
-            if save_kv_cache and k is not None and v is not None:
+        pool, layer_id = self._kv_pool, layer.layer_id
+
+        def write_kv() -> None:
+            if save_kv_cache:
                 loc = KVWriteLoc.for_batch(forward_batch)
                 pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
-            k_buffer, v_buffer = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
-            out = self.runtime.decode(layer_id, queries, k_buffer, v_buffer, scale)
-        return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
-    def _write_labels(self, layer: Any, forward_batch: Any, k: torch.Tensor | None) -> None:
-        """The labels of the keys SGLang writes at ``out_cache_loc`` in this forward."""
-        if k is not None:
-            self.runtime.write_labels(layer.layer_id, forward_batch.out_cache_loc, k)
+        engine = DenseLayer(
+            attend=lambda: self.dense.forward_decode(
+                q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+            ),
+            write_kv=write_kv,
+            buffers=lambda: (pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)),
+        )
+        queries = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        loc, lens = forward_batch.out_cache_loc, forward_batch.seq_lens
+        return self.runtime.decode_layer(layer_id, queries, k, v, loc, lens, layer.scaling, engine)
 
 
-def _host_seq_lens(forward_batch: Any) -> Any:
+def _refuse_pool_write(*args: Any, **kwargs: Any) -> None:
+    del args, kwargs
+    msg = "DS-Offload stages a prefill chunk through the offload runtime, not the K/V pool"
+    raise AdapterError(msg)
+
+
+def _host_seq_lens(forward_batch: Any) -> list[int]:
     """The batch's sequence lengths on the host (SGLang's copy when it made one)."""
     lengths = getattr(forward_batch, "seq_lens_cpu", None)
-    return forward_batch.seq_lens.cpu() if lengths is None else lengths
+    return [int(n) for n in (forward_batch.seq_lens.cpu() if lengths is None else lengths)]

@@ -69,14 +69,14 @@ class HiSparseRadixCache(UnifiedRadixCache):
         if prefix is None or params.req is None:
             return result
         key = params.key
-        hit = prefix.lookup(params.req, key.token_ids[: len(key)])
+        hit = prefix.prompts.lookup(params.req, key.token_ids[: len(key)])
         beyond = host_hit(hit, int(result.device_prefix_len))
         if not beyond:
             return result
         # SGLang reports a "storage" hit in cached_tokens_details for a shared-tier checkpoint
         # (sticky: a later match of the same request finds it copied into the arena).
         req = params.req
-        req.host_hit_is_storage = bool(req.host_hit_is_storage) or prefix.hit_is_shared
+        req.host_hit_is_storage = bool(req.host_hit_is_storage) or prefix.prompts.hit_is_shared
         return result._replace(
             host_hit_length=beyond, full_kv_hit_length=max(int(result.full_kv_hit_length), hit)
         )
@@ -94,7 +94,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         return loaded, params.best_match_node
 
     def prefix_device_indices(self, req: Any) -> Any:
-        slots = None if self.qsa_prefix is None else self.qsa_prefix.prefix_slots(req)
+        slots = None if self.qsa_prefix is None else self.qsa_prefix.prompts.claimed(req)
         if slots is None:
             return super().prefix_device_indices(req)
         return slots[: req.prefix_len]
@@ -126,7 +126,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         if self.qsa_prefix is not None:
-            self.qsa_prefix.forget(req)
+            self.qsa_prefix.prompts.forget(req)
         handle = self.qsa_leases.find(req.rid)
         if handle is None:
             msg = f"request {req.rid!r} released a KV row without holding a lease"
@@ -138,7 +138,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         self._qsa_released[outcome].inc()
         self._qsa_live.dec()
         if self.qsa_prefix is not None and self.qsa_leases.idle:
-            self.qsa_prefix.settle()
+            self.qsa_prefix.prompts.settle()
         logger.debug("%s lease of %r released: %s", RADIX_CACHE_BACKEND, req.rid, outcome)
 
     def admits_host_hit(self, req: Any) -> bool:
@@ -162,7 +162,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         super().reset()
         prefix = getattr(self, "qsa_prefix", None)
         if prefix is not None:
-            prefix.invalidate()
+            prefix.prompts.invalidate()
 
 
 def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
