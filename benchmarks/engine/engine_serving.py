@@ -13,6 +13,8 @@ CUDA graphs on:
 - ``offload``: ``p2-offload`` with ``--prefill-max-requests`` of ``--staged-prompts`` (default 2:
   the end of one prompt and the head of the next share a prefill batch, as they do by default);
 - ``offload-cache``: ``p2-offload`` and a host prefix cache of ``--cache-mb``.
+- ``offload-cache-second``: the same, checkpointing a prefix only the second time a request
+  reaches it (``SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT=second``).
 
 SGLang's client (``python -m sglang.benchmark.serving --backend sglang``) drives each server with
 every workload in turn, as an operator would, at most ``--max-concurrency`` requests in flight.
@@ -80,7 +82,14 @@ from _engine_bench import SKIPPED, lacks_cuda, mem_fraction, pool_tokens, write_
 
 _PAGE = 64
 _CHUNK = 8192
-ARMS = ("upstream", "resident", "resident-one-prompt", "offload", "offload-cache")
+ARMS = (
+    "upstream",
+    "resident",
+    "resident-one-prompt",
+    "offload",
+    "offload-cache",
+    "offload-cache-second",
+)
 WORKLOADS = ("random", "shared-prefix")
 #: The plugin's counters read before and after each run (a missing one reads 0).
 COUNTERS = (
@@ -93,6 +102,7 @@ COUNTERS = (
     "qsa_hisparse_prefix_cache_bytes_in_total",
     "qsa_hisparse_prefix_cache_bytes_out_total",
     "qsa_hisparse_prefix_cache_evictions_total",
+    "qsa_hisparse_prefix_cache_deferred_total",
     "qsa_hisparse_offload_decode_steps_total",
 )
 
@@ -227,14 +237,16 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
     compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
     resident = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-resident"}
     offload = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+    cached = {**offload, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": str(args.cache_mb)}
     every = {
         "upstream": EngineConfig(model, plugin=False, server_args=common),
         "resident": EngineConfig(model, switches=resident, server_args=plugin),
         "resident-one-prompt": EngineConfig(model, switches=resident, server_args=one_prompt),
         "offload": EngineConfig(model, switches=offload, server_args=staged),
-        "offload-cache": EngineConfig(
+        "offload-cache": EngineConfig(model, switches=cached, server_args=staged),
+        "offload-cache-second": EngineConfig(
             model,
-            switches={**offload, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": str(args.cache_mb)},
+            switches={**cached, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT": "second"},
             server_args=staged,
         ),
     }

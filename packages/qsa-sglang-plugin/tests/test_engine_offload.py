@@ -601,6 +601,37 @@ def test_a_multi_turn_chat_reuses_each_earlier_turn(engines: EnginePool) -> None
     assert _prefix_stat(engine, "shared_bytes_total") - shared_before == 3 * CHUNK * (512 + 64)
 
 
+#: The same cache, checkpointing a prefix only the second time a request reaches it.
+PREFIX_CACHE_SECOND = dataclasses.replace(
+    PREFIX_CACHE,
+    switches={**PREFIX_CACHE.switches, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT": "second"},
+)
+
+
+@pytest.mark.engine(PREFIX_CACHE_SECOND)
+def test_admission_second_copies_nothing_for_a_prompt_seen_once_and_loads_it_the_third_time(
+    engines: EnginePool,
+) -> None:
+    engine = engines.engine(PREFIX_CACHE_SECOND)
+    request = GenerateRequest(QWEN.prompt(3000, seed=62), max_new_tokens=8)
+    before = {n: _prefix_stat(engine, n) for n in ("deferred_total", "bytes_in_total")}
+
+    first = engine.generate(request)
+    # Its chunk ends (1,024 and 2,048) were offered and held back: nothing copied.
+    assert first.cached_tokens == 0
+    assert _prefix_stat(engine, "deferred_total") == before["deferred_total"] + 2
+    assert _prefix_stat(engine, "bytes_in_total") == before["bytes_in_total"]
+
+    second = engine.generate(request)  # reaches them again: now they are checkpointed
+    third = engine.generate(request)
+
+    assert second.cached_tokens == 0
+    assert _prefix_stat(engine, "bytes_in_total") > before["bytes_in_total"]
+    assert third.cached_tokens == 2 * CHUNK
+    assert_same_generation(first, third, atol=RERUN_NOISE, what="third (loaded) against first")
+    assert _live_leases(engine) == 0
+
+
 @pytest.mark.engine(PREFIX_CACHE)
 def test_another_cache_salt_shares_nothing(engines: EnginePool) -> None:
     engine = engines.engine(PREFIX_CACHE)

@@ -526,3 +526,41 @@ def test_a_bad_shared_tier_store_is_refused_naming_the_value_and_the_form(
     environ = {**ON, **env}
     environ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE"] = environ.pop("STORE")
     _assert_refused(environ, fragments)
+
+
+def test_the_prefix_cache_admission_parses_with_the_prefix_cache() -> None:
+    from qsa_hostcache import Admission
+
+    with_cache = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"}
+    admit = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT"
+    assert parse_switches(with_cache).prefix_cache_admission is None
+    assert parse_switches({**with_cache, admit: "second"}).prefix_cache_admission is (
+        Admission.SECOND
+    )
+    assert parse_switches({**with_cache, admit: "always"}).prefix_cache_admission is (
+        Admission.ALWAYS
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "fragments"),
+    [
+        (
+            {"SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64", "ADMIT": "twice"},
+            [
+                "SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT='twice'",
+                "allowed: unset, 'always', 'second'",
+            ],
+        ),
+        (
+            {"ADMIT": "second"},
+            ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT='second'", "PREFIX_CACHE_MB > 0"],
+        ),
+    ],
+)
+def test_a_bad_admission_is_refused_naming_the_value_and_the_allowed_ones(
+    env: dict[str, str], fragments: list[str]
+) -> None:
+    environ = {**ON, **env}
+    environ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT"] = environ.pop("ADMIT")
+    _assert_refused(environ, fragments)

@@ -24,7 +24,7 @@ from qsa_hostcache._arena import CopyFence
 from qsa_hostcache._cache import HostPrefixCache
 from qsa_hostcache._keys import CacheNamespace, PrefixKey
 from qsa_hostcache._prompt_pools import KVLayers, PromptPools, TokenSlots
-from qsa_hostcache._prompts import Agree, PromptCheckpoints, PromptCounts, agree_min
+from qsa_hostcache._prompts import Admission, Agree, PromptCheckpoints, PromptCounts, agree_min
 from qsa_hostcache._requests import PromptKeys
 from qsa_hostcache._segments import StateSegments
 from qsa_hostcache._shared import SharedCheckpoints, TierStats
@@ -70,6 +70,7 @@ class PromptCache(Generic[R]):
             None: this rank alone.
         weights: the served weights' version now, read before every lookup and publish.
         shared: the shared tier below the arena, or None.
+        admission: which prefixes are checkpointed (:class:`Admission`).
         on_bypass: called once per request that cannot be keyed, with its reason.
         on_numbers: called with :meth:`numbers` after every call that may have changed them
             (and once here).
@@ -88,13 +89,18 @@ class PromptCache(Generic[R]):
         agree: Agree | None = None,
         weights: Callable[[], object] = lambda: None,
         shared: SharedCheckpoints | None = None,
+        admission: Admission = Admission.ALWAYS,
         on_bypass: Callable[[R, enum.Enum], None] | None = None,
         on_numbers: Callable[[PromptCacheNumbers], None] | None = None,
     ) -> None:
         self.cache = cache
         self.shared = shared
         checkpoints: PromptCheckpoints[torch.Tensor] = PromptCheckpoints(
-            cache, agree=agree or agree_min(None), weights=weights, shared=shared
+            cache,
+            agree=agree or agree_min(None),
+            weights=weights,
+            shared=shared,
+            admission=admission,
         )
         self.pools = PromptPools(checkpoints, index_buffers, ratio, state=state)
         self._keys: PromptKeys[R] = PromptKeys(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Final
 from qsa_sglang_plugin._errors import SwitchError
 
 if TYPE_CHECKING:
-    from qsa_hostcache import StoreAddress
+    from qsa_hostcache import Admission, StoreAddress
 
 __all__ = (
     "DS_ATTENTION_BACKEND",
@@ -32,6 +32,7 @@ __all__ = (
     "ENV_HISPARSE_VERIFY",
     "ENV_INDEX_SHARDING",
     "ENV_MODEL_COMPAT",
+    "ENV_PREFIX_CACHE_ADMIT",
     "ENV_PREFIX_CACHE_MAX_ENTRIES",
     "ENV_PREFIX_CACHE_MB",
     "ENV_PREFIX_CACHE_STORE",
@@ -58,6 +59,9 @@ ENV_PREFIX_CACHE_MAX_ENTRIES: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MAX_ENTR
 #: ``mooncake://HOST:PORT[?segment_mb=N]``: the host prefix cache's shared tier, Mooncake Store
 #: with its master at ``HOST:PORT`` (checkpoints written through, and found there on a miss).
 ENV_PREFIX_CACHE_STORE: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE"
+#: ``always`` (default) or ``second``: which prefixes the host prefix cache checkpoints
+#: (``qsa_hostcache.Admission``: every one, or one the second time a request reaches it).
+ENV_PREFIX_CACHE_ADMIT: Final = "SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT"
 #: Hot-cache blocks per request and QSA layer with ``p2-offload`` (default: qsa-core's
 #: ``hot_cache_slots``, four times the indexer's block top-k; at least the top-k).
 ENV_HISPARSE_HOT_BLOCKS: Final = "SGLANG_QSA_HISPARSE_HOT_BLOCKS"
@@ -183,6 +187,9 @@ class Switches:
             over the cache-sharding groups too (D2; resident cache sharding only).
         prefix_cache_store: ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE``: the prefix cache's
             shared tier, or None (with the prefix cache only).
+        prefix_cache_admission: ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT``: which prefixes the
+            prefix cache checkpoints, or None for ``Admission.ALWAYS`` (with the prefix cache
+            only).
     """
 
     model_compat: bool = False
@@ -195,6 +202,7 @@ class Switches:
     hot_blocks: int | None = None
     index_sharding: bool = False
     prefix_cache_store: StoreAddress | None = None
+    prefix_cache_admission: Admission | None = None
 
     @property
     def any_on(self) -> bool:
@@ -409,6 +417,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
                 f"requires {ENV_PREFIX_CACHE_MB} > 0, got {ENV_PREFIX_CACHE_MB}={raw_mb!r}"
             )
             raise SwitchError(msg)
+    admission = _parse_admission(environ, prefix_cache_mb, raw_mb)
     return Switches(
         model_compat=model_compat,
         hisparse=hisparse,
@@ -420,7 +429,32 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         hot_blocks=hot_blocks,
         index_sharding=index_sharding,
         prefix_cache_store=store,
+        prefix_cache_admission=admission,
     )
+
+
+def _parse_admission(
+    environ: Mapping[str, str], prefix_cache_mb: int, raw_mb: str
+) -> Admission | None:
+    """``SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT``: a policy of the prefix cache, which it needs."""
+    raw = environ.get(ENV_PREFIX_CACHE_ADMIT, "")
+    if not raw:
+        return None
+    from qsa_hostcache import Admission
+
+    try:
+        admission = Admission(raw)
+    except ValueError:
+        allowed = ", ".join(repr(a.value) for a in Admission)
+        msg = f"{ENV_PREFIX_CACHE_ADMIT}={raw!r} is not allowed; allowed: unset, {allowed}"
+        raise SwitchError(msg) from None
+    if prefix_cache_mb == 0:
+        msg = (
+            f"{ENV_PREFIX_CACHE_ADMIT}={raw!r} is a policy of the prefix cache and requires "
+            f"{ENV_PREFIX_CACHE_MB} > 0, got {ENV_PREFIX_CACHE_MB}={raw_mb!r}"
+        )
+        raise SwitchError(msg)
+    return admission
 
 
 def _parse_index_sharding(

@@ -29,5 +29,6 @@ def radix_cache_factory(ctx: Any) -> Any:
                 budget_bytes=switches.prefix_cache_bytes,
                 max_entries=switches.prefix_cache_max_entries,
                 store=switches.prefix_cache_store,
+                admission=switches.prefix_cache_admission,
             )
     return cache

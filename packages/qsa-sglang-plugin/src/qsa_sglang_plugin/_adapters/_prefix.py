@@ -19,6 +19,7 @@ import torch
 
 from qsa_core import format_bytes
 from qsa_hostcache import (
+    Admission,
     CacheStats,
     HostPrefixCache,
     PromptCache,
@@ -158,10 +159,12 @@ def build_prefix_cache(
     budget_bytes: int,
     max_entries: int,
     store: StoreAddress | None = None,
+    admission: Admission | None = None,
 ) -> PrefixCacheRuntime:
     """The prefix cache of one scheduler (SGLang's ``TreeCacheBuildContext``, its tree cache).
 
-    ``store``: the shared tier's store, or None.
+    ``store``: the shared tier's store, or None; ``admission``: which prefixes it checkpoints
+    (None: every one).
 
     Raises:
         qsa_hostcache.ArenaAllocationError: the host cannot allocate (or pin) ``budget_bytes``.
@@ -199,16 +202,19 @@ def build_prefix_cache(
         agree=agree_min(group if int(getattr(tp_group, "world_size", 1)) > 1 else None),
         weights=lambda: get_serving().weight_version,
         shared=shared,
+        admission=admission or Admission.ALWAYS,
         on_bypass=lambda req, reason: metrics.bypassed[BypassReason(reason)].inc(),
         on_numbers=metrics.update,
     )
     logger.info(
-        "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens; %s",
+        "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens; %s; "
+        "admission %s",
         format_bytes(cache.capacity_bytes),
         "pinned" if cache.pinned else "pageable",
         max_entries,
         page_size,
         "images keyed by their content" if fingerprint else "image prompts not reused",
+        prompts.checkpoints.admission.value,
     )
     if store is not None:
         logger.info("prefix cache: shared tier %s, written through", store)
