@@ -564,3 +564,13 @@ def test_a_bad_admission_is_refused_naming_the_value_and_the_allowed_ones(
     environ = {**ON, **env}
     environ["SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT"] = environ.pop("ADMIT")
     _assert_refused(environ, fragments)
+
+
+def test_a_refused_disk_tier_makes_no_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "tier"
+    store = {**ON, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE": f"file://{directory}"}
+    with_cache = {**store, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"}
+    for environ in (store, {**with_cache, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT": "twice"}):
+        with pytest.raises(SwitchError):
+            parse_switches(environ)
+        assert not directory.exists()

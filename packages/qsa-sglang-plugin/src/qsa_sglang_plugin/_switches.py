@@ -399,25 +399,10 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             ENV_HISPARSE_HOT_BLOCKS, raw_hot, zero_allowed=False, maximum=MAX_HOT_BLOCKS_PARSED
         )
         _require_offload(f"{ENV_HISPARSE_HOT_BLOCKS}={raw_hot!r}", hisparse, raw_mode)
-    raw_store = environ.get(ENV_PREFIX_CACHE_STORE, "")
-    store = None
-    if raw_store:
-        from qsa_hostcache import CacheConfigError, DiskAddress, parse_store_address
-
-        try:
-            store = parse_store_address(raw_store)
-            if isinstance(store, DiskAddress):
-                store.check_usable()
-        except CacheConfigError as exc:
-            msg = f"{ENV_PREFIX_CACHE_STORE}={raw_store!r} is not allowed: {exc}"
-            raise SwitchError(msg) from None
-        if prefix_cache_mb == 0:
-            msg = (
-                f"{ENV_PREFIX_CACHE_STORE}={raw_store!r} is the prefix cache's shared tier and "
-                f"requires {ENV_PREFIX_CACHE_MB} > 0, got {ENV_PREFIX_CACHE_MB}={raw_mb!r}"
-            )
-            raise SwitchError(msg)
+    store = _parse_store(environ, prefix_cache_mb, raw_mb)
     admission = _parse_admission(environ, prefix_cache_mb, raw_mb)
+    # Last: it makes the directory, and a refused call changes nothing.
+    _check_store_usable(store, environ.get(ENV_PREFIX_CACHE_STORE, ""))
     return Switches(
         model_compat=model_compat,
         hisparse=hisparse,
@@ -431,6 +416,50 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
         prefix_cache_store=store,
         prefix_cache_admission=admission,
     )
+
+
+def _require_prefix_cache(switch: str, raw: str, prefix_cache_mb: int, raw_mb: str) -> None:
+    """Refuse ``switch`` (set to ``raw``), a part of the prefix cache, without the prefix cache."""
+    if prefix_cache_mb == 0:
+        msg = (
+            f"{switch}={raw!r} is a part of the prefix cache and requires "
+            f"{ENV_PREFIX_CACHE_MB} > 0, got {ENV_PREFIX_CACHE_MB}={raw_mb!r}"
+        )
+        raise SwitchError(msg)
+
+
+def _parse_store(
+    environ: Mapping[str, str], prefix_cache_mb: int, raw_mb: str
+) -> StoreAddress | None:
+    """``SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE``: the prefix cache's shared tier (parsed only)."""
+    raw = environ.get(ENV_PREFIX_CACHE_STORE, "")
+    if not raw:
+        return None
+    from qsa_hostcache import CacheConfigError, parse_store_address
+
+    try:
+        store = parse_store_address(raw)
+    except CacheConfigError as exc:
+        msg = f"{ENV_PREFIX_CACHE_STORE}={raw!r} is not allowed: {exc}"
+        raise SwitchError(msg) from None
+    _require_prefix_cache(ENV_PREFIX_CACHE_STORE, raw, prefix_cache_mb, raw_mb)
+    return store
+
+
+def _check_store_usable(store: StoreAddress | None, raw: str) -> None:
+    """A disk tier's directory made and written once (:meth:`DiskAddress.check_usable`).
+
+    Raises:
+        SwitchError: it cannot be; the message names the switch, the directory and the error.
+    """
+    from qsa_hostcache import CacheConfigError, DiskAddress
+
+    if not isinstance(store, DiskAddress):
+        return
+    try:
+        store.check_usable()
+    except CacheConfigError as exc:
+        raise SwitchError(f"{ENV_PREFIX_CACHE_STORE}={raw!r} is not allowed: {exc}") from None
 
 
 def _parse_admission(
@@ -448,12 +477,7 @@ def _parse_admission(
         allowed = ", ".join(repr(a.value) for a in Admission)
         msg = f"{ENV_PREFIX_CACHE_ADMIT}={raw!r} is not allowed; allowed: unset, {allowed}"
         raise SwitchError(msg) from None
-    if prefix_cache_mb == 0:
-        msg = (
-            f"{ENV_PREFIX_CACHE_ADMIT}={raw!r} is a policy of the prefix cache and requires "
-            f"{ENV_PREFIX_CACHE_MB} > 0, got {ENV_PREFIX_CACHE_MB}={raw_mb!r}"
-        )
-        raise SwitchError(msg)
+    _require_prefix_cache(ENV_PREFIX_CACHE_ADMIT, raw, prefix_cache_mb, raw_mb)
     return admission
 
 
