@@ -390,9 +390,10 @@ def test_a_full_directory_evicts_its_least_recently_read_objects_first(tmp_path:
     tier = DiskTier(DiskAddress(tmp_path, max_mb=1))
     size = 300 << 10  # four fit in 1 MiB, the fourth goes over 90% of it
     values = {name: os.urandom(size) for name in ("a", "b", "c")}
-    for name, value in values.items():
+    for age, (name, value) in zip((30, 20, 10), values.items(), strict=True):
         assert tier.put(name, value)
-        time.sleep(0.01)  # distinct modification times, on any file system's clock
+        old = time.time() - age  # written in that order, whatever the file system's clock step
+        os.utime(tier._path(name), (old, old))
     assert tier.get("a") == values["a"]  # read: now the most recently used
 
     assert tier.put("d", os.urandom(size))

@@ -16,6 +16,7 @@ too. Every error and every call answered while down is counted (:class:`TierHeal
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -676,12 +677,13 @@ class DiskTier:
         path = self._path(key)
         try:
             value = path.read_bytes()
-            os.utime(path)  # used now: the last to go
         except FileNotFoundError:
             return None
         except OSError as exc:
             self._health.failed(f"read {str(path)!r}: {exc}")
             return None
+        with contextlib.suppress(OSError):  # evicted since the read: the value is whole still
+            os.utime(path)  # used now: the last to go
         self._health.count(gets=1, bytes_read=len(value))
         return value
 
