@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -16,6 +17,11 @@ import pytest
 
 from qsa_pytest.processes import hang_guard_s, wait_until
 from qsa_sglang_plugin import launch
+from qsa_sglang_plugin._activation import read_records
+from qsa_sglang_plugin._errors import LaunchError
+from qsa_sglang_plugin._readiness import _healthy, server_topology, wait_ready
+from qsa_sglang_plugin._supervisor import ServerGroup
+from qsa_sglang_plugin._switches import ENV_ACTIVATION_DIR, parse_switches
 
 STANDIN = """
 import http.server, os, subprocess, sys, threading, time
@@ -148,29 +154,74 @@ def test_server_exiting_early_fails_and_leaves_no_orphan(
     assert "exited with status 3 before it was ready" in err
 
 
-def test_rank_that_never_reports_times_out_naming_it(
+def _times_out(
+    mode: str,
     standin: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    *server: str,
+    records: int,
+    healthy: bool,
+) -> str:
+    """Start the stand-in in ``mode``; once it has written ``records`` records (and, if
+    ``healthy``, answers /health), let the readiness wait time out; check it stops the server's
+    child.
+
+    The wait starts only after the stand-in has done everything it will do, so what the timeout
+    names does not depend on how fast a busy machine runs the stand-in.
+
+    Returns:
+        The readiness error's message.
+    """
+    monkeypatch.setenv("STANDIN_MODE", mode)
+    activation = tmp_path / "activation"
+    activation.mkdir()
+    server_args = ["--port", str(_free_port()), *server]
+    topo = server_topology(server_args)
+    group = ServerGroup(
+        [sys.executable, str(standin), *server_args],
+        dict(os.environ, **{ENV_ACTIVATION_DIR: str(activation)}),
+    )
+    try:
+        wait_until(
+            f"the stand-in's {records} records",
+            lambda: len(read_records(activation)[0]) == records,
+        )
+        if healthy:
+            wait_until("the stand-in's /health", lambda: _healthy(topo.address))
+        opts = argparse.Namespace(timeout=1.0, poll_interval=0.1, stop_grace=3.0)
+        with pytest.raises(LaunchError) as excinfo:
+            wait_ready(
+                group,
+                topo=topo,
+                switches=parse_switches(os.environ),
+                activation_dir=activation,
+                opts=opts,
+                received=[],
+            )
+        assert not _alive(_child_pid(tmp_path))  # the readiness wait stopped the group
+    finally:
+        group.stop(3.0)  # a failed check above leaves no stand-in behind
+    return str(excinfo.value)
+
+
+def test_rank_that_never_reports_times_out_naming_it(
+    standin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With --tp-size 3 and records from ranks 0 and 1 only, the timeout names rank (2, 0)."""
-    argv = _argv(standin, tmp_path, "--tp-size", "3", timeout=4.0)
-    err = _launch_fails("missing-rank", argv, tmp_path, monkeypatch, capsys)
-    assert "timed out after 4 s" in err
-    assert "(TP rank, PP rank) (2, 0)" in err
+    err = _times_out(
+        "missing-rank", standin, tmp_path, monkeypatch, "--tp-size", "3", records=2, healthy=True
+    )
+    assert "timed out after 1 s" in err
+    assert err.endswith("a verified scheduler record from (TP rank, PP rank) (2, 0)")
     assert "/health" not in err
 
 
 def test_health_that_never_answers_times_out(
-    standin: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    standin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Records alone are not readiness: without /health the launcher times out and says so."""
-    argv = _argv(standin, tmp_path, timeout=3.0)
-    err = _launch_fails("never-healthy", argv, tmp_path, monkeypatch, capsys)
+    err = _times_out("never-healthy", standin, tmp_path, monkeypatch, records=1, healthy=False)
     assert "/health to answer 200" in err
     assert "(TP rank, PP rank)" not in err
 
