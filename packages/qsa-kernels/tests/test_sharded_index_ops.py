@@ -124,3 +124,87 @@ def test_a_stores_index_selects_on_its_group_with_its_width() -> None:
     index = store.index(3)
     assert (index.shard, index.block_topk, index.path) == (shard, 8, KernelPath.REFERENCE)
     assert index.buffers.max_rows == max(3, PREFILL_GROUP_ROWS)
+
+
+def test_the_whole_index_shape_is_ceil_slots_over_ratio_blocks_of_heads_by_dim() -> None:
+    """161 slots are 41 blocks of 4 tokens (the last one partly used)."""
+    shape = IndexShard.whole_shape(layers=3, slots=161, compress_ratio=RATIO, heads=2, dim=8)
+    assert shape == (3, 41 * 2 * 8)
+    assert IndexShard.whole_shape(layers=1, slots=160, compress_ratio=RATIO, heads=1, dim=8) == (
+        1,
+        40 * 8,
+    )
+
+
+def _prefill_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A slot table of two requests, their keys, five query tokens and the extra heads' queries."""
+    gen = torch.Generator().manual_seed(3)
+    page = BPP * RATIO
+    table = torch.full((2, 4 * page), -1)
+    table[0, : 3 * page] = torch.cat([torch.arange(p * page, (p + 1) * page) for p in (4, 1, 6)])
+    table[1, :page] = torch.arange(2 * page, 3 * page)
+    buffer = (torch.randint(-128, 129, (8 * BPP, 1, 128), generator=gen) / 64).to(torch.bfloat16)
+    q = (torch.randint(0, 129, (5, 6, 128), generator=gen) / 64).to(torch.bfloat16)
+    return table, buffer, q, torch.tensor([0, 0, 0, 1, 1])
+
+
+def _ranges(positions: torch.Tensor, requests: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-in key ranges: they only have to come back from ``prefill_inputs`` as they went."""
+    return requests * 1000, positions + 1
+
+
+def test_a_held_prefill_selects_as_its_rows_do_and_drops_padding_positions() -> None:
+    """``prefill_inputs`` then ``select_prefill``: the selection of ``prefill_rows`` over the
+    indexer's first 4 heads; positions past the query rows (engine padding) are dropped."""
+    table, buffer, q, requests = _prefill_case()
+    positions = torch.tensor([20, 100, 170, 3, 40, 999, 999])
+    index = _index(max_rows=2)
+    starts, ends = index.prefill_inputs(buffer, table, positions, requests, row_ranges=_ranges)
+    assert starts.tolist() == [0, 0, 0, 1000, 1000]
+    assert ends.tolist() == [21, 101, 171, 4, 41]
+    got = index.select_prefill(starts, q, heads=4)
+    rows = index.prefill_rows(table, requests, positions[:5])
+    want = index.select(
+        q[:, :4].contiguous(), index.local_view(buffer), rows.page_table, rows.seq_lens
+    )
+    assert torch.equal(got, want)
+    assert (got >= 0).sum(dim=1).tolist() == [5, 8, 8, 1, 8]
+
+
+def test_a_prefill_selection_needs_the_row_starts_its_inputs_returned_once() -> None:
+    """Another tensor of equal values, a second selection, or none held: refused."""
+    table, buffer, q, requests = _prefill_case()
+    positions = torch.tensor([20, 100, 170, 3, 40])
+    index = _index(max_rows=2)
+    with pytest.raises(KernelInputError, match="not the ones prefill_inputs returned"):
+        index.select_prefill(torch.zeros(5), q, heads=4)
+    starts, _ = index.prefill_inputs(buffer, table, positions, requests, row_ranges=_ranges)
+    with pytest.raises(KernelInputError, match="not the ones prefill_inputs returned"):
+        index.select_prefill(starts.clone(), q, heads=4)
+    starts, _ = index.prefill_inputs(buffer, table, positions, requests, row_ranges=_ranges)
+    index.select_prefill(starts, q, heads=4)
+    with pytest.raises(KernelInputError, match="not the ones prefill_inputs returned"):
+        index.select_prefill(starts, q, heads=4)
+
+
+def test_prefill_positions_shorter_than_the_query_rows_are_refused_by_count() -> None:
+    table, buffer, _, requests = _prefill_case()
+    with pytest.raises(KernelInputError, match=r"positions=4, rows=5"):
+        _index(max_rows=2).prefill_inputs(
+            buffer, table, torch.arange(4), requests, row_ranges=_ranges
+        )
+
+
+def test_a_decode_selection_reads_the_indexers_heads_of_padded_queries() -> None:
+    """Queries padded with two more heads select as the first four do, from closed blocks."""
+    table, buffer, q, _ = _prefill_case()
+    pages = table[:, :: BPP * RATIO].clamp_min(0) // (BPP * RATIO)
+    page_table = pages[[0, 1, 0]]
+    closed = torch.tensor([44, 9, 2])
+    padded = torch.cat([q[:3, :4], torch.full((3, 2, 128), 9.0, dtype=q.dtype)], dim=1)
+    index = _index(max_rows=2)
+    got = index.select_decode(padded, buffer, page_table, closed, heads=4)
+    local = index.local_view(buffer)
+    want = index.select(q[:3, :4].contiguous(), local, page_table, closed * RATIO)
+    assert torch.equal(got, want)
+    assert (got >= 0).sum(dim=1).tolist() == [8, 8, 2]

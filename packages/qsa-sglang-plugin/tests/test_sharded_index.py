@@ -438,10 +438,27 @@ def test_a_qsa_pool_whose_pages_are_not_the_kernels_is_refused_by_value() -> Non
 def test_a_prefill_selection_without_its_sharded_inputs_is_refused() -> None:
     """Row ranges that did not come from the hooked ``get_prefill_mqa_inputs`` (whose keys would
     be read at logical slots of a rank-local buffer) stop the selection."""
-    from qsa_sglang_plugin._adapters._sharded_index import around_select_prefill_tokens
+    from types import SimpleNamespace
+
+    from qsa_core import ShardPlacement
+    from qsa_kernels import KernelPath
+    from qsa_kernels.sharded import ShardedIndex, ShardGroup
+    from qsa_sglang_plugin._adapters._sharded_index import (
+        around_select_prefill_tokens,
+        install_sharded_index,
+    )
     from qsa_sglang_plugin._errors import OffloadRuntimeError
 
+    shard = ShardGroup(ShardPlacement(1, PAGE // RATIO, RATIO), 0)
+    index = ShardedIndex(
+        shard, block_topk=BLOCK_TOPK, max_rows=4, device="cpu", path=KernelPath.REFERENCE
+    )
+    install_sharded_index(index)
     rows = torch.zeros(3, dtype=torch.int32)
     q = torch.zeros((3, HEADS, DIM), dtype=torch.bfloat16)
-    with pytest.raises(OffloadRuntimeError, match="did not come from get_prefill_mqa_inputs"):
-        around_select_prefill_tokens(None, None, q, q[:0], rows, rows, rows, rows)
+    indexer = SimpleNamespace(index_n_heads=HEADS)
+    try:
+        with pytest.raises(OffloadRuntimeError, match="did not come from get_prefill_mqa_inputs"):
+            around_select_prefill_tokens(None, indexer, q, q[:0], rows, rows, rows, rows)
+    finally:
+        install_sharded_index(None)

@@ -9,6 +9,10 @@ a write of closed blocks by logical block slot that keeps only the owned ones
 or prefill rows as decode rows of their positions) through :func:`sharded_indexer_topk` in
 groups of ``max_rows`` rows (:meth:`ShardedIndex.select`, its rows from an engine's slot table
 or decode page table by :meth:`ShardedIndex.prefill_rows` / :meth:`ShardedIndex.decode_rows`).
+An engine whose prefill selection is a second call after the one that computes its rows' key
+ranges holds the rows between the two (:meth:`ShardedIndex.prefill_inputs`, then
+:meth:`ShardedIndex.select_prefill` with the same row starts); a decode selection is one call
+(:meth:`ShardedIndex.select_decode`).
 An engine that builds the whole index in its own constructor builds it under
 :class:`ZerosOnMeta` (no memory) and puts a rank's :class:`IndexShard` in its place.
 Every rank of the group must call :meth:`ShardedIndex.select` with the same rows (the
@@ -67,6 +71,18 @@ class IndexShard:
         placement = ShardPlacement(world_size, blocks_per_page, compress_ratio)
         return cls(placement, -(-capacity_blocks // blocks_per_page))
 
+    @staticmethod
+    def whole_shape(
+        *, layers: int, slots: int, compress_ratio: int, heads: int, dim: int
+    ) -> tuple[int, int]:
+        """``(L, C * H * D)``: an unsharded index of ``layers`` layers over ``slots`` token slots.
+
+        ``C = ceil(slots / compress_ratio)`` blocks per layer, each ``heads x dim`` elements: the
+        whole buffer an engine's constructor allocates (and :class:`ZerosOnMeta` diverts).
+        """
+        blocks = -(-slots // compress_ratio)
+        return layers, blocks * heads * dim
+
     @property
     def local_pages(self) -> int:
         """Pages one rank stores: ``ceil(P / N)`` (page ``p`` at local page ``p // N``)."""
@@ -111,6 +127,15 @@ class IndexRows:
 
     page_table: torch.Tensor
     seq_lens: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _HeldPrefill:
+    """One layer's prefill rows between :meth:`ShardedIndex.prefill_inputs` and the selection."""
+
+    row_starts: torch.Tensor  # the tensor prefill_inputs returned (identifies the call)
+    local_index: torch.Tensor  # [P_local, 16, Dk]
+    rows: IndexRows
 
 
 class ZerosOnMeta(TorchFunctionMode):
@@ -175,6 +200,7 @@ class ShardedIndex:
         self.shard = shard
         self.block_topk = block_topk
         self.path = path
+        self._held: _HeldPrefill | None = None
         # Selection uses only the candidate buffers; the attention parts are one element wide.
         self.buffers = ShardedDecodeBuffers.allocate(
             world_size=shard.world_size,
@@ -305,3 +331,98 @@ class ShardedIndex:
             )
             out[part] = merged.ids
         return out
+
+    def prefill_inputs(
+        self,
+        index_buffer: torch.Tensor,
+        slot_table: torch.Tensor,
+        positions: torch.Tensor,
+        requests: torch.Tensor,
+        *,
+        row_ranges: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's prefill rows: their key ranges, the rows held for :meth:`select_prefill`.
+
+        Args:
+            index_buffer: this rank's index shard of the layer (as :meth:`local_view` takes it).
+            slot_table: ``[R, S]`` int the engine's token slots (as :meth:`prefill_rows`).
+            positions: ``[T']`` int each query token's position, ``T' >= T`` (padding past
+                ``T`` is dropped); moved to ``requests``' device.
+            requests: ``[T]`` int each query token's row of ``slot_table``, on the device the
+                row ranges are computed on.
+            row_ranges: the engine's key ranges of query rows: ``(positions [T], requests [T])``
+                -> ``(row_starts [T], row_ends [T])``.
+
+        Returns:
+            ``(row_starts [T], row_ends [T])`` of ``row_ranges``; ``row_starts`` identifies
+            these rows to :meth:`select_prefill`, which must come next.
+
+        Raises:
+            KernelInputError: fewer positions than query tokens.
+        """
+        rows = requests.numel()
+        if positions.numel() < rows:
+            msg = (
+                f"prefill positions are shorter than the query rows: positions="
+                f"{positions.numel()!r}, rows={rows!r}"
+            )
+            raise KernelInputError(msg)
+        positions = positions[:rows].to(requests.device)
+        row_starts, row_ends = row_ranges(positions, requests)
+        held = self.prefill_rows(slot_table, requests, positions)
+        self._held = _HeldPrefill(row_starts, self.local_view(index_buffer), held)
+        return row_starts, row_ends
+
+    def select_prefill(
+        self, row_starts: torch.Tensor, q: torch.Tensor, *, heads: int
+    ) -> torch.Tensor:
+        """:meth:`select` of the rows :meth:`prefill_inputs` returned ``row_starts`` for.
+
+        Args:
+            row_starts: the tensor :meth:`prefill_inputs` returned (the same object).
+            q: ``[T, >= heads, D]`` index queries; the first ``heads`` are the indexer's.
+            heads: the indexer's query heads.
+
+        Returns:
+            ``[T, block_topk]`` int32 block ids, as :meth:`select`.
+
+        Raises:
+            KernelInputError: ``row_starts`` are not the held rows' (none held, or another
+                call's): the keys would be read at logical slots of a rank-local shard.
+        """
+        held, self._held = self._held, None
+        if held is None or held.row_starts is not row_starts:
+            msg = (
+                "a prefill selection whose row ranges are not the ones prefill_inputs returned; "
+                "its keys would be read at logical slots of a rank-local shard"
+            )
+            raise KernelInputError(msg)
+        queries = q[:, :heads].contiguous()
+        return self.select(queries, held.local_index, held.rows.page_table, held.rows.seq_lens)
+
+    def select_decode(
+        self,
+        q: torch.Tensor,
+        index_buffer: torch.Tensor,
+        page_table: torch.Tensor,
+        closed_blocks: torch.Tensor,
+        *,
+        heads: int,
+    ) -> torch.Tensor:
+        """:meth:`select` of decode rows (:meth:`decode_rows`); capturable.
+
+        Args:
+            q: ``[B, >= heads, D]`` index queries; the first ``heads`` are the indexer's (an
+                engine may pad them with zero heads).
+            index_buffer: this rank's index shard of the layer (as :meth:`local_view` takes it).
+            page_table: ``[B, P]`` int logical compressed page ids.
+            closed_blocks: ``[B]`` int complete blocks of each row.
+            heads: the indexer's query heads.
+
+        Returns:
+            ``[B, block_topk]`` int32 block ids, as :meth:`select`.
+        """
+        rows = self.decode_rows(page_table, closed_blocks)
+        local = self.local_view(index_buffer)
+        queries = q[:, :heads].contiguous()
+        return self.select(queries, local, rows.page_table, rows.seq_lens)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from qsa_kernels import KernelInputError
-from qsa_kernels.sharded import IndexRows, IndexShard, ShardedIndex, ZerosOnMeta
+from qsa_kernels.sharded import IndexShard, ShardedIndex, ZerosOnMeta
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._switches import current_switches
 
@@ -36,24 +35,13 @@ __all__ = (
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class _PrefillRows:
-    """One layer's prefill rows between ``get_prefill_mqa_inputs`` and the selection."""
-
-    row_starts: torch.Tensor  # the tensor get_prefill_mqa_inputs returned (identifies the call)
-    local_index: torch.Tensor  # [P_local, 16, Dk]
-    rows: IndexRows
-
-
 class _State:
     index: ShardedIndex | None = None
-    pending: _PrefillRows | None = None
 
 
 def install_sharded_index(index: ShardedIndex | None) -> None:
     """Make ``index`` this process's index shard (None: uninstall, for tests)."""
     _State.index = index
-    _State.pending = None
 
 
 def sharded_index() -> ShardedIndex:
@@ -91,11 +79,16 @@ def index_shard(pool: Any, sharding: int) -> IndexShard:
 def _whole_index(
     original: Callable[..., None], pool: Any, *args: Any, **kwargs: Any
 ) -> tuple[tuple[int, int], torch.device]:
-    """Upstream's ``(L, C * H * D)`` buffer shape, ``C = ceil((size + page) / ratio)``, device."""
+    """Upstream's buffer shape (:meth:`IndexShard.whole_shape` of its arguments), its device."""
     bound = inspect.signature(original).bind(pool, *args, **kwargs).arguments
-    blocks = -(-(int(bound["size"]) + int(bound["page_size"])) // int(bound["qsa_compress_ratio"]))
-    per_layer = blocks * int(bound["qsa_index_kv_heads"]) * int(bound["qsa_index_head_dim"])
-    return (len(bound["full_attention_layer_ids"]), per_layer), torch.device(bound["device"])
+    shape = IndexShard.whole_shape(
+        layers=len(bound["full_attention_layer_ids"]),
+        slots=int(bound["size"]) + int(bound["page_size"]),
+        compress_ratio=int(bound["qsa_compress_ratio"]),
+        heads=int(bound["qsa_index_kv_heads"]),
+        dim=int(bound["qsa_index_head_dim"]),
+    )
+    return shape, torch.device(bound["device"])
 
 
 def around_qsa_pool_init(
@@ -172,21 +165,20 @@ def around_get_prefill_mqa_inputs(
 
     sequence_lengths = metadata.sequence_lengths.to(torch.int32)
     ids = metadata.token_to_batch_idx if query_sequence_ids is None else query_sequence_ids
-    rows = ids.numel()
-    if positions.numel() < rows:
-        msg = (
-            "QSA prefill positions are shorter than the request mapping: "
-            f"positions={positions.numel()}, mapping={rows}"
-        )
-        raise OffloadRuntimeError(msg)
-    positions, ids = positions[:rows].to(sequence_lengths.device), ids.to(sequence_lengths.device)
-    row_starts, row_ends, _ = build_qsa_row_ranges(
-        sequence_lengths, positions, ids, int(metadata.compress_ratio)
-    )
-    index = sharded_index()
+    ratio = int(metadata.compress_ratio)
+
+    def row_ranges(at: torch.Tensor, requests: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        starts, ends, _ = build_qsa_row_ranges(sequence_lengths, at, requests, ratio)
+        return starts, ends
+
     buffer = metadata.token_to_kv_pool.get_qsa_compressed_k_buffer(layer_id)
-    rows_of = index.prefill_rows(metadata.token_slot_table, ids, positions)
-    _State.pending = _PrefillRows(row_starts, index.local_view(buffer), rows_of)
+    try:
+        row_starts, row_ends = sharded_index().prefill_inputs(
+            buffer, metadata.token_slot_table, positions, ids.to(sequence_lengths.device),
+            row_ranges=row_ranges,
+        )  # fmt: skip
+    except KernelInputError as exc:
+        raise OffloadRuntimeError(f"QSA prefill under index sharding: {exc}") from exc
     return buffer[:0], row_starts, row_ends, sequence_lengths
 
 
@@ -210,18 +202,12 @@ def around_select_prefill_tokens(  # noqa: PLR0917 (upstream's signature)
             ``get_prefill_mqa_inputs`` (the index would be read at logical slots).
     """
     del original, compressed_keys, row_ends, max_row_keys
-    pending = _State.pending
-    if pending is None or pending.row_starts is not row_starts:
-        msg = (
-            "a QSA prefill selection whose row ranges did not come from get_prefill_mqa_inputs "
-            "under index sharding; its keys would be read at logical slots of a rank-local shard"
-        )
-        raise OffloadRuntimeError(msg)
-    _State.pending = None
-    rows = pending.rows
-    blocks = sharded_index().select(
-        _index_queries(indexer, q), pending.local_index, rows.page_table, rows.seq_lens
-    )
+    index, heads = sharded_index(), int(indexer.index_n_heads)
+    try:
+        blocks = index.select_prefill(row_starts, q, heads=heads)
+    except KernelInputError as exc:
+        msg = f"QSA prefill row ranges that did not come from get_prefill_mqa_inputs: {exc}"
+        raise OffloadRuntimeError(msg) from exc
     return _expand(indexer, blocks, query_positions, sequence_lengths_for_rows)
 
 
@@ -244,18 +230,13 @@ def around_select_decode_tokens(  # noqa: PLR0917 (upstream's signature)
     ``[B, block_topk]`` with ``defer_expansion``, else upstream's token positions (capturable).
     """
     del original, max_model_len
-    index = sharded_index()
-    rows = index.decode_rows(compressed_page_table, compressed_lengths)
-    local = index.local_view(compressed_cache)
-    blocks = index.select(_index_queries(indexer, q), local, rows.page_table, rows.seq_lens)
+    blocks = sharded_index().select_decode(
+        q, compressed_cache, compressed_page_table, compressed_lengths,
+        heads=int(indexer.index_n_heads),
+    )  # fmt: skip
     if defer_expansion:
         return blocks
     return _expand(indexer, blocks, query_positions, sequence_lengths)
-
-
-def _index_queries(indexer: Any, q: torch.Tensor) -> torch.Tensor:
-    """``[rows, index_n_heads, D]`` contiguous (upstream pads decode queries with zero heads)."""
-    return q[:, : int(indexer.index_n_heads)].contiguous()
 
 
 def _expand(
