@@ -119,7 +119,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         handle = self.qsa_leases.find(req.rid)
         if handle is None:
             return
-        if self.qsa_prefix is not None and self.qsa_prefix.publishes(req, up_to):
+        if self.qsa_prefix is not None:
             self.qsa_prefix.publish(req, handle.slot, up_to)
         self.qsa_rows.prompt_written(handle, up_to, len(req.origin_input_ids))
 
