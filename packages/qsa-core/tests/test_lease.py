@@ -15,6 +15,8 @@ from qsa_core import (
     LeaseState,
     LeaseTable,
     ResidentRows,
+    admit_request,
+    release_request,
 )
 
 _PATH = (
@@ -337,3 +339,50 @@ class LeaseMachine(RuleBasedStateMachine):
 
 LeaseMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_lease_invariants_under_random_operations = LeaseMachine.TestCase
+
+
+def test_admit_request_leases_a_prompt_once_over_its_chunks() -> None:
+    """The first chunk admits (PREFILLING, at its engine slot); a later chunk gets None."""
+    rows = ResidentRows(2)
+    h = admit_request(rows, "a", 3)
+    assert h is not None
+    assert (rows.leases.state(h), rows.leases.at_engine_slot(3)) == (LeaseState.PREFILLING, h)
+    assert admit_request(rows, "a", 3) is None
+    assert rows.leases.live_handles() == (h,)
+    with pytest.raises(LeaseError, match="engine slot 3 of request 'b' belongs to"):
+        admit_request(rows, "b", 3)
+
+
+class _RecordingRows(ResidentRows):
+    """Resident rows that record how each lease was released."""
+
+    __slots__ = ("released",)
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.released: list[tuple[str, bool]] = []
+
+    def release(self, handle: LeaseHandle, *, aborted: bool = False) -> None:
+        self.released.append((handle.request_id, aborted))
+        super().release(handle, aborted=aborted)
+
+
+@pytest.mark.parametrize(
+    ("finished", "aborted", "outcome"),
+    [
+        (True, False, LeaseOutcome.FINISHED),
+        (True, True, LeaseOutcome.ABORTED),
+        (False, False, LeaseOutcome.RETRACTED),
+    ],
+)
+def test_release_request_ends_the_lease_with_its_outcome(
+    finished: bool, aborted: bool, outcome: LeaseOutcome
+) -> None:
+    """The outcome of :meth:`LeaseOutcome.of`, released aborted unless it finished normally."""
+    rows = _RecordingRows(1)
+    h = rows.admit("a", 0)
+    rows.prompt_written(h, 8, 8)
+    assert release_request(rows, "a", finished=finished, aborted=aborted) is outcome
+    assert (rows.released, rows.leases.idle) == ([("a", outcome.aborted)], True)
+    with pytest.raises(LeaseError, match="request 'a' released a KV row without holding a lease"):
+        release_request(rows, "a", finished=True, aborted=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from collections.abc import Mapping
 
 import pytest
@@ -182,3 +183,95 @@ def test_a_shared_tier_without_its_client_is_refused_naming_the_store_and_the_ex
     assert str(store) in str(refused.value)
     assert "qsa-hostcache[mooncake]" in str(refused.value)
     assert isinstance(refused.value, ImportError)
+
+
+def test_in_host_memory_sizes_its_arena_and_checkpoints_the_state(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A new pageable arena (CPU device) of the budget, entries and page size; the sample's
+    state structure is checkpointed with the prompt and given back to ``put_state``."""
+    index = [torch.arange(SLOTS // RATIO, dtype=torch.float32).view(-1, 1, 1) for _ in range(2)]
+    with caplog.at_level(logging.INFO, logger="qsa_hostcache._prompt_cache"):
+        cache: PromptCache[Request] = PromptCache.in_host_memory(
+            1 << 22,
+            index,
+            RATIO,
+            max_entries=3,
+            page_size=PAGE,
+            device="cpu",
+            state_sample={"conv": torch.zeros(3)},
+            extras=_extras,
+            namespace=lambda r: NS,
+            request_id=lambda r: r.rid,
+        )
+    arena = cache.cache
+    assert (arena.max_entries, arena.page_size, arena.pinned) == (3, PAGE, False)
+    assert 0 < arena.capacity_bytes <= 1 << 22
+    assert "3 checkpoints at most, pages of 4 tokens; admission always" in caplog.text
+    fence = cache.publish(
+        Request("a"),
+        list(range(8)),
+        lambda: _kv(8),
+        lambda: torch.arange(8),
+        lambda: {"conv": torch.full((3,), 7.0)},
+    )
+    assert fence is not None
+    fence.synchronize()
+    later = Request("b")
+    assert cache.lookup(later, list(range(11))) == 8
+    allocator = Allocator(list(range(16, 32)))
+    assert (
+        cache.load(later, list(range(8)), TokenSlots(allocator.alloc, allocator.free)) is not None
+    )
+    states: list[dict[str, torch.Tensor]] = []
+    k, v = _kv(8)
+    cache.restore(
+        later, lambda n: (k, v), lambda layer, f: f.synchronize(), put_state=states.append
+    )
+    assert [s["conv"].tolist() for s in states] == [[7.0, 7.0, 7.0]]
+
+
+def test_numbers_parts_follow_their_series() -> None:
+    """One series tuple per part, the shared tier's labelled by its tier; none without one."""
+    numbers = _cache().numbers()
+    parts, series = numbers.parts(), PromptCacheNumbers.series("disk")
+    assert parts == (numbers.cache, numbers.prompts, None)
+    assert [s.name for s in series[0]] == [f.name for f in dataclasses.fields(CacheStats)]
+    assert [s.name for s in series[1]] == [f.name for f in dataclasses.fields(PromptCounts)]
+    assert series[2]
+    assert all(s.label == ("tier", "disk") for s in series[2])
+    assert PromptCacheNumbers.series(None)[2] == ()
+
+
+@pytest.mark.parametrize(
+    ("written", "prompt", "finished", "published"),
+    [
+        (8, 10, False, True),  # whole pages of a live prompt
+        (6, 10, False, False),  # not a whole number of pages
+        (12, 10, False, False),  # past the prompt (decoded tokens)
+        (8, 10, True, False),  # the request has ended
+    ],
+)
+def test_written_tokens_are_published_only_where_publishes_allows(
+    written: int, prompt: int, finished: bool, published: bool
+) -> None:
+    """With ``prompt_tokens``, a refused length reads nothing and publishes nothing."""
+    cache = _cache()
+    read: list[int] = []
+
+    def kv() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        read.append(written)
+        return _kv(written)
+
+    fence = cache.publish(
+        Request("a"),
+        list(range(written)),
+        kv,
+        lambda: torch.arange(written),
+        prompt_tokens=prompt,
+        finished=finished,
+    )
+    assert (fence is not None, read == [written]) == (published, published)
+    if fence is not None:
+        fence.synchronize()
+    assert cache.lookup(Request("b"), list(range(written + 1))) == (written if published else 0)

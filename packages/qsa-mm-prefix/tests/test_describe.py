@@ -16,9 +16,11 @@ from qsa_mm_prefix import (
     Modality,
     MultimodalItem,
     ProcessorFingerprint,
+    SpanOutOfRangeError,
     build_prompt_identity,
     collect_items,
     describe_item,
+    prompt_identity,
     prompt_page_extras,
 )
 
@@ -146,6 +148,28 @@ def test_a_reusable_prompt_gives_the_page_extras_of_its_identity(
     )
     assert extras == identity.page_extras
     assert list(extras) == [1]  # only the page the image overlaps
+
+
+def test_prompt_identity_of_described_items_or_the_first_bypass(
+    processor: ProcessorFingerprint,
+) -> None:
+    """Reusable items give :func:`build_prompt_identity`'s identity; a bypass is returned as it
+    is, and the items after it are not read."""
+    item = _image(offsets=[(70, 75)])
+    got = prompt_identity(200, iter([item]), processor=processor, spatial_merge_size=MERGE)
+    assert got == build_prompt_identity(200, [item], processor=processor, spatial_merge_size=MERGE)
+    read: list[int] = []
+
+    def items() -> Any:
+        for index, fields in enumerate([{"modality": "VIDEO"}, {}]):
+            read.append(index)
+            yield _describe(index, **fields)
+
+    bypass = prompt_identity(200, items(), processor=processor)
+    assert isinstance(bypass, Bypass)
+    assert (bypass.reason, read) == (BypassReason.VIDEO, [0])
+    with pytest.raises(SpanOutOfRangeError):
+        prompt_identity(62, [_describe(offsets=[(60, 65)])], processor=processor)
 
 
 def test_items_that_contradict_the_prompt_are_logged_and_bypass(

@@ -25,7 +25,6 @@ from qsa_sglang_plugin import (
     capacity_plan_from_sglang,
     config_digest_from_sglang,
 )
-from qsa_sglang_plugin._adapters import kv_storage_dtype
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -178,26 +177,6 @@ def test_unknown_kv_dtype_is_refused_with_allowed_values() -> None:
     args = argparse.Namespace(model_path="m", revision=None, kv_cache_dtype="int4", tp_size=1)
     with pytest.raises(AdapterError, match=r"--kv-cache-dtype='int4'.*'fp8_e4m3'"):
         cache_namespace_from_sglang(args, {"torch_dtype": "bfloat16"}, 0)
-
-
-@pytest.mark.parametrize(
-    ("flag", "stored"),
-    [
-        ("auto", "float16"),
-        ("bf16", "bfloat16"),
-        ("BFloat16", "bfloat16"),
-        ("fp8_e4m3", "float8_e4m3fn"),
-    ],
-)
-def test_kv_storage_dtype_names_the_torch_dtype(flag: str, stored: str) -> None:
-    """Each ``--kv-cache-dtype`` QSA serves keys as torch names it; ``auto`` as the model dtype."""
-    assert kv_storage_dtype(flag, "float16") == stored
-
-
-def test_kv_storage_dtype_refuses_a_dtype_qsa_does_not_serve() -> None:
-    """A dtype SGLang knows but the QSA kernels do not store (fp8 e5m2) is refused."""
-    with pytest.raises(AdapterError, match=r"'fp8_e5m2' is not known; allowed: 'auto', 'bf16'"):
-        kv_storage_dtype("fp8_e5m2", "bfloat16")
 
 
 def test_plan_at_the_originals_flags_matches_qsa_core(resolve: Resolve) -> None:

@@ -35,7 +35,16 @@ from qsa_core._jsonfile import (
     JSON_MAX_INT_DIGITS,
     read_json_file,
 )
-from qsa_core._lease import LeaseHandle, LeaseOutcome, LeaseState, LeaseTable, ResidentRows
+from qsa_core._lease import (
+    LeaseHandle,
+    LeaseOutcome,
+    LeaseState,
+    LeaseTable,
+    RequestRows,
+    ResidentRows,
+    admit_request,
+    release_request,
+)
 from qsa_core._merge import TopKCandidate, candidate_sort_key, merge_topk, topk_reference
 from qsa_core._offload_sizes import (
     OffloadSizes,
@@ -79,6 +88,9 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "LeaseState",
     "LeaseTable",
     "ResidentRows",
+    "RequestRows",
+    "admit_request",
+    "release_request",
     # hot-cache residency contract
     "HotCacheState",
     "ResidencyFill",

@@ -36,12 +36,21 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 from qsa_core._checks import is_int
 from qsa_core._errors import CapacityError, LeaseError
 
-__all__ = ("LeaseHandle", "LeaseOutcome", "LeaseState", "LeaseTable", "ResidentRows")
+__all__ = (
+    "LeaseHandle",
+    "LeaseOutcome",
+    "LeaseState",
+    "LeaseTable",
+    "RequestRows",
+    "ResidentRows",
+    "admit_request",
+    "release_request",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -416,3 +425,47 @@ class ResidentRows:
             LeaseError: as :meth:`LeaseTable.end`.
         """
         self.leases.end(handle, aborted=aborted)
+
+
+class RequestRows(Protocol):
+    """The calls an engine makes over a request's life: :class:`ResidentRows`' (or an offload's)."""
+
+    @property
+    def leases(self) -> LeaseTable: ...
+
+    def admit(self, request_id: str, engine_slot: int) -> LeaseHandle: ...
+
+    def prompt_written(self, handle: LeaseHandle, tokens: int, prompt_tokens: int) -> None: ...
+
+    def release(self, handle: LeaseHandle, *, aborted: bool = False) -> None: ...
+
+
+def admit_request(rows: RequestRows, request_id: str, engine_slot: int) -> LeaseHandle | None:
+    """``rows.admit`` of a request's first prefill chunk; None for a later chunk (already leased).
+
+    Raises:
+        LeaseError: as :meth:`LeaseTable.admit` (no free slot, ``engine_slot`` held by another).
+    """
+    if rows.leases.find(request_id) is not None:
+        return None
+    return rows.admit(request_id, engine_slot)
+
+
+def release_request(
+    rows: RequestRows, request_id: str, *, finished: bool, aborted: bool
+) -> LeaseOutcome:
+    """The request gave its engine slot back: ``rows.release`` of its lease, and why.
+
+    ``finished``: the request ended (not retracted to run again); ``aborted``: it ended by an
+    abort (:meth:`LeaseOutcome.of`). Anything but a normal finish releases the lease aborted.
+
+    Raises:
+        LeaseError: ``request_id`` holds no live lease (it released a slot it never leased).
+    """
+    handle = rows.leases.find(request_id)
+    if handle is None:
+        msg = f"request {request_id!r} released a KV row without holding a lease"
+        raise LeaseError(msg)
+    outcome = LeaseOutcome.of(finished=finished, aborted=aborted)
+    rows.release(handle, aborted=outcome.aborted)
+    return outcome

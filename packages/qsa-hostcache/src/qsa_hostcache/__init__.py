@@ -35,7 +35,12 @@ from qsa_hostcache._keys import (
     token_bytes,
 )
 from qsa_hostcache._layout import CheckpointLayout, SegmentSpec
-from qsa_hostcache._model_config import kv_storage_dtype, model_config_digest, model_dtype
+from qsa_hostcache._model_config import (
+    kv_storage_dtype,
+    model_config_digest,
+    model_dtype,
+    model_namespace,
+)
 from qsa_hostcache._prompt_cache import PromptCache, PromptCacheNumbers
 from qsa_hostcache._prompt_pools import PromptPools, TokenSlots, admits_host_hit, host_hit
 from qsa_hostcache._prompts import (
@@ -86,6 +91,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "model_dtype",
     "kv_storage_dtype",
     "model_config_digest",
+    "model_namespace",
     # checkpoints
     "SegmentSpec",
     "CheckpointLayout",

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 
 from qsa_core import KVDType
 from qsa_hostcache._errors import CacheConfigError
-from qsa_hostcache._keys import config_digest
+from qsa_hostcache._keys import CacheNamespace, config_digest
 
-__all__ = ("kv_storage_dtype", "model_config_digest", "model_dtype")
+__all__ = ("kv_storage_dtype", "model_config_digest", "model_dtype", "model_namespace")
 
 
 def model_dtype(hf_config: Mapping[str, object]) -> str:
@@ -55,7 +55,7 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
 
 def model_config_digest(
     hf_config: Mapping[str, object],
-    dtype: str,
+    dtype: str | None,
     server: Mapping[str, object],
     *,
     ignored_keys: frozenset[str] = frozenset(),
@@ -63,13 +63,62 @@ def model_config_digest(
     """:func:`config_digest` of a model's HF config, the dtype it runs in and engine settings.
 
     The payload is ``{"hf_config": hf_config less ignored_keys, "model_dtype": dtype, "server":
-    server}``: ``dtype`` the model dtype the engine resolved (:func:`model_dtype` of the config
-    unless overridden), ``server`` the settings that change the bytes computed for given tokens
-    (storage layout, weights, kernels), ``ignored_keys`` config keys an engine writes that do not.
+    server}``: ``dtype`` the model dtype the engine resolved (None: :func:`model_dtype` of the
+    config), ``server`` the settings that change the bytes computed for given tokens (storage
+    layout, weights, kernels), ``ignored_keys`` config keys an engine writes that do not.
+
+    Raises:
+        CacheConfigError: ``dtype`` is None and the config names none.
     """
     payload = {
         "hf_config": {k: v for k, v in hf_config.items() if k not in ignored_keys},
-        "model_dtype": dtype,
+        "model_dtype": model_dtype(hf_config) if dtype is None else dtype,
         "server": dict(server),
     }
     return config_digest(payload)
+
+
+def model_namespace(
+    hf_config: Mapping[str, object],
+    server: Mapping[str, object],
+    *,
+    model_path: str | None,
+    revision: str | None,
+    tp_size: int,
+    tp_rank: int,
+    dtype: str | None = None,
+    ignored_keys: frozenset[str] = frozenset(),
+) -> CacheNamespace:
+    """The namespace of one tensor-parallel rank of a model the engine serves.
+
+    ``model`` is :meth:`CacheNamespace.model_identity` of ``model_path`` and ``revision``;
+    ``dtype`` the K/V storage dtype (:func:`kv_storage_dtype` of ``server["kv_cache_dtype"]``,
+    ``auto`` when absent); the digest :func:`model_config_digest` of ``hf_config`` (less
+    ``ignored_keys``), the model dtype and ``server``.
+
+    Args:
+        hf_config: the model's HF config as a dict.
+        server: the engine settings that change a checkpoint's bytes, by name (resolved values).
+        model_path: the model's path or hub name.
+        revision: the hub revision, if any.
+        tp_size: tensor-parallel ranks.
+        tp_rank: this rank, in ``[0, tp_size)``.
+        dtype: the model dtype the engine resolved (None: :func:`model_dtype` of ``hf_config``).
+        ignored_keys: config keys the engine writes that do not change the bytes.
+
+    Raises:
+        CacheConfigError: no model path, an unknown K/V dtype, or no dtype to resolve.
+        InvalidKeyError: ``tp_rank`` outside ``[0, tp_size)``.
+    """
+    if not model_path:
+        raise CacheConfigError(
+            f"--model-path={model_path!r} is not allowed; allowed: a path or name"
+        )
+    resolved = model_dtype(hf_config) if dtype is None else dtype
+    return CacheNamespace(
+        model=CacheNamespace.model_identity(str(model_path), revision),
+        dtype=kv_storage_dtype(str(server.get("kv_cache_dtype", "auto")), resolved),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        config_digest=model_config_digest(hf_config, resolved, server, ignored_keys=ignored_keys),
+    )

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from qsa_core import CountSeries, format_bytes
 from qsa_hostcache._arena import CopyFence
 from qsa_hostcache._cache import HostPrefixCache
 from qsa_hostcache._keys import CacheNamespace, PrefixKey
@@ -50,6 +51,16 @@ class PromptCacheNumbers:
     cache: CacheStats
     prompts: PromptCounts
     shared: TierStats | None = None
+
+    def parts(self) -> tuple[CacheStats, PromptCounts, TierStats | None]:
+        """:attr:`cache`, :attr:`prompts` and :attr:`shared`, in :meth:`series` order."""
+        return self.cache, self.prompts, self.shared
+
+    @staticmethod
+    def series(tier: str | None) -> tuple[tuple[CountSeries, ...], ...]:
+        """The series of each of :meth:`parts` (the shared tier's named ``tier``; none without)."""
+        shared = () if tier is None else TierStats.series(tier)
+        return CacheStats.series(), PromptCounts.series(), shared
 
 
 class PromptCache(Generic[R]):
@@ -110,6 +121,62 @@ class PromptCache(Generic[R]):
         self._request_id = request_id
         self._on_numbers = on_numbers
         self._report()
+
+    @classmethod
+    def in_host_memory(
+        cls,
+        budget_bytes: int,
+        index_buffers: Sequence[torch.Tensor],
+        ratio: int,
+        *,
+        max_entries: int,
+        page_size: int,
+        device: torch.device | str,
+        state_sample: Any = None,
+        group: Any = None,
+        **keywords: Any,
+    ) -> PromptCache[R]:
+        """A prompt cache over a new arena of ``budget_bytes`` (:class:`HostPrefixCache`).
+
+        Args:
+            budget_bytes: the arena's host memory, allocated once (pinned for a CUDA
+                ``device``).
+            index_buffers: as :class:`PromptCache`.
+            ratio: as :class:`PromptCache`.
+            max_entries: the most checkpoints the arena holds.
+            page_size: tokens per page (the engine's page size).
+            device: where the engine's pools live; only a CUDA device's tensors are copied on a
+                side stream.
+            state_sample: one recurrent state as the engine's pool copies it out (the structure
+                of :class:`StateSegments`); None: the model keeps none.
+            group: the torch.distributed CPU group of the ranks that serve the same requests
+                (:func:`agree_min`); None: this rank alone.
+            **keywords: :class:`PromptCache`'s other keywords (``extras``, ``namespace``...).
+
+        Raises:
+            ArenaAllocationError: the host cannot allocate (or pin) ``budget_bytes``.
+        """
+        on = torch.device(device)
+        cache = HostPrefixCache(
+            budget_bytes,
+            max_entries=max_entries,
+            page_size=page_size,
+            device=on if on.type == "cuda" else None,
+        )
+        state = None if state_sample is None else StateSegments(state_sample)
+        prompts: PromptCache[R] = cls(
+            cache, index_buffers, ratio, state=state, agree=agree_min(group), **keywords
+        )
+        logger.info(
+            "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens; "
+            "admission %s",
+            format_bytes(cache.capacity_bytes),
+            "pinned" if cache.pinned else "pageable",
+            max_entries,
+            page_size,
+            prompts.checkpoints.admission.value,
+        )
+        return prompts
 
     @property
     def checkpoints(self) -> PromptCheckpoints[torch.Tensor]:
@@ -201,21 +268,33 @@ class PromptCache(Generic[R]):
         kv: Callable[[], KVLayers],
         token_slots: Callable[[], torch.Tensor],
         state: Callable[[], Any] | None = None,
+        *,
+        prompt_tokens: int | None = None,
+        finished: bool = False,
     ) -> CopyFence | None:
         """Checkpoint ``request``'s first ``len(tokens)`` tokens, if every rank can.
 
         Args:
             request: the request whose prompt it is.
-            tokens: its first token ids (a length :meth:`publishes` allows).
+            tokens: its first token ids (a length :meth:`publishes` allows, or any written
+                length when ``prompt_tokens`` is given).
             kv: each layer's K/V of those tokens, ``[T, Hkv, D]`` a layer (views must stay
                 unchanged until the returned fence); read only when the checkpoint is taken.
             token_slots: ``[T]`` the tokens' slots, whose index rows are read.
             state: reads the request's recurrent state (only when the model keeps one).
+            prompt_tokens: the request's prompt length: ``tokens`` are what it has written so
+                far, checkpointed only where :meth:`publishes` allows (None: already decided).
+            finished: the request has ended (with ``prompt_tokens``: nothing is checkpointed).
 
         Returns:
             The copies' fence when every rank committed the checkpoint; None when it was not
-            published (the request is not keyed, already cached, no room, or it failed).
+            published (not a length :meth:`publishes` allows, the request is not keyed, already
+            cached, no room, or it failed).
         """
+        if prompt_tokens is not None and not self.publishes(
+            len(tokens), prompt_tokens=prompt_tokens, finished=finished
+        ):
+            return None
         if self._keys.bypass(request) is not None:
             return None
         fence = self.checkpoints.publish(

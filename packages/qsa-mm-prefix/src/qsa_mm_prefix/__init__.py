@@ -13,7 +13,12 @@ Engine-agnostic: a serving engine reads its own items' fields and describes each
 XXH3-128 with explicit seeds, independent of the process and of ``PYTHONHASHSEED``.
 """
 
-from qsa_mm_prefix._describe import collect_items, describe_item, prompt_page_extras
+from qsa_mm_prefix._describe import (
+    collect_items,
+    describe_item,
+    prompt_identity,
+    prompt_page_extras,
+)
 from qsa_mm_prefix._encoding import ENCODING_VERSION, KEY_BYTES, PreprocessArg
 from qsa_mm_prefix._errors import (
     ContentError,
@@ -62,6 +67,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "ImageKey",
     "PromptIdentity",
     "build_prompt_identity",
+    "prompt_identity",
     "content_digest",
     "image_key",
     "prompt_page_extras",

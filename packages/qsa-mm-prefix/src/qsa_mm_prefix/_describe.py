@@ -18,12 +18,14 @@ from typing import Any
 from qsa_mm_prefix._errors import MultimodalPrefixError, SpanError
 from qsa_mm_prefix._identity import build_prompt_identity
 from qsa_mm_prefix._types import (
+    DEFAULT_PAGE_SIZE,
     Bypass,
     BypassReason,
     FeatureSource,
     Modality,
     MultimodalItem,
     ProcessorFingerprint,
+    PromptIdentity,
 )
 
 logger = logging.getLogger(__name__)
@@ -186,6 +188,32 @@ def collect_items(
             return item
         items.append(item)
     return tuple(items)
+
+
+def prompt_identity(
+    num_tokens: int,
+    described: Iterable[MultimodalItem | Bypass],
+    *,
+    processor: ProcessorFingerprint,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    spatial_merge_size: int | None = None,
+) -> PromptIdentity | Bypass:
+    """:func:`build_prompt_identity` of a prompt's described items, or the first one's bypass.
+
+    ``described``: :func:`describe_item`'s results in the engine's order (consumed only up to
+    the first :class:`Bypass`, as :func:`collect_items`); the other arguments as
+    :func:`build_prompt_identity`'s, whose errors it raises.
+    """
+    items = collect_items(described)
+    if isinstance(items, Bypass):
+        return items
+    return build_prompt_identity(
+        num_tokens,
+        items,
+        processor=processor,
+        page_size=page_size,
+        spatial_merge_size=spatial_merge_size,
+    )
 
 
 def prompt_page_extras(

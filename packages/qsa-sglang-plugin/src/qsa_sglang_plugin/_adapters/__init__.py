@@ -13,7 +13,6 @@ from qsa_sglang_plugin._adapters._namespace import (
     DIGEST_SERVER_FIELDS,
     cache_namespace_from_sglang,
     config_digest_from_sglang,
-    kv_storage_dtype,
 )
 from qsa_sglang_plugin._adapters._pool_sizing import capacity_plan_from_sglang, ds_capacity
 
@@ -23,7 +22,6 @@ __all__ = (
     "capacity_plan_from_sglang",
     "config_digest_from_sglang",
     "ds_capacity",
-    "kv_storage_dtype",
     "mm_items_from_sglang",
     "prompt_identity_from_sglang",
 )

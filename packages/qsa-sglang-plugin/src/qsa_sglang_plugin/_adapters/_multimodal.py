@@ -17,9 +17,9 @@ from qsa_mm_prefix import (
     MultimodalItem,
     ProcessorFingerprint,
     PromptIdentity,
-    build_prompt_identity,
     collect_items,
     describe_item,
+    prompt_identity,
 )
 
 __all__ = (
@@ -109,18 +109,16 @@ def prompt_identity_from_sglang(
     page_size: int = DEFAULT_PAGE_SIZE,
     spatial_merge_size: int | None = None,
 ) -> PromptIdentity | Bypass:
-    """Page identities of an SGLang ``Req`` (or its bypass; both expose ``reusable``).
+    """:func:`qsa_mm_prefix.prompt_identity` of an SGLang ``Req`` (both results: ``reusable``).
 
     Raises:
         qsa_mm_prefix.SpanError: spans past the prompt or overlapping (an engine bug).
         qsa_mm_prefix.InvalidGridError: a grid that disagrees with its span.
     """
-    items = mm_items_from_sglang(req.multimodal_inputs)
-    if isinstance(items, Bypass):
-        return items
-    return build_prompt_identity(
+    mm_inputs = req.multimodal_inputs
+    return prompt_identity(
         len(req.origin_input_ids),
-        items,
+        () if mm_inputs is None else sglang_items(mm_inputs),
         processor=processor,
         page_size=page_size,
         spatial_merge_size=spatial_merge_size,

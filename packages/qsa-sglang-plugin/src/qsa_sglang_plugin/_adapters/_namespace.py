@@ -5,6 +5,8 @@ Which fields change a checkpoint's bytes, and why: ``docs/plugin.md`` ("Namespac
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from qsa_sglang_plugin._errors import AdapterError
@@ -17,7 +19,6 @@ __all__ = (
     "IGNORED_CONFIG_KEYS",
     "cache_namespace_from_sglang",
     "config_digest_from_sglang",
-    "kv_storage_dtype",
     "resolved_args",
 )
 
@@ -63,27 +64,28 @@ def _hf_config(model_or_hf_config: Any) -> dict[str, Any]:
     raise AdapterError(msg)
 
 
-def _model_dtype(model_or_hf_config: Any) -> str:
-    """``ModelConfig.dtype`` (SGLang's resolved ``--dtype``), else the HF config's."""
-    from qsa_hostcache import HostCacheError, model_dtype
+def _server(server_args: Any) -> dict[str, Any]:
+    """The resolved :data:`DIGEST_SERVER_FIELDS` of ``server_args`` (absent: None)."""
+    view = resolved_args(server_args)
+    return {name: getattr(view, name, None) for name in DIGEST_SERVER_FIELDS}
 
-    dtype = getattr(model_or_hf_config, "dtype", None)
-    if dtype is not None and getattr(model_or_hf_config, "hf_config", None) is not None:
-        return str(dtype).removeprefix("torch.")
+
+def _engine_dtype(model_config: Any) -> str | None:
+    """``ModelConfig.dtype`` (SGLang's resolved ``--dtype``); None for an HF config or a dict."""
+    dtype = getattr(model_config, "dtype", None)
+    if dtype is None or getattr(model_config, "hf_config", None) is None:
+        return None
+    return str(dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def _refusing() -> Iterator[None]:
+    """A ``qsa_hostcache.CacheConfigError`` inside raised as :class:`AdapterError`."""
+    from qsa_hostcache import CacheConfigError
+
     try:
-        return model_dtype(_hf_config(model_or_hf_config))
-    except HostCacheError as exc:
-        raise AdapterError(str(exc)) from exc
-
-
-def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
-    """:func:`qsa_hostcache.kv_storage_dtype`, refusing by :class:`AdapterError`."""
-    from qsa_hostcache import HostCacheError
-    from qsa_hostcache import kv_storage_dtype as storage_dtype
-
-    try:
-        return storage_dtype(kv_cache_dtype, model_dtype)
-    except HostCacheError as exc:
+        yield
+    except CacheConfigError as exc:
         raise AdapterError(str(exc)) from exc
 
 
@@ -94,13 +96,11 @@ def config_digest_from_sglang(server_args: Any, model_config: Any) -> str:
     """
     from qsa_hostcache import model_config_digest
 
-    view = resolved_args(server_args)
-    return model_config_digest(
-        _hf_config(model_config),
-        _model_dtype(model_config),
-        {name: getattr(view, name, None) for name in DIGEST_SERVER_FIELDS},
-        ignored_keys=IGNORED_CONFIG_KEYS,
-    )
+    hf_config, dtype = _hf_config(model_config), _engine_dtype(model_config)
+    with _refusing():
+        return model_config_digest(
+            hf_config, dtype, _server(server_args), ignored_keys=IGNORED_CONFIG_KEYS
+        )
 
 
 def cache_namespace_from_sglang(
@@ -112,7 +112,7 @@ def cache_namespace_from_sglang(
     lora_id: str | None = None,
     extra_key: str | None = None,
 ) -> CacheNamespace:
-    """The namespace of one TP rank (with the keywords, of one request's salt).
+    """:func:`qsa_hostcache.model_namespace` of one TP rank (with the keywords, of one request).
 
     ``model`` of ``--model-path`` and ``--revision``, ``dtype`` the K/V storage dtype, the digest
     :func:`config_digest_from_sglang`'s (``model_config``: SGLang's ``ModelConfig`` or an HF
@@ -122,17 +122,18 @@ def cache_namespace_from_sglang(
         AdapterError: no model path, an unknown KV dtype or a config without a dtype.
         qsa_hostcache.InvalidKeyError: ``tp_rank`` outside ``[0, tp_size)``.
     """
-    from qsa_hostcache import CacheNamespace
+    from qsa_hostcache import model_namespace
 
     view = resolved_args(server_args)
-    model_path = getattr(view, "model_path", None)
-    if not model_path:
-        raise AdapterError(f"--model-path={model_path!r} is not allowed; allowed: a path or name")
-    dtype = kv_storage_dtype(str(view.kv_cache_dtype), _model_dtype(model_config))
-    return CacheNamespace(
-        model=CacheNamespace.model_identity(str(model_path), getattr(view, "revision", None)),
-        dtype=dtype,
-        tp_size=int(view.tp_size),
-        tp_rank=tp_rank,
-        config_digest=config_digest_from_sglang(server_args, model_config),
-    ).for_request(cache_salt=cache_salt, lora_id=lora_id, extra_key=extra_key)
+    with _refusing():
+        namespace = model_namespace(
+            _hf_config(model_config),
+            _server(view),
+            model_path=getattr(view, "model_path", None),
+            revision=getattr(view, "revision", None),
+            tp_size=int(view.tp_size),
+            tp_rank=tp_rank,
+            dtype=_engine_dtype(model_config),
+            ignored_keys=IGNORED_CONFIG_KEYS,
+        )
+    return namespace.for_request(cache_salt=cache_salt, lora_id=lora_id, extra_key=extra_key)

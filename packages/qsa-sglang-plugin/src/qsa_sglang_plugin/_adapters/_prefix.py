@@ -17,20 +17,13 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from qsa_core import format_bytes
 from qsa_hostcache import (
     Admission,
-    CacheStats,
-    HostPrefixCache,
     PromptCache,
     PromptCacheNumbers,
-    PromptCounts,
     SharedCheckpoints,
-    StateSegments,
     StoreUnavailableError,
-    TierStats,
     TokenSlots,
-    agree_min,
 )
 from qsa_mm_prefix import BypassReason, ProcessorFingerprint, prompt_page_extras, spatial_merge_size
 from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
@@ -56,11 +49,8 @@ class _Metrics:
 
     def __init__(self, tp_rank: int, tier: str | None) -> None:
         make = RankMetrics(tp_rank)
-        tier_series = () if tier is None else TierStats.series(tier)
-        self._mirrors = [
-            CountsMirror(make, METRIC_PREFIX, series)
-            for series in (CacheStats.series(), PromptCounts.series(), tier_series)
-        ]
+        series = PromptCacheNumbers.series(tier)
+        self._mirrors = [CountsMirror(make, METRIC_PREFIX, part) for part in series]
         self.bypassed = make.counters_by(
             f"{METRIC_PREFIX}_bypassed",
             "Requests the prefix cache does not key (not matched, not published), by reason.",
@@ -70,8 +60,7 @@ class _Metrics:
 
     def update(self, numbers: PromptCacheNumbers) -> None:
         """The cache's, the prompt calls' and the shared tier's counts, as increments."""
-        counts_now = (numbers.cache, numbers.prompts, numbers.shared)
-        for mirror, counts in zip(self._mirrors, counts_now, strict=True):
+        for mirror, counts in zip(self._mirrors, numbers.parts(), strict=True):
             if counts is not None:
                 mirror.update(counts)
 
@@ -122,13 +111,8 @@ class PrefixCacheRuntime:
             state_device=offload.kv.device,
         )
 
-    def publishes(self, req: Any, up_to: int) -> bool:
-        """Whether ``req``'s first ``up_to`` written tokens are checkpointed."""
-        prompt = len(req.origin_input_ids)
-        return self.prompts.publishes(up_to, prompt_tokens=prompt, finished=req.finished())
-
     def publish(self, req: Any, row: int, up_to: int) -> bool:
-        """Checkpoint ``req``'s first ``up_to`` tokens (:meth:`publishes`); True if all did."""
+        """Checkpoint ``req``'s first ``up_to`` written tokens, if allowed; True if all did."""
         mamba = self._mamba
         fence = self.prompts.publish(
             req,
@@ -136,6 +120,8 @@ class PrefixCacheRuntime:
             lambda: self._offload.staged_layers(row, up_to),
             lambda: self._req_to_token.req_to_token[int(req.kv.req_pool_idx), :up_to],
             None if mamba is None else lambda: mamba.get_cpu_copy(self._state_slot(req)),
+            prompt_tokens=len(req.origin_input_ids),
+            finished=req.finished(),
         )
         if fence is not None:  # the next prompt waits for the copies reading the staging area
             self._offload.keep_staging_until(fence)
@@ -174,23 +160,25 @@ def build_prefix_cache(
 
     runner, rows = ctx.tp_worker.model_runner, tree_cache.req_to_token_pool
     tp_rank, tp_group = int(get_parallel().tp_rank), getattr(ctx, "tp_group", None)
-    page_size, device = int(tree_cache.page_size), torch.device(runner.device)
-    cuda = device if device.type == "cuda" else None
-    cache = HostPrefixCache(budget_bytes, max_entries=max_entries, page_size=page_size, device=cuda)
+    page_size = int(tree_cache.page_size)
     namespace = cache_namespace_from_sglang(runner.server_args, runner.model_config, tp_rank)
     fingerprint = engine_processor_fingerprint(runner.server_args, runner.model_config)
     merge = spatial_merge_size(runner.model_config.hf_config)
-    mamba, state = getattr(rows, "mamba_pool", None), None
-    if mamba is not None:  # the pool's own round-trip structure, read from slot 0
-        state = StateSegments(mamba.get_cpu_copy(torch.zeros(1, dtype=torch.int64)))
+    mamba = getattr(rows, "mamba_pool", None)  # its round-trip structure: slot 0's copy
+    state = None if mamba is None else mamba.get_cpu_copy(torch.zeros(1, dtype=torch.int64))
     shared = None if store is None else _shared_tier(store)
     metrics = _Metrics(tp_rank, None if shared is None else shared.tier.name)
     group = getattr(tp_group, "cpu_group", None)
     kv_pool = runner.token_to_kv_pool
-    prompts: PromptCache[Any] = PromptCache(
-        cache,
+    prompts: PromptCache[Any] = PromptCache.in_host_memory(
+        budget_bytes,
         kv_pool.qsa_compressed_k_buffer_pool,
         int(kv_pool.qsa_compress_ratio),
+        max_entries=max_entries,
+        page_size=page_size,
+        device=runner.device,
+        state_sample=state,
+        group=group if int(getattr(tp_group, "world_size", 1)) > 1 else None,
         extras=functools.partial(_page_extras, fingerprint, merge, page_size),
         namespace=lambda req: namespace.for_request(
             cache_salt=getattr(req, "cache_salt", None),
@@ -198,8 +186,6 @@ def build_prefix_cache(
             extra_key=getattr(req, "extra_key", None),
         ),
         request_id=lambda req: req.rid,
-        state=state,
-        agree=agree_min(group if int(getattr(tp_group, "world_size", 1)) > 1 else None),
         weights=lambda: get_serving().weight_version,
         shared=shared,
         admission=admission or Admission.ALWAYS,
@@ -207,14 +193,8 @@ def build_prefix_cache(
         on_numbers=metrics.update,
     )
     logger.info(
-        "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens; %s; "
-        "admission %s",
-        format_bytes(cache.capacity_bytes),
-        "pinned" if cache.pinned else "pageable",
-        max_entries,
-        page_size,
+        "prefix cache: %s",
         "images keyed by their content" if fingerprint else "image prompts not reused",
-        prompts.checkpoints.admission.value,
     )
     if store is not None:
         logger.info("prefix cache: shared tier %s, written through", store)

@@ -18,7 +18,7 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_parallel
 
-from qsa_core import LeaseOutcome, LeaseTable, ResidentRows
+from qsa_core import LeaseOutcome, LeaseTable, ResidentRows, admit_request, release_request
 from qsa_hostcache import admits_host_hit, host_hit
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
@@ -107,9 +107,9 @@ class HiSparseRadixCache(UnifiedRadixCache):
 
     def maybe_hand_to_session(self, req: Any) -> None:
         super().maybe_hand_to_session(req)
-        if self.qsa_leases.find(req.rid) is not None:  # a later chunk of a leased prompt
+        handle = admit_request(self.qsa_rows, req.rid, int(req.kv.req_pool_idx))
+        if handle is None:  # a later chunk of a leased prompt
             return
-        handle = self.qsa_rows.admit(req.rid, int(req.kv.req_pool_idx))
         self._qsa_live.inc()
         if self.qsa_prefix is not None:
             self.qsa_prefix.restore_row(req, handle.slot)
@@ -119,7 +119,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         handle = self.qsa_leases.find(req.rid)
         if handle is None:
             return
-        if self.qsa_prefix is not None and self.qsa_prefix.publishes(req, up_to):
+        if self.qsa_prefix is not None:
             self.qsa_prefix.publish(req, handle.slot, up_to)
         self.qsa_rows.prompt_written(handle, up_to, len(req.origin_input_ids))
 
@@ -127,13 +127,9 @@ class HiSparseRadixCache(UnifiedRadixCache):
         super().on_release(req, checkpointed=checkpointed)
         if self.qsa_prefix is not None:
             self.qsa_prefix.prompts.forget(req)
-        handle = self.qsa_leases.find(req.rid)
-        if handle is None:
-            msg = f"request {req.rid!r} released a KV row without holding a lease"
-            raise OffloadRuntimeError(msg)
         aborted = isinstance(req.finished_reason, FINISH_ABORT)
-        outcome = LeaseOutcome.of(finished=req.finished(), aborted=aborted)
-        self.qsa_rows.release(handle, aborted=outcome.aborted)  # an offload waits for its copy
+        # An offload waits for the request's copy to the host.
+        outcome = release_request(self.qsa_rows, req.rid, finished=req.finished(), aborted=aborted)
         # The outcome first: a reader that sees no live lease sees every outcome counted.
         self._qsa_released[outcome].inc()
         self._qsa_live.dec()
