@@ -17,7 +17,12 @@ from qsa_core._capacity import (
     plan_capacity,
 )
 from qsa_core._cp import MAX_CP_SIZE, MAX_SEQ_LEN, ZigzagLayout
-from qsa_core._engine_sizing import LabelledCapacity, PlanInputs, labelled_capacity
+from qsa_core._engine_sizing import (
+    LabelledCapacity,
+    PlanInputs,
+    TransportBytes,
+    labelled_capacity,
+)
 from qsa_core._errors import (
     CapacityError,
     JSONFileError,
@@ -106,6 +111,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "OffloadSizes",
     "PlanInputs",
     "PoolPrice",
+    "TransportBytes",
     "ds_offload_sizes",
     "format_bytes",
     "hot_cache_slots",
