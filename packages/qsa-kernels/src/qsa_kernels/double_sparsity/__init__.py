@@ -5,7 +5,8 @@ Double Sparsity (arXiv 2408.07092; the original SGLang ``--enable-double-sparsit
 with ``q[channels] · k_label``, keeps the ``heavy_token_num`` best tokens per (request, KV head)
 and attends exactly over those. This subpackage holds:
 
-* the options (:class:`DSConfig`), the calibration pass that writes a channel file
+* the options (:class:`DSConfig`), a GQA model's attention geometry read from its text config
+  (:class:`AttentionGeometry`), the calibration pass that writes a channel file
   (:func:`calibrate_channels`) and its loader (:class:`ChannelConfig`);
 * the label cache (:class:`LabelCache`), preallocated per request row, and what its labels (and
   DS-Offload's buffers) add to a token's price on one rank (:func:`label_capacity`);
@@ -24,6 +25,7 @@ and attends exactly over those. This subpackage holds:
   (:class:`DSCounts`).
 """
 
+from qsa_kernels.double_sparsity._attention import AttentionGeometry
 from qsa_kernels.double_sparsity._calibrate import calibrate_channels
 from qsa_kernels.double_sparsity._capacity import label_capacity
 from qsa_kernels.double_sparsity._config import (
@@ -67,6 +69,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "DSStateError",
     # -- Options and calibration --
     "CHANNEL_CONFIG_MAX_BYTES",
+    "AttentionGeometry",
     "ChannelConfig",
     "DSConfig",
     "HeavyChannelType",
