@@ -141,9 +141,10 @@ class PlanInputs:
     def from_args(cls, text_config: object, args: Any) -> PlanInputs:
         """:meth:`from_flags` of the attributes of parsed serving flags (an engine's or argparse's).
 
-        ``args.tp_size`` is required; ``kv_cache_dtype`` defaults to ``auto`` and each of
-        :data:`_PLAN_FLAGS` to :meth:`from_flags`' default when absent. ``text_config`` is an HF
-        config object or a mapping (an HF config's ``to_dict()``).
+        ``args.tp_size`` is required; ``kv_cache_dtype`` defaults to ``auto``, and
+        ``page_size``, ``context_length``, ``max_running_requests`` and
+        ``prefill_max_requests`` to :meth:`from_flags`' defaults when absent (or None).
+        ``text_config`` is an HF config object (read through its ``to_dict()``) or a mapping.
 
         Raises:
             QSAConfigError: as :meth:`from_flags`, or a config that is neither.
