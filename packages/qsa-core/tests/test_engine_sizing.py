@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -67,6 +69,71 @@ def test_query_heads_per_rank_split_over_tp_and_never_fall_below_one() -> None:
             QWEN38_FLASH_NEXT_TEXT_CONFIG, tp_size=tp, max_running_requests=1
         )
         assert inputs.q_heads_per_rank == expected
+
+
+class _HFConfig:
+    """An HF-style config object: its fields through ``to_dict()``."""
+
+    def __init__(self, fields: Mapping[str, object]) -> None:
+        self._fields = fields
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self._fields)
+
+
+def test_parsed_flags_are_read_by_name_and_absent_ones_take_from_flags_defaults() -> None:
+    """``from_args`` reads the flags' attributes (absent or None: the default) of any object."""
+    args = SimpleNamespace(
+        tp_size=2, kv_cache_dtype="fp8_e4m3", context_length=262_144, max_running_requests=8
+    )
+    expected = PlanInputs.from_flags(
+        QWEN38_FLASH_NEXT_TEXT_CONFIG,
+        tp_size=2,
+        kv_cache_dtype="fp8_e4m3",
+        context_length=262_144,
+        max_running_requests=8,
+    )
+    assert PlanInputs.from_args(QWEN38_FLASH_NEXT_TEXT_CONFIG, args) == expected
+    assert PlanInputs.from_args(_HFConfig(QWEN38_FLASH_NEXT_TEXT_CONFIG), args) == expected
+    staged = SimpleNamespace(tp_size=1, max_running_requests=2, prefill_max_requests=3)
+    inputs = PlanInputs.from_args(QWEN38_FLASH_NEXT_TEXT_CONFIG, staged)
+    assert (inputs.kv_dtype, inputs.num_requests, inputs.staged_prompts) == (KVDType.BF16, 2, 3)
+
+
+def test_a_config_that_is_neither_an_hf_config_nor_a_mapping_is_refused_by_type() -> None:
+    """A config without ``to_dict`` that is no mapping is named by its type."""
+    args = SimpleNamespace(tp_size=1, max_running_requests=1)
+    with pytest.raises(QSAConfigError, match="HF text config or a mapping, got <class 'list'>"):
+        PlanInputs.from_args([], args)
+
+
+def test_a_transport_callable_is_asked_for_the_plans_own_figures_only_when_sharded() -> None:
+    """With sharding the callable gets the plan's rows, heads and top-k; without, it is unused."""
+    inputs = PlanInputs.from_flags(
+        QWEN38_FLASH_NEXT_TEXT_CONFIG, tp_size=4, context_length=4096, max_running_requests=3
+    )
+    calls: list[dict[str, object]] = []
+
+    def transport(**figures: Any) -> int:
+        calls.append(figures)
+        return 12_345
+
+    unsharded = inputs.plan(GIB, GIB, transport_bytes=transport)
+    assert calls == []
+    assert unsharded == inputs.plan(GIB, GIB)
+    sharded = inputs.plan(GIB, GIB, sharding_size=2, index_sharded=True, transport_bytes=transport)
+    assert calls == [
+        {
+            "world_size": 2,
+            "max_rows": 3,
+            "block_topk": inputs.profile.block_topk,
+            "q_heads": inputs.q_heads_per_rank,
+            "head_dim": inputs.profile.head_dim,
+            "index_sharded": True,
+        }
+    ]
+    expected = inputs.plan(GIB, GIB, sharding_size=2, index_sharded=True, transport_bytes=12_345)
+    assert sharded == expected
 
 
 NO_CONTEXT = {

@@ -16,8 +16,14 @@ from qsa_core._capacity import (
     hot_cache_slots,
     plan_capacity,
 )
+from qsa_core._counts_export import CountsExport
 from qsa_core._cp import MAX_CP_SIZE, MAX_SEQ_LEN, ZigzagLayout
-from qsa_core._engine_sizing import LabelledCapacity, PlanInputs, labelled_capacity
+from qsa_core._engine_sizing import (
+    LabelledCapacity,
+    PlanInputs,
+    TransportBytes,
+    labelled_capacity,
+)
 from qsa_core._errors import (
     CapacityError,
     JSONFileError,
@@ -118,6 +124,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "OffloadSizes",
     "PlanInputs",
     "PoolPrice",
+    "TransportBytes",
     "ds_offload_sizes",
     "format_bytes",
     "hot_cache_slots",
@@ -130,6 +137,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "check_prompt",
     # counts as metrics
     "CountSeries",
+    "CountsExport",
     # files users name
     "CONFIG_JSON_MAX_BYTES",
     "JSON_MAX_DEPTH",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Final, Protocol
 
 from qsa_core._capacity import CapacityPlan, plan_capacity
 from qsa_core._checks import is_int
@@ -19,7 +20,43 @@ from qsa_core._offload_sizes import ds_offload_sizes, label_bytes_per_token
 from qsa_core._pool_price import PoolPrice
 from qsa_core._profile import KVDType, QSAProfile
 
-__all__ = ("LabelledCapacity", "PlanInputs", "labelled_capacity")
+__all__ = ("LabelledCapacity", "PlanInputs", "TransportBytes", "labelled_capacity")
+
+#: The flags :meth:`PlanInputs.from_args` reads by name (absent or None: the default).
+_PLAN_FLAGS: Final = ("page_size", "context_length", "max_running_requests", "prefill_max_requests")
+
+
+class TransportBytes(Protocol):
+    """A shard group's fixed transport buffers on one rank, B (``ShardedKVStore.transport_bytes``).
+
+    Called by :meth:`PlanInputs.plan` with the plan's own figures.
+    """
+
+    def __call__(
+        self,
+        *,
+        world_size: int,
+        max_rows: int,
+        block_topk: int,
+        q_heads: int,
+        head_dim: int,
+        index_sharded: bool,
+    ) -> int: ...
+
+
+def _text_config_mapping(config: object) -> Mapping[str, object]:
+    """A model's text config as a mapping: an HF config object's ``to_dict()``, or the mapping.
+
+    Raises:
+        QSAConfigError: ``config`` is neither.
+    """
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return dict(to_dict())
+    if isinstance(config, Mapping):
+        return config
+    msg = f"expected an HF text config or a mapping, got {type(config)!r}"
+    raise QSAConfigError(msg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +137,26 @@ class PlanInputs:
             staged_prompts=prefill_max_requests or 1,
         )
 
+    @classmethod
+    def from_args(cls, text_config: object, args: Any) -> PlanInputs:
+        """:meth:`from_flags` of the attributes of parsed serving flags (an engine's or argparse's).
+
+        ``args.tp_size`` is required; ``kv_cache_dtype`` defaults to ``auto``, and
+        ``page_size``, ``context_length``, ``max_running_requests`` and
+        ``prefill_max_requests`` to :meth:`from_flags`' defaults when absent (or None).
+        ``text_config`` is an HF config object (read through its ``to_dict()``) or a mapping.
+
+        Raises:
+            QSAConfigError: as :meth:`from_flags`, or a config that is neither.
+        """
+        flags = {name: getattr(args, name, None) for name in _PLAN_FLAGS}
+        return cls.from_flags(
+            _text_config_mapping(text_config),
+            tp_size=int(args.tp_size),
+            kv_cache_dtype=str(getattr(args, "kv_cache_dtype", "auto")),
+            **flags,
+        )
+
     @property
     def q_heads_per_rank(self) -> int:
         """Query heads of one TP rank (at least 1; attention context parallelism off)."""
@@ -113,16 +170,33 @@ class PlanInputs:
         sharding_size: int = 1,
         hot_slots: int | None = None,
         index_sharded: bool = False,
-        transport_bytes: int = 0,
+        transport_bytes: int | TransportBytes = 0,
         verify: bool = False,
     ) -> CapacityPlan:
         """:func:`plan_capacity` of these inputs; the keywords are its own (budgets per rank, B).
+
+        ``transport_bytes`` may be a :class:`TransportBytes`: with ``sharding_size > 1`` it is
+        called for this plan's requests, query heads per rank, ``block_topk`` and head dim
+        (without sharding the plan has no transport buffers).
 
         Raises:
             CapacityError: a budget or size :func:`plan_capacity` refuses.
             QSAConfigError: ``tp_size`` does not split the KV heads.
             PlacementError: a ``sharding_size`` that does not fit ``tp_size``.
         """
+        if callable(transport_bytes):
+            transport_bytes = (
+                transport_bytes(
+                    world_size=sharding_size,
+                    max_rows=self.num_requests,
+                    block_topk=self.profile.block_topk,
+                    q_heads=self.q_heads_per_rank,
+                    head_dim=self.profile.head_dim,
+                    index_sharded=index_sharded,
+                )
+                if sharding_size > 1
+                else 0
+            )
         return plan_capacity(
             self.profile,
             tp_size=self.tp_size,

@@ -337,57 +337,25 @@ def ds_channels(ds: DoubleSparsitySwitches, text_config: Mapping[str, Any]) -> A
     )
 
 
-def _geometry_field(text_config: Mapping[str, Any], field: str, *, required: bool) -> int | None:
-    """A positive int field of the model config; ``None`` when absent (or null) and optional."""
-    value = text_config.get(field)
-    if value is None and not required:
-        return None
-    why = "double sparsity needs the attention geometry"
-    if field not in text_config:
-        msg = f"--model-path {field} is missing ({why}); supported: a positive integer"
-        raise ConfigurationError(msg)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise _reject(f"--model-path {field}", value, "a positive integer", why)
-    return value
-
-
 def ds_geometry(text_config: Mapping[str, Any]) -> tuple[int, int, int, int]:
     """``(attention layers, query heads, KV heads, head dim)`` of an ordinary GQA model.
 
-    ``num_hidden_layers`` and ``num_attention_heads`` are required; ``num_key_value_heads``
-    defaults to the query heads and must divide them; ``head_dim`` defaults to ``hidden_size``
-    over the query heads, which must divide it.
+    The library's :meth:`qsa_kernels.double_sparsity.AttentionGeometry.from_text_config`
+    (``num_hidden_layers`` and ``num_attention_heads`` required; ``num_key_value_heads``
+    defaulting to and dividing the query heads; ``head_dim`` defaulting to ``hidden_size`` over
+    the query heads, which must divide it).
 
     Raises:
         ConfigurationError: a field missing, not a positive integer, or not dividing as above
-            (naming the field, its value and what is supported).
+            (naming ``--model-path`` and the field, its value and what is supported).
     """
-    layers = _geometry_field(text_config, "num_hidden_layers", required=True)
-    heads = _geometry_field(text_config, "num_attention_heads", required=True)
-    kv_heads = _geometry_field(text_config, "num_key_value_heads", required=False) or heads
-    head_dim = _geometry_field(text_config, "head_dim", required=False)
-    assert layers is not None
-    assert heads is not None
-    assert kv_heads is not None
-    if heads % kv_heads:
-        raise _reject(
-            "--model-path num_key_value_heads",
-            kv_heads,
-            f"a divisor of num_attention_heads={heads}",
-            "each KV head serves a whole group of query heads",
-        )
-    if head_dim is None:
-        hidden = _geometry_field(text_config, "hidden_size", required=True)
-        assert hidden is not None
-        if hidden % heads:
-            raise _reject(
-                "--model-path hidden_size",
-                hidden,
-                f"a multiple of num_attention_heads={heads}, or an explicit head_dim",
-                "without head_dim the head dim is hidden_size / num_attention_heads",
-            )
-        head_dim = hidden // heads
-    return layers, heads, kv_heads, head_dim
+    from qsa_kernels.double_sparsity import AttentionGeometry, DSConfigError
+
+    try:
+        geometry = AttentionGeometry.from_text_config(text_config)
+    except DSConfigError as exc:
+        raise ConfigurationError(f"--model-path {exc}") from exc
+    return geometry.layers, geometry.q_heads, geometry.kv_heads, geometry.head_dim
 
 
 def _check_serving(facts: ConfigFacts) -> None:

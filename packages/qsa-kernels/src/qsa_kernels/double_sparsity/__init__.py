@@ -5,9 +5,11 @@ Double Sparsity (arXiv 2408.07092; the original SGLang ``--enable-double-sparsit
 with ``q[channels] · k_label``, keeps the ``heavy_token_num`` best tokens per (request, KV head)
 and attends exactly over those. This subpackage holds:
 
-* the options (:class:`DSConfig`), the calibration pass that writes a channel file
+* the options (:class:`DSConfig`), a GQA model's attention geometry read from its text config
+  (:class:`AttentionGeometry`), the calibration pass that writes a channel file
   (:func:`calibrate_channels`) and its loader (:class:`ChannelConfig`);
-* the label cache (:class:`LabelCache`), preallocated per request row;
+* the label cache (:class:`LabelCache`), preallocated per request row, and what its labels (and
+  DS-Offload's buffers) add to a token's price on one rank (:func:`label_capacity`);
 * one layer's decode over a resident K/V store (:func:`ds_decode`, reference beside it), built on
   :func:`qsa_kernels.sparse_decode.sparse_decode` with one token list per KV head, and over
   SGLang's split K and V buffers (:func:`ds_decode_split`, on
@@ -23,7 +25,9 @@ and attends exactly over those. This subpackage holds:
   (:class:`DSCounts`).
 """
 
+from qsa_kernels.double_sparsity._attention import AttentionGeometry
 from qsa_kernels.double_sparsity._calibrate import calibrate_channels
+from qsa_kernels.double_sparsity._capacity import label_capacity
 from qsa_kernels.double_sparsity._config import (
     CHANNEL_CONFIG_MAX_BYTES,
     ChannelConfig,
@@ -65,6 +69,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "DSStateError",
     # -- Options and calibration --
     "CHANNEL_CONFIG_MAX_BYTES",
+    "AttentionGeometry",
     "ChannelConfig",
     "DSConfig",
     "HeavyChannelType",
@@ -82,6 +87,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ds_heavy_decode_split_reference",
     "ds_positions",
     "ds_positions_fixed",
+    "label_capacity",
     # -- Offload --
     "DSOffloadedKV",
     # -- Decode runtime --

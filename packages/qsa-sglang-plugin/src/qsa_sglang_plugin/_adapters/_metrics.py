@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from qsa_core import CountSeries
+from qsa_core import CountSeries, CountsExport
 
 __all__ = ("CountsMirror", "RankMetrics")
 
@@ -74,22 +73,18 @@ class RankMetrics:
 class CountsMirror:
     """A library's counts (a dataclass), snapshot after snapshot, as ``prefix``'s series.
 
-    ``series`` describes the fields; each snapshot records :meth:`qsa_core.CountSeries.change`.
+    ``series`` describes the fields; :class:`qsa_core.CountsExport` hands each snapshot's
+    changes to the series' counters (``inc``) and gauges (``set``).
     """
 
     def __init__(self, make: RankMetrics, prefix: str, series: Iterable[CountSeries]) -> None:
-        self._metrics = [
-            (s, make.counter(f"{prefix}_{s.name}", s.help, s.label))
+        self._export = CountsExport(
+            (s, make.counter(f"{prefix}_{s.name}", s.help, s.label).inc)
             if s.counter
-            else (s, make.gauge(f"{prefix}_{s.name}", s.help))
+            else (s, make.gauge(f"{prefix}_{s.name}", s.help).set)
             for s in series
-        ]
-        self._seen: object | None = None
+        )
 
     def update(self, now: object) -> None:
         """Mirror the snapshot ``now``."""
-        for s, metric in self._metrics:
-            value = s.change(self._seen, now)
-            if value is not None:
-                (metric.inc if s.counter else metric.set)(value)
-        self._seen = now
+        self._export.update(now)

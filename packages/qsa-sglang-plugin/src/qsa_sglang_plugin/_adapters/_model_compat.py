@@ -11,16 +11,16 @@ import copy
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final
+from typing import Any
 
 import torch
 
 from qsa_kernels import KernelInputError
-from qsa_kernels.int8_rows import Int8RowShardRouter, Int8RowVocabShard
+from qsa_kernels.int8_rows import Int8RowPLEOptions, Int8RowShardRouter, Int8RowVocabShard
+from qsa_kernels.int8_rows.ple import PINNED_BACKEND
 from qsa_sglang_plugin._errors import ConfigurationError, ModelCompatError
 
 __all__ = (
-    "INT8_ROW",
     "around_allocate_ple_host_table",
     "around_ngram_embedding_init",
     "before_load_weights",
@@ -29,12 +29,6 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-#: The text config's ``ple_embedding_dtype`` that selects INT8-row tables.
-INT8_ROW: Final = "int8_row"
-#: SGLang's default number of checkpoint row shards of a PLE table (``split_ngram_parts``).
-_DEFAULT_SHARD_PARTS: Final = 512
-#: The only host-table backend an INT8-row table supports (upstream's ``ple_offload_backend``).
-_PINNED_BACKEND: Final = "pinned"
 #: On while SGLang builds the module an INT8-row table replaces: its host table is metadata only.
 _BUILDING_INT8_ROW: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "qsa_building_int8_row_ple", default=False
@@ -91,22 +85,19 @@ def around_ngram_embedding_init(
     table replaces it.
 
     Raises:
-        ConfigurationError: ``int8_row`` with a host-table backend other than pinned memory.
+        ConfigurationError: ``int8_row`` with a host-table backend other than pinned memory
+            (:meth:`Int8RowPLEOptions.of_config`).
     """
-    if getattr(config, "ple_embedding_dtype", None) != INT8_ROW:
+    try:
+        options = Int8RowPLEOptions.of_config(config)
+    except KernelInputError as error:
+        raise ConfigurationError(str(error)) from error
+    if options is None:
         original(module, config, *args, **kwargs)
         return
-    offload = bool(config.ple_offload_embedding)
-    backend = getattr(config, "ple_offload_backend", _PINNED_BACKEND)
-    if offload and backend != _PINNED_BACKEND:
-        msg = (
-            f'ple_embedding_dtype="{INT8_ROW}" with ple_offload_backend={backend!r}; an INT8-row '
-            f"table is held in {_PINNED_BACKEND!r} host memory only"
-        )
-        raise ConfigurationError(msg)
     metadata_only = copy.copy(config)
     metadata_only.ple_offload_embedding = True  # upstream then builds its table on meta
-    metadata_only.ple_offload_backend = _PINNED_BACKEND
+    metadata_only.ple_offload_backend = PINNED_BACKEND
     token = _BUILDING_INT8_ROW.set(True)
     try:
         original(module, metadata_only, *args, **kwargs)
@@ -115,7 +106,9 @@ def around_ngram_embedding_init(
     module.config = config
     sizes = module.ngram_heads_vocab_sizes
     module.ngram_embedding = int8_row_embedding_class()(
-        module.ngram_embedding, offload=offload, used_rows=int(sizes.sum()) if sizes.numel() else 0
+        module.ngram_embedding,
+        offload=options.offload,
+        used_rows=int(sizes.sum()) if sizes.numel() else 0,
     )
 
 
@@ -144,7 +137,7 @@ def before_load_weights(
     if not tables:
         return None
     text_config = getattr(model.config, "text_config", model.config)
-    parts = int(getattr(text_config, "split_ngram_parts", _DEFAULT_SHARD_PARTS))
+    parts = Int8RowPLEOptions.shard_parts(text_config)
     if "weights" in kwargs:
         kwargs = {**kwargs, "weights": _route_ple_shards(kwargs["weights"], tables, parts)}
     else:

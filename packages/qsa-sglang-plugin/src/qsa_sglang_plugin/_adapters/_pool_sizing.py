@@ -6,15 +6,15 @@ reads SGLang's own per-token costs from the configurator it just built and write
 switches turn on at most one feature that reprices. The doctor's plan
 (:func:`capacity_plan_from_sglang`, ``qsa_core.PlanInputs``) prices its layouts with the same
 ``PoolPrice`` methods and ``ShardedKVStore.transport_bytes``, and double sparsity's line
-(:func:`ds_capacity`) with the hook's :func:`labelled`; ``test_pool_pricing.py`` pins that both
-agree for every feature.
+(:func:`ds_capacity`) with the hook's ``qsa_kernels.double_sparsity.label_capacity``;
+``test_pool_pricing.py`` pins that both agree for every feature.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qsa_core import (
     CapacityError,
@@ -24,16 +24,12 @@ from qsa_core import (
     PoolPrice,
     QSAConfigError,
     QSAProfile,
-    labelled_capacity,
 )
 from qsa_sglang_plugin._adapters._namespace import resolved_args
 from qsa_sglang_plugin._errors import AdapterError, ConfigurationError
 from qsa_sglang_plugin._switches import DoubleSparsitySwitches, HiSparseMode, current_switches
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ("after_pool_configurator_init", "capacity_plan_from_sglang", "ds_capacity", "labelled")
+__all__ = ("after_pool_configurator_init", "capacity_plan_from_sglang", "ds_capacity")
 
 logger = logging.getLogger(__name__)
 
@@ -152,32 +148,25 @@ def _label_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     """Double sparsity's price of a token of SGLang's K/V (``_cell_size``) on this rank."""
     from sglang.srt.runtime_context import get_parallel
 
+    from qsa_kernels.double_sparsity import label_capacity
+    from qsa_sglang_plugin._config_check import ds_config, ds_geometry
+
     switches = current_switches()
     ds, model_config = switches.double_sparsity, kvc.model_config
     assert ds is not None  # the hook prices labels only with double sparsity on
-    return labelled(
-        model_config.hf_text_config.to_dict(),
-        ds,
+    layers, _, _, head_dim = ds_geometry(model_config.hf_text_config.to_dict())
+    return label_capacity(
+        ds_config(ds),
+        layers=layers,
         kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),  # this rank's
-        dtype=kvc.kv_cache_dtype,
+        head_dim=head_dim,
+        kv_dtype=kvc.kv_cache_dtype,
+        offload=ds.offload,
         kv_token_bytes=int(configurator._cell_size),
         rows=_arena_rows(kvc) if ds.offload else None,
         context_len=int(model_config.context_len),
         verify=switches.verify_offload,
     ).price
-
-
-#: ``server_args`` fields :meth:`PlanInputs.from_flags` reads as they are (None: its default).
-_PLAN_FLAGS = ("page_size", "context_length", "max_running_requests", "prefill_max_requests")
-
-
-def _text_config(config: Any) -> Mapping[str, object]:
-    if hasattr(config, "to_dict"):
-        return dict(config.to_dict())
-    if isinstance(config, Mapping):
-        return config
-    msg = f"expected an HF text config or a mapping, got {type(config)!r}"
-    raise AdapterError(msg)
 
 
 def capacity_plan_from_sglang(
@@ -193,88 +182,32 @@ def capacity_plan_from_sglang(
 ) -> CapacityPlan:
     """:meth:`qsa_core.PlanInputs.plan` of the operator's flags, with and without host offload.
 
-    ``--tp-size``, ``--kv-cache-dtype`` and :data:`_PLAN_FLAGS` from ``server_args`` (SGLang's
-    ``ServerArgs``, resolved, or an ``argparse.Namespace``; an absent one takes
-    :meth:`PlanInputs.from_flags`' default), the profile from ``hf_text_config`` (HF object or
-    mapping). ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
+    ``server_args`` (SGLang's ``ServerArgs``, resolved, or an ``argparse.Namespace``) read by
+    :meth:`PlanInputs.from_args`, the profile from ``hf_text_config`` (HF object or mapping).
+    ``sharding_size`` is ``SGLANG_QSA_CACHE_SHARDING``, ``hot_slots``
     ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``,
     ``verify`` ``SGLANG_QSA_HISPARSE_VERIFY=1``; the budgets are per rank, bytes. With
     ``sharding_size > 1`` the resident layout's fixed transport buffers are
     ``ShardedKVStore.transport_bytes``, the bytes pool sizing charges.
 
     Raises:
-        AdapterError: a flag or config :meth:`PlanInputs.from_flags` refuses (named).
+        AdapterError: a flag or config :meth:`PlanInputs.from_args` refuses (named).
         qsa_core.CapacityError: a budget or size ``plan_capacity`` refuses.
         qsa_core.PlacementError: a ``sharding_size`` that does not fit ``--tp-size``.
     """
-    view = resolved_args(server_args)
-    flags = {name: getattr(view, name, None) for name in _PLAN_FLAGS}
-    dtype = str(getattr(view, "kv_cache_dtype", "auto"))
+    from qsa_kernels.sharded import ShardedKVStore
+
     try:
-        inputs = PlanInputs.from_flags(
-            _text_config(hf_text_config), tp_size=int(view.tp_size), kv_cache_dtype=dtype, **flags
-        )
+        inputs = PlanInputs.from_args(hf_text_config, resolved_args(server_args))
     except QSAConfigError as exc:
         raise AdapterError(f"no capacity plan for these flags: {exc}") from exc
-    transport = 0
-    if sharding_size > 1:
-        from qsa_kernels.sharded import ShardedKVStore
-
-        transport = ShardedKVStore.transport_bytes(
-            world_size=sharding_size,
-            max_rows=inputs.num_requests,
-            block_topk=inputs.profile.block_topk,
-            q_heads=inputs.q_heads_per_rank,
-            head_dim=inputs.profile.head_dim,
-            index_sharded=index_sharded,
-        )
     return inputs.plan(
         gpu_budget_bytes,
         host_budget_bytes,
         sharding_size=sharding_size,
         hot_slots=hot_slots,
         index_sharded=index_sharded,
-        transport_bytes=transport,
-        verify=verify,
-    )
-
-
-def labelled(
-    text_config: Mapping[str, Any],
-    switches: DoubleSparsitySwitches,
-    *,
-    kv_heads: int,
-    dtype: torch.dtype,
-    kv_token_bytes: int | None = None,
-    rows: int | None = None,
-    context_len: int | None = None,
-    verify: bool = False,
-) -> LabelledCapacity:
-    """:func:`qsa_core.labelled_capacity` of a model config and the double-sparsity switches.
-
-    ``kv_heads`` are one rank's, ``dtype`` the K/V cache's (the labels' follows it); the other
-    keywords are ``labelled_capacity``'s (``kv_token_bytes`` in bytes, ``rows`` requests,
-    ``context_len`` tokens).
-
-    Raises:
-        ConfigurationError: the config has no GQA geometry.
-        qsa_core.CapacityError: a size qsa-core refuses.
-    """
-    from qsa_kernels.double_sparsity import LabelCache
-    from qsa_sglang_plugin._config_check import ds_config, ds_geometry
-
-    layers, _, _, head_dim = ds_geometry(text_config)
-    return labelled_capacity(
-        layers=layers,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        heavy_channels=switches.heavy_channel_num,
-        kv_element_bytes=dtype.itemsize,
-        label_element_bytes=LabelCache.dtype_for(dtype).itemsize,
-        kv_token_bytes=kv_token_bytes,
-        offload_hot_blocks=ds_config(switches).hot_blocks() if switches.offload else None,
-        rows=rows,
-        context_len=context_len,
+        transport_bytes=ShardedKVStore.transport_bytes,
         verify=verify,
     )
 
@@ -301,18 +234,22 @@ def ds_capacity(
     """
     import torch
 
-    from qsa_sglang_plugin._config_check import ds_channels
+    from qsa_kernels.double_sparsity import label_capacity
+    from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
 
     channels = ds_channels(switches, text_config).for_tp_rank(tp_size, 0).channels
+    layers, _, _, head_dim = ds_geometry(text_config)
     context: Any = (
         QSAProfile.config_context_len(text_config) if context_len is None else context_len
     )
     try:
-        return labelled(
-            text_config,
-            switches,
+        return label_capacity(
+            ds_config(switches),
+            layers=layers,
             kv_heads=int(channels.shape[1]),
-            dtype=torch.bfloat16,
+            head_dim=head_dim,
+            kv_dtype=torch.bfloat16,
+            offload=switches.offload,
             rows=rows,
             context_len=context,
             verify=verify,
