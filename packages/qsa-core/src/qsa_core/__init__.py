@@ -16,7 +16,6 @@ from qsa_core._capacity import (
     hot_cache_slots,
     plan_capacity,
 )
-from qsa_core._counts_export import CountsExport
 from qsa_core._cp import MAX_CP_SIZE, MAX_SEQ_LEN, ZigzagLayout
 from qsa_core._engine_sizing import (
     LabelledCapacity,
@@ -76,7 +75,7 @@ from qsa_core._residency import (
     plan_residency_batch,
     plan_residency_step,
 )
-from qsa_core._series import CountSeries
+from qsa_core._series import CountSeries, CountsExport
 from qsa_core._units import format_bytes
 from qsa_core._version import __version__
 

@@ -1,10 +1,11 @@
-"""How a library describes one field of its counts as a metric an engine exports."""
+"""How a library describes one field of its counts as a metric, and hands an engine its changes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ("CountSeries",)
+__all__ = ("CountSeries", "CountsExport")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +38,26 @@ class CountSeries:
             return value
         added = value - (0 if before is None else int(getattr(before, self.field)))
         return added if added > 0 else None
+
+
+class CountsExport:
+    """Each :class:`CountSeries`' change of successive snapshots, given to that series' sink.
+
+    A sink records one number: a gauge's value (its ``set``), a counter's increase (its ``inc``),
+    as :meth:`CountSeries.change` says; a counter that added nothing is not called.
+
+    Args:
+        sinks: ``(series, sink)`` pairs, one per field of the counts to export.
+    """
+
+    def __init__(self, sinks: Iterable[tuple[CountSeries, Callable[[int], object]]]) -> None:
+        self._sinks = tuple(sinks)
+        self._seen: object | None = None
+
+    def update(self, now: object) -> None:
+        """Hand snapshot ``now``'s changes since the last snapshot (since zero at the first)."""
+        for series, sink in self._sinks:
+            value = series.change(self._seen, now)
+            if value is not None:
+                sink(value)
+        self._seen = now
