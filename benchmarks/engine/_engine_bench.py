@@ -351,7 +351,8 @@ def mem_fraction(budget_gib: float) -> float:
 def host_facts() -> dict[str, Any]:
     """What makes one machine's host-memory traffic differ from another's: the CPU model, its
     logical CPUs, the NUMA nodes, the GPU's NUMA node (``None`` where the system does not say)
-    and the host memory, in GiB."""
+    and the host memory, in GiB; and the kernel's boot id (:func:`boot_id`), which tells runs of
+    one machine, started once, from runs of another."""
     import torch
 
     cpu = next(
@@ -376,7 +377,14 @@ def host_facts() -> dict[str, Any]:
         "numa_nodes": nodes,
         "gpu_numa_node": gpu_node,
         "memory_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None,
+        "boot_id": boot_id(),
     }
+
+
+def boot_id() -> str | None:
+    """This machine's boot id (``/proc/sys/kernel/random/boot_id``: new at every boot); None
+    where the system does not give one."""
+    return _read("/proc/sys/kernel/random/boot_id").strip() or None
 
 
 def _read(path: str) -> str:

@@ -59,6 +59,12 @@ row per run and a table of each arm's median, range and the medians' ratios: wha
 worth on this machine. Servers on different machines differ by more than that (the offload
 arms by up to 30%: they read the host arena every step); the report's header names the host.
 
+``--append FILE`` adds this run's arms to an earlier ``engine_serving.json`` of the same machine
+(the same boot id) and the same settings, and reports them together: a GPU machine's calls are
+limited in time, and two arms with their starts and warm-ups can take longer than one call, so
+each arm can run in its own call on the same warm machine. A file of another boot, other
+settings, or an arm it already holds is refused before any server starts.
+
 Writes ``<out>/engine_serving.md`` and ``.json``. Needs CUDA, SGLang and ``datasets`` (the client
 imports it): ``nox -s gpu-engine-bench -- serving ...`` runs it on the GPU machine with the engine
 payload; exits with status 77 without CUDA.
@@ -78,7 +84,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from _engine_bench import SKIPPED, lacks_cuda, mem_fraction, pool_tokens, write_json
+from _engine_bench import SKIPPED, boot_id, lacks_cuda, mem_fraction, pool_tokens, write_json
 
 _PAGE = 64
 _CHUNK = 8192
@@ -165,6 +171,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         default="together",
         help="start every server at once (with a token cap only) or each after the last stopped",
     )
+    parser.add_argument(
+        "--append",
+        type=pathlib.Path,
+        default=None,
+        help="an earlier engine_serving.json of this machine and these settings: report its arms "
+        "with this run's",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -200,7 +213,61 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--range-ratio {args.range_ratio!r} is not allowed; allowed: 0 to 1")
     if args.gpu_budget_gib is not None:  # each pool is sized from the free memory it measures
         args.start = "apart"
+    args.earlier = [] if args.append is None else _earlier(args, parser)
     return args
+
+
+#: The flags that define what a run measures: an appended file's must equal this run's.
+SETTINGS = (
+    "model",
+    "workloads",
+    "num_prompts",
+    "input_len",
+    "range_ratio",
+    "output_len",
+    "shared_prefix_len",
+    "question_len",
+    "max_concurrency",
+    "warmup_prompts",
+    "cache_mb",
+    "staged_prompts",
+    "seed",
+    "gpu_budget_gib",
+    "repeats",
+    "start",
+)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in SETTINGS}
+
+
+def _earlier(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Run]:
+    """The runs of ``--append``'s file, once it is shown to come from this machine's boot, with
+    this run's settings and none of this run's arms (else ``parser.error`` names the mismatch)."""
+    path = args.append
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        runs = [Run(**run) for run in data["runs"]]
+        theirs, boot = data["settings"], data["machine"]["host"]["boot_id"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"--append {str(path)!r} is not an engine_serving.json: {exc!r}")
+    here = boot_id()
+    if here is None or boot != here:
+        parser.error(
+            f"--append {str(path)!r} was written on machine boot {boot!r}, this is {here!r}; "
+            "allowed: a file of this machine, started once (ratios across machines mean nothing)"
+        )
+    ours = _settings(args)
+    differ = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
+    if differ:
+        parser.error(
+            f"--append {str(path)!r} was measured with other settings (its, this run's): {differ}"
+        )
+    again = sorted({r.arm for r in runs} & set(args.arms))
+    if again:
+        parser.error(f"--append {str(path)!r} already holds the arms {again}; --arms {args.arms}")
+    return runs
 
 
 def _configs(args: argparse.Namespace) -> dict[str, Any]:
@@ -398,7 +465,12 @@ def _host_line(host: dict[str, Any]) -> str:
 
 
 def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None:
-    data = write_json(out, "engine_serving", {"runs": [dataclasses.asdict(r) for r in runs]})
+    runs = [*args.earlier, *runs]
+    data = write_json(
+        out,
+        "engine_serving",
+        {"settings": _settings(args), "runs": [dataclasses.asdict(r) for r in runs]},
+    )
     lines = [
         "# Serving under SGLang's own client: offload against resident, real SGLang 0.5.23 servers",
         "",
@@ -417,6 +489,12 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
             if args.start == "apart"
             else "Servers started together, then measured one at a time (the others idle on "
             "the GPU)"
+        )
+        + (
+            f" (arms {sorted({r.arm for r in args.earlier})} in an earlier call on this "
+            "machine, the same boot, reported with `--append`)"
+            if args.earlier
+            else ""
         )
         + "; each serves every workload in turn, each measured run after an unmeasured "
         f"one of {args.warmup_prompts} requests (another seed) and a cache flush. Counters are "
