@@ -23,8 +23,7 @@ from qsa_testing import (
     EngineConfig,
     EnginePool,
     GenerateRequest,
-    Generation,
-    assert_same_generation,
+    assert_served_from_storage,
     tiny_qwen4_exp,
 )
 from qsa_testing.demo import DEMO_ENGINE
@@ -72,16 +71,8 @@ def test_a_restarted_engine_serves_the_checkpoints_its_predecessor_wrote_to_disk
     restarted = engines.engine(RESTARTED)  # another process; the first one stopped
     warm = restarted.post_json("/generate", body)
 
-    assert warm["meta_info"]["cached_tokens"] == 2 * CHUNK
-    assert warm["meta_info"]["cached_tokens_details"] == {
-        "device": 0,
-        "host": 0,
-        "storage": 2 * CHUNK,
-    }
-    assert_same_generation(
-        Generation.from_reply(cold),
-        Generation.from_reply(warm),
-        what="the restarted engine from disk against the first one cold",
+    assert_served_from_storage(
+        cold, warm, 2 * CHUNK, what="the restarted engine from disk against the first one cold"
     )
     hits = restarted.metric("qsa_hisparse_prefix_cache_shared_hits_total", tier="disk")
     assert (hits, restarted.metric("qsa_hisparse_prefix_cache_shared_corrupt_total")) == (1, 0)

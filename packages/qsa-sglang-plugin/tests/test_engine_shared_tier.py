@@ -33,6 +33,7 @@ from qsa_testing import (
     GenerateRequest,
     Generation,
     assert_same_generation,
+    assert_served_from_storage,
     tiny_qwen4_exp,
 )
 from qsa_testing.demo import DEMO_ENGINE
@@ -116,17 +117,7 @@ def test_a_second_engine_serves_the_first_engines_checkpoint_from_the_store(
     # Engine B (another process, its arena empty; A stopped) serves it from the store.
     engine_b = engines.engine(ENGINE_B)
     warm = engine_b.post_json("/generate", body)
-    assert warm["meta_info"]["cached_tokens"] == 2 * CHUNK
-    assert warm["meta_info"]["cached_tokens_details"] == {
-        "device": 0,
-        "host": 0,
-        "storage": 2 * CHUNK,
-    }
-    assert_same_generation(
-        Generation.from_reply(cold),
-        Generation.from_reply(warm),
-        what="B from the store against A cold",
-    )
+    assert_served_from_storage(cold, warm, 2 * CHUNK, what="B from the store against A cold")
     hits = engine_b.metric("qsa_hisparse_prefix_cache_shared_hits_total", tier="mooncake")
     hit_tokens = engine_b.metric("qsa_hisparse_prefix_cache_shared_hit_tokens_total")
     assert (hits, hit_tokens) == (1, 2 * CHUNK)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from qsa_testing import Generation, assert_same_generation, logprob_gap
+from qsa_testing import (
+    Generation,
+    assert_same_generation,
+    assert_served_from_storage,
+    logprob_gap,
+)
 
 
 def _gen(
@@ -77,3 +82,41 @@ def test_a_near_tie_among_alternatives_passes_only_within_the_tolerance() -> Non
         assert_same_generation(a, b)
     with pytest.raises(AssertionError, match="top alternatives differ at step 0"):
         assert_same_generation(a, b, atol=1e-6)
+
+
+def _reply(cached: int, details: dict[str, int], ids: list[int]) -> dict[str, object]:
+    """A ``/generate`` reply of ``ids`` (logprob -1 each) after ``cached`` prompt tokens."""
+    return {
+        "output_ids": ids,
+        "meta_info": {
+            "prompt_tokens": 10,
+            "cached_tokens": cached,
+            "cached_tokens_details": details,
+            "output_token_logprobs": [[-1.0, i, None] for i in ids],
+            "finish_reason": {"type": "length"},
+        },
+    }
+
+
+def test_a_warm_reply_from_storage_alone_with_the_cold_tokens_passes() -> None:
+    cold = _reply(0, {"device": 0, "host": 0, "storage": 0}, [5, 6])
+    assert_served_from_storage(
+        cold, _reply(8, {"device": 0, "host": 0, "storage": 8}, [5, 6]), 8, what="w"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cached", "details", "ids", "fragment"),
+    [
+        (8, {"device": 0, "host": 8, "storage": 0}, [5, 6], "expected 8 from storage alone"),
+        (4, {"device": 0, "host": 0, "storage": 4}, [5, 6], "4 cached tokens"),
+        (8, {"device": 0, "host": 0, "storage": 8}, [5, 7], "token ids differ from step 1"),
+    ],
+    ids=["from-the-host", "too-few", "other-tokens"],
+)
+def test_a_warm_reply_not_from_storage_or_not_the_cold_tokens_fails(
+    cached: int, details: dict[str, int], ids: list[int], fragment: str
+) -> None:
+    cold = _reply(0, {"device": 0, "host": 0, "storage": 0}, [5, 6])
+    with pytest.raises(AssertionError, match=fragment):
+        assert_served_from_storage(cold, _reply(cached, details, ids), 8, what="w")

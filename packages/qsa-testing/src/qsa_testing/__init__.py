@@ -12,7 +12,12 @@ SGLang's own serving client against them (:func:`run_serving_client`).
 """
 
 from qsa_testing._checkpoints import PleTableShape, ple_table_shape, write_ple_checkpoint
-from qsa_testing._compare import BF16_LOGIT_STEP, assert_same_generation, logprob_gap
+from qsa_testing._compare import (
+    BF16_LOGIT_STEP,
+    assert_same_generation,
+    assert_served_from_storage,
+    logprob_gap,
+)
 from qsa_testing._engine import (
     Engine,
     EngineConfig,
@@ -89,6 +94,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # comparisons
     "BF16_LOGIT_STEP",
     "assert_same_generation",
+    "assert_served_from_storage",
     "logprob_gap",
     # distributed scenarios on one machine
     "Scenario",

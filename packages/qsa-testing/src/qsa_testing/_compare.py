@@ -7,12 +7,17 @@ step differed and by how much.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 from qsa_testing._engine import Generation
 
-__all__ = ("BF16_LOGIT_STEP", "assert_same_generation", "logprob_gap")
+__all__ = (
+    "BF16_LOGIT_STEP",
+    "assert_same_generation",
+    "assert_served_from_storage",
+    "logprob_gap",
+)
 
 #: One bf16 step of a logit in [4, 8): the tolerance of a comparison between two paths that
 #: compute the same logits through different bf16 kernels (decode against prefill, offloaded
@@ -103,3 +108,31 @@ def assert_same_generation(
             f"expected {expected.logprobs[worst]!r}, actual {actual.logprobs[worst]!r}"
         )
         raise AssertionError(msg)
+
+
+def assert_served_from_storage(
+    cold: Mapping[str, Any], warm: Mapping[str, Any], tokens: int, *, what: str
+) -> None:
+    """Fail unless ``warm`` loaded ``tokens`` tokens from storage alone and generated ``cold``'s.
+
+    Both are ``/generate`` replies. ``warm`` must report ``tokens`` cached prompt tokens, all from
+    the storage tier (none from the device or the host arena), and choose ``cold``'s tokens with
+    bit-identical logprobs (:func:`assert_same_generation`).
+
+    Raises:
+        AssertionError: naming the cached tokens and where they came from, or the first
+            differing step.
+    """
+    meta = warm["meta_info"]
+    details = meta.get("cached_tokens_details")
+    if meta.get("cached_tokens") != tokens or details != {
+        "device": 0,
+        "host": 0,
+        "storage": tokens,
+    }:
+        msg = (
+            f"{what}: {meta.get('cached_tokens')!r} cached tokens ({details!r}); "
+            f"expected {tokens} from storage alone"
+        )
+        raise AssertionError(msg)
+    assert_same_generation(Generation.from_reply(cold), Generation.from_reply(warm), what=what)
