@@ -110,6 +110,8 @@ CONCURRENT = tuple(
 #: attend over the same tokens but split the softmax in two parts merged by their LSE; most steps
 #: then differ by about 1e-4, and a step whose chosen logit rounds the other way differs by one
 #: bf16 step of it (measured on the H200: 2^-7 and 2^-6, logits in [1, 4); on CPU at most 2.3e-5).
+#: Where upstream's two best tokens lie one such step apart, the offload may tie them and choose
+#: the other; the comparison ends at that step (``assert_same_generation``).
 BF16_NOISE = BF16_LOGIT_STEP
 
 _MAX_TOKENS = re.compile(r"max_total_num_tokens=(\d+)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from qsa_testing import (
@@ -82,6 +84,69 @@ def test_a_near_tie_among_alternatives_passes_only_within_the_tolerance() -> Non
         assert_same_generation(a, b)
     with pytest.raises(AssertionError, match="top alternatives differ at step 0"):
         assert_same_generation(a, b, atol=1e-6)
+
+
+def _step(choice: int, top: tuple[tuple[int, float], ...]) -> Generation:
+    """One greedy step choosing ``choice``, with ``top`` as its alternatives."""
+    return Generation((choice,), (dict(top)[choice],), (top,), 710, 0, "length")
+
+
+def _then(first: Generation, choice: int, logprob: float) -> Generation:
+    """``first`` followed by one step choosing ``choice`` at ``logprob`` (its only alternative)."""
+    return Generation(
+        (*first.output_ids, choice),
+        (*first.logprobs, logprob),
+        (*first.top_logprobs, ((choice, logprob),)),
+        710,
+        0,
+        "length",
+    )
+
+
+#: Step 9 of a 710-token prompt on the H200: upstream's two best tokens one bf16 logit step
+#: apart, the offload's the same two tied; greedy decoding picked each run's first.
+UPSTREAM_STEP = ((239, -4.94575), (20, -4.95356), (17, -5.11762))
+OFFLOAD_STEP = ((20, -4.94585), (239, -4.94585), (17, -5.11773))
+
+
+def test_a_tied_choice_ends_the_comparison_within_the_tolerance() -> None:
+    """Two runs that pick different tokens of one near-tie agree up to it; what follows differs."""
+    upstream = _then(_step(239, UPSTREAM_STEP), 239, -4.4)
+    offload = _then(_step(20, OFFLOAD_STEP), 20, -4.5)
+    assert_same_generation(upstream, offload, atol=2.0**-5)
+    with pytest.raises(AssertionError, match="token ids differ from step 0"):
+        assert_same_generation(upstream, offload)
+    with pytest.raises(AssertionError, match="token ids differ from step 0"):
+        assert_same_generation(upstream, offload, atol=1e-3)
+
+
+def test_a_different_choice_that_is_no_tie_fails() -> None:
+    """A choice the other run ranks more than ``atol`` below its own is a different answer."""
+    wide = ((20, -4.84), (239, -4.94585), (17, -5.11773))
+    with pytest.raises(AssertionError, match="token ids differ from step 0"):
+        assert_same_generation(_step(239, UPSTREAM_STEP), _step(20, wide), atol=2.0**-5)
+    unlisted = ((20, -4.94585), (17, -5.11773))
+    with pytest.raises(AssertionError, match="token ids differ from step 0"):
+        assert_same_generation(_step(239, UPSTREAM_STEP), _step(20, unlisted), atol=2.0**-5)
+
+
+def test_the_steps_before_a_tie_are_still_compared() -> None:
+    """A logprob gap beyond ``atol`` before the tie fails, though the tie itself would pass."""
+    upstream = _then(_then(_step(5, ((5, -1.0),)), 239, -4.94575), 239, -4.4)
+    upstream = dataclasses.replace(
+        upstream, top_logprobs=(((5, -1.0),), UPSTREAM_STEP, ((239, -4.4),))
+    )
+    offload = dataclasses.replace(
+        upstream,
+        output_ids=(5, 20, 20),
+        logprobs=(-1.5, -4.94585, -4.5),
+        top_logprobs=(((5, -1.5),), OFFLOAD_STEP, ((20, -4.5),)),
+    )
+    with pytest.raises(AssertionError, match="step 0"):
+        assert_same_generation(upstream, offload, atol=2.0**-5)
+    close = dataclasses.replace(offload, logprobs=(-1.0, -4.94585, -4.5))
+    close = dataclasses.replace(close, top_logprobs=(((5, -1.0),), OFFLOAD_STEP, ((20, -4.5),)))
+    assert_same_generation(upstream, close, atol=2.0**-5)
 
 
 def _reply(cached: int, details: dict[str, int], ids: list[int]) -> dict[str, object]:

@@ -7,6 +7,7 @@ step differed and by how much.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -56,6 +57,47 @@ def _steps(generation: Generation) -> Sequence[str]:
     ]
 
 
+def _first_different_token(expected: Generation, actual: Generation) -> int | None:
+    """The first step at which the runs chose different tokens (or one ended); None if none."""
+    if expected.output_ids == actual.output_ids:
+        return None
+    pairs = zip(expected.output_ids, actual.output_ids, strict=False)
+    return next(
+        (step for step, (want, got) in enumerate(pairs) if want != got),
+        min(len(expected.output_ids), len(actual.output_ids)),
+    )
+
+
+def _tied_choice(expected: Generation, actual: Generation, step: int, atol: float) -> bool:
+    """Whether the runs' different choices at ``step`` are one near-tie seen from both sides.
+
+    True when both runs returned alternatives at ``step`` naming both chosen tokens, each run's
+    choice beats the other's by at most ``atol`` in that run, and the two chosen logprobs agree
+    within ``atol``: greedy decoding of two logits one rounding apart may pick either.
+    """
+    if step >= min(len(expected.top_logprobs), len(actual.top_logprobs)):
+        return False
+    want, got = dict(expected.top_logprobs[step]), dict(actual.top_logprobs[step])
+    chose_want, chose_got = expected.output_ids[step], actual.output_ids[step]
+    if not {chose_want, chose_got} <= want.keys() & got.keys():
+        return False
+    return (
+        want[chose_want] - want[chose_got] <= atol
+        and got[chose_got] - got[chose_want] <= atol
+        and abs(want[chose_want] - got[chose_got]) <= atol
+    )
+
+
+def _first_steps(generation: Generation, steps: int) -> Generation:
+    """``generation`` cut to its first ``steps`` generated tokens."""
+    return dataclasses.replace(
+        generation,
+        output_ids=generation.output_ids[:steps],
+        logprobs=generation.logprobs[:steps],
+        top_logprobs=generation.top_logprobs[:steps],
+    )
+
+
 def assert_same_generation(
     expected: Generation, actual: Generation, *, atol: float = 0.0, what: str = "generation"
 ) -> None:
@@ -66,20 +108,18 @@ def assert_same_generation(
     with ``atol > 0`` two alternatives whose logprobs lie within ``atol`` of each other may trade
     places (a near-tie): at every rank the logprobs must then agree within ``atol``.
 
+    The chosen token is the first alternative, so with ``atol > 0`` it may trade places too: where
+    the runs first choose different tokens, the two choices must lie within ``atol`` of each
+    other in both runs (:func:`_tied_choice`), and the steps before it are compared as above.
+    The runs decode on from different tokens after a tie, so no later step is compared.
+
     Raises:
         AssertionError: naming the first differing step, both values and the largest gap.
     """
+    first = _first_different_token(expected, actual)
+    if first is not None and atol > 0 and _tied_choice(expected, actual, first, atol):
+        expected, actual = _first_steps(expected, first), _first_steps(actual, first)
     if expected.output_ids != actual.output_ids:
-        first = next(
-            (
-                i
-                for i, (a, b) in enumerate(
-                    zip(expected.output_ids, actual.output_ids, strict=False)
-                )
-                if a != b
-            ),
-            min(len(expected.output_ids), len(actual.output_ids)),
-        )
         msg = (
             f"{what}: token ids differ from step {first}:\n  expected {_steps(expected)}\n"
             f"  actual   {_steps(actual)}"
