@@ -48,6 +48,7 @@ from qsa_testing._models import (
 )
 from qsa_testing._pool import EnginePool, EngineStart
 from qsa_testing._selection import decode_batch, extend_batch, random_block_selection
+from qsa_testing._selection_trace import SelectionDifference, SelectionTrace
 from qsa_testing._serving_client import (
     ClientReport,
     random_ids_flags,
@@ -101,6 +102,8 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "run_on_gloo_ranks",
     # QSA-shaped inputs and SGLang batches
     "random_block_selection",
+    "SelectionDifference",
+    "SelectionTrace",
     "extend_batch",
     "decode_batch",
     # errors

@@ -39,6 +39,11 @@ from qsa_testing._errors import EngineConfigError, EngineRequestError, EngineSta
 from qsa_testing._forkhost import HostKey, fork_host
 from qsa_testing._host import Children
 from qsa_testing._models import TinyModel, TinyModelKind
+from qsa_testing._selection_trace import (
+    ENV_SELECTION_TRACE,
+    SelectionTrace,
+    selection_trace_directory,
+)
 from qsa_testing._starts import StartRecord, record_start
 from qsa_testing.standins import (
     APPLIED_MARKER,
@@ -157,6 +162,8 @@ class EngineConfig:
         server_args: ``ServerArgs`` fields that override the harness defaults (JSON values).
         standins: stand-ins added to those the platform needs (e.g. a sensitivity check's).
         replica: distinguishes otherwise equal engines.
+        trace_selection: record the QSA indexer's eager decode selections in the engine's work
+            directory (:meth:`Engine.selection_trace`).
     """
 
     model: TinyModel
@@ -165,6 +172,7 @@ class EngineConfig:
     server_args: Mapping[str, Any] = field(default_factory=FrozenArgs)
     standins: AbstractSet[StandIn] = frozenset()
     replica: int = 0
+    trace_selection: bool = False
 
     def __post_init__(self) -> None:
         for name, value in self.server_args.items():
@@ -198,6 +206,7 @@ class EngineConfig:
         parts += [f"{k.removeprefix(SWITCH_PREFIX).lower()}={v}" for k, v in self.switches.items()]
         parts += [f"{k}={v}" for k, v in self.server_args.items()]
         parts += sorted(s.value for s in self.standins)
+        parts += ["trace_selection"] if self.trace_selection else []
         if self.replica:
             parts.append(f"replica{self.replica}")
         safe = "-".join(parts)
@@ -405,6 +414,19 @@ class Engine:
 
     def __enter__(self) -> Engine:
         return self
+
+    def selection_trace(self, *, after: SelectionTrace | None = None) -> SelectionTrace:
+        """The QSA indexer's eager decode selections (``config.trace_selection``).
+
+        All so far, or those recorded since ``after`` (an earlier trace of this engine) was read.
+
+        Raises:
+            EngineConfigError: the engine was started without ``trace_selection``.
+        """
+        if not self.config.trace_selection:
+            msg = f"engine {self.config.label!r} was started with trace_selection=False"
+            raise EngineConfigError(msg)
+        return SelectionTrace.read(selection_trace_directory(self.log_path.parent), after=after)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -726,6 +748,10 @@ def _environment(config: EngineConfig, platform: Platform, workdir: Path) -> dic
         metrics.mkdir()
         env[_METRICS_DIR] = str(metrics)
     env.update(dict(config.switches))
+    if config.trace_selection:
+        traces = selection_trace_directory(workdir)
+        shutil.rmtree(traces, ignore_errors=True)  # an earlier engine's records are not this one's
+        env[ENV_SELECTION_TRACE] = str(traces)
     env[ENV_SGLANG_PLUGINS] = PLUGIN_NAME if config.plugin else _NO_PLUGINS
     if config.plugin:
         activation = workdir / "activation"
