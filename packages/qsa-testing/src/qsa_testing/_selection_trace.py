@@ -18,6 +18,7 @@ decode (every CPU engine, CUDA engines with ``QSA_TESTING_CUDA_GRAPHS=0``) is.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -57,7 +58,7 @@ def traced_select_decode_tokens(upstream: Callable[..., Any]) -> Callable[..., A
 
     The wrapper reads :data:`ENV_SELECTION_TRACE` at each call (a forked CPU engine sets it after
     the import). Without it, the call is upstream's. With it, each call appends one JSON line
-    per call to ``<dir>/<pid>.jsonl``: ``{"layer": L, "lengths": [B], "blocks": [[...], ...]}``,
+    to ``<dir>/<pid>.jsonl``: ``{"layer": L, "lengths": [B], "blocks": [[...], ...]}``,
     each row's selected block ids ascending (``-1`` padding dropped), ``lengths`` each row's
     sequence length with the new token.
     """
@@ -88,7 +89,7 @@ def traced_select_decode_tokens(upstream: Callable[..., Any]) -> Callable[..., A
             _append(Path(directory), int(self.layer_id), sequence_lengths, blocks)
         if defer_expansion:
             return blocks
-        expand = __import__(_EXPAND_MODULE, fromlist=["x"]).expand_qsa_block_indices
+        expand = importlib.import_module(_EXPAND_MODULE).expand_qsa_block_indices
         return expand(
             blocks,
             query_positions,
