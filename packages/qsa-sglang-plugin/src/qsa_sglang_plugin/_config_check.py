@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from qsa_core import (
     QWEN38_FLASH_NEXT,
@@ -23,6 +23,9 @@ from qsa_core import (
     hot_cache_slots,
 )
 from qsa_sglang_plugin._errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from qsa_kernels.double_sparsity import AttentionGeometry
 from qsa_sglang_plugin._switches import (
     DS_ATTENTION_BACKEND,
     ENV_CACHE_SHARDING,
@@ -269,7 +272,7 @@ def _check_double_sparsity(facts: ConfigFacts, ds: DoubleSparsitySwitches) -> No
             "the double-sparsity backend writes the labels of the prompt's keys where its dense "
             "prefill writes them, and has no context-parallel path",
         )
-    _, _, kv_heads, _ = ds_geometry(facts.text_config)
+    kv_heads = ds_geometry(facts.text_config).kv_heads
     if facts.device == "cpu" and kv_heads % facts.tp_size:
         raise _reject(
             "--tp-size",
@@ -326,19 +329,19 @@ def ds_channels(ds: DoubleSparsitySwitches, text_config: Mapping[str, Any]) -> A
     """
     from qsa_kernels.double_sparsity import ChannelConfig
 
-    layers, q_heads, kv_heads, head_dim = ds_geometry(text_config)
+    geometry = ds_geometry(text_config)
     return ChannelConfig.load(
         ds.channel_config,
         config=ds_config(ds),
-        layers=range(layers),
-        num_q_heads=q_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        layers=range(geometry.layers),
+        num_q_heads=geometry.q_heads,
+        num_kv_heads=geometry.kv_heads,
+        head_dim=geometry.head_dim,
     )
 
 
-def ds_geometry(text_config: Mapping[str, Any]) -> tuple[int, int, int, int]:
-    """``(attention layers, query heads, KV heads, head dim)`` of an ordinary GQA model.
+def ds_geometry(text_config: Mapping[str, Any]) -> AttentionGeometry:
+    """The attention geometry of an ordinary GQA model, refused as a start-up error.
 
     The library's :meth:`qsa_kernels.double_sparsity.AttentionGeometry.from_text_config`
     (``num_hidden_layers`` and ``num_attention_heads`` required; ``num_key_value_heads``
@@ -352,10 +355,9 @@ def ds_geometry(text_config: Mapping[str, Any]) -> tuple[int, int, int, int]:
     from qsa_kernels.double_sparsity import AttentionGeometry, DSConfigError
 
     try:
-        geometry = AttentionGeometry.from_text_config(text_config)
+        return AttentionGeometry.from_text_config(text_config)
     except DSConfigError as exc:
         raise ConfigurationError(f"--model-path {exc}") from exc
-    return geometry.layers, geometry.q_heads, geometry.kv_heads, geometry.head_dim
 
 
 def _check_serving(facts: ConfigFacts) -> None:

@@ -317,7 +317,7 @@ def _check_double_sparsity(
     nested = config.get("text_config")
     text = nested if isinstance(nested, dict) and nested else config
     try:
-        layers, _, kv_heads, head_dim = ds_geometry(text)
+        geometry = ds_geometry(text)
     except ConfigurationError as exc:
         return Check(name, Status.FAIL, str(exc))
     try:
@@ -337,8 +337,9 @@ def _check_double_sparsity(
     labels, kv = capacity.label_token_bytes, capacity.kv_token_bytes
     per_rank = f" (each of {tp_size} TP ranks holds {rank_heads})" if tp_size > 1 else ""
     detail = (
-        f"{ds.heavy_channel_num} of {head_dim} channels per KV head for {layers} layers x "
-        f"{kv_heads} KV heads{per_rank}, {ds.heavy_token_num} heavy tokens, dense below "
+        f"{ds.heavy_channel_num} of {geometry.head_dim} channels per KV head for "
+        f"{geometry.layers} layers x {geometry.kv_heads} KV heads{per_rank}, "
+        f"{ds.heavy_token_num} heavy tokens, dense below "
         f"{ds.sparse_decode_threshold} tokens; labels add {labels} B per token to {kv} B of "
         f"bf16 K/V ({labels / kv:.1%})"
     )

@@ -17,15 +17,23 @@ def _refuse(field: str, value: object, supported: str, why: str) -> DSConfigErro
     return DSConfigError(f"{field}={value!r} is not supported ({why}); supported: {supported}")
 
 
-def _field(text_config: Mapping[str, object], field: str, *, required: bool) -> int | None:
-    """A positive int field of the config; None when absent (or null) and optional."""
+def _optional(text_config: Mapping[str, object], field: str) -> int | None:
+    """A positive int field of the config; None when absent or null."""
     value = text_config.get(field)
-    if value is None and not required:
+    if value is None:
         return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _refuse(field, value, "a positive integer", _WHY)
+    return value
+
+
+def _required(text_config: Mapping[str, object], field: str) -> int:
+    """A positive int field the config must have."""
     if field not in text_config:
         msg = f"{field} is missing ({_WHY}); supported: a positive integer"
         raise DSConfigError(msg)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    value = _optional(text_config, field)
+    if value is None:  # present as null
         raise _refuse(field, value, "a positive integer", _WHY)
     return value
 
@@ -59,12 +67,10 @@ class AttentionGeometry:
                 the message starts with the field's name and says its value and what is
                 supported.
         """
-        layers = _field(text_config, "num_hidden_layers", required=True)
-        heads = _field(text_config, "num_attention_heads", required=True)
-        assert layers is not None
-        assert heads is not None
-        kv_heads = _field(text_config, "num_key_value_heads", required=False) or heads
-        head_dim = _field(text_config, "head_dim", required=False)
+        layers = _required(text_config, "num_hidden_layers")
+        heads = _required(text_config, "num_attention_heads")
+        kv_heads = _optional(text_config, "num_key_value_heads") or heads
+        head_dim = _optional(text_config, "head_dim")
         if heads % kv_heads:
             raise _refuse(
                 "num_key_value_heads",
@@ -73,8 +79,7 @@ class AttentionGeometry:
                 "each KV head serves a whole group of query heads",
             )
         if head_dim is None:
-            hidden = _field(text_config, "hidden_size", required=True)
-            assert hidden is not None
+            hidden = _required(text_config, "hidden_size")
             if hidden % heads:
                 raise _refuse(
                     "hidden_size",

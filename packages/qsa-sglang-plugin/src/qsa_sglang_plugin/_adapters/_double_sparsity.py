@@ -82,7 +82,7 @@ def create_backend(runner: Any) -> Any:
     )
     logger.info(
         "qsa_ds: %s over %s%s",
-        runtime.describe(ds_geometry(text_config)[3]),
+        runtime.describe(ds_geometry(text_config).head_dim),
         dense_name,
         "; DS-Offload: K/V in the host arena" if offload is not None else "",
     )

@@ -166,15 +166,15 @@ def _layout(runner: Any, ds: DoubleSparsitySwitches | None) -> OffloadLayout:
             head_dim=int(full.head_dim),
             dtype=full.dtype,  # the logical dtype (fp8 pools store uint8 and hand out fp8 views)
         )
-    layers, _, _, head_dim = ds_geometry(config.hf_text_config.to_dict())
+    geometry = ds_geometry(config.hf_text_config.to_dict())
     return _refused(
         OffloadLayout.per_head,
-        layers=layers,
+        layers=geometry.layers,
         rows=rows,
         context_len=int(config.context_len),
         hot_blocks=ds_config(ds).hot_blocks(),
         kv_heads=int(pool.head_num),
-        head_dim=head_dim,
+        head_dim=geometry.head_dim,
         dtype=pool.dtype,  # the logical dtype
     )
 

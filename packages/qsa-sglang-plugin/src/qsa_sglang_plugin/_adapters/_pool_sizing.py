@@ -154,12 +154,12 @@ def _label_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     switches = current_switches()
     ds, model_config = switches.double_sparsity, kvc.model_config
     assert ds is not None  # the hook prices labels only with double sparsity on
-    layers, _, _, head_dim = ds_geometry(model_config.hf_text_config.to_dict())
+    geometry = ds_geometry(model_config.hf_text_config.to_dict())
     return label_capacity(
         ds_config(ds),
-        layers=layers,
+        layers=geometry.layers,
         kv_heads=int(model_config.get_num_kv_heads(get_parallel().attn_tp_size)),  # this rank's
-        head_dim=head_dim,
+        head_dim=geometry.head_dim,
         kv_dtype=kvc.kv_cache_dtype,
         offload=ds.offload,
         kv_token_bytes=int(configurator._cell_size),
@@ -238,16 +238,16 @@ def ds_capacity(
     from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
 
     channels = ds_channels(switches, text_config).for_tp_rank(tp_size, 0).channels
-    layers, _, _, head_dim = ds_geometry(text_config)
+    geometry = ds_geometry(text_config)
     context: Any = (
         QSAProfile.config_context_len(text_config) if context_len is None else context_len
     )
     try:
         return label_capacity(
             ds_config(switches),
-            layers=layers,
+            layers=geometry.layers,
             kv_heads=int(channels.shape[1]),
-            head_dim=head_dim,
+            head_dim=geometry.head_dim,
             kv_dtype=torch.bfloat16,
             offload=switches.offload,
             rows=rows,
