@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = (
+    "PREFILL_GRAPHS",
     "SKIPPED",
     "Cell",
     "Served",
@@ -43,6 +44,12 @@ __all__ = (
 
 #: Exit status of a benchmark that cannot run here (no CUDA device).
 SKIPPED = 77
+
+#: ``--prefill-graphs``: SGLang's ``--cuda-graph-backend-prefill`` in every arm. ``breakable``
+#: (SGLang's default on CUDA: the layers between attentions replay as captured graphs, the
+#: attention runs eagerly) or ``disabled`` (an eager prefill, as every run before the
+#: twenty-ninth session).
+PREFILL_GRAPHS = ("breakable", "disabled")
 
 _DECODE_LINE = re.compile(
     r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)"

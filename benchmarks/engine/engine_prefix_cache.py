@@ -1,8 +1,9 @@
 """Benchmark the host prefix cache in a real SGLang 0.5.23 engine: warm against cold TTFT.
 
 One engine serves a dummy Qwen4Exp with ``p2-offload`` and ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB``,
-decode CUDA graphs on: ``--model full-depth`` (the default) has Qwen3.8-Flash-Next's 48 layers and
-the real width of every attention and GDN layer, small experts
+decode CUDA graphs on and prefill graphs as ``--prefill-graphs`` says (``breakable``, SGLang's
+default on CUDA, or ``disabled``): ``--model full-depth`` (the default) has Qwen3.8-Flash-Next's
+48 layers and the real width of every attention and GDN layer, small experts
 (:func:`qsa_testing.full_depth_qwen4_exp`), so a cold prefill costs about what the real model's
 does (less: its experts are small); ``--model shaped`` has one QSA layer of the real geometry and
 three small GDN layers, where the fixed costs of a request dominate. For each context length
@@ -42,7 +43,7 @@ import tempfile
 import time
 from typing import Any
 
-from _engine_bench import SKIPPED, lacks_cuda, profile_request, write_json
+from _engine_bench import PREFILL_GRAPHS, SKIPPED, lacks_cuda, profile_request, write_json
 from _trace import summarize
 
 _PAGE = 64
@@ -83,6 +84,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
     parser.add_argument("--budget-mb", type=int, default=32768, help="prefix cache MiB")
     parser.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared")
+    parser.add_argument(
+        "--prefill-graphs",
+        choices=PREFILL_GRAPHS,
+        default=PREFILL_GRAPHS[0],
+        help="--cuda-graph-backend-prefill (decode graphs are on)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -129,7 +136,7 @@ def _config(args: argparse.Namespace) -> Any:
             "max_total_tokens": 2 * longest,
             "chunked_prefill_size": args.chunk,
             "disable_cuda_graph": False,
-            "cuda_graph_backend_prefill": "disabled",
+            "cuda_graph_backend_prefill": args.prefill_graphs,
             "radix_cache_backend": "qsa_hisparse",
             "enable_metrics": True,
         },
@@ -219,11 +226,17 @@ def _divergence(cold: Any, warm: Any) -> tuple[int | None, float | None]:
     return None, None
 
 
-def _write(out: pathlib.Path, model: str, new_tokens: int, rows: list[Row]) -> None:
+def _write(
+    out: pathlib.Path, model: str, new_tokens: int, prefill_graphs: str, rows: list[Row]
+) -> None:
     data = write_json(
         out,
         "engine_prefix_cache",
-        {"model": model, "rows": [dataclasses.asdict(r) for r in rows]},
+        {
+            "model": model,
+            "prefill_graphs": prefill_graphs,
+            "rows": [dataclasses.asdict(r) for r in rows],
+        },
     )
     device, torch_version, command = (
         data["machine"]["gpu"],
@@ -234,8 +247,9 @@ def _write(out: pathlib.Path, model: str, new_tokens: int, rows: list[Row]) -> N
         "# Host prefix cache: warm against cold time to first token, a real SGLang 0.5.23 engine",
         "",
         f"GPU {device}, torch {torch_version}; {model}, with p2-offload and the host prefix "
-        "cache, decode CUDA graphs on. TTFT: SGLang's `first_token_latency` (from the server's "
-        "receipt of the request to its prefill's end); wall: the client's time for the whole "
+        f"cache, decode CUDA graphs on, prefill graphs {prefill_graphs}. TTFT: SGLang's "
+        "`first_token_latency` (from the server's receipt of the request to its prefill's "
+        "end); wall: the client's time for the whole "
         f"request over HTTP ({new_tokens} greedy tokens, compared). `{command}`; written by "
         "`benchmarks/engine/engine_prefix_cache.py`.",
         "",
@@ -295,7 +309,7 @@ def main(argv: list[str]) -> int:
                 f"{row.restored_bytes / (1 << 20):,.1f} MiB restored, same tokens: {_same(row)}",
                 flush=True,
             )
-            _write(args.out, _MODELS[args.model], args.new_tokens, rows)
+            _write(args.out, _MODELS[args.model], args.new_tokens, args.prefill_graphs, rows)
     return 0
 
 

@@ -3,8 +3,9 @@
 Each arm is one SGLang 0.5.23 HTTP server of the same dummy Qwen4Exp (``--model shaped``: the
 model-shaped tiny one with 12 QSA layers of the real geometry, each after 3 small GDN layers;
 ``--model full-depth``: Qwen3.8-Flash-Next's 48 layers at the real attention and GDN widths), the
-same scheduler flags (SGLang's default prefill batching unless an arm says otherwise) and decode
-CUDA graphs on:
+same scheduler flags (SGLang's default prefill batching unless an arm says otherwise), decode
+CUDA graphs on and prefill graphs as ``--prefill-graphs`` says (``breakable``, SGLang's default on
+CUDA, or ``disabled``, as in every run before the twenty-ninth session):
 
 - ``upstream``: the plugin off;
 - ``resident``: ``p2-resident`` (upstream's kernels, the plugin's lifecycle);
@@ -86,7 +87,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from _engine_bench import SKIPPED, boot_id, lacks_cuda, mem_fraction, pool_tokens, write_json
+from _engine_bench import (
+    PREFILL_GRAPHS,
+    SKIPPED,
+    boot_id,
+    lacks_cuda,
+    mem_fraction,
+    pool_tokens,
+    write_json,
+)
 
 _PAGE = 64
 _CHUNK = 8192
@@ -158,6 +167,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="the offload arms' --prefill-max-requests (prompts staged at once)",
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--prefill-graphs",
+        choices=PREFILL_GRAPHS,
+        default=PREFILL_GRAPHS[0],
+        help="--cuda-graph-backend-prefill in every arm (decode graphs are on)",
+    )
     parser.add_argument(
         "--gpu-budget-gib",
         type=float,
@@ -234,6 +249,7 @@ SETTINGS = (
     "cache_mb",
     "staged_prompts",
     "seed",
+    "prefill_graphs",
     "gpu_budget_gib",
     "repeats",
     "start",
@@ -291,7 +307,7 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "disable_overlap_schedule": True,
         "chunked_prefill_size": _CHUNK,
         "disable_cuda_graph": False,
-        "cuda_graph_backend_prefill": "disabled",
+        "cuda_graph_backend_prefill": args.prefill_graphs,
         "cuda_graph_max_bs_decode": args.max_concurrency,
         "enable_metrics": True,
     }
@@ -478,7 +494,8 @@ def _write(out: pathlib.Path, args: argparse.Namespace, runs: list[Run]) -> None
         "",
         f"GPU {data['machine']['gpu']}, torch {data['machine']['torch']}; host "
         f"{_host_line(data['machine']['host'])}; the {args.model} dummy "
-        f"Qwen4Exp, decode CUDA graphs on, prefill chunks of {_CHUNK}, "
+        f"Qwen4Exp, decode CUDA graphs on, prefill graphs {args.prefill_graphs}, prefill chunks "
+        f"of {_CHUNK}, "
         f"`--max-running-requests {args.max_concurrency}` in every arm, "
         f"`--prefill-max-requests {args.staged_prompts}` in the offload arms, 1 in "
         "`resident-one-prompt`. Client: "

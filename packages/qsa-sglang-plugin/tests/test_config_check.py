@@ -115,10 +115,19 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
             ["--max-running-requests=None", "a positive integer", "host arena"],
         ),
         (
-            {"prefill_graph_backend": "breakable"},
+            {"prefill_graph_backend": "full"},
+            [
+                "--cuda-graph-backend-prefill='full'",
+                "supported: 'breakable' or 'disabled'",
+                "must run eagerly",
+            ],
+        ),
+        (
+            {"prefill_graph_backend": "breakable", "enable_prefill_cp": True, "tp_size": 2},
             [
                 "--cuda-graph-backend-prefill='breakable'",
-                "supported: 'disabled' (decode CUDA graphs",
+                "supported: 'disabled' (decode CUDA graphs stay on)",
+                "context-parallel prefill runs eagerly",
             ],
         ),
         (
@@ -146,6 +155,14 @@ def test_hisparse_rejects_scheduler_flags_it_cannot_run(
     for fragment in fragments:
         assert fragment in str(info.value)
     assert check_configuration(facts, COMPAT) is not None  # model_compat alone allows it
+
+
+@pytest.mark.parametrize("backend", ["breakable", "disabled"])
+def test_the_offload_serves_breakable_prefill_graphs_or_none(backend: str) -> None:
+    """SGLang's default prefill graphs on CUDA (breakable: attention runs eagerly between the
+    captured segments) start with p2-offload, as does an eager prefill."""
+    facts = dataclasses.replace(GOOD, prefill_graph_backend=backend)
+    assert check_configuration(facts, OFFLOAD) is not None
 
 
 def test_the_offload_serves_context_parallel_prefill_on_cuda() -> None:
@@ -395,6 +412,10 @@ def test_ds_offload_passes_with_the_offload_flags(tmp_path: Any) -> None:
         ({"prefill_max_requests": 4}, ["--prefill-max-requests=4", "supported: 1"]),
         ({"disable_overlap_schedule": False}, ["--disable-overlap-schedule=False"]),
         ({"prefill_graph_backend": "full"}, ["--cuda-graph-backend-prefill='full'"]),
+        (
+            {"prefill_graph_backend": "breakable"},
+            ["--cuda-graph-backend-prefill='breakable'", "'disabled'", "no host-arena row"],
+        ),
     ],
 )
 def test_ds_offload_refuses_flags_its_runtime_cannot_serve(

@@ -44,9 +44,9 @@ QWEN = tiny_qwen4_exp()
 OFFLOAD_SWITCHES = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
 #: The same, with every released row's host bytes compared with a resident copy of its K/V.
 VERIFIED_SWITCHES = {**OFFLOAD_SWITCHES, "SGLANG_QSA_HISPARSE_VERIFY": "1"}
-#: Decode CUDA graphs follow the session (``QSA_TESTING_CUDA_GRAPHS``), as upstream's do: on the
-#: H200 both arms run eagerly and then both captured. Prefill graphs stay off in both arms
-#: (p2-offload refuses them).
+#: CUDA graphs follow the session (``QSA_TESTING_CUDA_GRAPHS``), as upstream's do: on the H200 both
+#: arms run eagerly and then both with SGLang's default graphs (decode graphs, and breakable
+#: prefill graphs whose attention runs eagerly over the real batch).
 OFFLOAD_ARGS = {
     "radix_cache_backend": "qsa_hisparse",
     "disable_overlap_schedule": True,
@@ -54,7 +54,6 @@ OFFLOAD_ARGS = {
     "max_running_requests": 4,
     "prefill_max_requests": 1,
     "context_length": 8192,
-    "cuda_graph_backend_prefill": "disabled",
 }
 #: Whether the engines decode eagerly (every CPU engine; CUDA ones without decode graphs), so
 #: that the QSA indexer's selections are traced step by step (``EngineConfig.trace_selection``).
@@ -95,7 +94,6 @@ UPSTREAM_SAME_CHUNKS = EngineConfig(
         "chunked_prefill_size": 1024,
         "max_running_requests": 4,
         "context_length": 8192,
-        "cuda_graph_backend_prefill": "disabled",
         **SIZED_BY_MEMORY,
     },
     trace_selection=True,

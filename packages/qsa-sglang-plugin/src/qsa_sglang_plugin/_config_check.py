@@ -143,8 +143,9 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend; with
     ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
     ``--prefill-max-requests N`` (the staging area holds N prompts; 1 with double sparsity or
-    prefill CP) and, on CUDA, prefill CUDA graphs off
-    (``--cuda-graph-backend-prefill disabled``; decode graphs are supported); with the host
+    prefill CP) and, on CUDA, prefill CUDA graphs breakable or off
+    (``--cuda-graph-backend-prefill breakable``, SGLang's default, or ``disabled``; off with
+    double sparsity or prefill CP; decode graphs are supported); with the host
     prefix cache, a ``--chunked-prefill-size`` that is a multiple of the page size; with cache
     sharding, a shard group that divides the TP ranks holding one K/V head (every TP rank under
     SGLang's prefill CP over the TP group), and without an offload also no speculative decoding,
@@ -165,7 +166,12 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_double_sparsity(facts, switches.double_sparsity)
         if switches.double_sparsity.offload:
             _check_serving(facts)
-            _check_offload(facts, one_prompt="DS-Offload's prefill reads one staged prompt")
+            _check_offload(
+                facts,
+                one_prompt="DS-Offload's prefill reads one staged prompt",
+                eager_prefill="DS-Offload's prefill stages prompts that prefill graph capture "
+                "runs for requests holding no host-arena row",
+            )
     if not _QSA_FEATURES.intersection(features):
         return None
     if facts.architectures != (SUPPORTED_ARCHITECTURE,):
@@ -207,7 +213,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_serving(facts)
     if switches.hisparse is HiSparseMode.P2_OFFLOAD:
         cp = "a context-parallel prefill stages one prompt" if facts.enable_prefill_cp else None
-        _check_offload(facts, one_prompt=cp)
+        eager = "a context-parallel prefill runs eagerly" if cp is not None else None
+        _check_offload(facts, one_prompt=cp, eager_prefill=eager)
     if switches.prefix_cache_mb > 0:
         _check_prefix_cache(facts)
     if facts.enable_prefill_cp and (
@@ -425,8 +432,15 @@ def _check_serving(facts: ConfigFacts) -> None:
         )
 
 
-def _check_offload(facts: ConfigFacts, *, one_prompt: str | None = None) -> None:
-    """What the offload serves; ``one_prompt`` says why only one prompt may be staged, if so."""
+def _check_offload(
+    facts: ConfigFacts, *, one_prompt: str | None = None, eager_prefill: str | None = None
+) -> None:
+    """What the offload serves.
+
+    ``one_prompt`` says why only one prompt may be staged, if so; ``eager_prefill`` why prefill
+    CUDA graphs are refused, if so (otherwise breakable ones serve: the attention between their
+    captured segments runs eagerly over the real batch, and the capture stages nothing).
+    """
     if facts.max_running_requests is None or facts.max_running_requests < 1:
         raise _reject(
             "--max-running-requests",
@@ -445,13 +459,19 @@ def _check_offload(facts: ConfigFacts, *, one_prompt: str | None = None) -> None
             "each prompt of a prefill batch is staged on the GPU, in a staging area of the "
             "context length sized at start-up, before its K/V moves to the host",
         )
-    if facts.prefill_graph_backend != "disabled":
+    graphs = facts.prefill_graph_backend
+    if eager_prefill is not None and graphs != "disabled":
+        raise _reject(
+            "--cuda-graph-backend-prefill", graphs, "'disabled' (decode CUDA graphs stay on)",
+            eager_prefill,
+        )  # fmt: skip
+    if graphs not in {"disabled", "breakable"}:
         raise _reject(
             "--cuda-graph-backend-prefill",
-            facts.prefill_graph_backend,
-            "'disabled' (decode CUDA graphs stay on)",
-            "prefill graph capture runs the staging of prompts for requests that hold no "
-            "host-arena row",
+            graphs,
+            "'breakable' or 'disabled'",
+            "a full prefill graph captures the attention, which stages each prompt's chunk in "
+            "the request's own staging area and so must run eagerly, as a breakable graph runs it",
         )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
 from sglang.srt.layers.cp.utils import ContextParallelStrategyKind, get_cp_strategy, is_cp_active
-from sglang.srt.runtime_context import get_stream
+from sglang.srt.runtime_context import get_flags, get_stream
 from torch import Tensor
 
 from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of
@@ -150,7 +150,14 @@ class HiSparseOffloadBackend(PluginQSABackend):
     def _prefill(  # noqa: PLR0917
         self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, *, cp: bool
     ) -> Tensor:
-        """Each request's chunk staged and attended; under CP one request, this rank's rows."""
+        """Each request's chunk staged and attended; under CP one request, this rank's rows.
+
+        SGLang's prefill graph runner warms up and captures over dummy requests that hold no
+        host-arena row: they stage nothing and attend to zeros. A breakable graph runs this
+        attention eagerly between its captured segments, so at replay it stages the real batch.
+        """
+        if get_flags().dp.capturing_prefill_graph:
+            return q.new_zeros(q.shape)
         zigzag = zigzag_entries(batch.attn_cp_metadata) if cp else None
         return self.qsa_runtime.extend(
             layer.layer_id, q, k, v, idx, slots=batch.req_pool_indices.tolist(),
