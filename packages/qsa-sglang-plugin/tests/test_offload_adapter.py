@@ -2,8 +2,9 @@
 
 The offload backend stages an extend batch's chunk (``stage_chunk``) and plans a decode step
 (``plan_decode``) from real SGLang ``ForwardBatch`` objects, including the CUDA graph runner's
-padded view of one (``num_padding`` rows at the end). The runtime itself is
-``qsa_kernels.offload.OffloadRuntime`` (its own tests are in qsa-kernels).
+padded view of one (``num_padding`` rows at the end), and the prefill graph runner's dummy
+requests. The runtime itself is ``qsa_kernels.offload.OffloadRuntime`` (its own tests are in
+qsa-kernels).
 """
 
 from __future__ import annotations
@@ -12,8 +13,17 @@ import pytest
 import torch
 
 from qsa_kernels import KernelPath
-from qsa_kernels.offload import ChunkSpan, OffloadedKV, OffloadGeometry, OffloadRuntime, RowState
+from qsa_kernels.context import PrefillKernels
+from qsa_kernels.offload import (
+    ChunkSpan,
+    OffloadedKV,
+    OffloadGeometry,
+    OffloadRuntime,
+    OffloadStateError,
+    RowState,
+)
 from qsa_sglang_plugin._adapters._offload import (
+    extend_layer,
     extend_spans,
     plan_decode,
     stage_chunk,
@@ -94,3 +104,32 @@ def test_a_captured_step_is_all_padding_and_not_counted() -> None:
     assert runtime.kv.step_row_ids.numel() == 3
     assert runtime.counts.decode_steps == 0
     assert [runtime.kv.state(r) for r in ROWS] == [RowState.FREE, RowState.FREE]
+
+
+def test_prefill_graph_capture_stages_nothing_and_its_dummy_rows_attend_to_zeros() -> None:
+    """SGLang's prefill graph runner warms up and captures over requests ``arange(bs)`` that hold
+    no host-arena row (SGLang's own flag says so); outside the capture those slots are refused."""
+    from sglang.srt.runtime_context import get_flags
+
+    runtime, flags = _runtime(), get_flags().dp
+    dummy = extend_batch([(0, 0, 8), (1, 0, 8)])  # slots 0 and 1 hold no lease
+    q = torch.ones(16, 2, D, dtype=torch.bfloat16)
+    k = torch.ones(16, D, dtype=torch.bfloat16)
+    indices = torch.zeros(16, 4, dtype=torch.int32)
+
+    def attend(batch: object) -> torch.Tensor:
+        kernels = PrefillKernels.reference()
+        return extend_layer(runtime, 3, q, k, k, indices, batch, scale=1.0, kernels=kernels)
+
+    flags.capturing_prefill_graph = True
+    try:
+        out = attend(dummy)
+    finally:
+        flags.capturing_prefill_graph = False
+    assert (out.shape, out.dtype, int(out.count_nonzero())) == (q.shape, q.dtype, 0)
+    assert runtime.staged == {}
+    with pytest.raises(OffloadStateError, match="slot 0 prefills but holds no lease"):
+        attend(dummy)
+    real = attend(extend_batch([(SLOTS[0], 0, 16)]))  # a leased request stages its chunk
+    assert runtime.staged == {ROWS[0]: 16}
+    assert real.shape == q.shape

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention import qwen_sparse_attn_backend as upstream
 from sglang.srt.layers.cp.utils import ContextParallelStrategyKind, get_cp_strategy, is_cp_active
-from sglang.srt.runtime_context import get_flags, get_stream
+from sglang.srt.runtime_context import get_stream
 from torch import Tensor
 
-from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of
+from qsa_sglang_plugin._adapters._offload import extend_layer, plan_decode, runtime_of
 from qsa_sglang_plugin._adapters._qsa_common import prefill_kernels, zigzag_entries
 from qsa_sglang_plugin._adapters._sharded_kv import attend_extend, sharded_store_of
 from qsa_sglang_plugin._errors import OffloadRuntimeError
@@ -150,19 +150,11 @@ class HiSparseOffloadBackend(PluginQSABackend):
     def _prefill(  # noqa: PLR0917
         self, layer: Any, batch: Any, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, *, cp: bool
     ) -> Tensor:
-        """Each request's chunk staged and attended; under CP one request, this rank's rows.
-
-        SGLang's prefill graph runner warms up and captures over dummy requests that hold no
-        host-arena row: they stage nothing and attend to zeros. A breakable graph runs this
-        attention eagerly between its captured segments, so at replay it stages the real batch.
-        """
-        if get_flags().dp.capturing_prefill_graph:
-            return q.new_zeros(q.shape)
+        """Each request's chunk staged and attended; under CP one request, this rank's rows."""
         zigzag = zigzag_entries(batch.attn_cp_metadata) if cp else None
-        return self.qsa_runtime.extend(
-            layer.layer_id, q, k, v, idx, slots=batch.req_pool_indices.tolist(),
-            extend_lens=batch.extend_seq_lens_cpu, seq_lens=batch.seq_lens_cpu,
-            scale=layer.scaling, kernels=prefill_kernels(), zigzag=zigzag,
+        return extend_layer(
+            self.qsa_runtime, layer.layer_id, q, k, v, idx, batch,
+            scale=float(layer.scaling), kernels=prefill_kernels(), zigzag=zigzag,
         )  # fmt: skip
 
     def _decode(  # noqa: PLR0917

@@ -1,8 +1,9 @@
 """``p2-offload`` inside SGLang: SGLang's objects turned into :class:`OffloadRuntime` calls.
 
 The offload itself is :class:`qsa_kernels.offload.OffloadRuntime` (docs/plugin.md,
-"p2-offload"). Here: a ``ForwardBatch`` as a planned decode step (:func:`plan_decode`) or its
-requests' prefill chunks (:func:`extend_spans`, :func:`stage_chunk`); SGLang's pools and model
+"p2-offload"). Here: a ``ForwardBatch`` as a planned decode step (:func:`plan_decode`), an
+extend layer (:func:`extend_layer`) or its requests' prefill chunks (:func:`extend_spans`,
+:func:`stage_chunk`); SGLang's pools and model
 config as the runtime's :class:`OffloadLayout` (:func:`qsa_layout`, priced by
 :mod:`._pool_sizing`); the model runner's one runtime (:func:`runtime_of`), whose counts are
 ``qsa_hisparse_*`` series (:meth:`OffloadCounts.series`).
@@ -18,6 +19,7 @@ import torch
 
 from qsa_core import format_bytes
 from qsa_kernels import KernelInputError
+from qsa_kernels.context import PrefillKernels, ZigzagEntries
 from qsa_kernels.offload import (
     ChunkSpan,
     OffloadCounts,
@@ -37,6 +39,7 @@ from qsa_sglang_plugin._hostmem import meminfo_bytes
 from qsa_sglang_plugin._switches import DoubleSparsitySwitches, current_switches
 
 __all__ = (
+    "extend_layer",
     "extend_span",
     "extend_spans",
     "plan_decode",
@@ -67,6 +70,41 @@ def plan_decode(
         pad_to=batch if graph or capture else None,
         capture=capture,
     )
+
+
+def extend_layer(  # noqa: PLR0917 (the attention call's own order)
+    runtime: OffloadRuntime,
+    layer_id: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    forward_batch: Any,
+    *,
+    scale: float,
+    kernels: PrefillKernels,
+    zigzag: ZigzagEntries | None = None,
+) -> torch.Tensor:
+    """:meth:`OffloadRuntime.extend` of one layer of an extend ``ForwardBatch``: ``[T, Hq, D]``.
+
+    While SGLang's prefill graph runner warms up and captures, its batch is dummy requests
+    (``req_pool_indices = arange(bs)``) that hold no host-arena row: nothing is staged and the
+    rows attend to zeros, of ``q``'s shape and dtype (a captured segment only needs the output's
+    address). A breakable graph runs this call eagerly between its captured segments, so at
+    replay it stages the real batch.
+
+    Raises:
+        OffloadStateError: as :meth:`OffloadRuntime.extend`, outside a capture.
+    """
+    from sglang.srt.runtime_context import get_flags
+
+    if get_flags().dp.capturing_prefill_graph:
+        return q.new_zeros(q.shape)
+    return runtime.extend(
+        layer_id, q, k, v, indices, slots=forward_batch.req_pool_indices.tolist(),
+        extend_lens=forward_batch.extend_seq_lens_cpu, seq_lens=forward_batch.seq_lens_cpu,
+        scale=scale, kernels=kernels, zigzag=zigzag,
+    )  # fmt: skip
 
 
 def extend_spans(forward_batch: Any) -> list[ChunkSpan]:
