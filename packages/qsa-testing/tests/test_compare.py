@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 
+import numpy as np
 import pytest
 
 from qsa_testing import (
+    EngineRequestError,
+    GenerateRequest,
     Generation,
     assert_same_generation,
     assert_served_from_storage,
     logprob_gap,
+    routing_differences,
 )
 
 
@@ -73,6 +78,47 @@ def test_generation_parses_sglang_replies() -> None:
     assert g.logprobs == (-4.9, -4.3)
     assert g.top_logprobs == (((485, -4.9), (3, -5.0)), ((12, -4.3),))
     assert (g.prompt_tokens, g.cached_tokens, g.finish_reason) == (3000, 64, "length")
+
+
+def test_routed_experts_are_asked_from_the_prompts_last_position_and_parsed_per_token() -> None:
+    """SGLang returns int32 ``[tokens, layers, top_k]`` as base64; the first token's forward is
+    the prompt's last position."""
+    request = GenerateRequest((1, 2, 3), max_new_tokens=2, routed_experts=True)
+    assert request.body()["return_routed_experts"] is True
+    assert request.body()["routed_experts_start_len"] == 2
+    assert "return_routed_experts" not in GenerateRequest((1, 2, 3)).body()
+    ids = np.array([[[0, 3], [1, 2]], [[3, 0], [2, 1]]], dtype="<i4")  # 2 tokens, 2 layers, top-2
+
+    def reply(routed: bytes) -> dict[str, object]:
+        return {
+            "output_ids": [485, 12],
+            "meta_info": {
+                "prompt_tokens": 3,
+                "finish_reason": {"type": "length"},
+                "output_token_logprobs": [[-4.9, 485, None], [-4.3, 12, None]],
+                "routed_experts": base64.b64encode(routed).decode(),
+            },
+        }
+
+    g = Generation.from_reply(reply(ids.tobytes()))
+    assert g.routed_experts == ((0, 3, 1, 2), (3, 0, 2, 1))
+    with pytest.raises(EngineRequestError, match="5 ids; allowed: a multiple of the 2 tokens"):
+        Generation.from_reply(reply(ids.reshape(-1)[:5].tobytes()))
+
+
+def test_routing_differences_name_the_steps_where_a_layer_chose_other_experts() -> None:
+    """Sets per layer (order is the weights'), up to the first differing token, both runs."""
+    a = dataclasses.replace(_gen((5, 5, 6), (-1.0, -2.0, -3.0)), routed_experts=((0, 1, 2, 3),) * 3)
+    same_order_swapped = dataclasses.replace(a, routed_experts=((1, 0, 3, 2),) * 3)
+    assert routing_differences(a, same_order_swapped, top_k=2) == frozenset()
+    other = dataclasses.replace(a, routed_experts=((0, 1, 2, 3), (0, 1, 2, 0), (3, 1, 2, 3)))
+    assert routing_differences(a, other, top_k=2) == {1, 2}
+    diverged = dataclasses.replace(other, output_ids=(5, 7, 6))  # step 2 decodes another context
+    assert routing_differences(a, diverged, top_k=2) == {1}
+    with pytest.raises(ValueError, match="routed experts for 3 and 0 steps"):
+        routing_differences(a, _gen((5, 5, 6), (-1.0, -2.0, -3.0)), top_k=2)
+    with pytest.raises(ValueError, match="step 0: 4 and 4 expert ids; allowed: layers of 3"):
+        routing_differences(a, other, top_k=3)
 
 
 def test_a_near_tie_among_alternatives_passes_only_within_the_tolerance() -> None:

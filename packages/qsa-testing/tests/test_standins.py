@@ -202,6 +202,19 @@ def test_dummy_weight_edit_widens_the_seeded_uniform_init(monkeypatch: pytest.Mo
         STANDINS[StandIn.DUMMY_WEIGHT_RANGE].edit(_private_copy("sglang.srt.model_loader.loader"))
 
 
+def test_host_register_edit_leaves_a_cpu_buffer_allocated_with_no_registered_range() -> None:
+    """Without CUDA, SGLang's pinned host allocation (routed experts' host cache) succeeds, and
+    records no range for a destroy to unregister."""
+    module = _private_copy("sglang.srt.mem_cache.pool_host.common")
+    STANDINS[StandIn.HOST_REGISTER_CPU].edit(module)
+    buffer = module.alloc_with_host_register(
+        (4, 2), torch.int32, "cpu", True, module.HostTensorAllocator()
+    )
+    assert buffer.shape == (4, 2)
+    assert getattr(buffer, module._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
+    assert StandIn.HOST_REGISTER_CPU in CPU_STANDINS
+
+
 def test_cpu_sgl_kernel_loads_the_real_python_layer_and_torch_cpu_ops() -> None:
     """In a fresh interpreter, the way an engine's processes get it: boot directory on the path."""
     script = textwrap.dedent(

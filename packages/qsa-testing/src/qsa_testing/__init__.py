@@ -17,6 +17,7 @@ from qsa_testing._compare import (
     assert_same_generation,
     assert_served_from_storage,
     logprob_gap,
+    routing_differences,
 )
 from qsa_testing._engine import (
     Engine,
@@ -97,6 +98,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "assert_same_generation",
     "assert_served_from_storage",
     "logprob_gap",
+    "routing_differences",
     # distributed scenarios on one machine
     "Scenario",
     "run_on_gloo_ranks",

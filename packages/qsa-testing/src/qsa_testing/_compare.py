@@ -18,6 +18,7 @@ __all__ = (
     "assert_same_generation",
     "assert_served_from_storage",
     "logprob_gap",
+    "routing_differences",
 )
 
 #: One bf16 step of a logit in [4, 8): the tolerance of a comparison between two paths that
@@ -48,6 +49,39 @@ def logprob_gap(expected: Generation, actual: Generation) -> float:
             if token in got_by_id:
                 gap = max(gap, abs(logprob - got_by_id[token]))
     return gap
+
+
+def routing_differences(expected: Generation, actual: Generation, top_k: int) -> frozenset[int]:
+    """The steps at which some MoE layer routed the two runs' forwards to other experts.
+
+    Two engines that compute the same model through different kernels can hand a router hidden
+    states one rounding apart; where two experts' gate logits nearly tie, that routes the token
+    to another expert and moves the step's logprob by far more than the rounding, with the same
+    token chosen. Compared as each layer's set of ``top_k`` experts (their order follows the
+    weights, which may trade places too), up to the first step whose tokens differ (its forward
+    still read the same tokens; the runs decode other contexts after it).
+
+    Raises:
+        ValueError: a run without routed experts (:attr:`GenerateRequest.routed_experts`), or a
+            step whose ids do not split into layers of ``top_k``, naming the counts.
+    """
+    pairs = list(zip(expected.routed_experts, actual.routed_experts, strict=False))
+    if not pairs or len(expected.routed_experts) != len(actual.routed_experts):
+        msg = (
+            f"routed experts for {len(expected.routed_experts)} and "
+            f"{len(actual.routed_experts)} steps; both runs need them for every step"
+        )
+        raise ValueError(msg)
+    first = _first_different_token(expected, actual)
+    found = set()
+    for step, (want, got) in enumerate(pairs if first is None else pairs[: first + 1]):
+        if len(want) != len(got) or len(want) % top_k:
+            msg = f"step {step}: {len(want)} and {len(got)} expert ids; allowed: layers of {top_k}"
+            raise ValueError(msg)
+        layers = range(0, len(want), top_k)
+        if any(set(want[i : i + top_k]) != set(got[i : i + top_k]) for i in layers):
+            found.add(step)
+    return frozenset(found)
 
 
 def _steps(generation: Generation) -> Sequence[str]:

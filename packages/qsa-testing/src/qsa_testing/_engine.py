@@ -10,6 +10,8 @@ the whole process group when closed, so no scheduler or detokenizer outlives a t
 
 from __future__ import annotations
 
+import array
+import base64
 import contextlib
 import enum
 import fcntl
@@ -291,6 +293,9 @@ class GenerateRequest:
         image_data: one image per placeholder in ``input_ids``, in order (a URL, a path or a
             ``data:`` URL: what SGLang's ``image_data`` takes); empty for a text prompt.
         ignore_eos: generate all ``max_new_tokens`` even past an end-of-sequence token.
+        routed_experts: also return the experts each MoE layer routed every generated token's
+            forward to (SGLang's ``return_routed_experts``; the server needs
+            ``enable_return_routed_experts``): :attr:`Generation.routed_experts`.
     """
 
     input_ids: tuple[int, ...]
@@ -299,6 +304,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     image_data: tuple[str, ...] = ()
     ignore_eos: bool = False
+    routed_experts: bool = False
 
     def body(self) -> dict[str, Any]:
         """The JSON body SGLang's ``/generate`` takes."""
@@ -314,6 +320,9 @@ class GenerateRequest:
             body["image_data"] = list(self.image_data)
         if self.ignore_eos:
             body["sampling_params"]["ignore_eos"] = True
+        if self.routed_experts:  # from the prompt's last position: the first token's forward
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = len(self.input_ids) - 1
         return body
 
 
@@ -331,6 +340,10 @@ class Generation:
         first_token_s: seconds from the server's receipt of the request to its first token, as
             SGLang measures it (``meta_info.first_token_latency``; ``None`` without
             ``--enable-metrics``). Not compared.
+        routed_experts: with :attr:`GenerateRequest.routed_experts`, per generated token the
+            expert ids of the forward that chose it (the prompt's last position for the first,
+            then each decode step), every MoE layer's top-k in layer order, flat; empty
+            otherwise. Not compared.
     """
 
     output_ids: tuple[int, ...]
@@ -340,6 +353,7 @@ class Generation:
     cached_tokens: int
     finish_reason: str
     first_token_s: float | None = field(default=None, compare=False)
+    routed_experts: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
 
     @classmethod
     def from_reply(cls, reply: Mapping[str, Any]) -> Generation:
@@ -347,8 +361,9 @@ class Generation:
         meta = reply["meta_info"]
         tops = meta.get("output_top_logprobs") or []
         first = meta.get("first_token_latency")
+        output_ids = tuple(int(t) for t in reply["output_ids"])
         return cls(
-            output_ids=tuple(int(t) for t in reply["output_ids"]),
+            output_ids=output_ids,
             logprobs=tuple(float(entry[0]) for entry in meta["output_token_logprobs"]),
             top_logprobs=tuple(
                 tuple((int(entry[1]), float(entry[0])) for entry in step or ()) for step in tops
@@ -357,7 +372,28 @@ class Generation:
             cached_tokens=int(meta.get("cached_tokens") or 0),
             finish_reason=str((meta.get("finish_reason") or {}).get("type")),
             first_token_s=None if first is None else float(first),
+            routed_experts=_routed_experts(meta.get("routed_experts"), len(output_ids)),
         )
+
+
+def _routed_experts(encoded: str | None, tokens: int) -> tuple[tuple[int, ...], ...]:
+    """SGLang's ``meta_info.routed_experts`` as one flat tuple of expert ids per token.
+
+    The payload is base64 of int32 ``[tokens, layers, top_k]``; empty when the reply has none.
+
+    Raises:
+        EngineRequestError: a payload that does not split into ``tokens`` equal rows.
+    """
+    if not encoded or not tokens:
+        return ()
+    ids = array.array("i", base64.b64decode(encoded))
+    if sys.byteorder != "little":
+        ids.byteswap()
+    width, rest = divmod(len(ids), tokens)
+    if rest or not width:
+        msg = f"routed_experts holds {len(ids)} ids; allowed: a multiple of the {tokens} tokens"
+        raise EngineRequestError(msg)
+    return tuple(tuple(ids[t * width : (t + 1) * width]) for t in range(tokens))
 
 
 def sum_samples(text: str, name: str, **labels: str) -> float:

@@ -52,6 +52,7 @@ CPU_STANDINS: Final[frozenset[StandIn]] = frozenset(
         StandIn.SHARED_EXPERT_GATE_TORCH,
         StandIn.QSA_INDEXER_CPU,
         StandIn.COMPRESSED_KEY_GATHER_TORCH,
+        StandIn.HOST_REGISTER_CPU,
     }
 )
 

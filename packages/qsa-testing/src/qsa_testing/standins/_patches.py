@@ -193,6 +193,19 @@ def _edit_gather(module: ModuleType) -> None:
     )
 
 
+# ---- host memory registration without a CUDA device ---------------------------------------------
+
+
+def _edit_host_register(module: ModuleType) -> None:
+    registered = module._CUDA_HOST_REGISTERED_RANGES_ATTR
+
+    def register_nothing(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
+        del registration_granularity_bytes
+        setattr(buffer, registered, [])  # no ranges: nothing for a destroy to unregister
+
+    module.__dict__["_cuda_host_register"] = register_nothing
+
+
 # ---- dummy weights that carry signal -------------------------------------------------------------
 
 
@@ -293,6 +306,14 @@ STANDINS: Final[dict[StandIn, StandInSpec]] = {
             ("sglang.srt.layers.attention.qsa.metadata",),
             _edit_gather,
             "gather_qsa_compressed_keys is a Triton-only kernel; CPU tensors take its torch form",
+        ),
+        StandInSpec(
+            StandIn.HOST_REGISTER_CPU,
+            ("sglang.srt.mem_cache.pool_host.common",),
+            _edit_host_register,
+            "pinned host buffers are registered with cudaHostRegister, which needs a CUDA "
+            "device; without one there is no device to copy to, and the buffer stays ordinary "
+            "host memory with no registered ranges (SGLang's routed-experts capture allocates one)",
         ),
         StandInSpec(
             StandIn.DUMMY_WEIGHT_RANGE,

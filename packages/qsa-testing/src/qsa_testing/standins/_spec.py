@@ -31,6 +31,7 @@ class StandIn(enum.StrEnum):
     SHARED_EXPERT_GATE_TORCH = "shared_expert_gate_torch"
     QSA_INDEXER_CPU = "qsa_indexer_cpu"
     COMPRESSED_KEY_GATHER_TORCH = "compressed_key_gather_torch"
+    HOST_REGISTER_CPU = "host_register_cpu"
     DUMMY_WEIGHT_RANGE = "dummy_weight_range"
     PERTURB_DECODE_SELECTION = "perturb_decode_selection"
     CUTEDSL_DUAL_GEMM_UNAVAILABLE = "cutedsl_dual_gemm_unavailable"
