@@ -586,6 +586,13 @@ def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
     # Every row given back, retracted ones too, held exactly its tokens' K/V.
     assert _value(engine, "qsa_hisparse_offload_verified_bytes_total") > 0
     assert _value(engine, "qsa_hisparse_offload_differing_bytes_total") == 0
+    # The operator was told at start-up why requests would wait: 1,536 pool tokens hold one
+    # request of the 1,024-token context, against 4 rows.
+    log = engine.log_path.read_text(encoding="utf-8", errors="replace")
+    assert (
+        "offload: SGLang's pool holds 1536 tokens, room for 1 request(s) of the 1024-token "
+        "context at once, against --max-running-requests 4" in log
+    )
 
 
 # ---- the host prefix cache -----------------------------------------------------------------------
