@@ -47,9 +47,13 @@ the model's own tokenizer: the client needs text in the stream.
 ``--gpu-budget-gib G`` gives every arm the same GPU memory budget (SGLang's
 ``--mem-fraction-static``, no ``--max-total-tokens``), so each sizes its pool from the same bytes:
 the tight-GPU workload, e.g. ``--arms resident,offload --workloads random --input-len 131072
---range-ratio 1 --num-prompts 8 --gpu-budget-gib 8``, where the resident pool holds two of the
-eight 128K requests (25,344 B a token for the 12 QSA layers' K/V) and the offload's all eight.
-Each arm's pool (``max_total_num_tokens``) is in the report.
+--range-ratio 1 --num-prompts 8 --output-len 2048 --staged-prompts 1 --gpu-budget-gib 8``, where
+the resident pool holds two of the eight 128K requests (25,344 B a token for the 12 QSA layers'
+K/V) and the offload's all eight. The offload's staging area is fixed GPU memory of
+``--staged-prompts`` whole prompts: two 128K prompts take 6 GiB of an 8 GiB budget and leave its
+pool one request (docs/bench/engine_serving-tight.md), hence one staged prompt here; and with
+a few hundred output tokens the workload is bound by prefill in both arms, hence 2,048. Each
+arm's pool (``max_total_num_tokens``) is in the report.
 
 Without ``--gpu-budget-gib`` every arm's pool is capped by ``--max-total-tokens``, so the servers
 start together (a fresh GPU machine spends minutes compiling and capturing each one) and are then
