@@ -65,16 +65,18 @@ def routing_differences(expected: Generation, actual: Generation, top_k: int) ->
         ValueError: a run without routed experts (:attr:`GenerateRequest.routed_experts`), or a
             step whose ids do not split into layers of ``top_k``, naming the counts.
     """
-    pairs = list(zip(expected.routed_experts, actual.routed_experts, strict=False))
-    if not pairs or len(expected.routed_experts) != len(actual.routed_experts):
+    steps = len(expected.routed_experts)
+    if not steps or steps != len(actual.routed_experts):
         msg = (
             f"routed experts for {len(expected.routed_experts)} and "
             f"{len(actual.routed_experts)} steps; both runs need them for every step"
         )
         raise ValueError(msg)
     first = _first_different_token(expected, actual)
+    compared = steps if first is None else first + 1
     found = set()
-    for step, (want, got) in enumerate(pairs if first is None else pairs[: first + 1]):
+    for step in range(compared):
+        want, got = expected.routed_experts[step], actual.routed_experts[step]
         if len(want) != len(got) or len(want) % top_k:
             msg = f"step {step}: {len(want)} and {len(got)} expert ids; allowed: layers of {top_k}"
             raise ValueError(msg)

@@ -3,10 +3,9 @@
 The offload itself is :class:`qsa_kernels.offload.OffloadRuntime` (docs/plugin.md,
 "p2-offload"). Here: a ``ForwardBatch`` as a planned decode step (:func:`plan_decode`), an
 extend layer (:func:`extend_layer`) or its requests' prefill chunks (:func:`extend_spans`,
-:func:`stage_chunk`); SGLang's pools and model
-config as the runtime's :class:`OffloadLayout` (:func:`qsa_layout`, priced by
-:mod:`._pool_sizing`); the model runner's one runtime (:func:`runtime_of`), whose counts are
-``qsa_hisparse_*`` series (:meth:`OffloadCounts.series`).
+:func:`stage_chunk`); SGLang's pools and model config as the runtime's :class:`OffloadLayout`
+(:func:`qsa_layout`, priced by :mod:`._pool_sizing`); the model runner's one runtime
+(:func:`runtime_of`), whose counts are ``qsa_hisparse_*`` series (:meth:`OffloadCounts.series`).
 """
 
 from __future__ import annotations
