@@ -1,7 +1,8 @@
 """qsa-testing: test support for the QSA HiSparse workspace; never installed for serving.
 
 Tiny dummy models written at test time (:func:`tiny_qwen4_exp`, :func:`tiny_llama`; for
-benchmarks :func:`full_depth_qwen4_exp` and :func:`llama_8b_shaped`), named
+benchmarks :func:`full_depth_qwen4_exp` and :func:`llama_8b_shaped`; :func:`marlin_qwen4_exp`
+for the W4A16 checkpoints of :func:`write_autoround_checkpoints`), named
 stand-ins for what a machine cannot run as is (:mod:`qsa_testing.standins`), scenarios on several
 gloo ranks of one machine (:func:`run_on_gloo_ranks`), QSA-shaped selections
 (:func:`random_block_selection`) and SGLang batches (:func:`extend_batch`, :func:`decode_batch`),
@@ -11,6 +12,11 @@ of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not 
 SGLang's own serving client against them (:func:`run_serving_client`).
 """
 
+from qsa_testing._autoround import (
+    AutoRoundCheckpoints,
+    autoround_quantization_config,
+    write_autoround_checkpoints,
+)
 from qsa_testing._checkpoints import PleTableShape, ple_table_shape, write_ple_checkpoint
 from qsa_testing._compare import (
     BF16_LOGIT_STEP,
@@ -44,6 +50,7 @@ from qsa_testing._models import (
     TinyModelKind,
     full_depth_qwen4_exp,
     llama_8b_shaped,
+    marlin_qwen4_exp,
     tiny_llama,
     tiny_qwen4_exp,
 )
@@ -69,11 +76,16 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "tiny_qwen4_exp",
     "full_depth_qwen4_exp",
     "llama_8b_shaped",
+    "marlin_qwen4_exp",
     "tiny_image",
     # real PLE weights for a tiny model
     "PleTableShape",
     "ple_table_shape",
     "write_ple_checkpoint",
+    # a whole tiny Qwen4Exp as an AutoRound W4A16 export and dequantized to bf16
+    "AutoRoundCheckpoints",
+    "autoround_quantization_config",
+    "write_autoround_checkpoints",
     # engines
     "Engine",
     "EngineConfig",

@@ -27,6 +27,7 @@ __all__ = (
     "TinyModel",
     "TinyModelKind",
     "full_depth_qwen4_exp",
+    "marlin_qwen4_exp",
     "tiny_llama",
     "tiny_qwen4_exp",
 )
@@ -223,6 +224,52 @@ def tiny_qwen4_exp(
         widths={"num_hidden_layers": 4 * qsa_layers, **_TINY_PLE},
     )
     return TinyModel(name, TinyModelKind.QWEN4_EXP, _frozen(config), vision=vision)
+
+
+#: Marlin's shape limits in SGLang 0.5.23 (``marlin_utils.py``): a GPTQ linear's output per
+#: TP rank a multiple of ``GPTQ_MARLIN_MIN_THREAD_N`` and its input of ``GPTQ_MARLIN_MIN_THREAD_K``;
+#: a routed expert layer (``check_moe_marlin_supports_layer``) gate-up ``n = 2 I`` a multiple of
+#: 128 and ``k = H`` of 64, down ``n = H`` of 128 and ``k = I`` of 64.
+MARLIN_MIN_N: Final = 64
+MARLIN_MIN_K: Final = 128
+
+#: Widths of :func:`marlin_qwen4_exp`: hidden 256; experts and shared expert 128 wide (gate-up
+#: ``n = 256``, down ``k = 128``); GDN 16 key and 32 value heads of dim 16 (``in_proj_qkvz``
+#: ``n = 1,536``, ``in_proj_ba`` ``n = 2 * 32 = 64``, ``out_proj`` ``k = 512``); attention 4
+#: query heads with their output gate and 2 K/V heads of dim 64 (``qkv_proj`` ``n = 768``,
+#: ``o_proj`` ``k = 256``); the indexer's ``index_qk_proj`` ``n = 5 * 128``; PLE ``key_proj``
+#: ``n = 512`` and ``value_proj`` ``n = 256`` over ``k = 256``.
+_MARLIN_WIDTHS: Final = {
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+
+
+def marlin_qwen4_exp() -> TinyModel:
+    """The tiny Qwen4Exp (3 GDN + 1 QSA layer, its PLE layer) widened to Marlin's shape limits.
+
+    Every linear SGLang 0.5.23 quantizes under an AutoRound W4A16 config (GDN
+    ``in_proj_qkvz``/``in_proj_ba``/``out_proj``, attention ``qkv_proj``/``o_proj``, the QSA
+    indexer's ``index_qk_proj``, the shared expert, the routed experts, PLE
+    ``key_proj``/``value_proj``) has an input that is a multiple of 128 (:data:`MARLIN_MIN_K`, and
+    of the 128-input group) and an output that is a multiple of 64 (:data:`MARLIN_MIN_N`; 128 for
+    the experts' gate-up and down), at TP1, so its engines take ``GPTQMarlinLinearMethod`` and
+    ``GPTQMarlinMoEMethod`` rather than the fallbacks (:data:`_MARLIN_WIDTHS`). The tiny model's
+    64-wide layers are not. For :func:`qsa_testing.write_autoround_checkpoints`.
+    """
+    config = _qwen4_exp_config(
+        q_heads=4,
+        kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        widths={**_MARLIN_WIDTHS, **_TINY_PLE},
+    )
+    return TinyModel("qwen4exp-marlin", TinyModelKind.QWEN4_EXP, _frozen(config))
 
 
 def full_depth_qwen4_exp(
