@@ -442,6 +442,7 @@ _ENGINE_TEST_GROUPS = (
     ("offload", "tests/test_engine_offload.py", None),
     ("double_sparsity", "tests/test_engine_double_sparsity.py", None),
     ("context_attention", "tests/test_context_attention.py", None),
+    ("model_compat", "tests/test_engine_autoround.py", None),
 )
 
 
@@ -518,9 +519,9 @@ def gpu_engine(session: nox.Session) -> None:
     ``--graphs 0|1|both`` (default both); ``--concurrent`` runs every mode and group side by side
     on the one GPU (each with its own Triton cache: engines compared with one another must read
     the autotuning choices of one tuner); ``--groups A,B`` runs only those (``standins`` and the
-    engine groups: qwen, llama, offload, double_sparsity, context_attention); ``--deadline S``
-    interrupts engine runs still going after S seconds, so their reports and logs are still
-    written. Anything else goes to pytest for the
+    engine groups: qwen, llama, offload, double_sparsity, context_attention, model_compat);
+    ``--deadline S`` interrupts engine runs still going after S seconds, so their reports and logs
+    are still written. Anything else goes to pytest for the
     engine tests, e.g. ``-k upstream_engines``.
     """
     started = time.monotonic()
