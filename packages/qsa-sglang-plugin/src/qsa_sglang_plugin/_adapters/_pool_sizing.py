@@ -109,9 +109,11 @@ def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     resident, index = _token_bytes(configurator, kvc, len(layer_ids))
     switches = current_switches()
     sharding, index_sharded = switches.cache_sharding, switches.index_sharding
+    topk = layout.block_topk
+    assert topk is not None  # a QSA layout selects blocks
     candidates = (  # D2: the index shard's buffers, as the runtime's index allocates them
         ShardedIndex.candidate_bytes(
-            world_size=sharding, block_topk=layout.block_topk, max_running=_arena_rows(kvc)
+            world_size=sharding, block_topk=topk, max_running=_arena_rows(kvc)
         )
         if index_sharded
         else 0
