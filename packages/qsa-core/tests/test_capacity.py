@@ -229,17 +229,27 @@ def test_cache_sharding_divides_the_host_arena_and_multiplies_what_it_fits() -> 
 
 def test_an_index_sharded_by_page_divides_the_compressed_index_per_rank() -> None:
     """D2 at TP8, groups of 4: each rank holds a quarter of the compressed index (768 / 4 B per
-    token), so resident sharding fits at least as many requests as D1 alone. D2 is wired for
-    resident K/V only: the offloaded layout keeps the whole index, as the offload's pool price
-    charges it."""
+    token), resident or offloaded, so either layout fits at least as many requests as D1
+    alone; with the offload the index's candidate buffers are fixed bytes of their own."""
     d1 = _plan(tp_size=8, gpu_budget_bytes=64 * GIB, sharding_size=4)
-    d2 = _plan(tp_size=8, gpu_budget_bytes=64 * GIB, sharding_size=4, index_sharded=True)
+    d2 = _plan(
+        tp_size=8,
+        gpu_budget_bytes=64 * GIB,
+        sharding_size=4,
+        index_sharded=True,
+        index_buffer_bytes=3 * MIB,
+    )
     assert d2.index_bytes_per_token_per_rank == 768 // 4
     assert d2.resident_token_bytes == 768 // 4 + 6144 // 4
     assert d2.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 192
-    assert d2.offloaded.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 768
-    assert d2.offloaded_price == d1.offloaded_price
+    assert d2.offloaded.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 192
+    assert d2.offloaded_price.token_bytes == 192
+    assert d2.offloaded_price.fixed_bytes == d1.offloaded_price.fixed_bytes + 3 * MIB
+    assert d2.offloaded.part(MemoryPartKind.SHARD_TRANSPORT).nbytes == 3 * MIB
+    assert d1.offloaded.part(MemoryPartKind.SHARD_TRANSPORT).nbytes == 0
+    assert d1.offloaded.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 768
     assert d1.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 768
+    assert d2.max_requests_offloaded >= d1.max_requests_offloaded
     assert d2.max_requests_resident >= d1.max_requests_resident
     text = render_plan(d2)
     assert "compressed index sharded over 4 ranks" in text
@@ -255,6 +265,13 @@ def test_an_index_sharded_by_page_divides_the_compressed_index_per_rank() -> Non
         {"verify": True},
         {"tp_size": 8, "sharding_size": 4, "transport_bytes": 5 * MIB},
         {"tp_size": 8, "sharding_size": 4, "index_sharded": True, "transport_bytes": 7 * MIB},
+        {
+            "tp_size": 8,
+            "sharding_size": 4,
+            "index_sharded": True,
+            "transport_bytes": 7 * MIB,
+            "index_buffer_bytes": 2 * MIB,
+        },
     ],
 )
 def test_each_layout_is_the_pool_price_the_engine_charges(kwargs: dict[str, Any]) -> None:
@@ -277,8 +294,9 @@ def test_each_layout_is_the_pool_price_the_engine_charges(kwargs: dict[str, Any]
     ):
         assert sum(layout.part(k).nbytes for k in per_token) == tokens * price.token_bytes
         assert sum(layout.part(k).nbytes for k in fixed) == price.fixed_bytes
-    verify = kwargs.get("verify", False)
-    assert plan.offloaded_price.fixed_bytes == plan.offload.fixed_device_bytes(verify=verify)
+    verify, candidates = kwargs.get("verify", False), kwargs.get("index_buffer_bytes", 0)
+    offload_fixed = plan.offload.fixed_device_bytes(verify=verify)
+    assert plan.offloaded_price.fixed_bytes == offload_fixed + candidates
     copy = plan.offloaded.part(MemoryPartKind.VERIFICATION).nbytes
     assert copy == (plan.offload.verification_bytes if verify else 0)
     assert plan.resident_price.fixed_bytes == kwargs.get("transport_bytes", 0)
@@ -301,6 +319,14 @@ def test_pool_tokens_are_what_is_left_after_the_fixed_bytes_in_whole_pages() -> 
         ({"transport_bytes": 1}, "transport_bytes=1 .*sharding_size=1"),
         ({"verify": 1}, "verify=1 is not allowed"),
         ({"tp_size": 8, "sharding_size": 4, "transport_bytes": -1}, "transport_bytes=-1"),
+        (
+            {"tp_size": 8, "sharding_size": 4, "index_buffer_bytes": 1},
+            "index_buffer_bytes=1 .*index_sharded=False",
+        ),
+        (
+            {"index_sharded": True, "index_buffer_bytes": 1},
+            "index_buffer_bytes=1 .*sharding_size=1",
+        ),
         ({"hot_slots": 511}, r"hot_slots=511 .*block_topk=512"),
         ({"context_len": 0}, "context_len=0"),
         ({"gpu_budget_bytes": -1}, "gpu_budget_bytes=-1"),

@@ -136,6 +136,29 @@ def test_a_transport_callable_is_asked_for_the_plans_own_figures_only_when_shard
     assert sharded == expected
 
 
+def test_an_index_buffer_callable_is_asked_only_for_a_sharded_index() -> None:
+    """With D2 over a shard group the callable gets the plan's requests and top-k, and its bytes
+    are the offloaded layout's fixed candidate buffers; without D2 it is unused."""
+    inputs = PlanInputs.from_flags(
+        QWEN38_FLASH_NEXT_TEXT_CONFIG, tp_size=4, context_length=4096, max_running_requests=3
+    )
+    calls: list[dict[str, object]] = []
+
+    def candidates(**figures: Any) -> int:
+        calls.append(figures)
+        return 4_096
+
+    d1 = inputs.plan(GIB, GIB, sharding_size=2, index_buffer_bytes=candidates)
+    assert calls == []
+    assert d1 == inputs.plan(GIB, GIB, sharding_size=2)
+    d2 = inputs.plan(GIB, GIB, sharding_size=2, index_sharded=True, index_buffer_bytes=candidates)
+    assert calls == [{"world_size": 2, "block_topk": inputs.profile.block_topk, "max_running": 3}]
+    assert d2 == inputs.plan(
+        GIB, GIB, sharding_size=2, index_sharded=True, index_buffer_bytes=4_096
+    )
+    assert d2.offloaded_price.fixed_bytes == d1.offloaded_price.fixed_bytes + 4_096
+
+
 NO_CONTEXT = {
     key: value
     for key, value in QWEN38_FLASH_NEXT_TEXT_CONFIG.items()

@@ -54,6 +54,34 @@ def test_a_token_of_a_page_sharded_index_costs_a_share_of_its_index() -> None:
     assert "768 B of index over 4 ranks" in price.detail
 
 
+def test_an_offloaded_token_of_a_page_sharded_index_costs_a_share_of_its_index() -> None:
+    """D2 with the offload over four ranks: a quarter of 768 B per token; the index's candidate
+    buffers are fixed beside the offload's own."""
+    sizes = _sizes()
+    price = PoolPrice.offloaded(
+        sizes,
+        resident_token_bytes=RESIDENT,
+        index_token_bytes=INDEX,
+        sharding_size=4,
+        index_sharded=True,
+        index_buffer_bytes=1 << 20,
+    )
+    assert (price.token_bytes, price.fixed_bytes) == (
+        INDEX // 4,
+        sizes.fixed_device_bytes() + (1 << 20),
+    )
+    assert "768 B of index over 4 ranks" in price.detail
+    assert price.detail.endswith("and 1.000 MiB of index candidate buffers")
+    d1 = PoolPrice.offloaded(
+        sizes, resident_token_bytes=RESIDENT, index_token_bytes=INDEX, sharding_size=4
+    )
+    assert (d1.token_bytes, d1.fixed_bytes) == (INDEX, sizes.fixed_device_bytes())
+    with pytest.raises(CapacityError, match=r"index_buffer_bytes=1 .*without index_sharded"):
+        PoolPrice.offloaded(
+            sizes, resident_token_bytes=RESIDENT, index_token_bytes=INDEX, index_buffer_bytes=1
+        )
+
+
 def test_labels_add_to_a_resident_token_and_are_all_it_costs_with_ds_offload() -> None:
     """Resident K/V: K/V plus labels, nothing fixed; DS-Offload: labels, the offload fixed."""
     resident = PoolPrice.labelled(kv_token_bytes=1024, label_token_bytes=256)

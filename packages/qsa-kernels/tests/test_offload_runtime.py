@@ -568,6 +568,14 @@ def test_the_description_names_the_arena_and_the_device_buffers() -> None:
     assert runtime.describe_sharding() is None
 
 
+def test_a_runtime_without_a_shard_group_has_no_index_to_shard() -> None:
+    """D2 shards the index over the host arenas' group; an unsharded runtime refuses by value.
+    (The sharded runtime's index runs on gloo ranks in ``qsa-sglang-plugin``'s
+    ``test_offload_index_sharding.py``.)"""
+    with pytest.raises(OffloadStateError, match=r"shard=None and block_topk=16"):
+        _runtime().index()
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_a_runtime_for_a_geometry_gets_the_store_of_its_record_layout(per_head: bool) -> None:
     """Per-head records: a ``PerHeadOffloadedKV``; records of every head: an ``OffloadedKV``;

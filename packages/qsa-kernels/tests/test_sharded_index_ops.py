@@ -57,6 +57,10 @@ def test_the_buffer_price_is_what_the_buffers_hold() -> None:
     index = _index(max_rows=5)
     priced = ShardedIndex.buffer_bytes_for(world_size=1, block_topk=8, max_rows=5)
     assert index.buffer_bytes == priced
+    engine = _index(max_rows=ShardedIndex.rows_for(5))  # an engine's: a prefill group at least
+    assert engine.buffer_bytes == ShardedIndex.candidate_bytes(
+        world_size=1, block_topk=8, max_running=5
+    )
 
 
 def test_an_index_shard_holds_ceil_p_over_n_pages_and_refuses_other_pages() -> None:

@@ -207,6 +207,11 @@ def _qsa_cases(hot_blocks: int) -> tuple[tuple[str, dict[str, str], tuple[str, .
             {**offload, "SGLANG_QSA_CACHE_SHARDING": "2"},
             (*tp4, *one),
         ),
+        (
+            "p2-offload, host arena and index sharded (D1 + D2)",
+            {**offload, "SGLANG_QSA_CACHE_SHARDING": "2", "SGLANG_QSA_INDEX_SHARDING": "1"},
+            (*tp4, *one),
+        ),
         ("p2-offload, verify", {**offload, "SGLANG_QSA_HISPARSE_VERIFY": "1"}, one),
         (
             "p2-offload, prefix cache",

@@ -617,6 +617,19 @@ def test_index_sharding_refuses_prefill_cp_and_hicache_by_name() -> None:
         check_configuration(hicache, parse_switches(two))
 
 
+def test_index_sharding_with_the_offload_passes_and_still_refuses_prefill_cp_by_name() -> None:
+    """D2 over the host arenas' groups (``p2-offload``, TP4, groups of 2) passes; with SGLang's
+    prefill CP it is refused as resident D2 is, naming the flag and the switch."""
+    env = {**OFFLOAD_ENV, "SGLANG_QSA_CACHE_SHARDING": "2", "SGLANG_QSA_INDEX_SHARDING": "1"}
+    facts = dataclasses.replace(GOOD, tp_size=4)
+    assert check_configuration(facts, parse_switches(env)) is not None
+    cp = dataclasses.replace(facts, enable_prefill_cp=True, attn_cp_size=4)
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(cp, parse_switches(env))
+    for fragment in ("--enable-prefill-cp=True", "SGLANG_QSA_INDEX_SHARDING='1'", "zigzag rows"):
+        assert fragment in str(info.value)
+
+
 def test_index_sharding_on_the_cpu_is_refused_with_the_cache_sharding_it_rides_on() -> None:
     """One K/V head at TP2 on the CPU: SGLang pads the heads, so D1 has no shard group, and D2,
     which uses D1's groups, is refused with it (the message names the cache-sharding switch)."""

@@ -1,8 +1,9 @@
 """One capacity model: the price the plugin gives SGLang's pool sizing is the price it prints.
 
 For every feature configuration that prices the pool (p2-resident, p2-offload with staged
-prompts, hot blocks, a sharded host arena or the prefix cache, resident cache sharding D1 and
-with the index sharded D2, double sparsity and DS-Offload), a fresh process builds SGLang's real
+prompts, hot blocks, a sharded host arena with or without the index sharded (D1, D1 + D2) or the
+prefix cache, resident cache sharding D1 and with the index sharded D2, double sparsity and
+DS-Offload), a fresh process builds SGLang's real
 ``DefaultPoolConfigurator`` on CPU for the tiny models (as a model runner does, without starting
 an engine), runs the plugin's AFTER hook on it, and reports the per-token price, the fixed bytes
 and the pool's token slots SGLang will size its pools by beside what the capacity plan
@@ -35,6 +36,7 @@ CASES = {
     "p2-offload": "offloaded",
     "p2-offload, hot blocks": "offloaded",
     "p2-offload, host arena sharded (D1)": "offloaded",
+    "p2-offload, host arena and index sharded (D1 + D2)": "offloaded",
     "p2-offload, prefix cache": "offloaded",
     "p2-offload, verify": "offloaded",
     "resident sharding (D1)": "resident",
@@ -71,7 +73,8 @@ def test_the_pool_price_sglang_uses_is_the_capacity_plans(
 def test_each_feature_reprices_sglangs_own_price(report: dict[str, Any]) -> None:
     """The configurations differ where their features do: offload charges the index alone and
     the offload's buffers, sharding a share of the raw K/V and the transport buffers, D2 a share
-    of the index too; p2-resident and the prefix cache leave the price as it was."""
+    of the index too (with the offload: a share of the index, and its candidate buffers fixed);
+    p2-resident and the prefix cache leave the price as it was."""
 
     def engine(name: str) -> dict[str, int]:
         case: dict[str, int] = report[name]["engine"]
@@ -86,6 +89,11 @@ def test_each_feature_reprices_sglangs_own_price(report: dict[str, Any]) -> None
     d1, d2 = engine("resident sharding (D1)"), engine("resident sharding, index sharded (D2)")
     assert d2["token_bytes"] < d1["token_bytes"] < d1["sglang_token_bytes"]
     assert d2["fixed_bytes"] > d1["fixed_bytes"] > 0
+    arena = engine("p2-offload, host arena sharded (D1)")
+    both = engine("p2-offload, host arena and index sharded (D1 + D2)")
+    assert both["token_bytes"] == -(-arena["token_bytes"] // 2)
+    assert both["fixed_bytes"] > arena["fixed_bytes"]
+    assert both["pool_tokens"] > arena["pool_tokens"]
 
 
 def test_double_sparsity_charges_what_the_doctor_prints(report: dict[str, Any]) -> None:

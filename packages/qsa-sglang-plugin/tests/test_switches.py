@@ -447,6 +447,25 @@ def test_index_sharding_rides_on_resident_cache_sharding() -> None:
     assert Feature.INDEX_SHARDING not in off.features
 
 
+def test_index_sharding_rides_on_the_offloads_cache_sharding_too() -> None:
+    """D2 with ``p2-offload`` and ``SGLANG_QSA_CACHE_SHARDING=N``: the index is sharded over the
+    host arenas' groups; the offload's features stay, and the index's hooks join them."""
+    env = {**ON, "SGLANG_QSA_CACHE_SHARDING": "2", "SGLANG_QSA_INDEX_SHARDING": "1"}
+    switches = parse_switches(env)
+    assert switches.index_sharding
+    assert not switches.resident_sharding
+    assert switches.features == (
+        Feature.FRAMEWORK,
+        Feature.MODEL_COMPAT,
+        Feature.HISPARSE,
+        Feature.LIFECYCLE,
+        Feature.CACHE_SHARDING,
+        Feature.INDEX_SHARDING,
+        Feature.QSA_BACKEND,
+        Feature.KV_POOL,
+    )
+
+
 def test_a_shared_tier_store_parses_with_the_prefix_cache(tmp_path: Path) -> None:
     """SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE names the master (segment_mb defaults to 1024) or
     a directory, made at parse time so an unusable one is refused before the engine starts."""
@@ -492,8 +511,18 @@ def test_a_shared_tier_store_parses_with_the_prefix_cache(tmp_path: Path) -> Non
             ["SGLANG_QSA_CACHE_SHARDING='1'"],
         ),
         (
-            {**ON, "SGLANG_QSA_INDEX_SHARDING": "1", "SGLANG_QSA_CACHE_SHARDING": "2"},
-            ["resident cache sharding only", "SGLANG_QSA_HISPARSE_V3='p2-offload'"],
+            {
+                **ON,
+                "SGLANG_QSA_INDEX_SHARDING": "1",
+                "SGLANG_QSA_CACHE_SHARDING": "2",
+                "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64",
+            },
+            [
+                "SGLANG_QSA_INDEX_SHARDING='1'",
+                "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB='64'",
+                "copies the compressed index by global slot",
+                "allowed: SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB unset or '0'",
+            ],
         ),
     ],
 )

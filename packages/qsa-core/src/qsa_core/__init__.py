@@ -18,6 +18,7 @@ from qsa_core._capacity import (
 )
 from qsa_core._cp import MAX_CP_SIZE, MAX_SEQ_LEN, ZigzagLayout
 from qsa_core._engine_sizing import (
+    IndexBufferBytes,
     LabelledCapacity,
     PlanInputs,
     TransportBytes,
@@ -115,6 +116,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # capacity plan
     "HOT_SLOTS_PER_TOPK",
     "CapacityPlan",
+    "IndexBufferBytes",
     "LabelledCapacity",
     "MemoryLayout",
     "MemoryPart",

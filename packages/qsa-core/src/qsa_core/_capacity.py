@@ -13,9 +13,9 @@ allocates by), with ``Ls = qsa_layers`` record layers of one 4-token block of ev
   (:meth:`PoolPrice.sharded`, :func:`sharded_token_bytes`);
 * compressed index-K (GPU, never offloaded, replicated on every rank):
   ``(R × L + page) × index_bytes_per_token``; with offload it is all a token costs in the
-  engine's pool (:meth:`PoolPrice.offloaded`); under resident cache sharding with the index
-  sharded by page too (D2, ``index_sharded``) ``(R × L + page) × ceil(index_bytes_per_token /
-  N)`` (D2 is wired for resident K/V only: the offloaded layout keeps the whole index);
+  engine's pool (:meth:`PoolPrice.offloaded`); with the index sharded by page over the cache
+  sharding's ``N`` ranks too (D2, ``index_sharded``), offloaded or resident,
+  ``(R × L + page) × ceil(index_bytes_per_token / N)``;
 * pending ring (GPU): ``R × (qsa_layers × ratio × index_kv_heads × index_head_dim × 2 B + ratio × 3
   × 8 B)`` (bf16 raw index keys plus their int64 3-axis RoPE positions);
 * GDN recurrent state (GPU, fp32): ``slots × linear_layers × (value_heads / TP) × key_dim ×
@@ -31,9 +31,10 @@ allocates by), with ``Ls = qsa_layers`` record layers of one 4-token block of ev
 * residency tables (offload only, GPU): ``Ls × R × (S × 12 + NB × 4)`` bytes;
 * verification copy (offload with ``verify`` only, GPU): a resident copy of every row, the host
   arena's unsharded size (:attr:`OffloadSizes.verification_bytes`);
-* shard transport buffers (resident cache sharding only, GPU): ``transport_bytes``, the fixed
-  bytes of the sharded store's (and with D2 the sharded index's) collective buffers, which the
-  caller computes (``qsa_kernels.sharded``; the plugin's adapter does);
+* shard transport buffers (GPU): resident cache sharding's ``transport_bytes``, the fixed
+  bytes of the sharded store's (and with D2 the sharded index's) collective buffers; with
+  offload and D2, ``index_buffer_bytes``, the sharded index's candidate buffers alone. The
+  caller computes both (``qsa_kernels.sharded``; the plugin's adapter does);
 * host arena (offload only, pinned host): ``R × Ls × NB × block_bytes``; with cache sharding over
   ``N`` ranks, the blocks of the busiest rank (:meth:`ShardPlacement.blocks_on_rank`: whole
   16-block pages, every ``N``-th).
@@ -178,10 +179,11 @@ class CapacityPlan:
         sharding_size: ranks of a shard group that store the K/V once (1 = off): the
             offloaded K/V's host arena, or the resident raw K/V, divides by it.
         staged_prompts: prompts the offload stages at once (an engine's prefill batch).
-        index_sharded: the compressed index is sharded by page over the same ``N`` ranks (D2,
-            resident K/V only).
+        index_sharded: the compressed index is sharded by page over the same ``N`` ranks (D2).
         transport_bytes: fixed device bytes of the shard group's transport buffers (resident
             cache sharding only; 0 without it).
+        index_buffer_bytes: fixed device bytes of the sharded index's candidate buffers in the
+            offloaded layout (D2 with offload; 0 without D2).
         verify: the offload keeps a resident copy of every row (``SGLANG_QSA_HISPARSE_VERIFY``).
     """
 
@@ -204,6 +206,7 @@ class CapacityPlan:
     index_sharded: bool = False
     transport_bytes: int = 0
     verify: bool = False
+    index_buffer_bytes: int = 0
 
     @property
     def raw_bytes_per_token(self) -> int:
@@ -217,7 +220,7 @@ class CapacityPlan:
 
     @property
     def index_bytes_per_token_per_rank(self) -> int:
-        """Compressed index bytes per token on one rank without offload (``1 / N`` with D2)."""
+        """Compressed index bytes per token on one rank (``1 / N`` with D2)."""
         return sharded_token_bytes(
             0, self.index_bytes_per_token, self.sharding_size, index_sharded=self.index_sharded
         )
@@ -240,8 +243,9 @@ class CapacityPlan:
     def offloaded_price(self) -> PoolPrice:
         """What the engine's pool sizing charges with ``p2-offload``, per rank.
 
-        :meth:`PoolPrice.offloaded`: a token costs its whole compressed index; the offload's
-        staging, hot caches, tails and tables (:attr:`offload`) are fixed.
+        :meth:`PoolPrice.offloaded`: a token costs its compressed index (``1 / N`` of it with
+        D2); the offload's staging, hot caches, tails and tables (:attr:`offload`), and with D2
+        the index's candidate buffers (:attr:`index_buffer_bytes`), are fixed.
         """
         return self._price(offloaded=True)
 
@@ -257,6 +261,7 @@ class CapacityPlan:
             index_sharded=self.index_sharded,
             transport_bytes=self.transport_bytes,
             verify=self.verify,
+            index_buffer_bytes=self.index_buffer_bytes,
         )
 
     @property
@@ -335,13 +340,20 @@ def _pool_price(
     index_sharded: bool,
     transport_bytes: int,
     verify: bool = False,
+    index_buffer_bytes: int = 0,
 ) -> PoolPrice:
     """The engine's pool price of one layout: offloaded, resident, or resident and sharded."""
     raw = profile.raw_kv_bytes_per_token(kv_dtype, tp_size)
     index = profile.index_bytes_per_token(index_dtype)
     if offloaded:
         return PoolPrice.offloaded(
-            sizes, resident_token_bytes=raw + index, index_token_bytes=index, verify=verify
+            sizes,
+            resident_token_bytes=raw + index,
+            index_token_bytes=index,
+            verify=verify,
+            sharding_size=sharding_size,
+            index_sharded=index_sharded,
+            index_buffer_bytes=index_buffer_bytes,
         )
     if sharding_size > 1:
         return PoolPrice.sharded(
@@ -380,6 +392,7 @@ def _layout(
     index_sharded: bool = False,
     transport_bytes: int = 0,
     verify: bool = False,
+    index_buffer_bytes: int = 0,
 ) -> MemoryLayout:
     p = profile
     n, ctx, page = num_requests, context_len, p.page_size
@@ -403,6 +416,7 @@ def _layout(
         index_sharded=index_sharded,
         transport_bytes=transport_bytes,
         verify=verify,
+        index_buffer_bytes=index_buffer_bytes,
     )
     # What a token costs the pool, split into its raw K/V (resident only) and its index.
     idx_tok = (
@@ -511,8 +525,8 @@ def _layout(
         MemoryPart(
             MemoryPartKind.SHARD_TRANSPORT,
             gpu,
-            0 if offloaded else price.fixed_bytes,
-            "none (resident cache sharding only)" if offloaded else "collective buffers",
+            index_buffer_bytes if offloaded else price.fixed_bytes,
+            _transport_formula(offloaded, index_sharded=index_sharded),
         ),
         MemoryPart(
             MemoryPartKind.HOST_ARENA,
@@ -524,6 +538,14 @@ def _layout(
         ),
     )
     return MemoryLayout(offloaded, n, parts)
+
+
+def _transport_formula(offloaded: bool, *, index_sharded: bool) -> str:
+    if not offloaded:
+        return "collective buffers"
+    return (
+        "index candidate buffers (D2)" if index_sharded else "none (resident cache sharding only)"
+    )
 
 
 def _check_int_at_least(name: str, value: int, minimum: int = 1) -> None:
@@ -577,6 +599,7 @@ def plan_capacity(
     index_sharded: bool = False,
     transport_bytes: int = 0,
     verify: bool = False,
+    index_buffer_bytes: int = 0,
 ) -> CapacityPlan:
     """Price every per-rank memory part with and without offload, and the largest request count.
 
@@ -597,13 +620,16 @@ def plan_capacity(
             and the resident raw K/V divide by it; :meth:`ShardPlacement.for_tp` rules).
         staged_prompts: prompts the offload stages at once (``--prefill-max-requests``).
         index_sharded: the compressed index sharded by page over the ``sharding_size`` ranks
-            too (D2, resident K/V only): its GPU bytes per rank without offload divide by
-            ``sharding_size``.
+            too (D2): its GPU bytes per rank divide by ``sharding_size``, with offload or
+            without.
         transport_bytes: device bytes of the shard group's transport buffers for
             ``num_requests`` rows (``qsa_kernels.sharded``), fixed in the resident layout when
             ``sharding_size > 1``; must be 0 otherwise.
         verify: the offload keeps a resident copy of every row on the device (a debug switch,
             ``SGLANG_QSA_HISPARSE_VERIFY=1``): a fixed part of the offloaded layout.
+        index_buffer_bytes: device bytes of the sharded index's candidate buffers
+            (``qsa_kernels.sharded``), fixed in the offloaded layout with ``index_sharded`` and
+            ``sharding_size > 1``; must be 0 otherwise.
 
     Returns:
         The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.
@@ -611,7 +637,8 @@ def plan_capacity(
     Raises:
         CapacityError: a non-positive size, a negative budget, ``hot_slots < block_topk``,
             recurrent heads that do not split over ``tp_size``, ``transport_bytes`` that is
-            negative or given without sharding, or a ``verify`` that is not a bool.
+            negative or given without sharding, ``index_buffer_bytes`` that is negative or
+            given without D2, or a ``verify`` that is not a bool.
         QSAConfigError: ``tp_size`` does not split the KV heads.
         PlacementError: ``sharding_size`` is not a shard group inside one K/V head's replicas.
     """
@@ -622,6 +649,7 @@ def plan_capacity(
     _check_int_at_least("host_budget_bytes", host_budget_bytes, minimum=0)
     _check_int_at_least("staged_prompts", staged_prompts)
     _check_int_at_least("transport_bytes", transport_bytes, minimum=0)
+    _check_int_at_least("index_buffer_bytes", index_buffer_bytes, minimum=0)
     verify_flag: object = verify  # callers may be untyped
     if not isinstance(verify_flag, bool):
         msg = f"verify={verify!r} is not allowed; allowed: True or False"
@@ -630,6 +658,13 @@ def plan_capacity(
         msg = (
             f"transport_bytes={transport_bytes!r} is not allowed with sharding_size=1; "
             "transport buffers belong to a shard group (allowed: 0)"
+        )
+        raise CapacityError(msg)
+    if index_buffer_bytes and not (index_sharded and sharding_size > 1):
+        msg = (
+            f"index_buffer_bytes={index_buffer_bytes!r} is not allowed without the index sharded "
+            f"over a shard group (index_sharded={index_sharded!r}, sharding_size="
+            f"{sharding_size!r}); candidate buffers belong to a sharded index (allowed: 0)"
         )
         raise CapacityError(msg)
     dtypes: tuple[tuple[str, object], ...] = (("kv_dtype", kv_dtype), ("index_dtype", index_dtype))
@@ -663,6 +698,7 @@ def plan_capacity(
             index_sharded=index_sharded,
             transport_bytes=transport_bytes,
             verify=verify,
+            index_buffer_bytes=index_buffer_bytes,
         )
 
     def largest(offloaded: bool) -> int:
@@ -701,4 +737,5 @@ def plan_capacity(
         index_sharded=index_sharded,
         transport_bytes=transport_bytes,
         verify=verify,
+        index_buffer_bytes=index_buffer_bytes,
     )

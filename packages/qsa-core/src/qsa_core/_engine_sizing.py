@@ -20,7 +20,13 @@ from qsa_core._offload_sizes import ds_offload_sizes, label_bytes_per_token
 from qsa_core._pool_price import PoolPrice
 from qsa_core._profile import KVDType, QSAProfile
 
-__all__ = ("LabelledCapacity", "PlanInputs", "TransportBytes", "labelled_capacity")
+__all__ = (
+    "IndexBufferBytes",
+    "LabelledCapacity",
+    "PlanInputs",
+    "TransportBytes",
+    "labelled_capacity",
+)
 
 #: The flags :meth:`PlanInputs.from_args` reads by name (absent or None: the default).
 _PLAN_FLAGS: Final = ("page_size", "context_length", "max_running_requests", "prefill_max_requests")
@@ -42,6 +48,16 @@ class TransportBytes(Protocol):
         head_dim: int,
         index_sharded: bool,
     ) -> int: ...
+
+
+class IndexBufferBytes(Protocol):
+    """A sharded index's candidate buffers on one rank, B (``ShardedIndex.candidate_bytes``).
+
+    Called by :meth:`PlanInputs.plan` with the plan's own figures (``max_running``: its
+    requests).
+    """
+
+    def __call__(self, *, world_size: int, block_topk: int, max_running: int) -> int: ...
 
 
 def _text_config_mapping(config: object) -> Mapping[str, object]:
@@ -172,12 +188,16 @@ class PlanInputs:
         index_sharded: bool = False,
         transport_bytes: int | TransportBytes = 0,
         verify: bool = False,
+        index_buffer_bytes: int | IndexBufferBytes = 0,
     ) -> CapacityPlan:
         """:func:`plan_capacity` of these inputs; the keywords are its own (budgets per rank, B).
 
         ``transport_bytes`` may be a :class:`TransportBytes`: with ``sharding_size > 1`` it is
         called for this plan's requests, query heads per rank, ``block_topk`` and head dim
-        (without sharding the plan has no transport buffers).
+        (without sharding the plan has no transport buffers). ``index_buffer_bytes`` may be an
+        :class:`IndexBufferBytes`: with ``index_sharded`` and ``sharding_size > 1`` it is
+        called for this plan's requests and ``block_topk`` (the offloaded layout's candidate
+        buffers; otherwise there are none).
 
         Raises:
             CapacityError: a budget or size :func:`plan_capacity` refuses.
@@ -197,6 +217,16 @@ class PlanInputs:
                 if sharding_size > 1
                 else 0
             )
+        if callable(index_buffer_bytes):
+            index_buffer_bytes = (
+                index_buffer_bytes(
+                    world_size=sharding_size,
+                    block_topk=self.profile.block_topk,
+                    max_running=self.num_requests,
+                )
+                if index_sharded and sharding_size > 1
+                else 0
+            )
         return plan_capacity(
             self.profile,
             tp_size=self.tp_size,
@@ -211,6 +241,7 @@ class PlanInputs:
             staged_prompts=self.staged_prompts,
             transport_bytes=transport_bytes,
             verify=verify,
+            index_buffer_bytes=index_buffer_bytes,
         )
 
 

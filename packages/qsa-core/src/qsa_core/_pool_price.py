@@ -3,9 +3,10 @@
 An engine sizes its token pool by a price per token slot after charging the buffers it
 allocates once. Each feature reprices what the engine computed for resident K/V:
 
-- request offload (:meth:`PoolPrice.offloaded`): a token costs its compressed index only; the
-  offload's staging, hot caches, tails and tables (:meth:`OffloadSizes.fixed_device_bytes`) are
-  fixed;
+- request offload (:meth:`PoolPrice.offloaded`): a token costs its compressed index only (with
+  the index sharded by page, D2, ``1 / N`` of it); the offload's staging, hot caches, tails and
+  tables (:meth:`OffloadSizes.fixed_device_bytes`), and with D2 the index's candidate buffers,
+  are fixed;
 - resident cache sharding (:meth:`PoolPrice.sharded`): a token costs its index and ``1 / N`` of
   its raw K/V (:func:`sharded_token_bytes`); the transport buffers are fixed;
 - double sparsity (:meth:`PoolPrice.labelled`): a token also costs its label rows
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from qsa_core._errors import CapacityError
 from qsa_core._offload_sizes import (
     OffloadSizes,
     _non_negative,
@@ -74,6 +76,9 @@ class PoolPrice:
         resident_token_bytes: int,
         index_token_bytes: int,
         verify: bool = False,
+        sharding_size: int = 1,
+        index_sharded: bool = False,
+        index_buffer_bytes: int = 0,
     ) -> PoolPrice:
         """Request offload: a token costs its compressed index; the offload's buffers are fixed.
 
@@ -82,16 +87,37 @@ class PoolPrice:
             resident_token_bytes: the engine's price of a token with its K/V resident.
             index_token_bytes: the engine's price of a token's compressed index alone.
             verify: the offload keeps a resident copy of every row (verification).
+            sharding_size: ranks of the shard group (the host arenas'; 1 = off).
+            index_sharded: the index is sharded by page over the group too (D2): a token costs
+                ``ceil(index_token_bytes / sharding_size)``.
+            index_buffer_bytes: with ``index_sharded``, the index shard's candidate buffers
+                (fixed, beside the offload's).
 
         Raises:
-            CapacityError: a negative byte count.
+            CapacityError: a negative byte count, a ``sharding_size`` that is not positive, or
+                ``index_buffer_bytes`` without ``index_sharded``.
         """
         _non_negative("resident_token_bytes", resident_token_bytes)
         _non_negative("index_token_bytes", index_token_bytes)
+        _non_negative("index_buffer_bytes", index_buffer_bytes)
+        if index_buffer_bytes and not index_sharded:
+            msg = (
+                f"index_buffer_bytes={index_buffer_bytes!r} is not allowed without index_sharded; "
+                "candidate buffers belong to a sharded index (allowed: 0)"
+            )
+            raise CapacityError(msg)
+        token = sharded_token_bytes(
+            0, index_token_bytes, sharding_size, index_sharded=index_sharded
+        )
         fixed = sizes.fixed_device_bytes(verify=verify)
         was = f"was {resident_token_bytes} B with the QSA layers' K/V"
-        detail = f"pool sizing charges {index_token_bytes} B per token ({was}) plus "
-        return cls(index_token_bytes, fixed, f"{detail}{format_bytes(fixed)} {_OFFLOAD_BUFFERS}")
+        if index_sharded:
+            was += f"; {index_token_bytes} B of index over {sharding_size} ranks"
+        detail = f"pool sizing charges {token} B per token ({was}) plus "
+        buffers = f"{format_bytes(fixed)} {_OFFLOAD_BUFFERS}"
+        if index_sharded:
+            buffers += f" and {format_bytes(index_buffer_bytes)} of index candidate buffers"
+        return cls(token, fixed + index_buffer_bytes, f"{detail}{buffers}")
 
     @classmethod
     def sharded(

@@ -68,8 +68,9 @@ ENV_HISPARSE_HOT_BLOCKS: Final = "SGLANG_QSA_HISPARSE_HOT_BLOCKS"
 #: ``N`` > 1: the TP ranks holding copies of one K/V head store its offloaded K/V once, in shard
 #: groups of ``N`` ranks (each rank's host arena holds every ``N``-th 16-block page).
 ENV_CACHE_SHARDING: Final = "SGLANG_QSA_CACHE_SHARDING"
-#: ``1`` (with resident ``SGLANG_QSA_CACHE_SHARDING=N``): the compressed QSA index sharded by
-#: 16-block page over the same shard groups too (D2): each rank stores and scores its pages.
+#: ``1`` (with ``SGLANG_QSA_CACHE_SHARDING=N``, resident or offloaded): the compressed QSA index
+#: sharded by 16-block page over the same shard groups too (D2): each rank stores and scores its
+#: pages.
 ENV_INDEX_SHARDING: Final = "SGLANG_QSA_INDEX_SHARDING"
 #: Double sparsity: the channel file (``qsa-hisparse calibrate`` writes it); setting it turns the
 #: ``qsa_ds`` attention backend on. The others override the defaults of the library's
@@ -184,7 +185,8 @@ class Switches:
         hot_blocks: ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``: hot-cache blocks per request and QSA
             layer, or None for the default (with ``p2-offload`` only).
         index_sharding: ``SGLANG_QSA_INDEX_SHARDING=1``: the compressed index sharded by page
-            over the cache-sharding groups too (D2; resident cache sharding only).
+            over the cache-sharding groups too (D2; resident or with ``p2-offload``, not with
+            the prefix cache).
         prefix_cache_store: ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE``: the prefix cache's
             shared tier, or None (with the prefix cache only).
         prefix_cache_admission: ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT``: which prefixes the
@@ -391,7 +393,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             f"{double_sparsity.channel_config!r} serves models without them; unset one side"
         )
         raise SwitchError(msg)
-    index_sharding = _parse_index_sharding(environ, cache_sharding, hisparse, raw_mode)
+    index_sharding = _parse_index_sharding(environ, cache_sharding, prefix_cache_mb, raw_mb)
     raw_hot = environ.get(ENV_HISPARSE_HOT_BLOCKS, "")
     hot_blocks = None
     if raw_hot:
@@ -482,9 +484,12 @@ def _parse_admission(
 
 
 def _parse_index_sharding(
-    environ: Mapping[str, str], cache_sharding: int, hisparse: HiSparseMode | None, raw_mode: str
+    environ: Mapping[str, str], cache_sharding: int, prefix_cache_mb: int, raw_mb: str
 ) -> bool:
-    """``SGLANG_QSA_INDEX_SHARDING``: D2 needs resident cache sharding (D1 without offload)."""
+    """``SGLANG_QSA_INDEX_SHARDING``: D2 rides on cache sharding (D1, resident or offloaded).
+
+    The host prefix cache is refused with it: a checkpoint copies the index by global slot.
+    """
     raw = environ.get(ENV_INDEX_SHARDING, "")
     if raw not in ("", "0", "1"):
         msg = f"{ENV_INDEX_SHARDING}={raw!r} is not allowed; allowed: unset, '0', '1'"
@@ -498,10 +503,12 @@ def _parse_index_sharding(
             f"requires {ENV_CACHE_SHARDING} of 2 or more, got {ENV_CACHE_SHARDING}={raw_sharding!r}"
         )
         raise SwitchError(msg)
-    if hisparse is not None:
+    if prefix_cache_mb > 0:
         msg = (
-            f"{ENV_INDEX_SHARDING}='1' is wired for resident cache sharding only and requires "
-            f"{ENV_HISPARSE_V3} unset, got {ENV_HISPARSE_V3}={raw_mode!r}"
+            f"{ENV_INDEX_SHARDING}='1' is not allowed with {ENV_PREFIX_CACHE_MB}={raw_mb!r}: a "
+            "prefix-cache checkpoint copies the compressed index by global slot, while each rank "
+            f"holds only its own pages; allowed: {ENV_PREFIX_CACHE_MB} unset or '0', or "
+            f"{ENV_INDEX_SHARDING} unset or '0'"
         )
         raise SwitchError(msg)
     return True

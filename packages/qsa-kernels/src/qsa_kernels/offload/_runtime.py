@@ -60,6 +60,7 @@ from qsa_kernels.offload._store import OffloadGeometry
 from qsa_kernels.sharded import (
     HeadLayout,
     ShardedDecodeBuffers,
+    ShardedIndex,
     ShardGroup,
     gather_group_queries,
     merge_owner_partials,
@@ -342,6 +343,32 @@ class OffloadRuntime:
             f"group): the host arena holds every {shard.world_size}-th page of "
             f"{shard.placement.blocks_per_page} blocks, {format_bytes(g.arena_bytes(shard))} of "
             f"{format_bytes(g.host_bytes)} per rank"
+        )
+
+    def index(self) -> ShardedIndex:
+        """The compressed index's shard operations on this runtime's shard group (D2).
+
+        On the group, device and path of the arena's shards, ``block_topk`` wide; the candidate
+        buffers hold a decode row of every arena row or one prefill group
+        (:meth:`ShardedIndex.rows_for`).
+
+        Raises:
+            OffloadStateError: a runtime without a shard group (an unsharded arena, or
+                per-head records), or without the QSA block top-k.
+        """
+        shard = self.kv.shard if isinstance(self.kv, OffloadedKV) else None
+        if shard is None or self._block_topk is None:
+            msg = (
+                "the index is sharded over the host arenas' shard group; this runtime has "
+                f"shard={shard!r} and block_topk={self._block_topk!r}"
+            )
+            raise OffloadStateError(msg)
+        return ShardedIndex(
+            shard,
+            block_topk=self._block_topk,
+            max_rows=ShardedIndex.rows_for(self.kv.geometry.rows),
+            device=self.kv.device,
+            path=self.kv.path,
         )
 
     def describe_verification(self) -> str | None:

@@ -235,6 +235,17 @@ class ShardedIndex:
             device="meta",
         ).nbytes
 
+    @classmethod
+    def candidate_bytes(cls, *, world_size: int, block_topk: int, max_running: int) -> int:
+        """:meth:`buffer_bytes_for` an index serving ``max_running`` decode rows (pool sizing).
+
+        The candidate buffers an engine's index allocates (:meth:`rows_for` rows), the fixed
+        bytes of a page-sharded index (``qsa_core.IndexBufferBytes``).
+        """
+        return cls.buffer_bytes_for(
+            world_size=world_size, block_topk=block_topk, max_rows=cls.rows_for(max_running)
+        )
+
     def local_view(self, buffer: torch.Tensor) -> torch.Tensor:
         """``[P_local, 16, H * D]``: a view of ``[16 P_local, H, D]`` or ``[P_local, 16, H, D]``."""
         page = self.shard.placement.blocks_per_page

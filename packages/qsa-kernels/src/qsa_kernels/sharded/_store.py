@@ -410,10 +410,8 @@ class ShardedKVStore:
         """
         index = 0
         if index_sharded:
-            index = ShardedIndex.buffer_bytes_for(
-                world_size=world_size,
-                block_topk=block_topk,
-                max_rows=ShardedIndex.rows_for(max_rows),
+            index = ShardedIndex.candidate_bytes(
+                world_size=world_size, block_topk=block_topk, max_running=max_rows
             )
         return index + sum(
             ShardedDecodeBuffers.for_rank(

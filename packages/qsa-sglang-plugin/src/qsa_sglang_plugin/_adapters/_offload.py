@@ -33,6 +33,7 @@ from qsa_sglang_plugin._adapters._qsa_common import (
     qsa_profile_of,
     shard_group,
 )
+from qsa_sglang_plugin._adapters._sharded_index import install_rank_index
 from qsa_sglang_plugin._config_check import ds_config, ds_geometry
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import meminfo_bytes
@@ -250,10 +251,12 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
     sharding = runtime.describe_sharding()
     if sharding is not None:
         logger.info("offload: %s", sharding)
+    pool = runner.token_to_kv_pool
+    if switches.index_sharding:  # D2 on the host arenas' group
+        install_rank_index(runtime.index(), pool, int(parallel.tp_rank))
     verification = runtime.describe_verification()
     if verification is not None:
         logger.warning("offload: SGLANG_QSA_HISPARSE_VERIFY=1: %s", verification)
-    pool = runner.token_to_kv_pool
     full = getattr(pool, "full_kv_pool", pool)  # the QSA pool's MHA leaf, or the MHA pool
     logger.info(
         "offload: %s; K/V pool %s; kernels: %s",

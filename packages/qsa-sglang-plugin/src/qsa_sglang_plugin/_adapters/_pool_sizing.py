@@ -90,6 +90,7 @@ def _arena_rows(kvc: Any) -> int:
 def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     from sglang.srt.runtime_context import get_parallel
 
+    from qsa_kernels.sharded import ShardedIndex
     from qsa_sglang_plugin._adapters._offload import qsa_layout
 
     layer_ids = _qsa_layer_ids(kvc)
@@ -106,11 +107,25 @@ def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
         dtype=kvc.kv_cache_dtype,
     )
     resident, index = _token_bytes(configurator, kvc, len(layer_ids))
+    switches = current_switches()
+    sharding, index_sharded = switches.cache_sharding, switches.index_sharding
+    topk = layout.block_topk
+    assert topk is not None  # a QSA layout selects blocks
+    candidates = (  # D2: the index shard's buffers, as the runtime's index allocates them
+        ShardedIndex.candidate_bytes(
+            world_size=sharding, block_topk=topk, max_running=_arena_rows(kvc)
+        )
+        if index_sharded
+        else 0
+    )
     return PoolPrice.offloaded(
         layout.geometry.sizes,
         resident_token_bytes=resident,
         index_token_bytes=index,
-        verify=current_switches().verify_offload,
+        verify=switches.verify_offload,
+        sharding_size=sharding,
+        index_sharded=index_sharded,
+        index_buffer_bytes=candidates,
     )
 
 
@@ -188,14 +203,15 @@ def capacity_plan_from_sglang(
     ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``, ``index_sharded`` ``SGLANG_QSA_INDEX_SHARDING=1``,
     ``verify`` ``SGLANG_QSA_HISPARSE_VERIFY=1``; the budgets are per rank, bytes. With
     ``sharding_size > 1`` the resident layout's fixed transport buffers are
-    ``ShardedKVStore.transport_bytes``, the bytes pool sizing charges.
+    ``ShardedKVStore.transport_bytes``, and with ``index_sharded`` the offloaded layout's
+    candidate buffers ``ShardedIndex.candidate_bytes``: the bytes pool sizing charges.
 
     Raises:
         AdapterError: a flag or config :meth:`PlanInputs.from_args` refuses (named).
         qsa_core.CapacityError: a budget or size ``plan_capacity`` refuses.
         qsa_core.PlacementError: a ``sharding_size`` that does not fit ``--tp-size``.
     """
-    from qsa_kernels.sharded import ShardedKVStore
+    from qsa_kernels.sharded import ShardedIndex, ShardedKVStore
 
     try:
         inputs = PlanInputs.from_args(hf_text_config, resolved_args(server_args))
@@ -209,6 +225,7 @@ def capacity_plan_from_sglang(
         index_sharded=index_sharded,
         transport_bytes=ShardedKVStore.transport_bytes,
         verify=verify,
+        index_buffer_bytes=ShardedIndex.candidate_bytes,
     )
 
 

@@ -2,8 +2,8 @@
 
 The shard and its operations are :class:`qsa_kernels.sharded.ShardedIndex` (docs/sharding.md);
 here, the hooks on upstream's QSA pool and indexer that route through it. The rank's index is one
-per process, installed by the sharded backend with the raw K/V's store
-(:func:`install_sharded_index`), on the same shard group.
+per process, installed on the raw K/V's shard group by whichever holds that K/V
+(:func:`install_rank_index`): the sharded backend's store, or the offload's runtime.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from qsa_core import format_bytes
 from qsa_kernels import KernelInputError
 from qsa_kernels.sharded import IndexShard, ShardedIndex, ZerosOnMeta
+from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._switches import current_switches
 
@@ -28,6 +30,7 @@ __all__ = (
     "around_select_prefill_tokens",
     "around_set_qsa_compressed_k_buffer",
     "index_shard",
+    "install_rank_index",
     "install_sharded_index",
     "sharded_index",
 )
@@ -44,6 +47,17 @@ def install_sharded_index(index: ShardedIndex | None) -> None:
     _State.index = index
 
 
+def install_rank_index(index: ShardedIndex, pool: Any, tp_rank: int) -> None:
+    """Install the rank's ``index`` over ``pool``'s compressed keys; gauge and log its bytes."""
+    install_sharded_index(index)
+    index_bytes = sum(t.numel() * t.element_size() for t in pool.qsa_compressed_k_buffer_pool)
+    RankMetrics(tp_rank).gauge(
+        "qsa_hisparse_sharded_index_bytes",
+        "Bytes of this rank's share of the QSA layers' compressed index (index sharding).",
+    ).set(index_bytes)
+    logger.info("index sharding: %s of candidate buffers", format_bytes(index.buffer_bytes))
+
+
 def sharded_index() -> ShardedIndex:
     """This process's index shard.
 
@@ -53,7 +67,7 @@ def sharded_index() -> ShardedIndex:
     if _State.index is None:
         msg = (
             "SGLANG_QSA_INDEX_SHARDING=1 but no index shard is installed on this rank; the "
-            "sharded QSA backend installs it when SGLang builds the attention backend"
+            "sharded or offload QSA backend installs it when SGLang builds the attention backend"
         )
         raise OffloadRuntimeError(msg)
     return _State.index

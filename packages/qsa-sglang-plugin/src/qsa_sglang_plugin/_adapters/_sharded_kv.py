@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from qsa_core import format_bytes
 from qsa_kernels.sharded import ShardedKVStore
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._adapters._qsa_common import (
@@ -21,7 +20,7 @@ from qsa_sglang_plugin._adapters._qsa_common import (
     shard_group,
     zigzag_entries,
 )
-from qsa_sglang_plugin._adapters._sharded_index import install_sharded_index
+from qsa_sglang_plugin._adapters._sharded_index import install_rank_index
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._switches import current_switches
 
@@ -109,22 +108,10 @@ def _build_store(runner: Any) -> ShardedKVStore:
         "Bytes of this rank's share of the QSA layers' raw K/V (cache sharding).",
     ).set(runtime.nbytes)
     logger.info("cache sharding (resident): %s", runtime.describe())
-    if current_switches().index_sharding:
-        _install_index(runner, runtime, int(parallel.tp_rank))
+    if current_switches().index_sharding:  # D2 on the store's group
+        index = runtime.index(int(runner.req_to_token_pool.size))
+        install_rank_index(index, pool, int(parallel.tp_rank))
     return runtime
-
-
-def _install_index(runner: Any, store: ShardedKVStore, tp_rank: int) -> None:
-    """The rank's :class:`~qsa_kernels.sharded.ShardedIndex` on the store's group (D2)."""
-    index = store.index(int(runner.req_to_token_pool.size))
-    install_sharded_index(index)
-    pool = runner.token_to_kv_pool
-    index_bytes = sum(t.numel() * t.element_size() for t in pool.qsa_compressed_k_buffer_pool)
-    RankMetrics(tp_rank).gauge(
-        "qsa_hisparse_sharded_index_bytes",
-        "Bytes of this rank's share of the QSA layers' compressed index (index sharding).",
-    ).set(index_bytes)
-    logger.info("index sharding: %s of candidate buffers", format_bytes(index.buffer_bytes))
 
 
 def sharded_store_of(runner: Any) -> ShardedKVStore:
