@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from qsa_core import (
+    WINDOW_LAYERS,
     CapacityError,
     OffloadSizes,
     ds_offload_sizes,
@@ -124,3 +125,33 @@ def test_an_index_sharded_by_page_costs_its_share_too() -> None:
 def test_a_size_out_of_range_is_refused_by_name(kwargs: dict[str, object], pattern: str) -> None:
     with pytest.raises(CapacityError, match=pattern):
         _sizes(**kwargs)
+
+
+def test_a_windowed_staging_area_holds_two_layers_of_one_prompt_and_the_open_blocks() -> None:
+    """Llama-3.1-8B's shape at 128K: 16 GiB staged whole, 1 GiB (and 512 KiB) windowed."""
+    shape: dict[str, int] = {
+        "layers": 32,
+        "rows": 1,
+        "context_len": 131072,
+        "hot_blocks": 1023,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "element_bytes": 2,
+    }
+    whole = ds_offload_sizes(**shape, windowed_staging=False)
+    window = ds_offload_sizes(**shape)  # type: ignore[arg-type]
+    assert window.windowed_staging
+    assert whole.staging_bytes == 32 * 131072 * 8 * 128 * 2 * 2 == 16 << 30
+    layer = 131072 * 8 * 128 * 2 * 2  # one layer of one prompt, K and V
+    open_blocks = 32 * 8 * whole.record_bytes
+    assert window.staging_bytes == WINDOW_LAYERS * layer + open_blocks == (1 << 30) + (512 << 10)
+    assert whole.device_bytes == window.device_bytes
+    assert whole.fixed_device_bytes() - window.fixed_device_bytes() == (15 << 30) - (512 << 10)
+
+
+def test_a_windowed_staging_area_holds_one_prompt() -> None:
+    """Windowed staging with two prompts, or a flag that is not a bool: refused by name."""
+    with pytest.raises(CapacityError, match=r"staged_prompts=2 with windowed_staging"):
+        _sizes(staged_prompts=2, windowed_staging=True)
+    with pytest.raises(CapacityError, match=r"windowed_staging=1 is not allowed"):
+        _sizes(windowed_staging=1)

@@ -7,6 +7,7 @@ request slots. DS-Offload runs over an :class:`OffloadRuntime` whose twin is dri
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,12 @@ from qsa_kernels.double_sparsity import (
     staging_slots,
     staging_token_table,
 )
-from qsa_kernels.offload import OffloadGeometry, OffloadRuntime, PerHeadOffloadedKV
+from qsa_kernels.offload import (
+    OffloadGeometry,
+    OffloadRuntime,
+    OffloadStateError,
+    PerHeadOffloadedKV,
+)
 
 HQ, HKV, D, C = 4, 2, 16, 4
 LAYERS = 2
@@ -488,3 +494,158 @@ def test_the_staging_area_is_read_by_position() -> None:
     slots = staging_slots(3, like)
     assert slots.dtype == torch.int64
     assert slots.tolist() == [0, 1, 2]
+
+
+# ---- DS-Offload's prefill: a windowed staging area against the whole prompt ----------------------
+
+_WINDOW_LAYERS = 3  # more layers than the window holds
+
+
+def _staging_runtime(windowed: bool, prompts: list[int], *, verify: bool = False) -> OffloadRuntime:
+    """An offload runtime of per-head records whose staging area is windowed or whole."""
+    geometry = OffloadGeometry.per_head_for_context(
+        layers=_WINDOW_LAYERS,
+        rows=len(prompts),
+        context_len=max(prompts) + 8,
+        hot_blocks=CONFIG.hot_blocks(),
+        kv_heads=HKV,
+        head_dim=D,
+        dtype=torch.bfloat16,
+        windowed_staging=windowed,
+    )
+    assert geometry.windowed_staging is windowed
+    kv = PerHeadOffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE)
+    return OffloadRuntime(
+        kv, {layer: layer for layer in range(_WINDOW_LAYERS)}, None, verify=verify
+    )
+
+
+def _staged_attention(
+    offload: OffloadRuntime, layer: int, q: torch.Tensor, start: int, end: int
+) -> torch.Tensor:
+    """A dense prefill as the engine's: the chunk's rows over the staging area, read through the
+    one-row token table (causal, fp32): ``[end - start, Hq * D]``."""
+    table = staging_token_table(offload.kv.geometry.max_tokens, "cpu")
+    k_pool, v_pool = offload.staging_layer(layer)
+    slots = table[0, :end].long()
+    k = k_pool[slots].float().repeat_interleave(HQ // HKV, dim=1)
+    v = v_pool[slots].float().repeat_interleave(HQ // HKV, dim=1)
+    scores = torch.einsum("thd,nhd->htn", q.float(), k) * SCALE
+    causal = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+    scores = scores.masked_fill(causal, float("-inf"))
+    return torch.einsum("htn,nhd->thd", scores.softmax(-1), v).reshape(end - start, -1)
+
+
+def _stage_and_attend(  # noqa: PLR0917 (stage's order, then the queries)
+    offload: OffloadRuntime,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot: int,
+    start: int,
+    end: int,
+    q: torch.Tensor,
+) -> torch.Tensor:
+    """DS-Offload's prefill of one layer's chunk: staged, then attended over the staging area."""
+    offload.stage(layer, k, v, slot=slot, start=start, end=end)
+    return _staged_attention(offload, layer, q, start, end)
+
+
+def _prefill(
+    offload: OffloadRuntime,
+    runtime: DSDecodeRuntime,
+    prompts: list[tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Each prompt (its chunks, ``[L, n, Hkv * D]`` K and V, ``[L, n, Hq, D]`` queries) prefilled
+    as DS-Offload's backend does, one prompt at a time: each layer's chunk staged, then attended
+    over the staging area; the prompt's token slots follow the previous prompt's."""
+    outs, first_slot = [], 0
+    for row, (spans, k, v, q) in enumerate(prompts):
+        handle = offload.admit(f"r{row}", row + 1)
+        for start, end in spans:
+            for layer in range(_WINDOW_LAYERS):
+                ck, cv, cq = k[layer, start:end], v[layer, start:end], q[layer, start:end]
+                attend = functools.partial(
+                    _stage_and_attend, offload, layer, ck, cv, row + 1, start, end, cq
+                )
+                slots = torch.arange(start, end) + first_slot
+                outs.append(runtime.extend_layer(layer, slots, ck, cv, attend))
+        n = int(k.shape[1])
+        offload.prompt_written(handle, n, n)
+        first_slot += n
+    return outs
+
+
+@pytest.mark.parametrize("chunks", [(10, 23, 37), (4, 8, 30), (1, 2, 3, 35)], ids=str)
+def test_a_windowed_staging_area_prefills_and_hands_off_as_the_whole_prompt(
+    chunks: tuple[int, ...],
+) -> None:
+    """DS-Offload's prefill with the prompt staged by a window of layers (each chunk written
+    through to the host arena, a layer's prefix read back) attends the same bytes as with the
+    whole prompt of every layer staged: two prompts, one at a time, in chunks whose ends fall
+    inside blocks and on their edges; every chunk's output bit for bit, the rows after the
+    hand-off byte for byte (the second prompt hands the first off; verification compares the
+    windowed rows with every staged chunk), and a decode step of both rows bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+
+    def values(*shape: int) -> torch.Tensor:
+        return (torch.randint(-8, 9, shape, generator=gen).float() / 8).to(torch.bfloat16)
+
+    lengths = [chunks[-1], 26]
+    spans = [list(zip((0, *chunks[:-1]), chunks, strict=True)), [(0, 13), (13, 26)]]
+    prompts = [
+        (span, values(_WINDOW_LAYERS, n, HKV * D), values(_WINDOW_LAYERS, n, HKV * D),
+         values(_WINDOW_LAYERS, n, HQ, D))
+        for span, n in zip(spans, lengths, strict=True)
+    ]  # fmt: skip
+    channels = torch.stack([torch.randperm(D, generator=gen)[:C].repeat(HKV, 1)] * _WINDOW_LAYERS)
+    new_k = values(_WINDOW_LAYERS, 2, HKV * D)
+    decode_q = values(_WINDOW_LAYERS, 2, HQ, D)
+    table = torch.zeros(3, sum(lengths) + 2, dtype=torch.int32)
+    table[1, : lengths[0] + 1] = torch.arange(lengths[0] + 1)
+    table[1, lengths[0]] = sum(lengths)  # each row's new token after both prompts
+    table[2, : lengths[1]] = torch.arange(lengths[1]) + lengths[0]
+    table[2, lengths[1]] = sum(lengths) + 1
+    results = []
+    for windowed in (False, True):
+        offload = _staging_runtime(windowed, lengths, verify=windowed)
+        assert offload.staging_k.shape[0] == (1 if windowed else _WINDOW_LAYERS)
+        labels = LabelCache(channels.to(torch.int32), rows=1, max_tokens=sum(lengths) + 2)
+        runtime = DSDecodeRuntime(labels, CONFIG, offload=offload)
+        outs = _prefill(offload, runtime, prompts)
+        seq_lens = [n + 1 for n in lengths]
+        offload.plan_decode([1, 2], seq_lens)  # hands the second prompt off
+        assert runtime.plan_step(seq_lens, table, torch.tensor([1, 2])) is StepKind.OFFLOADED
+        for layer in range(_WINDOW_LAYERS):
+            runtime.write_labels(layer, table[[1, 2], lengths].to(torch.int64), new_k[layer])
+            outs.append(
+                runtime.decode_offloaded(layer, decode_q[layer], new_k[layer], new_k[layer], SCALE)
+            )
+        results.append((offload, outs))
+    (whole, want), (window, got) = results
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for row, (_, k, v, _) in enumerate(prompts):
+        full_k = torch.cat((k, new_k[:, row : row + 1]), dim=1).view(_WINDOW_LAYERS, -1, HKV, D)
+        full_v = torch.cat((v, new_k[:, row : row + 1]), dim=1).view(_WINDOW_LAYERS, -1, HKV, D)
+        for offload in (whole, window):
+            assert offload.kv.compare(row, full_k, full_v).bytes_differing == 0
+        handle = window.leases.at_engine_slot(row + 1)
+        assert handle is not None
+        window.release(handle)
+    counts = window.counts
+    assert counts.verified_bytes > 0
+    assert counts.differing_bytes == 0
+
+
+def test_a_windowed_staging_area_refuses_the_calls_that_read_every_layer() -> None:
+    """A prefix restore and a checkpoint read every layer of the staged prompt: refused, named."""
+    offload = _staging_runtime(True, [12])
+    offload.admit("r", 1)
+    keys = torch.ones(12, HKV * D, dtype=torch.bfloat16)
+    offload.stage(0, keys, keys, slot=1, start=0, end=12)
+    with pytest.raises(OffloadStateError, match=r"staged_layers reads every layer .* window"):
+        offload.staged_layers(0, 12)
+    with pytest.raises(OffloadStateError, match=r"stage_prefix reads every layer"):
+        offload.stage_prefix(0, 4)

@@ -254,6 +254,10 @@ def main(directory: str) -> dict[str, Any]:
         ("qsa_ds", DS_SWITCHES),
         ("DS-Offload", ds_offload_switches),
         ("DS-Offload, verify", {**ds_offload_switches, "SGLANG_QSA_HISPARSE_VERIFY": "1"}),
+        (
+            "DS-Offload, whole staging",
+            {**ds_offload_switches, "SGLANG_QSA_DS_OFFLOAD_STAGING": "whole"},
+        ),
     ):
         priced = _priced(llama_dir, switches, *SIZING)
         del priced["server_args"]

@@ -44,6 +44,7 @@ CASES = {
     "qsa_ds": "resident",
     "DS-Offload": "offloaded",
     "DS-Offload, verify": "offloaded",
+    "DS-Offload, whole staging": "offloaded",
 }
 
 
@@ -107,3 +108,8 @@ def test_double_sparsity_charges_what_the_doctor_prints(report: dict[str, Any]) 
     assert report["qsa_ds"]["engine"]["fixed_bytes"] == 0
     assert report["DS-Offload"]["doctor"]["token_bytes"] == report["DS-Offload"]["doctor"]["labels"]
     assert report["DS-Offload"]["engine"]["fixed_bytes"] > 0
+    # The tiny Llama has two layers: a window of two holds as much as the whole prompt, plus the
+    # open block of each of its 2 x 2 record layers (one KV head of 16 dims, 256 B a record).
+    window, whole = (report[n]["engine"] for n in ("DS-Offload", "DS-Offload, whole staging"))
+    assert whole["token_bytes"] == window["token_bytes"]
+    assert window["fixed_bytes"] - whole["fixed_bytes"] == 2 * 2 * 256

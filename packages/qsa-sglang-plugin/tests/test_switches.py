@@ -345,6 +345,15 @@ def test_ds_offload_turns_on_the_offload_feature_and_allows_verification() -> No
     assert not resident.offload
 
 
+def test_ds_offload_stages_by_a_window_of_layers_unless_told_whole() -> None:
+    """``SGLANG_QSA_DS_OFFLOAD_STAGING``: ``window`` by default, ``whole`` on request."""
+    for value, window in (("", True), ("window", True), ("whole", False)):
+        env = {DS: "c.json", "SGLANG_QSA_DS_OFFLOAD": "1", "SGLANG_QSA_DS_OFFLOAD_STAGING": value}
+        ds = parse_switches(env).double_sparsity
+        assert ds is not None
+        assert ds.staging_window is window
+
+
 @pytest.mark.parametrize(
     ("env", "fragments"),
     [
@@ -359,6 +368,14 @@ def test_ds_offload_turns_on_the_offload_feature_and_allows_verification() -> No
         (
             {DS: "c.json", "SGLANG_QSA_HISPARSE_VERIFY": "1"},
             ["SGLANG_QSA_HISPARSE_VERIFY='1' checks the offload", "SGLANG_QSA_DS_OFFLOAD='1'"],
+        ),
+        (
+            {DS: "c.json", "SGLANG_QSA_DS_OFFLOAD": "1", "SGLANG_QSA_DS_OFFLOAD_STAGING": "half"},
+            ["SGLANG_QSA_DS_OFFLOAD_STAGING='half' is not allowed", "'window', 'whole'"],
+        ),
+        (
+            {DS: "c.json", "SGLANG_QSA_DS_OFFLOAD_STAGING": "whole"},
+            ["SGLANG_QSA_DS_OFFLOAD_STAGING set without SGLANG_QSA_DS_OFFLOAD='1'"],
         ),
     ],
 )

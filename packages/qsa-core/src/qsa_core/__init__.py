@@ -53,6 +53,7 @@ from qsa_core._lease import (
 )
 from qsa_core._merge import TopKCandidate, candidate_sort_key, merge_topk, topk_reference
 from qsa_core._offload_sizes import (
+    WINDOW_LAYERS,
     OffloadSizes,
     ds_offload_sizes,
     label_bytes_per_token,
@@ -124,6 +125,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "MemoryTier",
     "OffloadSizes",
     "PlanInputs",
+    "WINDOW_LAYERS",
     "PoolPrice",
     "TransportBytes",
     "ds_offload_sizes",

@@ -276,6 +276,7 @@ def labelled_capacity(
     rows: int | None = None,
     context_len: int | None = None,
     verify: bool = False,
+    windowed_staging: bool = True,
 ) -> LabelledCapacity:
     """Double sparsity's price on one rank, from the attention geometry.
 
@@ -298,6 +299,8 @@ def labelled_capacity(
             offload (:attr:`LabelledCapacity.price` None).
         context_len: tokens of one request's context (read with DS-Offload and ``rows``).
         verify: DS-Offload keeps a resident copy of every row.
+        windowed_staging: DS-Offload stages a window of layers of the prompt, not every layer
+            (:attr:`OffloadSizes.windowed_staging`).
 
     Raises:
         CapacityError: a size that is not a positive integer, or DS-Offload with ``rows`` and
@@ -323,6 +326,7 @@ def labelled_capacity(
         kv_heads=kv_heads,
         head_dim=head_dim,
         element_bytes=kv_element_bytes,
+        windowed_staging=windowed_staging,
     )
     price = PoolPrice.labelled(
         kv_token_bytes=kv, label_token_bytes=labels, offload=sizes, verify=verify

@@ -8,7 +8,11 @@ head of one attention layer, or with ``per_head`` one KV head of one layer (doub
 DS-Offload, where each KV head chooses its own tokens). With ``Ls`` record layers, ``R`` rows,
 ``S`` hot slots and ``NB`` blocks of a context, one rank allocates:
 
-* staging (device): one prompt of every record layer, ``Ls × NB`` records;
+* staging (device): one prompt of every record layer, ``Ls × NB`` records; or, with
+  ``windowed_staging`` (DS-Offload's default), a window of :data:`WINDOW_LAYERS` layers of one
+  prompt (the layer being attended, in token order, and the next one's prefix fetched back from
+  the host arena as records) and one open block of every record layer:
+  ``2 × Ls / L × NB + Ls`` records;
 * hot caches and tails (device): ``Ls × R × (S + 1)`` records (``S`` hot slots and one open-block
   tail per record layer and row);
 * residency tables (device): ``Ls × R × (S × (4 + 8) + NB × 4)`` bytes (an int32 block id and an
@@ -28,6 +32,7 @@ from qsa_core._checks import is_int
 from qsa_core._errors import CapacityError
 
 __all__ = (
+    "WINDOW_LAYERS",
     "OffloadSizes",
     "context_blocks",
     "ds_offload_sizes",
@@ -41,6 +46,9 @@ _BLOCK_TOKENS: Final = 4
 _SLOT_TABLE_BYTES: Final = 4 + 8
 #: Residency-table bytes per arena block: the int32 hot slot holding it (or -1).
 _BLOCK_TABLE_BYTES: Final = 4
+#: Layers of one prompt a windowed staging area holds: the layer being attended, and the next
+#: one's prefix on its way back from the host arena.
+WINDOW_LAYERS: Final = 2
 
 
 def _positive(name: str, value: object) -> None:
@@ -76,10 +84,14 @@ class OffloadSizes:
         block_tokens: tokens per block (4).
         staged_prompts: prompts the staging area holds at once ``P`` (an engine's prefill batch
             of up to ``P`` requests), each up to ``NB`` blocks.
+        windowed_staging: the staging area holds :data:`WINDOW_LAYERS` layers of one prompt
+            (each chunk written through to the host arena, a layer's prefix read back from
+            there), not the prompt of every layer; ``P`` must be 1.
 
     Raises:
-        CapacityError: a size that is not a positive integer (``rows``: not >= 0), or
-            ``per_head`` not a bool.
+        CapacityError: a size that is not a positive integer (``rows``: not >= 0),
+            ``per_head`` or ``windowed_staging`` not a bool, or a windowed staging area of
+            more than one prompt.
     """
 
     layers: int
@@ -92,6 +104,7 @@ class OffloadSizes:
     per_head: bool = False
     block_tokens: int = _BLOCK_TOKENS
     staged_prompts: int = 1
+    windowed_staging: bool = False
 
     def __post_init__(self) -> None:
         _non_negative("rows", self.rows)
@@ -106,9 +119,16 @@ class OffloadSizes:
             "staged_prompts",
         ):
             _positive(name, getattr(self, name))
-        per_head: object = self.per_head
-        if not isinstance(per_head, bool):
-            msg = f"per_head={per_head!r} is not allowed; allowed: True or False"
+        for name in ("per_head", "windowed_staging"):
+            flag: object = getattr(self, name)
+            if not isinstance(flag, bool):
+                msg = f"{name}={flag!r} is not allowed; allowed: True or False"
+                raise CapacityError(msg)
+        if self.windowed_staging and self.staged_prompts != 1:
+            msg = (
+                f"staged_prompts={self.staged_prompts!r} with windowed_staging is not allowed; "
+                "a windowed staging area holds one prompt (allowed: 1)"
+            )
             raise CapacityError(msg)
 
     @classmethod
@@ -125,6 +145,7 @@ class OffloadSizes:
         per_head: bool = False,
         block_tokens: int = _BLOCK_TOKENS,
         staged_prompts: int = 1,
+        windowed_staging: bool = False,
     ) -> OffloadSizes:
         """The sizes of ``rows`` requests of up to ``context_len`` tokens (``NB`` from it)."""
         _positive("context_len", context_len)
@@ -140,6 +161,7 @@ class OffloadSizes:
             per_head=per_head,
             block_tokens=block_tokens,
             staged_prompts=staged_prompts,
+            windowed_staging=windowed_staging,
         )
 
     @property
@@ -166,8 +188,14 @@ class OffloadSizes:
     def staging_bytes(self) -> int:
         """:attr:`staged_prompts` prompts of every record layer, on the device.
 
-        ``P × Ls × NB`` records.
+        ``P × Ls × NB`` records; windowed (:attr:`windowed_staging`), :data:`WINDOW_LAYERS`
+        layers of one prompt and an open block of every record layer,
+        ``WINDOW_LAYERS × Ls / L × NB + Ls`` records.
         """
+        if self.windowed_staging:
+            per_layer = self.store_layers // self.layers
+            records = WINDOW_LAYERS * per_layer * self.max_blocks + self.store_layers
+            return records * self.record_bytes
         return self.staged_prompts * self.store_layers * self.max_blocks * self.record_bytes
 
     @property
@@ -218,11 +246,14 @@ def ds_offload_sizes(
     kv_heads: int,
     head_dim: int,
     element_bytes: int,
+    windowed_staging: bool = True,
 ) -> OffloadSizes:
-    """DS-Offload's sizes: every attention layer, per-head records.
+    """DS-Offload's sizes: every attention layer, per-head records, one prompt staged.
 
     ``hot_blocks`` is what one KV head's decode step may read (double sparsity's
     ``DSConfig.hot_blocks``); a hot cache holds at most a whole context's blocks.
+    ``windowed_staging`` (the default) stages a window of layers, not the whole prompt of every
+    layer (:attr:`OffloadSizes.windowed_staging`).
     """
     _positive("context_len", context_len)
     _positive("hot_blocks", hot_blocks)
@@ -235,6 +266,7 @@ def ds_offload_sizes(
         head_dim=head_dim,
         element_bytes=element_bytes,
         per_head=True,
+        windowed_staging=windowed_staging,
     )
 
 

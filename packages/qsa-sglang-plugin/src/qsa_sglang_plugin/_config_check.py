@@ -322,6 +322,7 @@ def ds_config(ds: DoubleSparsitySwitches) -> Any:
         heavy_token_num=ds.heavy_token_num,
         heavy_channel_type=HeavyChannelType.parse(ds.heavy_channel_type),
         sparse_decode_threshold=ds.sparse_decode_threshold,
+        staging_window=ds.staging_window,
     )
 
 

@@ -26,6 +26,7 @@ __all__ = (
     "ENV_DS_HEAVY_CHANNELS",
     "ENV_DS_HEAVY_TOKENS",
     "ENV_DS_OFFLOAD",
+    "ENV_DS_OFFLOAD_STAGING",
     "ENV_DS_THRESHOLD",
     "ENV_HISPARSE_HOT_BLOCKS",
     "ENV_HISPARSE_V3",
@@ -83,6 +84,10 @@ ENV_DS_THRESHOLD: Final = "SGLANG_QSA_DS_THRESHOLD"
 #: ``1``: DS-Offload, the attention layers' K/V history in pinned host memory (labels and hot
 #: caches on the GPU), as ``p2-offload`` does for QSA layers.
 ENV_DS_OFFLOAD: Final = "SGLANG_QSA_DS_OFFLOAD"
+#: DS-Offload's prefill staging area: ``window`` (the default) holds a window of layers of the
+#: prompt on the GPU (each chunk written through to the host arena, a layer's prefix read back
+#: from there), ``whole`` the whole prompt of every layer.
+ENV_DS_OFFLOAD_STAGING: Final = "SGLANG_QSA_DS_OFFLOAD_STAGING"
 #: The attention backend double sparsity registers, the value ``--attention-backend`` takes.
 DS_ATTENTION_BACKEND: Final = "qsa_ds"
 #: Directory for per-process activation records; the launcher sets it.
@@ -157,6 +162,8 @@ class DoubleSparsitySwitches:
         heavy_channel_type: ``q``, ``k`` or ``qk``.
         sparse_decode_threshold: contexts shorter than this decode densely.
         offload: DS-Offload (``SGLANG_QSA_DS_OFFLOAD=1``): the K/V history in pinned host memory.
+        staging_window: DS-Offload stages a prompt by a window of layers
+            (``SGLANG_QSA_DS_OFFLOAD_STAGING``, ``window`` by default; ``whole``: every layer).
     """
 
     channel_config: str
@@ -165,6 +172,7 @@ class DoubleSparsitySwitches:
     heavy_channel_type: str
     sparse_decode_threshold: int
     offload: bool = False
+    staging_window: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,6 +538,7 @@ def _parse_double_sparsity(environ: Mapping[str, str]) -> DoubleSparsitySwitches
         ENV_DS_CHANNEL_TYPE,
         ENV_DS_THRESHOLD,
         ENV_DS_OFFLOAD,
+        ENV_DS_OFFLOAD_STAGING,
     )
     path = environ.get(ENV_DS_CHANNEL_CONFIG, "")
     if not path:
@@ -562,6 +571,16 @@ def _parse_double_sparsity(environ: Mapping[str, str]) -> DoubleSparsitySwitches
     if raw_offload not in ("", "0", "1"):
         msg = f"{ENV_DS_OFFLOAD}={raw_offload!r} is not allowed; allowed: unset, '0', '1'"
         raise SwitchError(msg)
+    raw_staging = environ.get(ENV_DS_OFFLOAD_STAGING, "")
+    if raw_staging not in ("", "window", "whole"):
+        msg = (
+            f"{ENV_DS_OFFLOAD_STAGING}={raw_staging!r} is not allowed; allowed: unset, 'window', "
+            "'whole'"
+        )
+        raise SwitchError(msg)
+    if raw_staging and raw_offload != "1":
+        msg = f"{ENV_DS_OFFLOAD_STAGING} set without {ENV_DS_OFFLOAD}='1'; it stages DS-Offload's"
+        raise SwitchError(msg + " prompts")
     return DoubleSparsitySwitches(
         channel_config=path,
         heavy_channel_num=number(
@@ -573,6 +592,7 @@ def _parse_double_sparsity(environ: Mapping[str, str]) -> DoubleSparsitySwitches
             ENV_DS_THRESHOLD, defaults.sparse_decode_threshold, zero_allowed=True
         ),
         offload=raw_offload == "1",
+        staging_window=raw_staging != "whole",
     )
 
 

@@ -38,7 +38,8 @@ def label_capacity(
         kv_heads: the rank's KV heads.
         head_dim: ``D``.
         kv_dtype: the K/V cache's dtype (the labels' is :meth:`LabelCache.dtype_for` of it).
-        offload: DS-Offload: the K/V history in the host arena.
+        offload: DS-Offload: the K/V history in the host arena (its staging area windowed as
+            ``config.staging_window`` says).
         kv_token_bytes: the engine's own price of a token's K/V, B; None: from the geometry.
         rows: DS-Offload's request rows; None prices no offload buffers.
         context_len: tokens of one request's context (DS-Offload with ``rows``).
@@ -60,4 +61,5 @@ def label_capacity(
         rows=rows,
         context_len=context_len,
         verify=verify,
+        windowed_staging=config.staging_window,
     )

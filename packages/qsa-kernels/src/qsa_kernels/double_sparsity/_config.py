@@ -101,17 +101,26 @@ class DSConfig:
             default ``qk``); a string is parsed.
         sparse_decode_threshold: a request whose context is shorter than this many tokens attends
             densely (``--ds-sparse-decode-threshold``, default 4096; 0 = always sparse).
+        staging_window: DS-Offload stages a prompt by a window of layers (each chunk written
+            through to the host arena, a layer's prefix read back from there) instead of the
+            whole prompt of every layer on the device (default True;
+            :attr:`qsa_core.OffloadSizes.windowed_staging`). Not read without DS-Offload.
     """
 
     heavy_channel_num: int = 32
     heavy_token_num: int = 256
     heavy_channel_type: HeavyChannelType = HeavyChannelType.QK
     sparse_decode_threshold: int = 4096
+    staging_window: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("heavy_channel_num", self.heavy_channel_num, minimum=1)
         _positive_int("heavy_token_num", self.heavy_token_num, minimum=1)
         _positive_int("sparse_decode_threshold", self.sparse_decode_threshold, minimum=0)
+        window: object = self.staging_window
+        if not isinstance(window, bool):
+            msg = f"staging_window={window!r} is not allowed; allowed: True or False"
+            raise DSConfigError(msg)
         parsed = HeavyChannelType.parse(self.heavy_channel_type)
         object.__setattr__(self, "heavy_channel_type", parsed)
 

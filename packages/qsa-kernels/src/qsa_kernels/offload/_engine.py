@@ -91,6 +91,7 @@ class OffloadLayout:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        windowed_staging: bool = True,
     ) -> OffloadLayout:
         """Every layer ``0..layers-1`` in per-head records (:meth:`per_head_for_context`).
 
@@ -105,6 +106,7 @@ class OffloadLayout:
             kv_heads=kv_heads,
             head_dim=head_dim,
             dtype=dtype,
+            windowed_staging=windowed_staging,
         )
         return cls(geometry, {i: i for i in range(layers)}, None)
 

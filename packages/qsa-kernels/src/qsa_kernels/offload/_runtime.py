@@ -12,6 +12,10 @@ its state is true:
   staging area holds :attr:`OffloadGeometry.staged_prompts` prompts at once (one per request of an
   engine's prefill batch), each in an area of its own; a restored prefix fills its area first
   (:meth:`stage_prefix`, by copies a layer's first reader waits for, :meth:`fill_staging_until`).
+  With :attr:`OffloadGeometry.windowed_staging` (DS-Offload's default) the area holds one prompt
+  by a window of layers instead (:class:`~qsa_kernels.offload._window.StagingWindow`): each
+  layer's chunk is written through to the prompt's arena row as it is staged, and a layer's
+  prefix is read back from there before its chunk, so the engine's kernels read the same bytes.
 - **Hand-off** (COPYING_TO_HOST, then HOST_READY). A staged prompt goes to its row (complete
   blocks to the host arena on a side stream, the open block to the tail) when its first decode
   step is planned or when another prompt needs its area, whichever comes first; the
@@ -57,6 +61,7 @@ from qsa_kernels.offload._block_store import OffloadedKV
 from qsa_kernels.offload._head_store import PerHeadOffloadedKV
 from qsa_kernels.offload._plan import RowState
 from qsa_kernels.offload._store import OffloadGeometry
+from qsa_kernels.offload._window import StagingWindow
 from qsa_kernels.sharded import (
     HeadLayout,
     ShardedDecodeBuffers,
@@ -200,8 +205,8 @@ class OffloadRuntime:
             the engine acquires each request's lease there, with its engine slot.
 
     Raises:
-        OffloadStateError: a shard group without ``q_heads`` or ``block_topk``, or ``leases``
-            whose slots are not the store's rows.
+        OffloadStateError: a shard group without ``q_heads`` or ``block_topk``, a shard group
+            with a windowed staging area, or ``leases`` whose slots are not the store's rows.
     """
 
     def __init__(
@@ -236,8 +241,16 @@ class OffloadRuntime:
                 head_dim=g.head_dim,
                 device=kv.device,
             )
-        # Prompts' K/V of every offloaded layer, by area and token position: [L, P, T_max, Hkv, D].
-        shape = (g.layers, g.staged_prompts, g.max_tokens, g.kv_heads, g.head_dim)
+        # Prompts' K/V of every offloaded layer, by area and token position: [L, P, T_max, Hkv, D]
+        # (windowed: the layer being staged alone, [1, 1, T_max, Hkv, D]).
+        self._window: StagingWindow | None = None
+        if g.windowed_staging:
+            if kv.shard is not None:
+                msg = "a windowed staging area writes whole rows; got a shard group"
+                raise OffloadStateError(msg)
+            self._window = StagingWindow(kv)
+        staged_layers = 1 if g.windowed_staging else g.layers
+        shape = (staged_layers, g.staged_prompts, g.max_tokens, g.kv_heads, g.head_dim)
         self.staging_k = torch.zeros(shape, dtype=g.dtype, device=kv.device)
         self.staging_v = torch.zeros(shape, dtype=g.dtype, device=kv.device)
         # The leases whose prompts are staged, oldest first.
@@ -309,7 +322,8 @@ class OffloadRuntime:
     def fixed_device_bytes(geometry: OffloadGeometry, *, verify: bool = False) -> int:
         """Device bytes a runtime of ``geometry`` allocates once (staging, hot caches, tails).
 
-        The staging area holds one prompt of every layer; with ``verify``, the resident copy of
+        The staging area holds one prompt of every layer (windowed: two layers of one prompt and
+        the open blocks); with ``verify``, the resident copy of
         every row too (the arena's size, on the device):
         :meth:`qsa_core.OffloadSizes.fixed_device_bytes`.
         """
@@ -490,11 +504,20 @@ class OffloadRuntime:
                 f"only its first {staged.tokens!r}"
             )
             raise OffloadStateError(msg)
-        n, area = end - start, staged.area
-        self.staging_k[ordinal, area, start:end] = k[:n].reshape(n, g.kv_heads, g.head_dim)
-        self.staging_v[ordinal, area, start:end] = v[:n].reshape(n, g.kv_heads, g.head_dim)
+        n, area, window = end - start, staged.area, self._window
+        staged_k, staged_v = self._staging(ordinal, area)
+        if window is not None:
+            window.restore(ordinal, row, start, staged_k, staged_v)
+        staged_k[start:end] = k[:n].reshape(n, g.kv_heads, g.head_dim)
+        staged_v[start:end] = v[:n].reshape(n, g.kv_heads, g.head_dim)
         staged.tokens = end
-        return self.staging_k[ordinal, area, :end], self.staging_v[ordinal, area, :end]
+        if window is not None:
+            following = ordinal + 1 if ordinal + 1 < g.layers else None
+            window.write_through(ordinal, row, start, end, staged_k, staged_v, following)
+            if self._resident is not None:
+                self._resident[0][row, ordinal, start:end] = staged_k[start:end]
+                self._resident[1][row, ordinal, start:end] = staged_v[start:end]
+        return staged_k[:end], staged_v[:end]
 
     def prefill(
         self,
@@ -628,8 +651,10 @@ class OffloadRuntime:
         with :meth:`keep_staging_until`.
 
         Raises:
-            OffloadStateError: the staging area does not hold ``tokens`` tokens of ``row``.
+            OffloadStateError: the staging area does not hold ``tokens`` tokens of ``row`` (a
+                windowed one holds no prompt of every layer).
         """
+        self._refuse_window("staged_layers")
         staged = next((s for h, s in self._staged.items() if h.slot == row), None)
         if staged is None or not 0 < tokens <= staged.tokens:
             msg = (
@@ -644,13 +669,15 @@ class OffloadRuntime:
         """The whole staging area of one layer: ``[P × T_max, Hkv, D]`` K and V.
 
         Row ``a × T_max + t`` holds token ``t`` of the prompt staged in area ``a`` (area 0 alone
-        with one staged prompt): what a dense prefill kernel reads as its K/V pool.
+        with one staged prompt): what a dense prefill kernel reads as its K/V pool. Windowed,
+        every layer's is the one layer staged last (the layer :meth:`stage` just wrote).
         """
         ordinal = self._ordinal_of(layer_id)
         self._filled(ordinal)
         g = self.kv.geometry
         flat = (-1, g.kv_heads, g.head_dim)
-        return self.staging_k[ordinal].view(flat), self.staging_v[ordinal].view(flat)
+        index = 0 if self._window is not None else ordinal
+        return self.staging_k[index].view(flat), self.staging_v[index].view(flat)
 
     def stage_prefix(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Give the staging area to ``row``, whose first ``tokens`` tokens come from elsewhere.
@@ -661,8 +688,10 @@ class OffloadRuntime:
 
         Raises:
             OffloadStateError: the prefix does not fit the staging area, ``row`` is not the
-                row of a prefilling lease, or every area holds a prompt still prefilling.
+                row of a prefilling lease, every area holds a prompt still prefilling, or the
+                staging area is windowed (it holds no prompt of every layer).
         """
+        self._refuse_window("stage_prefix")
         g = self.kv.geometry
         if not 0 < tokens <= g.max_tokens:
             msg = (
@@ -895,6 +924,19 @@ class OffloadRuntime:
             raise OffloadStateError(msg)
         return ordinal
 
+    def _staging(self, ordinal: int, area: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T_max, Hkv, D]`` K and V of one layer's area (windowed: the one staged layer)."""
+        index = 0 if self._window is not None else ordinal
+        return self.staging_k[index, area], self.staging_v[index, area]
+
+    def _refuse_window(self, call: str) -> None:
+        if self._window is not None:
+            msg = (
+                f"{call} reads every layer of a staged prompt; this staging area holds one prompt "
+                "by a window of layers (windowed_staging)"
+            )
+            raise OffloadStateError(msg)
+
     def _layer_views(self, area: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         layers = range(self.kv.geometry.layers)
         return (
@@ -976,16 +1018,20 @@ class OffloadRuntime:
             raise OffloadStateError(msg)
         self._filled()
         area = staged.area
-        k, v = self.staging_k[:, area, :tokens], self.staging_v[:, area, :tokens]
-        copy = self.kv.admit(row, k, v)
+        if self._window is not None:  # written through: the arena holds its complete blocks
+            self._window.hand_off(row, tokens)
+            copy = None
+        else:
+            k, v = self.staging_k[:, area, :tokens], self.staging_v[:, area, :tokens]
+            copy = self.kv.admit(row, k, v)
+            if self._resident is not None:
+                self._resident[0][row, :, :tokens] = k
+                self._resident[1][row, :, :tokens] = v
         self.leases.begin_copy(handle)
         if copy is None:
             self.leases.finish_copy(handle)
         else:
             self._copies[handle] = copy
-        if self._resident is not None:
-            self._resident[0][row, :, :tokens] = k
-            self._resident[1][row, :, :tokens] = v
         del self._staged[handle]
         logger.debug("offload: row %d took a %d-token prompt", row, tokens)
 

@@ -90,6 +90,9 @@ class OffloadGeometry:
             ``hot_slots`` counts the slots of one head.
         staged_prompts: prompts the runtime's staging area holds at once ``P``, each of up to
             :attr:`max_tokens` (one per request of an engine's prefill batch).
+        windowed_staging: the runtime's staging area holds a window of layers of one prompt,
+            each chunk written through to the host arena and a layer's prefix read back from
+            there (:attr:`qsa_core.OffloadSizes.windowed_staging`; ``P`` must be 1).
     """
 
     layers: int
@@ -101,6 +104,7 @@ class OffloadGeometry:
     dtype: torch.dtype
     per_head: bool = False
     staged_prompts: int = 1
+    windowed_staging: bool = False
     _sizes: OffloadSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -124,9 +128,16 @@ class OffloadGeometry:
         if self.dtype not in KV_DTYPES:
             msg = f"dtype={self.dtype!r} is not allowed; allowed: {KV_DTYPES!r}"
             raise KernelInputError(msg)
-        per_head: object = self.per_head
-        if not isinstance(per_head, bool):
-            msg = f"per_head={self.per_head!r} is not allowed; allowed: True or False"
+        for flag in ("per_head", "windowed_staging"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                msg = f"{flag}={value!r} is not allowed; allowed: True or False"
+                raise KernelInputError(msg)
+        if self.windowed_staging and self.staged_prompts != 1:
+            msg = (
+                f"staged_prompts={self.staged_prompts!r} with windowed_staging is not allowed; "
+                "a windowed staging area holds one prompt (allowed: 1)"
+            )
             raise KernelInputError(msg)
         sizes = OffloadSizes(
             layers=self.layers,
@@ -139,6 +150,7 @@ class OffloadGeometry:
             per_head=self.per_head,
             block_tokens=BLOCK_TOKENS,
             staged_prompts=self.staged_prompts,
+            windowed_staging=self.windowed_staging,
         )
         object.__setattr__(self, "_sizes", sizes)  # once: decode layers read store_layers
 
@@ -155,6 +167,7 @@ class OffloadGeometry:
         dtype: torch.dtype,
         per_head: bool = False,
         staged_prompts: int = 1,
+        windowed_staging: bool = False,
     ) -> OffloadGeometry:
         """The arena, hot caches and tails of ``rows`` requests of up to ``context_len`` tokens.
 
@@ -176,6 +189,7 @@ class OffloadGeometry:
                 per_head=per_head,
                 block_tokens=BLOCK_TOKENS,
                 staged_prompts=staged_prompts,
+                windowed_staging=windowed_staging,
             )
         except CapacityError as exc:
             raise KernelInputError(str(exc)) from exc
@@ -189,6 +203,7 @@ class OffloadGeometry:
             dtype=dtype,
             per_head=per_head,
             staged_prompts=staged_prompts,
+            windowed_staging=windowed_staging,
         )
 
     @classmethod
@@ -240,12 +255,14 @@ class OffloadGeometry:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        windowed_staging: bool = True,
     ) -> OffloadGeometry:
         """Per-head records (tokens chosen per KV head, double sparsity) for ``context_len``.
 
         Every layer ``layers`` keeps one record per (block, KV head), so a head's chosen token
         moves only that head's bytes; each head's hot cache holds the ``hot_blocks`` one step may
-        read, at most a whole context (:func:`qsa_core.ds_offload_sizes`).
+        read, at most a whole context (:func:`qsa_core.ds_offload_sizes`). One prompt is staged,
+        by a window of layers unless ``windowed_staging`` is False.
 
         Raises:
             KernelInputError: a size qsa-core or the geometry refuses (named).
@@ -259,6 +276,7 @@ class OffloadGeometry:
                 kv_heads=kv_heads,
                 head_dim=head_dim,
                 element_bytes=dtype.itemsize,
+                windowed_staging=windowed_staging,
             )
         except CapacityError as exc:
             raise KernelInputError(str(exc)) from exc
@@ -271,6 +289,7 @@ class OffloadGeometry:
             head_dim=head_dim,
             dtype=dtype,
             per_head=True,
+            windowed_staging=windowed_staging,
         )
 
     def check_host_memory(self, available: int | None, shard: ShardGroup | None = None) -> None:
@@ -565,6 +584,90 @@ class OffloadStore:
             self.tail[:, row, 0, 1, :open_tokens] = v[:, closed - first :]
         self.planner.admit(row, tokens)
         return copied
+
+    def admit_written(self, row: int, tokens: int, open_records: torch.Tensor) -> None:
+        """Take a prompt whose complete blocks the arena already holds into a free row.
+
+        For a prompt written through while it was staged (:meth:`write_prompt_records`): only its
+        open block moves, to the row's tail.
+
+        Args:
+            row: a free request row.
+            tokens: the prompt's tokens.
+            open_records: ``[Ls, 2, 4, Hr, D]`` the open block of every record layer (device,
+                zeros past the prompt's end; not read when ``tokens`` fills its last block).
+        """
+        self.planner.check_free(row)
+        self.planner.check_prompt(tokens)
+        self.tables.reset_rows(torch.tensor([row], device=self.device))
+        self.tail[:, row].zero_()
+        if tokens % BLOCK_TOKENS:
+            self.tail[:, row, 0] = open_records
+        self.planner.admit(row, tokens)
+
+    def prompt_records(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One layer's tokens of whole blocks as its record layers' records.
+
+        Args:
+            k: ``[4 n, Hkv, D]`` keys, the geometry's dtype.
+            v: their values, shaped like ``k``.
+
+        Returns:
+            ``[Ls / L, n, 2, 4, Hr, D]`` records (a new tensor on ``k``'s device).
+        """
+        g = self.geometry
+        keys, values = self._record_layers(k[None]), self._record_layers(v[None])
+        per_layer, tokens = int(keys.shape[0]), int(keys.shape[1])
+        shape = (per_layer, tokens // BLOCK_TOKENS, BLOCK_TOKENS, g.record_heads, g.head_dim)
+        return torch.stack((keys.reshape(shape), values.reshape(shape)), dim=2)
+
+    @staticmethod
+    def record_tokens(records: torch.Tensor, part: int) -> torch.Tensor:
+        """:meth:`prompt_records`' inverse for K (``part`` 0) or V (1): ``[4 n, Hkv, D]``."""
+        layers, blocks, _, tokens, heads, d = records.shape
+        rows = records[:, :, part].reshape(layers, blocks * tokens, heads, d)
+        return rows.permute(1, 0, 2, 3).reshape(blocks * tokens, layers * heads, d)
+
+    def write_prompt_records(
+        self, row: int, layer: int, records: torch.Tensor, first_block: int
+    ) -> None:
+        """Records of one layer of a prompt into ``row``'s arena, from block ``first_block``.
+
+        On the current stream (CUDA: asynchronous copies into pinned memory, one per record
+        layer); the row need not hold a request yet (:meth:`admit_written` takes it after).
+
+        Args:
+            row: the prompt's row.
+            layer: the logical layer.
+            records: ``[Ls / L, n, 2, 4, Hr, D]`` (:meth:`prompt_records`), the geometry's dtype.
+            first_block: the arena block of the first record.
+        """
+        span, n = self._record_span(layer), int(records.shape[1])
+        if not 0 <= first_block <= first_block + n <= self.geometry.max_blocks:
+            msg = (
+                f"blocks [{first_block!r}, {first_block + n!r}) of a row; allowed: within "
+                f"[0, {self.geometry.max_blocks!r})"
+            )
+            raise KernelInputError(msg)
+        for i, record_layer in enumerate(range(span.start, span.stop)):
+            target = self.host_arena[row, record_layer, first_block : first_block + n]
+            target.copy_(records[i], non_blocking=True)
+
+    def read_prompt_records(self, row: int, layer: int, blocks: int, out: torch.Tensor) -> None:
+        """The first ``blocks`` records of one layer of ``row``'s arena into ``out[:, :blocks]``.
+
+        On the current stream (CUDA: asynchronous copies from pinned memory, one per record
+        layer).
+
+        Args:
+            row: the prompt's row.
+            layer: the logical layer.
+            blocks: records to read, at most :attr:`OffloadGeometry.max_blocks`.
+            out: ``[Ls / L, NB, 2, 4, Hr, D]`` on the device.
+        """
+        span = self._record_span(layer)
+        for i, record_layer in enumerate(range(span.start, span.stop)):
+            out[i, :blocks].copy_(self.host_arena[row, record_layer, :blocks], non_blocking=True)
 
     def compare(self, row: int, k: torch.Tensor, v: torch.Tensor) -> KVComparison:
         """Compare what row ``row`` holds (arena blocks and tail) with its K/V, byte for byte.

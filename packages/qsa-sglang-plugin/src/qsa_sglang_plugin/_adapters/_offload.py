@@ -212,6 +212,7 @@ def _layout(runner: Any, ds: DoubleSparsitySwitches | None) -> OffloadLayout:
         rows=rows,
         context_len=int(config.context_len),
         hot_blocks=ds_config(ds).hot_blocks(),
+        windowed_staging=ds.staging_window,
         kv_heads=int(pool.head_num),
         head_dim=geometry.head_dim,
         dtype=pool.dtype,  # the logical dtype
