@@ -108,50 +108,31 @@ class OffloadGeometry:
     _sizes: OffloadSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        named = (
-            "layers",
-            "rows",
-            "hot_slots",
-            "max_blocks",
-            "kv_heads",
-            "head_dim",
-            "staged_prompts",
-        )
-        for name in named:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                msg = f"{name}={value!r} is not allowed; it must be a positive integer"
-                raise KernelInputError(msg)
-        if self.hot_slots > MAX_HOT_SLOTS:
+        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1:
+            msg = f"rows={self.rows!r} is not allowed; it must be a positive integer"
+            raise KernelInputError(msg)
+        if isinstance(self.hot_slots, int) and self.hot_slots > MAX_HOT_SLOTS:
             msg = f"hot_slots={self.hot_slots!r} is not allowed; allowed: 1 to {MAX_HOT_SLOTS!r}"
             raise KernelInputError(msg)
         if self.dtype not in KV_DTYPES:
             msg = f"dtype={self.dtype!r} is not allowed; allowed: {KV_DTYPES!r}"
             raise KernelInputError(msg)
-        for flag in ("per_head", "windowed_staging"):
-            value = getattr(self, flag)
-            if not isinstance(value, bool):
-                msg = f"{flag}={value!r} is not allowed; allowed: True or False"
-                raise KernelInputError(msg)
-        if self.windowed_staging and self.staged_prompts != 1:
-            msg = (
-                f"staged_prompts={self.staged_prompts!r} with windowed_staging is not allowed; "
-                "a windowed staging area holds one prompt (allowed: 1)"
+        try:  # the sizes check every count and flag, in one place
+            sizes = OffloadSizes(
+                layers=self.layers,
+                rows=self.rows,
+                hot_slots=self.hot_slots,
+                max_blocks=self.max_blocks,
+                kv_heads=self.kv_heads,
+                head_dim=self.head_dim,
+                element_bytes=self.dtype.itemsize,
+                per_head=self.per_head,
+                block_tokens=BLOCK_TOKENS,
+                staged_prompts=self.staged_prompts,
+                windowed_staging=self.windowed_staging,
             )
-            raise KernelInputError(msg)
-        sizes = OffloadSizes(
-            layers=self.layers,
-            rows=self.rows,
-            hot_slots=self.hot_slots,
-            max_blocks=self.max_blocks,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            element_bytes=self.dtype.itemsize,
-            per_head=self.per_head,
-            block_tokens=BLOCK_TOKENS,
-            staged_prompts=self.staged_prompts,
-            windowed_staging=self.windowed_staging,
-        )
+        except CapacityError as exc:
+            raise KernelInputError(str(exc)) from None
         object.__setattr__(self, "_sizes", sizes)  # once: decode layers read store_layers
 
     @classmethod
