@@ -108,10 +108,12 @@ class OffloadGeometry:
     _sizes: OffloadSizes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1:
-            msg = f"rows={self.rows!r} is not allowed; it must be a positive integer"
+        rows: object = self.rows  # OffloadSizes allows none; a store holds one at least
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            msg = f"rows={rows!r} is not allowed; it must be a positive integer"
             raise KernelInputError(msg)
-        if isinstance(self.hot_slots, int) and self.hot_slots > MAX_HOT_SLOTS:
+        hot: object = self.hot_slots
+        if isinstance(hot, int) and hot > MAX_HOT_SLOTS:
             msg = f"hot_slots={self.hot_slots!r} is not allowed; allowed: 1 to {MAX_HOT_SLOTS!r}"
             raise KernelInputError(msg)
         if self.dtype not in KV_DTYPES:
