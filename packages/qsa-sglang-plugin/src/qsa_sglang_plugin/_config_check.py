@@ -553,9 +553,9 @@ def _check_index_sharding_alone(facts: ConfigFacts) -> None:
         ("--attn-dp-size", facts.attn_dp_size, 1, "1",
          "every rank of the TP group must select for the same batch in each collective"),
         ("--disaggregation-mode", facts.disaggregation_mode, "null", "'null'",
-         "the K/V transfer copies the compressed index by logical page"),
+         "a transfer of the QSA pool by logical page would read a rank's own pages as global"),
         ("--enable-hisparse", facts.enable_hisparse, False, "off",
-         "upstream HiSparse hands the index to its own selection"),
+         "upstream HiSparse's QSA cache handling is not verified with the sharded index"),
         ("--enable-mixed-chunk", facts.enable_mixed_chunk, False, "off",
          "mixed prefill-and-decode batches are not verified with the sharded index"),
         ("--cuda-graph-backend-prefill", facts.prefill_graph_backend, "disabled",
@@ -564,7 +564,7 @@ def _check_index_sharding_alone(facts: ConfigFacts) -> None:
     )  # fmt: skip
     for flag, value, allowed, supported, why in refused:
         if value != allowed:
-            raise _reject(flag, True if value is True else value, f"{supported} {alone}", why)
+            raise _reject(flag, value, f"{supported} {alone}", why)
 
 
 def _check_context_parallel(facts: ConfigFacts) -> None:
