@@ -324,8 +324,8 @@ def test_pool_tokens_are_what_is_left_after_the_fixed_bytes_in_whole_pages() -> 
             "index_buffer_bytes=1 .*index_sharded=False",
         ),
         (
-            {"index_sharded": True, "index_buffer_bytes": 1},
-            "index_buffer_bytes=1 .*sharding_size=1",
+            {"tp_size": 1, "index_sharded": True, "index_buffer_bytes": 1},
+            "index_buffer_bytes=1 .*sharding_size=1, tp_size=1",
         ),
         ({"hot_slots": 511}, r"hot_slots=511 .*block_topk=512"),
         ({"context_len": 0}, "context_len=0"),
@@ -442,3 +442,24 @@ def test_an_integer_argument_is_in_its_range_or_refused_naming_the_text_and_rang
     else:
         assert 2048 <= parse(text) <= 1 << 24
         assert parse(text) == int(text)
+
+
+def test_the_index_sharded_alone_divides_the_resident_index_over_every_tp_rank() -> None:
+    """D2 without D1 at TP8: the resident layout keeps the raw K/V whole and holds an eighth of
+    the compressed index (768 / 8 B per token) plus the candidate buffers as fixed bytes; the
+    offloaded layout, which D2 alone does not serve, is the unsharded one."""
+    plain = _plan(tp_size=8, gpu_budget_bytes=64 * GIB)
+    alone = _plan(
+        tp_size=8, gpu_budget_bytes=64 * GIB, index_sharded=True, index_buffer_bytes=3 * MIB
+    )
+    raw = plain.raw_bytes_per_token
+    assert alone.index_bytes_per_token_per_rank == 768 // 8
+    assert alone.resident_token_bytes == raw + 768 // 8
+    assert alone.resident_price.fixed_bytes == 3 * MIB
+    assert alone.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 96
+    assert alone.resident.part(MemoryPartKind.RAW_KV).nbytes == (8 * CTX + 64) * raw
+    assert alone.resident.part(MemoryPartKind.SHARD_TRANSPORT).nbytes == 3 * MIB
+    assert alone.offloaded_price == plain.offloaded_price
+    assert alone.max_requests_resident >= plain.max_requests_resident
+    assert "compressed index sharded over 8 ranks (resident layout only)" in render_plan(alone)
+    assert "index 768 B (96 B on this rank)" in render_plan(alone)

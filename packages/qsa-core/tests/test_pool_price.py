@@ -116,3 +116,18 @@ def test_a_byte_count_out_of_range_is_refused_by_name() -> None:
             sharding_size=0,
             transport_bytes=0,
         )
+
+
+def test_the_index_sharded_alone_divides_only_the_index() -> None:
+    """D2 without D1: a token keeps its raw K/V and pays ``ceil(index / N)``; the candidate
+    buffers are the fixed bytes."""
+    price = PoolPrice.index_sharded(
+        resident_token_bytes=6144 + 770, index_token_bytes=770, index_ranks=4,
+        index_buffer_bytes=4096,
+    )  # fmt: skip
+    assert (price.token_bytes, price.fixed_bytes) == (6144 + 193, 4096)
+    assert "770 B of index over 4 ranks" in price.detail
+    with pytest.raises(CapacityError, match="index_ranks=0"):
+        PoolPrice.index_sharded(
+            resident_token_bytes=10, index_token_bytes=3, index_ranks=0, index_buffer_bytes=0
+        )

@@ -1,5 +1,6 @@
 """Every TP rank joins its QSA shard group: the groups of ``ShardPlacement.tp_groups``, created
-collectively on 4 gloo ranks, each rank's group exactly its members, in rank order."""
+collectively on 4 gloo ranks, each rank's group exactly its members, in rank order; and the
+index-only group (D2 without D1) of every TP rank, whatever the K/V heads."""
 
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ def _worker(rank: int, port: int, out_dir: Path) -> None:
                 "world_size": shard.world_size,
                 "members": [int(m) for m in members],
             }
+        index = ShardGroup.join_index_tp(tp_ranks, rank, blocks_per_page=16, compress_ratio=4)
+        members = [torch.zeros(1, dtype=torch.int64) for _ in range(index.world_size)]
+        dist.all_gather(members, torch.tensor([rank]), group=index.group)
+        results["index"] = {
+            "rank": index.rank,
+            "world_size": index.world_size,
+            "members": [int(m) for m in members],
+            "blocks_per_page": index.placement.blocks_per_page,
+        }
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -77,12 +87,24 @@ def test_no_sharding_joins_no_group(runs: dict[int, dict[str, Any]]) -> None:
     assert all(result["off"] for result in runs.values())
 
 
+def test_the_index_alone_joins_one_group_of_every_tp_rank(runs: dict[int, dict[str, Any]]) -> None:
+    for rank, result in runs.items():
+        assert result["index"] == {
+            "rank": rank,
+            "world_size": WORLD,
+            "members": list(range(WORLD)),
+            "blocks_per_page": 16,
+        }, rank
+
+
 def test_a_tp_rank_outside_the_group_is_refused_by_name_before_any_group_is_made() -> None:
     from qsa_kernels import KernelInputError
     from qsa_kernels.sharded import ShardGroup
 
     with pytest.raises(KernelInputError, match=r"tp_rank=2 is not allowed; allowed: 0\.\.1"):
         ShardGroup.join_tp(QWEN38_FLASH_NEXT, [0, 1], 2, 2)
+    with pytest.raises(KernelInputError, match=r"tp_rank=2 is not allowed; allowed: 0\.\.1"):
+        ShardGroup.join_index_tp([0, 1], 2, blocks_per_page=16, compress_ratio=4)
 
 
 if __name__ == "__main__":

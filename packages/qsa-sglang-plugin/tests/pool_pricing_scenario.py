@@ -224,6 +224,11 @@ def _qsa_cases(hot_blocks: int) -> tuple[tuple[str, dict[str, str], tuple[str, .
             {**sharded, "SGLANG_QSA_INDEX_SHARDING": "1"},
             tp4,
         ),
+        (
+            "index sharded alone (D2 without D1)",
+            {**compat, "SGLANG_QSA_INDEX_SHARDING": "1"},
+            ("--tp-size", "2"),
+        ),
     )
 
 

@@ -642,3 +642,50 @@ def test_index_sharding_on_the_cpu_is_refused_with_the_cache_sharding_it_rides_o
     )
     with pytest.raises(ConfigurationError, match=r"SGLANG_QSA_CACHE_SHARDING=2 .* on the CPU"):
         check_configuration(one_head, parse_switches(env))
+
+
+INDEX_ALONE = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_INDEX_SHARDING": "1"}
+
+
+def test_index_sharding_alone_passes_on_the_cpus_padded_heads_with_upstreams_scheduling() -> None:
+    """D2 without D1 shards the index over every TP rank: the K/V heads do not matter (one head
+    at TP2 on the CPU, padded to two), nor does upstream's scheduling (radix cache, overlap)."""
+    one_head = dataclasses.replace(
+        UPSTREAM_SCHEDULING,
+        tp_size=2,
+        device="cpu",
+        text_config={**UPSTREAM_SCHEDULING.text_config, "num_key_value_heads": 1},
+    )
+    assert check_configuration(one_head, parse_switches(INDEX_ALONE)) is not None
+    assert check_configuration(UPSTREAM_SCHEDULING, parse_switches(INDEX_ALONE)) is not None
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        ({"tp_size": 1}, ["--tp-size=1", "2 or more with SGLANG_QSA_INDEX_SHARDING='1'"]),
+        ({"speculative_algorithm": "EAGLE"}, ["--speculative-algorithm='EAGLE'", "unset"]),
+        ({"attn_dp_size": 2}, ["--attn-dp-size=2", "supported: 1 with"]),
+        ({"disaggregation_mode": "prefill"}, ["--disaggregation-mode='prefill'", "'null'"]),
+        ({"enable_hisparse": True}, ["--enable-hisparse=True", "off with"]),
+        ({"enable_mixed_chunk": True}, ["--enable-mixed-chunk=True", "off with"]),
+        (
+            {"prefill_graph_backend": "breakable"},
+            ["--cuda-graph-backend-prefill='breakable'", "'disabled'"],
+        ),
+        ({"enable_hierarchical_cache": True}, ["--enable-hierarchical-cache=True", "own pages"]),
+        (
+            {"enable_prefill_cp": True, "attn_cp_size": 4},
+            ["--enable-prefill-cp=True", "zigzag rows"],
+        ),
+    ],
+)
+def test_index_sharding_alone_refuses_what_it_does_not_serve_by_name(
+    change: dict[str, Any], fragments: list[str]
+) -> None:
+    facts = dataclasses.replace(UPSTREAM_SCHEDULING, **change)
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(facts, parse_switches(INDEX_ALONE))
+    message = str(info.value)
+    for fragment in (*fragments, "SGLANG_QSA_INDEX_SHARDING='1'"):
+        assert fragment in message, message

@@ -215,3 +215,22 @@ def test_the_plan_shows_the_compressed_index_per_rank_with_index_sharding(tmp_pa
     assert f"({format_bytes(quarter)} per rank" in d2.detail
     assert table is not None
     assert "(192 B on this rank)" in table
+
+
+def test_the_plan_shows_the_index_sharded_alone_over_every_tp_rank(tmp_path: Path) -> None:
+    """``SGLANG_QSA_INDEX_SHARDING=1`` without cache sharding: the index over all 8 TP ranks (an
+    eighth per rank), the resident layout's raw K/V whole."""
+    from qsa_core import QWEN38_FLASH_NEXT_TEXT_CONFIG, format_bytes
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(QWEN38_FLASH_NEXT_TEXT_CONFIG)))
+    args = ["--model-path", str(model), "--tp-size", "8", "--context-length", "262144"]
+    budgets = ["--gpu-budget-gib", "64", "--host-budget-gib", "12", "--max-running-requests", "8"]
+    flags = doctor.build_parser().parse_args([*args, *budgets])
+    check, table = doctor.plan_check(flags, {"SGLANG_QSA_INDEX_SHARDING": "1"})
+    assert "compressed index sharded over 8 ranks" in check.detail
+    assert "host K/V sharded" not in check.detail
+    assert f"({format_bytes((8 * 262144 + 64) * 768 // 8)} per rank" in check.detail
+    assert table is not None
+    assert "(96 B on this rank)" in table

@@ -22,11 +22,15 @@ prices a token at its own heads' K/V and labels.
 
 And cache sharding at TP2 stops at start-up by name: SGLang's CPU engine pads a model's K/V heads
 to a multiple of the TP size instead of replicating them, so no two ranks share a head to shard.
+The compressed index has no head split, so index sharding alone (D2 without D1) runs at TP2: each
+rank holds half of the index's pages, upstream's QSA backend keeps its whole K/V, and the engine
+answers as upstream at TP2.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,9 +173,18 @@ def references(engines: EnginePool) -> References:
     return References(upstream, dense, ds, ds_rows)
 
 
+@pytest.fixture(scope="module")
+def index_references(engines: EnginePool) -> dict[GenerateRequest, Generation]:
+    """Upstream's answers at two ranks to the index-sharding prompts (one at a time, then three
+    in one decode batch)."""
+    answers = dict(zip(INDEX_PROMPTS, engines.generate_all(UPSTREAM, INDEX_PROMPTS), strict=True))
+    answers |= zip(CONCURRENT, engines.generate_together(UPSTREAM, CONCURRENT), strict=True)
+    return answers
+
+
 #: The module fixtures of reference answers, taken before the tests that use them (see
 #: ``qsa_testing.pytest_plugin``).
-REFERENCES = ("references",)
+REFERENCES = ("references", "index_references")
 
 
 @pytest.mark.engine(OFFLOADED)
@@ -344,3 +357,67 @@ def test_cache_sharding_at_two_cpu_ranks_stops_the_engine_at_start_up(
         "allowed: [1]",
     ):
         assert fragment in text, text
+
+
+# -- the compressed index sharded by page alone (D2 without D1) ------------------------------------
+
+INDEX_SHARDED = EngineConfig(
+    QWEN,
+    switches={"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_INDEX_SHARDING": "1"},
+    server_args={**COMMON_ARGS, "enable_metrics": True},
+)
+#: Two prompts above the 2,051-token budget (sparse selection over 47 and 71 pages, both ranks'
+#: pages in every row) and one below it.
+INDEX_PROMPTS = (
+    *SPARSE_PROMPTS,
+    GenerateRequest(QWEN.prompt(4501, seed=5), max_new_tokens=16),
+)
+
+
+def _index_block_bytes() -> int:
+    """Bytes of one compressed block of every QSA layer (bf16 keys of the index's key heads)."""
+    text = QWEN.text_config
+    layers = list(text["layer_types"]).count("full_attention")
+    return layers * int(text["indexer_kv_heads"]) * int(text["indexer_head_dim"]) * 2
+
+
+@pytest.mark.engine(INDEX_SHARDED)
+def test_index_sharding_alone_at_two_ranks_answers_as_upstream_at_two_ranks(
+    engines: EnginePool, index_references: dict[GenerateRequest, Generation]
+) -> None:
+    engine = engines.engine(INDEX_SHARDED)
+    got = tuple(engine.generate(request) for request in INDEX_PROMPTS)
+    got_together = engines.generate_together(INDEX_SHARDED, CONCURRENT)
+    for request, served in zip(INDEX_PROMPTS + CONCURRENT, got + got_together, strict=True):
+        assert_same_generation(
+            index_references[request],
+            served,
+            atol=BF16_NOISE,
+            what=f"{len(request.input_ids)}-token prompt",
+        )
+    # Each rank installed its index shard on the group of both ranks; upstream's QSA backend
+    # attends (no plugin backend replaced it).
+    installed = _rank_lines(engine.log_path, r"index sharding: .* of candidate buffers")
+    assert sorted(installed) == list(range(TP))
+    assert not _rank_lines(engine.log_path, r"the QSA layers attend through")
+
+
+@pytest.mark.engine(INDEX_SHARDED)
+def test_index_sharding_alone_holds_half_of_the_index_pages_on_each_rank(
+    engines: EnginePool,
+) -> None:
+    """Each rank's start-up line names its pages of the index (``ceil(P / 2)`` of ``P``, the
+    pool's pages and the dump page), and its gauge their bytes."""
+    engine = engines.engine(INDEX_SHARDED)
+    pattern = (
+        r"index sharding: compressed index .* per rank \((?P<local>\d+) of (?P<pages>\d+) pages"
+    )
+    lines = _rank_lines(engine.log_path, pattern)
+    assert sorted(lines) == list(range(TP))
+    shares = {(int(m["local"]), int(m["pages"])) for found in lines.values() for m in found}
+    ((local, pages),) = shares  # one pool size on both ranks
+    assert local == math.ceil(pages / TP)  # half, rounded up to a whole page
+    per_rank = local * 16 * _index_block_bytes()
+    for rank in range(TP):
+        gauge = engine.metric("qsa_hisparse_sharded_index_bytes", tp_rank=str(rank))
+        assert gauge == per_rank, (rank, gauge, per_rank)

@@ -2,8 +2,8 @@
 
 For every feature configuration that prices the pool (p2-resident, p2-offload with staged
 prompts, hot blocks, a sharded host arena with or without the index sharded (D1, D1 + D2) or the
-prefix cache, resident cache sharding D1 and with the index sharded D2, double sparsity and
-DS-Offload), a fresh process builds SGLang's real
+prefix cache, resident cache sharding D1 and with the index sharded D2, the index sharded alone
+(D2 without D1, at TP2), double sparsity and DS-Offload), a fresh process builds SGLang's real
 ``DefaultPoolConfigurator`` on CPU for the tiny models (as a model runner does, without starting
 an engine), runs the plugin's AFTER hook on it, and reports the per-token price, the fixed bytes
 and the pool's token slots SGLang will size its pools by beside what the capacity plan
@@ -41,6 +41,7 @@ CASES = {
     "p2-offload, verify": "offloaded",
     "resident sharding (D1)": "resident",
     "resident sharding, index sharded (D2)": "resident",
+    "index sharded alone (D2 without D1)": "resident",
     "qsa_ds": "resident",
     "DS-Offload": "offloaded",
     "DS-Offload, verify": "offloaded",
@@ -95,6 +96,11 @@ def test_each_feature_reprices_sglangs_own_price(report: dict[str, Any]) -> None
     assert both["token_bytes"] == -(-arena["token_bytes"] // 2)
     assert both["fixed_bytes"] > arena["fixed_bytes"]
     assert both["pool_tokens"] > arena["pool_tokens"]
+    # D2 alone at TP2: the raw K/V whole, half of the index (SGLang's price at TP2 is the plain
+    # resident one of this rank's K/V heads), and the candidate buffers fixed.
+    alone = engine("index sharded alone (D2 without D1)")
+    assert alone["token_bytes"] < alone["sglang_token_bytes"]
+    assert alone["fixed_bytes"] > 0
 
 
 def test_double_sparsity_charges_what_the_doctor_prints(report: dict[str, Any]) -> None:

@@ -483,6 +483,23 @@ def test_index_sharding_rides_on_the_offloads_cache_sharding_too() -> None:
     )
 
 
+@pytest.mark.parametrize("cache_sharding", [None, "1"])
+def test_index_sharding_alone_shards_the_index_beside_upstreams_resident_backend(
+    cache_sharding: str | None,
+) -> None:
+    """D2 without D1: the index's hooks alone (no plugin QSA backend, SGLang's K/V pool)."""
+    env = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_INDEX_SHARDING": "1"}
+    if cache_sharding is not None:
+        env["SGLANG_QSA_CACHE_SHARDING"] = cache_sharding
+    switches = parse_switches(env)
+    assert switches.index_sharding
+    assert (switches.cache_sharding, switches.resident_sharding) == (1, False)
+    assert not switches.plugin_holds_raw_kv
+    assert switches.features == (Feature.FRAMEWORK, Feature.MODEL_COMPAT, Feature.INDEX_SHARDING)
+    alone = parse_switches({"SGLANG_QSA_INDEX_SHARDING": "1"})
+    assert alone.features == (Feature.FRAMEWORK, Feature.INDEX_SHARDING)
+
+
 def test_a_shared_tier_store_parses_with_the_prefix_cache(tmp_path: Path) -> None:
     """SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE names the master (segment_mb defaults to 1024) or
     a directory, made at parse time so an unusable one is refused before the engine starts."""
@@ -520,12 +537,26 @@ def test_a_shared_tier_store_parses_with_the_prefix_cache(tmp_path: Path) -> Non
             ["SGLANG_QSA_INDEX_SHARDING='yes'", "allowed: unset, '0', '1'"],
         ),
         (
-            {"SGLANG_QSA_INDEX_SHARDING": "1"},
-            ["SGLANG_QSA_INDEX_SHARDING='1'", "SGLANG_QSA_CACHE_SHARDING of 2 or more", "''"],
+            {**ON, "SGLANG_QSA_INDEX_SHARDING": "1"},
+            [
+                "SGLANG_QSA_INDEX_SHARDING='1' without cache sharding",
+                "SGLANG_QSA_CACHE_SHARDING=''",
+                "SGLANG_QSA_HISPARSE_V3='p2-offload'",
+                "allowed: SGLANG_QSA_HISPARSE_V3 unset, or SGLANG_QSA_CACHE_SHARDING of 2 or more",
+            ],
         ),
         (
-            {"SGLANG_QSA_INDEX_SHARDING": "1", "SGLANG_QSA_CACHE_SHARDING": "1"},
-            ["SGLANG_QSA_CACHE_SHARDING='1'"],
+            {
+                "SGLANG_QSA_MODEL_COMPAT": "1",
+                "SGLANG_QSA_HISPARSE_V3": "p2-resident",
+                "SGLANG_QSA_INDEX_SHARDING": "1",
+                "SGLANG_QSA_CACHE_SHARDING": "1",
+            },
+            ["SGLANG_QSA_CACHE_SHARDING='1'", "SGLANG_QSA_HISPARSE_V3='p2-resident'"],
+        ),
+        (
+            {"SGLANG_QSA_INDEX_SHARDING": "1", "SGLANG_QSA_DS_CHANNEL_CONFIG": "channels.json"},
+            ["SGLANG_QSA_INDEX_SHARDING='1'", "SGLANG_QSA_DS_CHANNEL_CONFIG", "unset one side"],
         ),
         (
             {

@@ -179,11 +179,12 @@ class CapacityPlan:
         sharding_size: ranks of a shard group that store the K/V once (1 = off): the
             offloaded K/V's host arena, or the resident raw K/V, divides by it.
         staged_prompts: prompts the offload stages at once (an engine's prefill batch).
-        index_sharded: the compressed index is sharded by page over the same ``N`` ranks (D2).
+        index_sharded: the compressed index is sharded by page over the same ``N`` ranks (D2),
+            or without sharding (``N`` 1) over every TP rank (:func:`index_ranks`).
         transport_bytes: fixed device bytes of the shard group's transport buffers (resident
             cache sharding only; 0 without it).
         index_buffer_bytes: fixed device bytes of the sharded index's candidate buffers in the
-            offloaded layout (D2 with offload; 0 without D2).
+            offloaded layout (D2 with offload), or in the resident one (D2 alone); 0 without D2.
         verify: the offload keeps a resident copy of every row (``SGLANG_QSA_HISPARSE_VERIFY``).
     """
 
@@ -222,7 +223,10 @@ class CapacityPlan:
     def index_bytes_per_token_per_rank(self) -> int:
         """Compressed index bytes per token on one rank (``1 / N`` with D2)."""
         return sharded_token_bytes(
-            0, self.index_bytes_per_token, self.sharding_size, index_sharded=self.index_sharded
+            0,
+            self.index_bytes_per_token,
+            index_ranks(self.sharding_size, self.tp_size),
+            index_sharded=self.index_sharded,
         )
 
     @property
@@ -328,6 +332,15 @@ def _offload_sizes(
     )
 
 
+def index_ranks(sharding_size: int, tp_size: int) -> int:
+    """Ranks that share the compressed index's pages under D2.
+
+    The shard group's with D1; every TP rank without it (``sharding_size`` 1: the index has no
+    head split).
+    """
+    return sharding_size if sharding_size > 1 else tp_size
+
+
 def _pool_price(
     profile: QSAProfile,
     *,
@@ -345,14 +358,22 @@ def _pool_price(
     """The engine's pool price of one layout: offloaded, resident, or resident and sharded."""
     raw = profile.raw_kv_bytes_per_token(kv_dtype, tp_size)
     index = profile.index_bytes_per_token(index_dtype)
-    if offloaded:
+    if offloaded:  # D2 rides on the host arenas' groups only
+        d2 = index_sharded and sharding_size > 1
         return PoolPrice.offloaded(
             sizes,
             resident_token_bytes=raw + index,
             index_token_bytes=index,
             verify=verify,
             sharding_size=sharding_size,
-            index_sharded=index_sharded,
+            index_sharded=d2,
+            index_buffer_bytes=index_buffer_bytes if d2 else 0,
+        )
+    if index_sharded and sharding_size == 1:
+        return PoolPrice.index_sharded(
+            resident_token_bytes=raw + index,
+            index_token_bytes=index,
+            index_ranks=tp_size,
             index_buffer_bytes=index_buffer_bytes,
         )
     if sharding_size > 1:
@@ -423,7 +444,10 @@ def _layout(
         price.token_bytes
         if offloaded
         else sharded_token_bytes(
-            0, p.index_bytes_per_token(index_dtype), sharding_size, index_sharded=index_sharded
+            0,
+            p.index_bytes_per_token(index_dtype),
+            index_ranks(sharding_size, tp_size),
+            index_sharded=index_sharded,
         )
     )
     resident_raw = price.token_bytes - idx_tok
@@ -525,8 +549,10 @@ def _layout(
         MemoryPart(
             MemoryPartKind.SHARD_TRANSPORT,
             gpu,
-            index_buffer_bytes if offloaded else price.fixed_bytes,
-            _transport_formula(offloaded, index_sharded=index_sharded),
+            (index_buffer_bytes if index_sharded and sharding_size > 1 else 0)
+            if offloaded
+            else price.fixed_bytes,
+            _transport_formula(offloaded, index_sharded=index_sharded, sharded=sharding_size > 1),
         ),
         MemoryPart(
             MemoryPartKind.HOST_ARENA,
@@ -540,11 +566,13 @@ def _layout(
     return MemoryLayout(offloaded, n, parts)
 
 
-def _transport_formula(offloaded: bool, *, index_sharded: bool) -> str:
+def _transport_formula(offloaded: bool, *, index_sharded: bool, sharded: bool) -> str:
     if not offloaded:
-        return "collective buffers"
+        return "collective buffers" if sharded or not index_sharded else "index candidate buffers"
     return (
-        "index candidate buffers (D2)" if index_sharded else "none (resident cache sharding only)"
+        "index candidate buffers (D2)"
+        if index_sharded and sharded
+        else "none (resident cache sharding only)"
     )
 
 
@@ -621,7 +649,8 @@ def plan_capacity(
         staged_prompts: prompts the offload stages at once (``--prefill-max-requests``).
         index_sharded: the compressed index sharded by page over the ``sharding_size`` ranks
             too (D2): its GPU bytes per rank divide by ``sharding_size``, with offload or
-            without.
+            without; with ``sharding_size`` 1 (D2 alone, resident only) over every TP rank,
+            the raw K/V whole.
         transport_bytes: device bytes of the shard group's transport buffers for
             ``num_requests`` rows (``qsa_kernels.sharded``), fixed in the resident layout when
             ``sharding_size > 1``; must be 0 otherwise.
@@ -629,7 +658,8 @@ def plan_capacity(
             ``SGLANG_QSA_HISPARSE_VERIFY=1``): a fixed part of the offloaded layout.
         index_buffer_bytes: device bytes of the sharded index's candidate buffers
             (``qsa_kernels.sharded``), fixed in the offloaded layout with ``index_sharded`` and
-            ``sharding_size > 1``; must be 0 otherwise.
+            ``sharding_size > 1``, and in the resident layout with ``index_sharded`` alone
+            (``sharding_size`` 1, ``tp_size > 1``); must be 0 otherwise.
 
     Returns:
         The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.
@@ -660,11 +690,12 @@ def plan_capacity(
             "transport buffers belong to a shard group (allowed: 0)"
         )
         raise CapacityError(msg)
-    if index_buffer_bytes and not (index_sharded and sharding_size > 1):
+    if index_buffer_bytes and not (index_sharded and index_ranks(sharding_size, tp_size) > 1):
         msg = (
             f"index_buffer_bytes={index_buffer_bytes!r} is not allowed without the index sharded "
             f"over a shard group (index_sharded={index_sharded!r}, sharding_size="
-            f"{sharding_size!r}); candidate buffers belong to a sharded index (allowed: 0)"
+            f"{sharding_size!r}, tp_size={tp_size!r}); candidate buffers belong to a sharded "
+            "index (allowed: 0)"
         )
         raise CapacityError(msg)
     dtypes: tuple[tuple[str, object], ...] = (("kv_dtype", kv_dtype), ("index_dtype", index_dtype))

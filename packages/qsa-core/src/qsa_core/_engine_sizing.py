@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from qsa_core._capacity import CapacityPlan, plan_capacity
+from qsa_core._capacity import CapacityPlan, index_ranks, plan_capacity
 from qsa_core._checks import is_int
 from qsa_core._errors import CapacityError, QSAConfigError
 from qsa_core._offload_sizes import ds_offload_sizes, label_bytes_per_token
@@ -218,13 +218,14 @@ class PlanInputs:
                 else 0
             )
         if callable(index_buffer_bytes):
+            ranks = index_ranks(sharding_size, self.tp_size)  # D2 alone: every TP rank
             index_buffer_bytes = (
                 index_buffer_bytes(
-                    world_size=sharding_size,
+                    world_size=ranks,
                     block_topk=self.profile.block_topk,
                     max_running=self.num_requests,
                 )
-                if index_sharded and sharding_size > 1
+                if index_sharded and ranks > 1
                 else 0
             )
         return plan_capacity(

@@ -157,6 +157,36 @@ class PoolPrice:
         return cls(token, transport_bytes, detail)
 
     @classmethod
+    def index_sharded(
+        cls,
+        *,
+        resident_token_bytes: int,
+        index_token_bytes: int,
+        index_ranks: int,
+        index_buffer_bytes: int,
+    ) -> PoolPrice:
+        """The index alone sharded by page (D2 without D1): ``1 / N`` of the index, raw K/V whole.
+
+        ``index_ranks`` ranks share the index's pages (every TP rank); the candidate buffers
+        are fixed.
+
+        Raises:
+            CapacityError: a negative byte count, an index dearer than the whole token, or an
+                ``index_ranks`` that is not positive.
+        """
+        _non_negative("index_buffer_bytes", index_buffer_bytes)
+        _positive("index_ranks", index_ranks)
+        raw = resident_token_bytes - index_token_bytes
+        _non_negative("resident_token_bytes - index_token_bytes", raw)
+        token = raw + sharded_token_bytes(0, index_token_bytes, index_ranks, index_sharded=True)
+        detail = (
+            f"pool sizing charges {token} B per token (was {resident_token_bytes} B: {raw} B of "
+            f"raw K/V, {index_token_bytes} B of index over {index_ranks} ranks) plus "
+            f"{format_bytes(index_buffer_bytes)} of index candidate buffers"
+        )
+        return cls(token, index_buffer_bytes, detail)
+
+    @classmethod
     def labelled(
         cls,
         *,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qsa_core._capacity import CapacityPlan, MemoryPartKind
+from qsa_core._capacity import CapacityPlan, MemoryPartKind, index_ranks
 from qsa_core._units import format_bytes
 
 __all__ = ("render_plan",)
@@ -11,6 +11,8 @@ __all__ = ("render_plan",)
 def render_plan(plan: CapacityPlan) -> str:
     """A readable table of every part with and without offload, totals, budgets and fits."""
     p = plan.profile
+    ranks = index_ranks(plan.sharding_size, plan.tp_size)
+    d2 = plan.index_sharded and ranks > 1
     lines = [
         "QSA capacity plan (per TP rank)",
         f"  model: {p.num_qsa_layers} QSA layers of {p.num_hidden_layers}, "
@@ -25,17 +27,14 @@ def render_plan(plan: CapacityPlan) -> str:
             else ""
         )
         + (
-            f", compressed index sharded over {plan.sharding_size} ranks"
-            if plan.index_sharded and plan.sharding_size > 1
+            f", compressed index sharded over {ranks} ranks"
+            + ("" if plan.sharding_size > 1 else " (resident layout only)")
+            if d2
             else ""
         ),
         f"  per token: raw K/V {plan.raw_bytes_per_token:,} B, index "
         f"{plan.index_bytes_per_token:,} B"
-        + (
-            f" ({plan.index_bytes_per_token_per_rank:,} B on this rank)"
-            if plan.index_sharded and plan.sharding_size > 1
-            else ""
-        )
+        + (f" ({plan.index_bytes_per_token_per_rank:,} B on this rank)" if d2 else "")
         + f"; one block of one layer {plan.bytes_per_block:,} B; "
         f"host K/V per request {format_bytes(plan.host_bytes_per_request)}",
         "  pool sizing charges: "

@@ -125,7 +125,13 @@ class ConfigFacts:
 
 #: The features that serve a QSA checkpoint (double sparsity serves models without QSA layers).
 _QSA_FEATURES: Final = frozenset(
-    {Feature.MODEL_COMPAT, Feature.HISPARSE, Feature.PREFIX_CACHE, Feature.CACHE_SHARDING}
+    {
+        Feature.MODEL_COMPAT,
+        Feature.HISPARSE,
+        Feature.PREFIX_CACHE,
+        Feature.CACHE_SHARDING,
+        Feature.INDEX_SHARDING,
+    }
 )
 
 
@@ -225,6 +231,8 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_cache_sharding(facts, profile, switches.cache_sharding)
     if switches.resident_sharding:
         _check_resident_sharding(facts)
+    if switches.index_sharding and switches.cache_sharding == 1:
+        _check_index_sharding_alone(facts)
     if switches.index_sharding and facts.enable_hierarchical_cache:
         raise _reject(
             "--enable-hierarchical-cache",
@@ -524,6 +532,39 @@ def _check_resident_sharding(facts: ConfigFacts) -> None:
             "'disabled' (decode CUDA graphs stay on)",
             "a prefill after a prefix reads its owned widths on the host",
         )
+
+
+def _check_index_sharding_alone(facts: ConfigFacts) -> None:
+    """D2 without D1: every TP rank one shard group of the index, beside upstream's backend.
+
+    Every rank of the group selects for the same rows in every collective; prefill eager.
+    """
+    alone = f"with {ENV_INDEX_SHARDING}='1' and no {ENV_CACHE_SHARDING}"
+    if facts.tp_size < 2:  # a group of one shards nothing
+        raise _reject(
+            "--tp-size",
+            facts.tp_size,
+            f"2 or more {alone}",
+            "the index is sharded by page over the TP ranks, and one rank shards nothing",
+        )
+    refused = (
+        ("--speculative-algorithm", facts.speculative_algorithm, None, "unset",
+         "the hooked selection is verified for one new token per request and step"),
+        ("--attn-dp-size", facts.attn_dp_size, 1, "1",
+         "every rank of the TP group must select for the same batch in each collective"),
+        ("--disaggregation-mode", facts.disaggregation_mode, "null", "'null'",
+         "a transfer of the QSA pool by logical page would read a rank's own pages as global"),
+        ("--enable-hisparse", facts.enable_hisparse, False, "off",
+         "upstream HiSparse's QSA cache handling is not verified with the sharded index"),
+        ("--enable-mixed-chunk", facts.enable_mixed_chunk, False, "off",
+         "mixed prefill-and-decode batches are not verified with the sharded index"),
+        ("--cuda-graph-backend-prefill", facts.prefill_graph_backend, "disabled",
+         "'disabled' (decode CUDA graphs stay on)",
+         "the hooked prefill selection holds each row's page table between two calls"),
+    )  # fmt: skip
+    for flag, value, allowed, supported, why in refused:
+        if value != allowed:
+            raise _reject(flag, value, f"{supported} {alone}", why)
 
 
 def _check_context_parallel(facts: ConfigFacts) -> None:

@@ -69,9 +69,9 @@ ENV_HISPARSE_HOT_BLOCKS: Final = "SGLANG_QSA_HISPARSE_HOT_BLOCKS"
 #: ``N`` > 1: the TP ranks holding copies of one K/V head store its offloaded K/V once, in shard
 #: groups of ``N`` ranks (each rank's host arena holds every ``N``-th 16-block page).
 ENV_CACHE_SHARDING: Final = "SGLANG_QSA_CACHE_SHARDING"
-#: ``1`` (with ``SGLANG_QSA_CACHE_SHARDING=N``, resident or offloaded): the compressed QSA index
-#: sharded by 16-block page over the same shard groups too (D2): each rank stores and scores its
-#: pages.
+#: ``1``: the compressed QSA index sharded by 16-block page (D2), each rank storing and scoring
+#: its pages: with ``SGLANG_QSA_CACHE_SHARDING=N`` over the same shard groups (resident or
+#: offloaded), without it over every TP rank beside upstream's resident QSA backend.
 ENV_INDEX_SHARDING: Final = "SGLANG_QSA_INDEX_SHARDING"
 #: Double sparsity: the channel file (``qsa-hisparse calibrate`` writes it); setting it turns the
 #: ``qsa_ds`` attention backend on. The others override the defaults of the library's
@@ -193,8 +193,9 @@ class Switches:
         hot_blocks: ``SGLANG_QSA_HISPARSE_HOT_BLOCKS``: hot-cache blocks per request and QSA
             layer, or None for the default (with ``p2-offload`` only).
         index_sharding: ``SGLANG_QSA_INDEX_SHARDING=1``: the compressed index sharded by page
-            over the cache-sharding groups too (D2; resident or with ``p2-offload``, not with
-            the prefix cache).
+            (D2) over the cache-sharding groups (resident or with ``p2-offload``), or without
+            cache sharding over every TP rank beside upstream's resident QSA backend; not with
+            the prefix cache.
         prefix_cache_store: ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE``: the prefix cache's
             shared tier, or None (with the prefix cache only).
         prefix_cache_admission: ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT``: which prefixes the
@@ -223,6 +224,7 @@ class Switches:
             or self.prefix_cache_mb > 0
             or self.double_sparsity is not None
             or self.cache_sharding > 1
+            or self.index_sharding
         )
 
     @property
@@ -401,7 +403,15 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             f"{double_sparsity.channel_config!r} serves models without them; unset one side"
         )
         raise SwitchError(msg)
-    index_sharding = _parse_index_sharding(environ, cache_sharding, prefix_cache_mb, raw_mb)
+    index_sharding = _parse_index_sharding(
+        environ, cache_sharding, prefix_cache_mb, raw_mb, resident=hisparse is None
+    )
+    if index_sharding and double_sparsity is not None:
+        msg = (
+            f"{ENV_INDEX_SHARDING}='1' shards the QSA index; {ENV_DS_CHANNEL_CONFIG}="
+            f"{double_sparsity.channel_config!r} serves models without one; unset one side"
+        )
+        raise SwitchError(msg)
     raw_hot = environ.get(ENV_HISPARSE_HOT_BLOCKS, "")
     hot_blocks = None
     if raw_hot:
@@ -492,9 +502,17 @@ def _parse_admission(
 
 
 def _parse_index_sharding(
-    environ: Mapping[str, str], cache_sharding: int, prefix_cache_mb: int, raw_mb: str
+    environ: Mapping[str, str],
+    cache_sharding: int,
+    prefix_cache_mb: int,
+    raw_mb: str,
+    *,
+    resident: bool,
 ) -> bool:
-    """``SGLANG_QSA_INDEX_SHARDING``: D2 rides on cache sharding (D1, resident or offloaded).
+    """``SGLANG_QSA_INDEX_SHARDING``: D2 on D1's groups, or alone over every TP rank.
+
+    With cache sharding (D1, resident or offloaded) D2 uses its shard groups; without it, every
+    TP rank beside upstream's resident QSA backend (no ``SGLANG_QSA_HISPARSE_V3``).
 
     The host prefix cache is refused with it: a checkpoint copies the index by global slot.
     """
@@ -505,10 +523,13 @@ def _parse_index_sharding(
     if raw != "1":
         return False
     raw_sharding = environ.get(ENV_CACHE_SHARDING, "")
-    if cache_sharding < 2:
+    if cache_sharding < 2 and not resident:
         msg = (
-            f"{ENV_INDEX_SHARDING}='1' shards the index over the cache-sharding groups and "
-            f"requires {ENV_CACHE_SHARDING} of 2 or more, got {ENV_CACHE_SHARDING}={raw_sharding!r}"
+            f"{ENV_INDEX_SHARDING}='1' without cache sharding ({ENV_CACHE_SHARDING}="
+            f"{raw_sharding!r}) shards the index beside upstream's resident QSA backend and "
+            f"requires {ENV_HISPARSE_V3} unset, got {ENV_HISPARSE_V3}="
+            f"{environ.get(ENV_HISPARSE_V3, '')!r}; allowed: {ENV_HISPARSE_V3} unset, or "
+            f"{ENV_CACHE_SHARDING} of 2 or more"
         )
         raise SwitchError(msg)
     if prefix_cache_mb > 0:

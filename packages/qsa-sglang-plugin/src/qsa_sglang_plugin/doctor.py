@@ -273,8 +273,9 @@ def plan_check(
     sharded = f", host K/V sharded over {sharding} ranks" if sharding > 1 else ""
     if index_sharded:
         index = plan.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes
+        ranks = sharding if sharding > 1 else plan.tp_size  # D2 alone: every TP rank
         sharded += (
-            f", compressed index sharded over {sharding} ranks "
+            f", compressed index sharded over {ranks} ranks "
             f"({format_bytes(index)} per rank for the plan's requests)"
         )
     detail = (

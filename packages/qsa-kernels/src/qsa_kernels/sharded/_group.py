@@ -112,6 +112,29 @@ class ShardGroup:
         assert mine is not None  # tp_groups covers every rank
         return mine
 
+    @classmethod
+    def join_index_tp(
+        cls, tp_ranks: Sequence[int], tp_rank: int, *, blocks_per_page: int, compress_ratio: int
+    ) -> ShardGroup:
+        """This TP rank's group for the compressed index alone (D2 without D1): every TP rank.
+
+        The index has no head split (one key head, computed on every TP rank), so its pages
+        can be shared by the whole TP group whatever the K/V heads are. Every rank of the TP
+        group must call it alike (``torch.distributed.new_group`` is collective over the default
+        group).
+
+        Raises:
+            KernelInputError: ``tp_rank`` is not an index of ``tp_ranks``.
+        """
+        size = len(tp_ranks)
+        given: object = tp_rank  # callers without a type checker
+        if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given < size:
+            msg = f"tp_rank={tp_rank!r} is not allowed; allowed: 0..{size - 1}"
+            raise KernelInputError(msg)
+        placement = ShardPlacement(size, blocks_per_page, compress_ratio)
+        group = dist.new_group(list(tp_ranks)) if size > 1 else None
+        return cls(placement, tp_rank, group if isinstance(group, dist.ProcessGroup) else None)
+
     @property
     def world_size(self) -> int:
         """Ranks in the shard group."""

@@ -47,6 +47,7 @@ def after_pool_configurator_init(
     for feature, price_of, on in (
         ("offload", _offloaded_price, switches.hisparse is HiSparseMode.P2_OFFLOAD),
         ("cache sharding", _sharded_price, switches.resident_sharding),
+        ("index sharding", _index_price, switches.index_sharding and switches.cache_sharding == 1),
         ("qsa_ds", _label_price, switches.double_sparsity is not None),
     ):
         try:
@@ -157,6 +158,26 @@ def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
         transport_bytes=transport,
         index_sharded=switches.index_sharding,
     )
+
+
+def _index_price(configurator: Any, kvc: Any) -> PoolPrice | None:
+    """D2 alone: ``1 / TP`` of the index, the raw K/V whole, the candidate buffers fixed."""
+    from qsa_kernels.sharded import ShardedIndex
+    from qsa_sglang_plugin._adapters._qsa_common import qsa_profile_of
+
+    layer_ids = _qsa_layer_ids(kvc)
+    if layer_ids is None:
+        return None
+    ranks, rows = int(kvc.server_args.tp_size), kvc.server_args.max_running_requests
+    resident, index = _token_bytes(configurator, kvc, len(layer_ids))
+    topk = int(qsa_profile_of(kvc.model_config).block_topk)
+    candidates = ShardedIndex.candidate_bytes(
+        world_size=ranks, block_topk=topk, max_running=rows or 1
+    )
+    return PoolPrice.index_sharded(
+        resident_token_bytes=resident, index_token_bytes=index, index_ranks=ranks,
+        index_buffer_bytes=candidates,
+    )  # fmt: skip
 
 
 def _label_price(configurator: Any, kvc: Any) -> PoolPrice | None:

@@ -3,7 +3,8 @@
 The shard and its operations are :class:`qsa_kernels.sharded.ShardedIndex` (docs/sharding.md);
 here, the hooks on upstream's QSA pool and indexer that route through it. The rank's index is one
 per process, installed on the raw K/V's shard group by whichever holds that K/V
-(:func:`install_rank_index`): the sharded backend's store, or the offload's runtime.
+(:func:`install_rank_index`): the sharded backend's store, or the offload's runtime; without
+cache sharding, on a group of every TP rank by the pool's own hook, beside upstream's backend.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from qsa_core import format_bytes
 from qsa_kernels import KernelInputError
-from qsa_kernels.sharded import IndexShard, ShardedIndex, ZerosOnMeta
+from qsa_kernels.sharded import IndexShard, ShardedIndex, ShardGroup, ZerosOnMeta
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
 from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._switches import current_switches
@@ -127,7 +128,9 @@ def around_qsa_pool_init(
             f"once as torch.zeros{shape!r}; it did {divert.diverted!r} times"
         )
         raise ConfigurationError(msg)
-    shard = index_shard(pool, current_switches().cache_sharding)
+    sharding = current_switches().cache_sharding
+    group = _index_alone_group(pool) if sharding == 1 else None  # D2 without D1: every TP rank
+    shard = index_shard(pool, sharding if group is None else group.world_size)
     layers, heads, dim = shape[0], int(pool.qsa_index_kv_heads), int(pool.qsa_index_head_dim)
     dtype = pool.qsa_compressed_flat.dtype  # the meta buffer's
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
@@ -142,6 +145,23 @@ def around_qsa_pool_init(
     pool.mem_usage = (k_size + v_size) / GB
     block_bytes = heads * dim * flat.element_size()
     logger.info("index sharding: %s", shard.describe(layers=layers, block_bytes=block_bytes))
+    if group is not None:  # no sharded or offload backend installs it
+        rows = ShardedIndex.rows_for(int(pool.qsa_num_request_slots))
+        index = ShardedIndex(
+            group, block_topk=int(pool.qsa_block_topk), max_rows=rows, device=device
+        )
+        install_rank_index(index, pool, group.rank)
+
+
+def _index_alone_group(pool: Any) -> ShardGroup:
+    """The index's own shard group without cache sharding: every rank of SGLang's TP group."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    tp, ratio = get_tp_group(), int(pool.qsa_compress_ratio)
+    return ShardGroup.join_index_tp(
+        list(tp.ranks), int(tp.rank_in_group),
+        blocks_per_page=int(pool.qsa_compressed_page_size), compress_ratio=ratio,
+    )  # fmt: skip
 
 
 def around_set_qsa_compressed_k_buffer(
