@@ -31,7 +31,14 @@ import torch
 import torch.distributed as dist
 
 from qsa_kernels.sharded import PREFILL_GROUP_ROWS
-from qsa_testing import Platform, current_platform, decode_batch, extend_batch, run_on_gloo_ranks
+from qsa_testing import (
+    IndexPoolShape,
+    Platform,
+    current_platform,
+    decode_batch,
+    extend_batch,
+    run_on_gloo_ranks,
+)
 
 pytestmark = pytest.mark.skipif(
     current_platform() is not Platform.CPU,
@@ -39,10 +46,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 LAYERS = {3: 0, 7: 1}  # SGLang layer id -> QSA ordinal
-PAGE, RATIO, HEADS, DIM, BUDGET = 64, 4, 4, 128, 2048
-BLOCK_TOPK = BUDGET // RATIO
+SHAPE = IndexPoolShape(layer_ids=tuple(LAYERS))
+PAGE, RATIO, DIM, BUDGET = SHAPE.page, SHAPE.ratio, SHAPE.index_dim, SHAPE.token_topk
+HEADS = 4
+BLOCK_TOPK = SHAPE.block_topk
 HQ, D = 4, 64  # attention query heads of the group's K/V head, head dim
-POOL_PAGES = 128
+POOL_PAGES = SHAPE.pages
 LONG, SHORT, ONE_RANK = 1, 2, 3
 #: Request slot -> (tokens staged as earlier chunks, tokens of the chunk attended after them).
 #: ``HIGH`` is ``SHORT``: the highest page ids.
@@ -74,34 +83,6 @@ def _pages(world: int) -> dict[int, torch.Tensor]:
 def _grid(shape: tuple[int, ...], low: int, high: int, gen: torch.Generator) -> torch.Tensor:
     """bf16 multiples of 1/64 in ``[low / 64, high / 64]`` (exact products and sums)."""
     return (torch.randint(low, high + 1, shape, generator=gen).float() / 64).to(torch.bfloat16)
-
-
-def _pool(cls: type) -> Any:
-    return cls(
-        size=(POOL_PAGES - 1) * PAGE,
-        dtype=torch.bfloat16,
-        page_size=PAGE,
-        head_num=1,
-        head_dim=D,
-        full_attention_layer_ids=list(LAYERS),
-        device="cpu",
-        mamba_pool=None,
-        qsa_index_kv_heads=1,
-        qsa_index_head_dim=DIM,
-        qsa_compress_ratio=RATIO,
-        qsa_token_topk=BUDGET,
-        num_request_slots=8,
-    )
-
-
-def _metadata(meta_cls: type, pool: Any, **fields: Any) -> Any:
-    return meta_cls(
-        token_to_kv_pool=pool,
-        compress_ratio=RATIO,
-        block_topk=BLOCK_TOPK,
-        out_cache_loc=torch.zeros(0, dtype=torch.int64),
-        **fields,
-    )
 
 
 def _compare(  # noqa: PLR0917
@@ -150,7 +131,7 @@ class _Rank:
             "write": QSATokenToKVPool.set_qsa_compressed_k_buffer,
         }
         self.meta_cls = QSAIndexerMetadata
-        self.full = _pool(QSATokenToKVPool)  # built before activation: upstream's whole index
+        self.full = SHAPE.pool(QSATokenToKVPool)  # built before activation: upstream's whole index
         os.environ.update(
             SGLANG_QSA_MODEL_COMPAT="1",
             SGLANG_QSA_HISPARSE_V3="p2-offload",
@@ -183,7 +164,7 @@ class _Rank:
             q_heads=HQ // world,
         )
         self.single = OffloadRuntime(OffloadedKV(geometry, cpu, path=path), LAYERS, BLOCK_TOPK)
-        self.pool = _pool(QSATokenToKVPool)  # the hook keeps this rank's pages only
+        self.pool = SHAPE.pool(QSATokenToKVPool)  # the hook keeps this rank's pages only
         install_rank_index(self.runtime.index(), self.pool, rank)
         config = {
             "indexer_n_heads": HEADS,
@@ -252,7 +233,7 @@ class _Rank:
                 for layer, ordinal in LAYERS.items():
                     iq = _grid((size, HEADS, DIM), 0, 128, self.gen)
                     keys, starts, ends, _ = self.upstream["inputs"](
-                        _metadata(self.meta_cls, self.full, **fields), layer, positions
+                        SHAPE.metadata(self.meta_cls, self.full, **fields), layer, positions
                     )
                     want = self.upstream["prefill"](
                         self.indexer, iq, keys, starts, ends, positions, row_lengths
@@ -262,9 +243,8 @@ class _Rank:
                     for row in range(size):
                         span = logits[row, int(starts[row]) : int(ends[row])]
                         relative[row, : span.numel()] = span
-                    got_in = _metadata(self.meta_cls, self.pool, **fields).get_prefill_mqa_inputs(
-                        layer, positions
-                    )
+                    got_meta = SHAPE.metadata(self.meta_cls, self.pool, **fields)
+                    got_in = got_meta.get_prefill_mqa_inputs(layer, positions)
                     got = self.indexer.select_prefill_tokens(
                         iq, *got_in[:3], positions, row_lengths
                     )
@@ -306,8 +286,10 @@ class _Rank:
             positions = lens.long() - 1
             for layer, ordinal in LAYERS.items():
                 iq = _grid((len(slots), HEADS, DIM), 0, 128, self.gen)
-                want_in = _metadata(self.meta_cls, self.full, **fields).get_decode_mqa_inputs(layer)
-                got_in = _metadata(self.meta_cls, self.pool, **fields).get_decode_mqa_inputs(layer)
+                want_meta = SHAPE.metadata(self.meta_cls, self.full, **fields)
+                got_meta = SHAPE.metadata(self.meta_cls, self.pool, **fields)
+                want_in = want_meta.get_decode_mqa_inputs(layer)
+                got_in = got_meta.get_decode_mqa_inputs(layer)
                 want = self.upstream["decode"](self.indexer, iq, *want_in, positions, lens, True)
                 got = self.indexer.select_decode_tokens(iq, *got_in, positions, lens, True)
                 logits = torch_qsa_mqa_decode(iq, *want_in)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from qsa_testing import Platform, current_platform, run_on_gloo_ranks
+from qsa_testing import IndexPoolShape, Platform, current_platform, run_on_gloo_ranks
 
 pytestmark = pytest.mark.skipif(
     current_platform() is not Platform.CPU,
@@ -39,9 +39,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 LAYER_IDS = (3, 7)
-PAGE, RATIO, HEADS, DIM, BUDGET = 64, 4, 4, 128, 2048
-BLOCK_TOPK = BUDGET // RATIO
-POOL_PAGES = 128
+SHAPE = IndexPoolShape(layer_ids=LAYER_IDS)
+PAGE, RATIO, DIM, BUDGET = SHAPE.page, SHAPE.ratio, SHAPE.index_dim, SHAPE.token_topk
+HEADS = 4
+BLOCK_TOPK = SHAPE.block_topk
+POOL_PAGES = SHAPE.pages
 #: Request slot -> tokens written to the index.
 LENGTHS = {1: 2600, 2: 700, 3: 2200, 4: 100, 5: 2100}
 ONE_RANK, HIGH = 4, 5
@@ -89,7 +91,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         "inputs": QSAIndexerMetadata.get_prefill_mqa_inputs,
         "write": QSATokenToKVPool.set_qsa_compressed_k_buffer,
     }
-    full = _pool(QSATokenToKVPool)  # built before activation: upstream's replicated pool
+    full = SHAPE.pool(QSATokenToKVPool)  # built before activation: upstream's replicated pool
     os.environ.update(SGLANG_QSA_CACHE_SHARDING=str(world), SGLANG_QSA_INDEX_SHARDING="1")
     from qsa_core import ShardPlacement
     from qsa_kernels import KernelPath
@@ -114,7 +116,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         )
     )
     with _Allocations() as allocations:  # the hook keeps this rank's pages only
-        pool = _pool(QSATokenToKVPool)
+        pool = SHAPE.pool(QSATokenToKVPool)
     from types import SimpleNamespace
 
     config = SimpleNamespace(
@@ -222,34 +224,6 @@ def _owner(name: str) -> type:
     return owners[name]
 
 
-def _pool(cls: type) -> Any:
-    return cls(
-        size=(POOL_PAGES - 1) * PAGE,
-        dtype=torch.bfloat16,
-        page_size=PAGE,
-        head_num=1,
-        head_dim=64,
-        full_attention_layer_ids=list(LAYER_IDS),
-        device="cpu",
-        mamba_pool=None,
-        qsa_index_kv_heads=1,
-        qsa_index_head_dim=DIM,
-        qsa_compress_ratio=RATIO,
-        qsa_token_topk=BUDGET,
-        num_request_slots=8,
-    )
-
-
-def _metadata(meta_cls: type, pool: Any, **fields: Any) -> Any:
-    return meta_cls(
-        token_to_kv_pool=pool,
-        compress_ratio=RATIO,
-        block_topk=BLOCK_TOPK,
-        out_cache_loc=torch.zeros(0, dtype=torch.int64),
-        **fields,
-    )
-
-
 def _compare(  # noqa: PLR0917
     failures: dict[int, list[str]],
     what: str,
@@ -293,8 +267,8 @@ def _decode(  # noqa: PLR0917
     positions = lengths.long() - 1
     for layer in LAYER_IDS:
         q = _grid((len(slots), HEADS, DIM), 0, 128, gen)
-        want_in = _metadata(meta_cls, full, **fields).get_decode_mqa_inputs(layer)
-        got_in = _metadata(meta_cls, pool, **fields).get_decode_mqa_inputs(layer)
+        want_in = SHAPE.metadata(meta_cls, full, **fields).get_decode_mqa_inputs(layer)
+        got_in = SHAPE.metadata(meta_cls, pool, **fields).get_decode_mqa_inputs(layer)
         logits = torch_qsa_mqa_decode(q, *want_in)
         for defer in (False, True):
             want = upstream["decode"](indexer, q, *want_in, positions, lengths, defer)
@@ -331,7 +305,7 @@ def _prefill(  # noqa: PLR0917
     for layer in LAYER_IDS:
         q = _grid((positions.numel(), HEADS, DIM), 0, 128, gen)
         keys, starts, row_ends, _ = upstream["inputs"](
-            _metadata(meta_cls, full, **fields), layer, positions
+            SHAPE.metadata(meta_cls, full, **fields), layer, positions
         )
         want = upstream["prefill"](indexer, q, keys, starts, row_ends, positions, row_lengths)
         logits = torch_qsa_mqa_prefill(q, keys, starts, row_ends)
@@ -340,7 +314,7 @@ def _prefill(  # noqa: PLR0917
         for row in range(positions.numel()):
             span = logits[row, int(starts[row]) : int(row_ends[row])]
             relative[row, : span.numel()] = span
-        got_in = _metadata(meta_cls, pool, **fields).get_prefill_mqa_inputs(layer, positions)
+        got_in = SHAPE.metadata(meta_cls, pool, **fields).get_prefill_mqa_inputs(layer, positions)
         got = indexer.select_prefill_tokens(q, *got_in[:3], positions, row_lengths)
         row_slots = [slot for slot, _, rows in CHUNKS for _ in range(rows)]
         _compare(failures, f"prefill layer {layer}", got, want, relative, row_slots)

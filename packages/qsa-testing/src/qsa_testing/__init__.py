@@ -55,7 +55,12 @@ from qsa_testing._models import (
     tiny_qwen4_exp,
 )
 from qsa_testing._pool import EnginePool, EngineStart
-from qsa_testing._selection import decode_batch, extend_batch, random_block_selection
+from qsa_testing._selection import (
+    IndexPoolShape,
+    decode_batch,
+    extend_batch,
+    random_block_selection,
+)
 from qsa_testing._selection_trace import SelectionDifference, SelectionTrace
 from qsa_testing._serving_client import (
     ClientReport,
@@ -119,6 +124,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "SelectionDifference",
     "SelectionTrace",
     "extend_batch",
+    "IndexPoolShape",
     "decode_batch",
     # errors
     "EngineConfigError",

@@ -10,11 +10,12 @@ every rank of a gloo scenario draws the same selection. The batches are SGLang's
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ("decode_batch", "extend_batch", "random_block_selection")
+__all__ = ("IndexPoolShape", "decode_batch", "extend_batch", "random_block_selection")
 
 
 def extend_batch(
@@ -100,3 +101,59 @@ def random_block_selection(
         blocks, lengths, ratio=BLOCK_TOKENS, token_topk=BLOCK_TOKENS * block_topk
     )
     return blocks, positions
+
+
+@dataclass(frozen=True, slots=True)
+class IndexPoolShape:
+    """A small QSA pool for tests that drive SGLang's indexer over it by hand (gloo ranks).
+
+    Attributes:
+        layer_ids: SGLang's ids of the QSA (full attention) layers.
+        page: tokens a page.
+        ratio: tokens an index block (the compress ratio).
+        index_dim: the index key's width.
+        token_topk: tokens a query selects (``ratio * block_topk``).
+        pages: pages of the pool (one is SGLang's padding page).
+        head_dim: the raw K/V's head width.
+    """
+
+    layer_ids: tuple[int, ...] = (3, 7)
+    page: int = 64
+    ratio: int = 4
+    index_dim: int = 128
+    token_topk: int = 2048
+    pages: int = 128
+    head_dim: int = 64
+
+    @property
+    def block_topk(self) -> int:
+        """Index blocks a query selects."""
+        return self.token_topk // self.ratio
+
+    def pool(self, cls: type) -> Any:
+        """SGLang's ``QSATokenToKVPool`` (``cls``: it, or a class built as it) on the CPU."""
+        return cls(
+            size=(self.pages - 1) * self.page,
+            dtype=torch.bfloat16,
+            page_size=self.page,
+            head_num=1,
+            head_dim=self.head_dim,
+            full_attention_layer_ids=list(self.layer_ids),
+            device="cpu",
+            mamba_pool=None,
+            qsa_index_kv_heads=1,
+            qsa_index_head_dim=self.index_dim,
+            qsa_compress_ratio=self.ratio,
+            qsa_token_topk=self.token_topk,
+            num_request_slots=8,
+        )
+
+    def metadata(self, meta_cls: type, pool: Any, **fields: Any) -> Any:
+        """SGLang's ``QSAIndexerMetadata`` over ``pool``, with the step's ``fields``."""
+        return meta_cls(
+            token_to_kv_pool=pool,
+            compress_ratio=self.ratio,
+            block_topk=self.block_topk,
+            out_cache_loc=torch.zeros(0, dtype=torch.int64),
+            **fields,
+        )
