@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import resource
@@ -195,17 +196,24 @@ def test_a_kv_cache_dtype_outside_the_supported_ones_is_refused_without_a_model_
     assert "'fp8_e4m3'" in err
 
 
-def test_the_plan_shows_the_compressed_index_per_rank_with_index_sharding(tmp_path: Path) -> None:
-    """``SGLANG_QSA_INDEX_SHARDING=1``: the plan line names the shard group and the index bytes
-    one rank holds (a quarter at TP8 in groups of 4), and the table says so."""
-    from qsa_core import QWEN38_FLASH_NEXT_TEXT_CONFIG, format_bytes
+def _flagship_tp8_flags(tmp_path: Path) -> argparse.Namespace:
+    """The doctor's flags for Qwen3.8-Flash-Next at TP8, 256K context, 8 requests."""
+    from qsa_core import QWEN38_FLASH_NEXT_TEXT_CONFIG
 
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(dict(QWEN38_FLASH_NEXT_TEXT_CONFIG)))
     args = ["--model-path", str(model), "--tp-size", "8", "--context-length", "262144"]
     budgets = ["--gpu-budget-gib", "64", "--host-budget-gib", "12", "--max-running-requests", "8"]
-    flags = doctor.build_parser().parse_args([*args, *budgets])
+    return doctor.build_parser().parse_args([*args, *budgets])
+
+
+def test_the_plan_shows_the_compressed_index_per_rank_with_index_sharding(tmp_path: Path) -> None:
+    """``SGLANG_QSA_INDEX_SHARDING=1``: the plan line names the shard group and the index bytes
+    one rank holds (a quarter at TP8 in groups of 4), and the table says so."""
+    from qsa_core import format_bytes
+
+    flags = _flagship_tp8_flags(tmp_path)
     env = {"SGLANG_QSA_CACHE_SHARDING": "4"}
     d1, _ = doctor.plan_check(flags, env)
     d2, table = doctor.plan_check(flags, {**env, "SGLANG_QSA_INDEX_SHARDING": "1"})
@@ -220,14 +228,9 @@ def test_the_plan_shows_the_compressed_index_per_rank_with_index_sharding(tmp_pa
 def test_the_plan_shows_the_index_sharded_alone_over_every_tp_rank(tmp_path: Path) -> None:
     """``SGLANG_QSA_INDEX_SHARDING=1`` without cache sharding: the index over all 8 TP ranks (an
     eighth per rank), the resident layout's raw K/V whole."""
-    from qsa_core import QWEN38_FLASH_NEXT_TEXT_CONFIG, format_bytes
+    from qsa_core import format_bytes
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(dict(QWEN38_FLASH_NEXT_TEXT_CONFIG)))
-    args = ["--model-path", str(model), "--tp-size", "8", "--context-length", "262144"]
-    budgets = ["--gpu-budget-gib", "64", "--host-budget-gib", "12", "--max-running-requests", "8"]
-    flags = doctor.build_parser().parse_args([*args, *budgets])
+    flags = _flagship_tp8_flags(tmp_path)
     check, table = doctor.plan_check(flags, {"SGLANG_QSA_INDEX_SHARDING": "1"})
     assert "compressed index sharded over 8 ranks" in check.detail
     assert "host K/V sharded" not in check.detail
