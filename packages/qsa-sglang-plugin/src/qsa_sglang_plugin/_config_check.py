@@ -8,7 +8,7 @@ the value found and the supported values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -490,48 +490,14 @@ def _check_resident_sharding(facts: ConfigFacts) -> None:
     One decode token per request and step, every rank of a shard group in the same batch, eager
     prefill.
     """
-    if facts.speculative_algorithm is not None:
-        raise _reject(
-            "--speculative-algorithm",
-            facts.speculative_algorithm,
-            "unset",
-            "the sharded decode attends one new token per request and step",
-        )
-    if facts.attn_dp_size != 1:
-        raise _reject(
-            "--attn-dp-size",
-            facts.attn_dp_size,
-            "1",
-            "the ranks of a shard group must run the same batch through every collective",
-        )
-    if facts.disaggregation_mode != "null":
-        raise _reject(
-            "--disaggregation-mode",
-            facts.disaggregation_mode,
-            "'null'",
-            "the K/V transfer reads SGLang's pool, which holds no raw K/V under sharding",
-        )
-    if facts.enable_hisparse:
-        raise _reject(
-            "--enable-hisparse",
-            True,
-            "off",
-            "upstream HiSparse and the sharded store would both own the QSA K/V",
-        )
-    if facts.enable_mixed_chunk:
-        raise _reject(
-            "--enable-mixed-chunk",
-            True,
-            "off",
-            "mixed prefill-and-decode batches are not verified against the sharded store",
-        )
-    if facts.prefill_graph_backend != "disabled":
-        raise _reject(
-            "--cuda-graph-backend-prefill",
-            facts.prefill_graph_backend,
-            "'disabled' (decode CUDA graphs stay on)",
-            "a prefill after a prefix reads its owned widths on the host",
-        )
+    _check_shard_group_batches(facts, "", (
+        "the sharded decode attends one new token per request and step",
+        "the ranks of a shard group must run the same batch through every collective",
+        "the K/V transfer reads SGLang's pool, which holds no raw K/V under sharding",
+        "upstream HiSparse and the sharded store would both own the QSA K/V",
+        "mixed prefill-and-decode batches are not verified against the sharded store",
+        "a prefill after a prefix reads its owned widths on the host",
+    ))  # fmt: skip
 
 
 def _check_index_sharding_alone(facts: ConfigFacts) -> None:
@@ -539,32 +505,42 @@ def _check_index_sharding_alone(facts: ConfigFacts) -> None:
 
     Every rank of the group selects for the same rows in every collective; prefill eager.
     """
-    alone = f"with {ENV_INDEX_SHARDING}='1' and no {ENV_CACHE_SHARDING}"
+    alone = f" with {ENV_INDEX_SHARDING}='1' and no {ENV_CACHE_SHARDING}"
     if facts.tp_size < 2:  # a group of one shards nothing
         raise _reject(
             "--tp-size",
             facts.tp_size,
-            f"2 or more {alone}",
+            f"2 or more{alone}",
             "the index is sharded by page over the TP ranks, and one rank shards nothing",
         )
-    refused = (
-        ("--speculative-algorithm", facts.speculative_algorithm, None, "unset",
-         "the hooked selection is verified for one new token per request and step"),
-        ("--attn-dp-size", facts.attn_dp_size, 1, "1",
-         "every rank of the TP group must select for the same batch in each collective"),
-        ("--disaggregation-mode", facts.disaggregation_mode, "null", "'null'",
-         "a transfer of the QSA pool by logical page would read a rank's own pages as global"),
-        ("--enable-hisparse", facts.enable_hisparse, False, "off",
-         "upstream HiSparse's QSA cache handling is not verified with the sharded index"),
-        ("--enable-mixed-chunk", facts.enable_mixed_chunk, False, "off",
-         "mixed prefill-and-decode batches are not verified with the sharded index"),
+    _check_shard_group_batches(facts, alone, (
+        "the hooked selection is verified for one new token per request and step",
+        "every rank of the TP group must select for the same batch in each collective",
+        "a transfer of the QSA pool by logical page would read a rank's own pages as global",
+        "upstream HiSparse's QSA cache handling is not verified with the sharded index",
+        "mixed prefill-and-decode batches are not verified with the sharded index",
+        "the hooked prefill selection holds each row's page table between two calls",
+    ))  # fmt: skip
+
+
+def _check_shard_group_batches(facts: ConfigFacts, context: str, why: Sequence[str]) -> None:
+    """Refuse what a shard group's collectives cannot serve, ``why`` each in this order.
+
+    One new token a request and step, one batch on every rank, no other owner of the QSA cache,
+    eager prefill; ``context`` follows each supported value in the message.
+    """
+    rules = (
+        ("--speculative-algorithm", facts.speculative_algorithm, None, "unset"),
+        ("--attn-dp-size", facts.attn_dp_size, 1, "1"),
+        ("--disaggregation-mode", facts.disaggregation_mode, "null", "'null'"),
+        ("--enable-hisparse", facts.enable_hisparse, False, "off"),
+        ("--enable-mixed-chunk", facts.enable_mixed_chunk, False, "off"),
         ("--cuda-graph-backend-prefill", facts.prefill_graph_backend, "disabled",
-         "'disabled' (decode CUDA graphs stay on)",
-         "the hooked prefill selection holds each row's page table between two calls"),
+         "'disabled' (decode CUDA graphs stay on)"),
     )  # fmt: skip
-    for flag, value, allowed, supported, why in refused:
+    for (flag, value, allowed, supported), reason in zip(rules, why, strict=True):
         if value != allowed:
-            raise _reject(flag, value, f"{supported} {alone}", why)
+            raise _reject(flag, value, f"{supported}{context}", reason)
 
 
 def _check_context_parallel(facts: ConfigFacts) -> None:
