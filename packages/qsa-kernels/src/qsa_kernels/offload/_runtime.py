@@ -676,7 +676,7 @@ class OffloadRuntime:
         self._filled(ordinal)
         g = self.kv.geometry
         flat = (-1, g.kv_heads, g.head_dim)
-        index = 0 if self._window is not None else ordinal
+        index = self._staged_index(ordinal)
         return self.staging_k[index].view(flat), self.staging_v[index].view(flat)
 
     def stage_prefix(self, row: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -926,8 +926,12 @@ class OffloadRuntime:
 
     def _staging(self, ordinal: int, area: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T_max, Hkv, D]`` K and V of one layer's area (windowed: the one staged layer)."""
-        index = 0 if self._window is not None else ordinal
+        index = self._staged_index(ordinal)
         return self.staging_k[index, area], self.staging_v[index, area]
+
+    def _staged_index(self, ordinal: int) -> int:
+        """The staging area's layer that holds layer ``ordinal`` (windowed: the one layer)."""
+        return 0 if self._window is not None else ordinal
 
     def _refuse_window(self, call: str) -> None:
         if self._window is not None:
