@@ -70,6 +70,19 @@ def test_int8_shards_fill_the_table_and_every_other_tensor_goes_on() -> None:
     assert not fake.table.values[USED:].any()  # padding rows are never read
 
 
+def test_each_table_read_logs_what_it_read_and_where_it_lives(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stored = quantize_int8_rows(_source())
+    with caplog.at_level(logging.INFO):
+        list(_route_ple_shards(_checkpoint(stored), {MODULE: _fake()}, PARTS))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("PLE: ")]
+    assert lines == [
+        f"PLE: INT8-row table {MODULE} read: {USED} rows from {PARTS} int8 shards and 0 "
+        "16/32-bit shards, in cpu"
+    ]
+
+
 def test_a_bf16_table_is_quantized_with_one_note(caplog: pytest.LogCaptureFixture) -> None:
     source = _source()
     fake = _fake()

@@ -152,13 +152,33 @@ def _sglang_name(name: str) -> str:
 def _route_ple_shards(
     weights: Iterable[tuple[str, torch.Tensor]], tables: dict[str, Int8RowVocabShard], parts: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """:meth:`Int8RowShardRouter.load` under SGLang's names.
+    """:meth:`Int8RowShardRouter.route` under SGLang's names, then its ``finish``.
+
+    Once the weights are read, one line per table that read shards says what it read and where
+    the table lives (an operator's proof that the INT8-row table was loaded, and offloaded), and a
+    table stored as a 16/32-bit table gets the library's note that it was quantized at load.
 
     Raises:
         ModelCompatError: a malformed shard (the library's message, with the tensor's name).
     """
     router = Int8RowShardRouter(tables, parts=parts, rename=_sglang_name)
     try:
-        yield from router.load(weights, note=lambda text: logger.info("PLE: %s", text))
+        yield from router.route(weights)
+        summaries = router.finish()
     except KernelInputError as error:
         raise ModelCompatError(f"INT8-row PLE checkpoint: {error}") from error
+    for module, summary in summaries.items():
+        values = tables[module].table.values
+        where = "pinned host memory" if values.is_pinned() else str(values.device)
+        logger.info(
+            "PLE: INT8-row table %s read: %d rows from %d int8 shards and %d 16/32-bit shards, "
+            "in %s",
+            module,
+            summary.rows,
+            summary.int8_shards,
+            summary.quantized_shards,
+            where,
+        )
+        note = summary.quantized_note(module)
+        if note is not None:
+            logger.info("PLE: %s", note)
