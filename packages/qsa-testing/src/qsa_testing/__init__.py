@@ -8,8 +8,10 @@ gloo ranks of one machine (:func:`run_on_gloo_ranks`), QSA-shaped selections
 (:func:`random_block_selection`) and SGLang batches (:func:`extend_batch`, :func:`decode_batch`),
 and real SGLang
 0.5.23 servers for tests (:func:`start_engine`, :class:`EnginePool`, and the ``engines`` fixture
-of :mod:`qsa_testing.pytest_plugin`), with comparisons that watch logprobs, not only tokens, and
-SGLang's own serving client against them (:func:`run_serving_client`).
+of :mod:`qsa_testing.pytest_plugin`; a command's flags as their server arguments,
+:func:`server_args_of_flags`; the maintainer's production command, :data:`PRODUCTION_FLAGS`), with
+comparisons that watch logprobs, not only tokens, and SGLang's own serving client against them
+(:func:`run_serving_client`).
 """
 
 from qsa_testing._autoround import (
@@ -44,6 +46,7 @@ from qsa_testing._errors import (
     ModelSpecError,
     StandInError,
 )
+from qsa_testing._flags import server_args_of_flags
 from qsa_testing._gloo import Scenario, run_on_gloo_ranks
 from qsa_testing._models import (
     TinyModel,
@@ -55,6 +58,7 @@ from qsa_testing._models import (
     tiny_qwen4_exp,
 )
 from qsa_testing._pool import EnginePool, EngineStart
+from qsa_testing._production import PRODUCTION_FLAGS, PRODUCTION_PLUGIN_FLAGS, PRODUCTION_SWITCHES
 from qsa_testing._selection import (
     IndexPoolShape,
     decode_batch,
@@ -104,6 +108,11 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "platform_standins",
     "running_engine",
     "start_engine",
+    "server_args_of_flags",
+    # the maintainer's production command
+    "PRODUCTION_FLAGS",
+    "PRODUCTION_PLUGIN_FLAGS",
+    "PRODUCTION_SWITCHES",
     # SGLang's own serving client
     "ClientReport",
     "random_ids_flags",
