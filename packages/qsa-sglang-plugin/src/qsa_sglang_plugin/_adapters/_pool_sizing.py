@@ -6,30 +6,27 @@ reads SGLang's own per-token costs from the configurator it just built and write
 switches turn on at most one feature that reprices. The doctor's plan
 (:func:`capacity_plan_from_sglang`, ``qsa_core.PlanInputs``) prices its layouts with the same
 ``PoolPrice`` methods and ``ShardedKVStore.transport_bytes``, and double sparsity's line
-(:func:`ds_capacity`) with the hook's ``qsa_kernels.double_sparsity.label_capacity``;
+(``_config_check.ds_capacity``) with the hook's ``qsa_kernels.double_sparsity.label_capacity``;
 ``test_pool_pricing.py`` pins that both agree for every feature.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from qsa_core import (
     CapacityError,
     CapacityPlan,
-    LabelledCapacity,
     PlanInputs,
     PoolPrice,
     QSAConfigError,
-    QSAProfile,
 )
 from qsa_sglang_plugin._adapters._namespace import resolved_args
 from qsa_sglang_plugin._errors import AdapterError, ConfigurationError
-from qsa_sglang_plugin._switches import DoubleSparsitySwitches, HiSparseMode, current_switches
+from qsa_sglang_plugin._switches import HiSparseMode, current_switches
 
-__all__ = ("after_pool_configurator_init", "capacity_plan_from_sglang", "ds_capacity")
+__all__ = ("after_pool_configurator_init", "capacity_plan_from_sglang")
 
 logger = logging.getLogger(__name__)
 
@@ -248,49 +245,3 @@ def capacity_plan_from_sglang(
         verify=verify,
         index_buffer_bytes=ShardedIndex.candidate_bytes,
     )
-
-
-def ds_capacity(
-    text_config: Mapping[str, Any],
-    switches: DoubleSparsitySwitches,
-    *,
-    tp_size: int = 1,
-    rows: int | None = None,
-    context_len: int | None = None,
-    verify: bool = False,
-) -> LabelledCapacity:
-    """Double sparsity's price on TP rank 0 of ``tp_size``, from the model config (bf16 K/V).
-
-    ``rows`` is ``--max-running-requests`` and ``context_len`` ``--context-length`` (None: the
-    config's ``max_position_embeddings``); DS-Offload's buffers need both. ``verify`` is
-    ``SGLANG_QSA_HISPARSE_VERIFY=1``.
-
-    Raises:
-        qsa_kernels.double_sparsity.DSConfigError: the channel file is refused at ``tp_size``.
-        ConfigurationError: the config has no GQA geometry.
-        AdapterError: a size qsa-core refuses (DS-Offload with rows but no context length).
-    """
-    import torch
-
-    from qsa_kernels.double_sparsity import label_capacity
-    from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
-
-    channels = ds_channels(switches, text_config).for_tp_rank(tp_size, 0).channels
-    geometry = ds_geometry(text_config)
-    context: Any = (
-        QSAProfile.config_context_len(text_config) if context_len is None else context_len
-    )
-    try:
-        return label_capacity(
-            ds_config(switches),
-            layers=geometry.layers,
-            kv_heads=int(channels.shape[1]),
-            head_dim=geometry.head_dim,
-            kv_dtype=torch.bfloat16,
-            offload=switches.offload,
-            rows=rows,
-            context_len=context,
-            verify=verify,
-        )
-    except CapacityError as exc:
-        raise AdapterError(f"{exc} (--context-length, --max-running-requests)") from exc
