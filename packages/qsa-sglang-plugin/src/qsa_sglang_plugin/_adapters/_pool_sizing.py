@@ -88,7 +88,6 @@ def _arena_rows(kvc: Any) -> int:
 def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_kernels.sharded import ShardedIndex
     from qsa_sglang_plugin._adapters._offload import qsa_layout
 
     layer_ids = _qsa_layer_ids(kvc)
@@ -106,24 +105,12 @@ def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     )
     resident, index = _token_bytes(configurator, kvc, len(layer_ids))
     switches = current_switches()
-    sharding, index_sharded = switches.cache_sharding, switches.index_sharding
-    topk = layout.block_topk
-    assert topk is not None  # a QSA layout selects blocks
-    candidates = (  # D2: the index shard's buffers, as the runtime's index allocates them
-        ShardedIndex.candidate_bytes(
-            world_size=sharding, block_topk=topk, max_running=_arena_rows(kvc)
-        )
-        if index_sharded
-        else 0
-    )
-    return PoolPrice.offloaded(
-        layout.geometry.sizes,
+    return layout.pool_price(
         resident_token_bytes=resident,
         index_token_bytes=index,
         verify=switches.verify_offload,
-        sharding_size=sharding,
-        index_sharded=index_sharded,
-        index_buffer_bytes=candidates,
+        sharding_size=switches.cache_sharding,
+        index_sharded=switches.index_sharding,  # D2: the index shard's candidate buffers too
     )
 
 
