@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qsa_core import PoolPrice
 from qsa_kernels import KernelInputError
 from qsa_kernels.offload import ChunkSpan, OffloadGeometry, OffloadLayout, chunk_spans
+from qsa_kernels.sharded import ShardedIndex
 
 
 def test_qsa_layers_map_in_order_onto_a_block_topk_geometry() -> None:
@@ -64,6 +66,48 @@ def test_per_head_layers_are_every_layer_with_no_block_topk() -> None:
     )
     assert layout.geometry.per_head
     assert (dict(layout.layer_ordinal), layout.block_topk) == ({0: 0, 1: 1, 2: 2}, None)
+
+
+def _qsa_layout(rows: int = 4) -> OffloadLayout:
+    return OffloadLayout.qsa(
+        [3, 7], rows=rows, context_len=4096, block_topk=64, hot_blocks=None, kv_heads=2,
+        head_dim=64, dtype=torch.bfloat16,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_the_pool_price_is_qsa_cores_of_the_layouts_sizes(verify: bool) -> None:
+    """A token costs its index; the offload's buffers (with ``verify``, the copy too) are fixed."""
+    layout = _qsa_layout()
+    price = layout.pool_price(resident_token_bytes=576, index_token_bytes=64, verify=verify)
+    expected = PoolPrice.offloaded(
+        layout.geometry.sizes, resident_token_bytes=576, index_token_bytes=64, verify=verify
+    )
+    assert price == expected
+    assert price.token_bytes == 64
+    assert price.fixed_bytes == layout.geometry.sizes.fixed_device_bytes(verify=verify)
+
+
+def test_an_index_sharded_pool_price_adds_the_candidate_buffers_of_the_layouts_rows() -> None:
+    """D2 over 2 ranks: half the index per token, the candidates of the top-k and rows fixed."""
+    layout = _qsa_layout(rows=4)
+    price = layout.pool_price(
+        resident_token_bytes=576, index_token_bytes=64, sharding_size=2, index_sharded=True
+    )
+    candidates = ShardedIndex.candidate_bytes(world_size=2, block_topk=64, max_running=4)
+    assert candidates > 0
+    assert price.token_bytes == 32
+    assert price.fixed_bytes == layout.geometry.sizes.fixed_device_bytes() + candidates
+
+
+def test_a_per_head_layout_has_no_index_to_shard() -> None:
+    layout = OffloadLayout.per_head(
+        layers=1, rows=1, context_len=400, hot_blocks=16, kv_heads=2, head_dim=64,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    assert layout.pool_price(resident_token_bytes=1, index_token_bytes=0).token_bytes == 0
+    with pytest.raises(KernelInputError, match="index_sharded=True"):
+        layout.pool_price(resident_token_bytes=1, index_token_bytes=0, index_sharded=True)
 
 
 def test_a_prefill_batch_splits_into_each_requests_chunk_and_rows() -> None:

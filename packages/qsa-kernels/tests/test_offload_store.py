@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qsa_core import format_bytes
 from qsa_kernels import KernelPath
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.offload import OffloadedKV, OffloadGeometry, PerHeadOffloadedKV, RowState
@@ -550,3 +551,33 @@ def test_an_arena_larger_than_the_hosts_memory_is_refused_with_its_sizes() -> No
     text = str(refused.value)
     assert f"(3 rows x 2 record layers x 100 blocks x {geometry.record_bytes} B)" in text
     assert "available" in text
+
+
+def test_a_pool_of_rows_contexts_is_no_shortfall() -> None:
+    geometry = OffloadGeometry.for_context(
+        layers=2, rows=4, context_len=1024, hot_slots=8, kv_heads=1, head_dim=64,
+        dtype=torch.bfloat16, staged_prompts=2,
+    )  # fmt: skip
+    assert geometry.pool_shortfall(4 * 1024, 1024) is None
+    assert geometry.pool_shortfall(5 * 1024 - 1, 1024) is None
+
+
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_a_short_pool_names_its_tokens_fit_rows_and_the_staging_bytes(prompts: int) -> None:
+    """One staged prompt too many is the advice only when more than one is staged."""
+    geometry = OffloadGeometry.for_context(
+        layers=2, rows=4, context_len=1024, hot_slots=8, kv_heads=1, head_dim=64,
+        dtype=torch.bfloat16, staged_prompts=prompts,
+    )  # fmt: skip
+    message = geometry.pool_shortfall(1536, 1024)
+    assert message is not None
+    staging = geometry.sizes.staging_bytes
+    assert staging > 0
+    assert (
+        "the K/V pool holds 1536 tokens, room for 1 request(s) of the 1024-token context at "
+        f"once, against 4 request rows; the staging area takes {format_bytes(staging)} of the "
+        f"GPU budget for {prompts} whole prompt(s)"
+    ) in message
+    advice = f"(--prefill-max-requests 1) would free {format_bytes(staging - staging // 2)}"
+    assert (advice in message) is (prompts > 1)
+    assert ("--prefill-max-requests" in message) is (prompts > 1)

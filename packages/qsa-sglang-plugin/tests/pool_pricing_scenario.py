@@ -143,7 +143,7 @@ def _ds_plan(
     priced: dict[str, Any], text_config: Any, switches: dict[str, str]
 ) -> dict[str, int | str]:
     """Double sparsity's price from the model config (``ds_capacity``, what the doctor prints)."""
-    from qsa_sglang_plugin._adapters import ds_capacity
+    from qsa_sglang_plugin._config_check import ds_capacity
     from qsa_sglang_plugin._switches import parse_switches
 
     parsed = parse_switches(switches)

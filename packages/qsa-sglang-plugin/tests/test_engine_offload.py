@@ -594,8 +594,8 @@ def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
     # request of the 1,024-token context, against 4 rows.
     log = engine.log_path.read_text(encoding="utf-8", errors="replace")
     assert (
-        "offload: SGLang's pool holds 1536 tokens, room for 1 request(s) of the 1024-token "
-        "context at once, against --max-running-requests 4" in log
+        "offload: the K/V pool holds 1536 tokens, room for 1 request(s) of the 1024-token "
+        "context at once, against 4 request rows" in log
     )
 
 

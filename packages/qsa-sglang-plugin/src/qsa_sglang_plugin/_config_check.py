@@ -16,13 +16,14 @@ from qsa_core import (
     QWEN38_FLASH_NEXT,
     CapacityError,
     KVDType,
+    LabelledCapacity,
     PlacementError,
     QSAConfigError,
     QSAProfile,
     ShardPlacement,
     hot_cache_slots,
 )
-from qsa_sglang_plugin._errors import ConfigurationError
+from qsa_sglang_plugin._errors import AdapterError, ConfigurationError
 
 if TYPE_CHECKING:
     from qsa_kernels.double_sparsity import AttentionGeometry
@@ -47,6 +48,7 @@ __all__ = (
     "ConfigFacts",
     "after_resolve_once",
     "check_configuration",
+    "ds_capacity",
     "facts_from_server_args",
 )
 
@@ -374,6 +376,45 @@ def ds_geometry(text_config: Mapping[str, Any]) -> AttentionGeometry:
         return AttentionGeometry.from_text_config(text_config)
     except DSConfigError as exc:
         raise ConfigurationError(f"--model-path {exc}") from exc
+
+
+def ds_capacity(
+    text_config: Mapping[str, Any],
+    switches: DoubleSparsitySwitches,
+    *,
+    tp_size: int = 1,
+    rows: int | None = None,
+    context_len: int | None = None,
+    verify: bool = False,
+) -> LabelledCapacity:
+    """Double sparsity's price on TP rank 0 of ``tp_size``, from the model config (bf16 K/V).
+
+    The doctor's line: :func:`qsa_kernels.double_sparsity.model_label_capacity` of the switches'
+    options and channel file (:func:`ds_channels`). ``rows`` is ``--max-running-requests`` and
+    ``context_len`` ``--context-length`` (None: the config's ``max_position_embeddings``);
+    DS-Offload's buffers need both. ``verify`` is ``SGLANG_QSA_HISPARSE_VERIFY=1``.
+
+    Raises:
+        qsa_kernels.double_sparsity.DSConfigError: the channel file is refused at ``tp_size``.
+        ConfigurationError: the config has no GQA geometry.
+        AdapterError: a size qsa-core refuses (DS-Offload with rows but no context length).
+    """
+    from qsa_kernels.double_sparsity import model_label_capacity
+
+    channels = ds_channels(switches, text_config)
+    try:
+        return model_label_capacity(
+            text_config,
+            ds_config(switches),
+            channels,
+            tp_size=tp_size,
+            offload=switches.offload,
+            rows=rows,
+            context_len=context_len,
+            verify=verify,
+        )
+    except CapacityError as exc:
+        raise AdapterError(f"{exc} (--context-length, --max-running-requests)") from exc
 
 
 def _check_serving(facts: ConfigFacts) -> None:

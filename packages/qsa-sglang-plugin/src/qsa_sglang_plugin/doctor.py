@@ -43,8 +43,8 @@ from qsa_core import (
     render_plan,
 )
 from qsa_core.cli import gib_bytes
-from qsa_sglang_plugin._adapters import capacity_plan_from_sglang, ds_capacity
-from qsa_sglang_plugin._config_check import SUPPORTED_KV_CACHE_DTYPES
+from qsa_sglang_plugin._adapters import capacity_plan_from_sglang
+from qsa_sglang_plugin._config_check import SUPPORTED_KV_CACHE_DTYPES, ds_capacity
 from qsa_sglang_plugin._errors import (
     ActivationError,
     AdapterError,

@@ -9,7 +9,8 @@ and attends exactly over those. This subpackage holds:
   (:class:`AttentionGeometry`), the calibration pass that writes a channel file
   (:func:`calibrate_channels`) and its loader (:class:`ChannelConfig`);
 * the label cache (:class:`LabelCache`), preallocated per request row, and what its labels (and
-  DS-Offload's buffers) add to a token's price on one rank (:func:`label_capacity`);
+  DS-Offload's buffers) add to a token's price on one rank (:func:`label_capacity`; from a
+  model's text config and channel file: :func:`model_label_capacity`);
 * one layer's decode over a resident K/V store (:func:`ds_decode`, reference beside it), built on
   :func:`qsa_kernels.sparse_decode.sparse_decode` with one token list per KV head, and over
   SGLang's split K and V buffers (:func:`ds_decode_split`, on
@@ -27,7 +28,7 @@ and attends exactly over those. This subpackage holds:
 
 from qsa_kernels.double_sparsity._attention import AttentionGeometry
 from qsa_kernels.double_sparsity._calibrate import calibrate_channels
-from qsa_kernels.double_sparsity._capacity import label_capacity
+from qsa_kernels.double_sparsity._capacity import label_capacity, model_label_capacity
 from qsa_kernels.double_sparsity._config import (
     CHANNEL_CONFIG_MAX_BYTES,
     ChannelConfig,
@@ -88,6 +89,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ds_positions",
     "ds_positions_fixed",
     "label_capacity",
+    "model_label_capacity",
     # -- Offload --
     "DSOffloadedKV",
     # -- Decode runtime --

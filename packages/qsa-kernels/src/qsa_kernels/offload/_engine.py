@@ -2,7 +2,8 @@
 
 :class:`OffloadLayout`: which of the engine's attention layers the offload holds, in which record
 layout, and the geometry of their K/V (QSA's blocks of every KV head, or double sparsity's
-per-head records). :func:`chunk_spans`: a prefill batch's requests as the chunks
+per-head records), and what the offload adds to a token's price in the engine's pool sizing
+(:meth:`OffloadLayout.pool_price`). :func:`chunk_spans`: a prefill batch's requests as the chunks
 :meth:`OffloadRuntime.stage` and :meth:`OffloadRuntime.prefill` take.
 """
 
@@ -13,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from qsa_core import PoolPrice
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.offload._store import OffloadGeometry
+from qsa_kernels.sharded import ShardedIndex
 
 __all__ = ("ChunkSpan", "OffloadLayout", "chunk_spans")
 
@@ -109,6 +112,51 @@ class OffloadLayout:
             windowed_staging=windowed_staging,
         )
         return cls(geometry, {i: i for i in range(layers)}, None)
+
+    def pool_price(
+        self,
+        *,
+        resident_token_bytes: int,
+        index_token_bytes: int,
+        verify: bool = False,
+        sharding_size: int = 1,
+        index_sharded: bool = False,
+    ) -> PoolPrice:
+        """:meth:`qsa_core.PoolPrice.offloaded` of this layout, as the engine's pool sizing charges.
+
+        A token costs its compressed index (``1 / sharding_size`` of it with ``index_sharded``);
+        the offload's buffers (:attr:`OffloadGeometry.sizes`) are fixed, and with
+        ``index_sharded`` (D2 on the host arenas' group) the index shard's candidate buffers
+        (:meth:`ShardedIndex.candidate_bytes` of :attr:`block_topk` and the geometry's rows) too.
+
+        Args:
+            resident_token_bytes: the engine's price of a token with its K/V resident, B.
+            index_token_bytes: the engine's price of a token's compressed index alone, B.
+            verify: the offload keeps a resident copy of every row.
+            sharding_size: ranks of the shard group (the host arenas'; 1 = off).
+            index_sharded: the compressed index is sharded by page over the same group.
+
+        Raises:
+            KernelInputError: ``index_sharded`` over per-head records (no block top-k).
+            qsa_core.CapacityError: a size qsa-core refuses (named).
+        """
+        candidates = 0
+        if index_sharded:
+            if self.block_topk is None:
+                msg = "index_sharded=True is not allowed for per-head records; allowed: False"
+                raise KernelInputError(msg)
+            candidates = ShardedIndex.candidate_bytes(
+                world_size=sharding_size, block_topk=self.block_topk, max_running=self.geometry.rows
+            )
+        return PoolPrice.offloaded(
+            self.geometry.sizes,
+            resident_token_bytes=resident_token_bytes,
+            index_token_bytes=index_token_bytes,
+            verify=verify,
+            sharding_size=sharding_size,
+            index_sharded=index_sharded,
+            index_buffer_bytes=candidates,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -291,6 +291,33 @@ class OffloadGeometry:
             )
             raise KernelInputError(msg)
 
+    def pool_shortfall(self, pool_tokens: int, context_len: int) -> str | None:
+        """Why an engine's K/V pool of ``pool_tokens`` serves fewer than :attr:`rows` at once.
+
+        ``context_len`` is tokens of one request's context; the pool holds
+        ``pool_tokens // context_len`` whole contexts. The staging area's fixed GPU bytes
+        (:attr:`qsa_core.OffloadSizes.staging_bytes`, :attr:`staged_prompts` whole prompts) come
+        out of the budget that sized the pool, so the message names them, and with more than one
+        staged prompt what staging one prompt at a time (``--prefill-max-requests 1``) would free.
+
+        Returns:
+            None when the pool holds :attr:`rows` whole contexts; else the operator's message.
+        """
+        fit = pool_tokens // context_len
+        if fit >= self.rows:
+            return None
+        staging, prompts = self.sizes.staging_bytes, self.staged_prompts
+        message = (
+            f"the K/V pool holds {pool_tokens} tokens, room for {fit} request(s) of the "
+            f"{context_len}-token context at once, against {self.rows} request rows; the "
+            f"staging area takes {format_bytes(staging)} of the GPU budget for {prompts} whole "
+            "prompt(s)"
+        )
+        if prompts > 1:
+            freed = format_bytes(staging - staging // prompts)
+            message += f"; staging one at a time (--prefill-max-requests 1) would free {freed}"
+        return message
+
     @property
     def sizes(self) -> OffloadSizes:
         """The same sizes for qsa-core's arithmetic (:class:`qsa_core.OffloadSizes`).

@@ -14,14 +14,13 @@ from qsa_sglang_plugin._adapters._namespace import (
     cache_namespace_from_sglang,
     config_digest_from_sglang,
 )
-from qsa_sglang_plugin._adapters._pool_sizing import capacity_plan_from_sglang, ds_capacity
+from qsa_sglang_plugin._adapters._pool_sizing import capacity_plan_from_sglang
 
 __all__ = (
     "DIGEST_SERVER_FIELDS",
     "cache_namespace_from_sglang",
     "capacity_plan_from_sglang",
     "config_digest_from_sglang",
-    "ds_capacity",
     "mm_items_from_sglang",
     "prompt_identity_from_sglang",
 )

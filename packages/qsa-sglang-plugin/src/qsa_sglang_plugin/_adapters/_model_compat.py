@@ -1,14 +1,14 @@
 """INT8-row PLE tables in SGLang's Qwen4Exp (``ple_embedding_dtype: "int8_row"``).
 
 Three hooks (docs/model-compat.md) hold each PLE n-gram table as a
-:class:`qsa_kernels.int8_rows.Int8RowVocabShard`, the only allocation of its size.
+:class:`qsa_kernels.int8_rows.Int8RowVocabShard`, the only allocation of its size, in the table
+module :class:`._ple_table.Int8RowPLEEmbedding` (imported when a hook needs it: it imports SGLang).
 """
 
 from __future__ import annotations
 
 import contextvars
 import copy
-import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -24,7 +24,6 @@ __all__ = (
     "around_allocate_ple_host_table",
     "around_ngram_embedding_init",
     "before_load_weights",
-    "int8_row_embedding_class",
 )
 
 logger = logging.getLogger(__name__)
@@ -33,47 +32,6 @@ logger = logging.getLogger(__name__)
 _BUILDING_INT8_ROW: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "qsa_building_int8_row_ple", default=False
 )
-
-
-@functools.cache
-def int8_row_embedding_class() -> type:
-    """The table module class, a ``Qwen4ExpPinnedHostEmbedding`` (defined on first use)."""
-    from sglang.srt.models.qwen4_exp import Qwen4ExpPinnedHostEmbedding
-    from torch import nn
-
-    class Int8RowPLEEmbedding(Qwen4ExpPinnedHostEmbedding):  # type: ignore[misc]
-        """:attr:`shard` (zero until loaded), the built module's metadata, upstream's forward."""
-
-        def __init__(self, built: Any, *, offload: bool, used_rows: int) -> None:
-            nn.Module.__init__(self)
-            for name in self._COPIED_ATTRIBUTES:
-                setattr(self, name, getattr(built, name))
-            self.quant_method = None  # no SGLang post-load step applies to this table
-            self._file_prefetcher = None
-            self._file_rss_trimmer = None
-            self.register_buffer("weight_scale", built.weight_scale, persistent=True)
-            self.shard = Int8RowVocabShard.zeros(
-                rows=int(self.num_embeddings_per_partition),
-                dim=int(self.embedding_dim),
-                vocab_start=int(self.shard_indices.org_vocab_start_index),
-                vocab_end=int(self.shard_indices.org_vocab_end_index),
-                total_rows=int(self.org_vocab_size),
-                used_rows=used_rows,
-                device=torch.device("cpu") if offload else built.weight_scale.device,
-                pinned=offload,
-            )
-
-        def gather(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-            """``[*input_ids.shape, D]`` bf16: this rank's rows, zeros for other ranks' ids."""
-            if out is None:
-                out = self.allocate_output((*input_ids.shape, self.embedding_dim), input_ids.device)
-            return self.shard.gather(input_ids, out=out) if input_ids.numel() else out
-
-        def extra_repr(self) -> str:
-            pinned = self.shard.table.values.is_pinned()
-            return f"int8_row, {super().extra_repr()}, pinned={pinned}"
-
-    return Int8RowPLEEmbedding
 
 
 def around_ngram_embedding_init(
@@ -103,9 +61,11 @@ def around_ngram_embedding_init(
         original(module, metadata_only, *args, **kwargs)
     finally:
         _BUILDING_INT8_ROW.reset(token)
+    from qsa_sglang_plugin._adapters._ple_table import Int8RowPLEEmbedding
+
     module.config = config
     sizes = module.ngram_heads_vocab_sizes
-    module.ngram_embedding = int8_row_embedding_class()(
+    module.ngram_embedding = Int8RowPLEEmbedding(
         module.ngram_embedding,
         offload=options.offload,
         used_rows=int(sizes.sum()) if sizes.numel() else 0,
@@ -128,11 +88,12 @@ def before_load_weights(
 
     None (SGLang's call unchanged) without an INT8-row table.
     """
-    embedding_class = int8_row_embedding_class()
+    from qsa_sglang_plugin._adapters._ple_table import Int8RowPLEEmbedding
+
     tables: dict[str, Int8RowVocabShard] = {
-        name: module.shard  # type: ignore[attr-defined]  # an Int8RowPLEEmbedding
+        name: module.shard
         for name, module in model.named_modules()
-        if isinstance(module, embedding_class)
+        if isinstance(module, Int8RowPLEEmbedding)
     }
     if not tables:
         return None

@@ -22,7 +22,6 @@ from qsa_kernels.context import PrefillKernels, ZigzagEntries
 from qsa_kernels.offload import (
     ChunkSpan,
     OffloadCounts,
-    OffloadGeometry,
     OffloadLayout,
     OffloadRuntime,
     chunk_spans,
@@ -266,32 +265,15 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
         runtime.kv.path.value,
     )
     tokens = getattr(runner, "max_total_num_tokens", None)  # sized before the backends
-    if tokens is not None:
-        _warn_if_the_pool_is_short(geometry, int(tokens), int(runner.model_config.context_len))
+    context = int(runner.model_config.context_len)
+    shortfall = None if tokens is None else geometry.pool_shortfall(int(tokens), context)
+    if shortfall is not None:
+        logger.warning(
+            "offload: %s; raise --mem-fraction-static (or --max-total-tokens) or lower "
+            "--context-length",
+            shortfall,
+        )
     return runtime
-
-
-def _warn_if_the_pool_is_short(geometry: OffloadGeometry, pool_tokens: int, context: int) -> None:
-    """Warn when SGLang's pool holds fewer whole contexts than there are rows.
-
-    The warning names what the staging area (fixed GPU bytes) takes of the budget that sized it.
-    """
-    fit = pool_tokens // context
-    if fit >= geometry.rows:
-        return
-    staging, prompts = geometry.sizes.staging_bytes, geometry.staged_prompts
-    advice = (
-        f"--prefill-max-requests 1 would free {format_bytes(staging - staging // prompts)}, or "
-        if prompts > 1
-        else ""
-    )
-    logger.warning(
-        "offload: SGLang's pool holds %d tokens, room for %d request(s) of the %d-token context "
-        "at once, against --max-running-requests %d. The staging area takes %s of the GPU "
-        "budget for %d whole prompt(s); %sraise --mem-fraction-static (or --max-total-tokens) or "
-        "lower --context-length",
-        pool_tokens, fit, context, geometry.rows, format_bytes(staging), prompts, advice,
-    )  # fmt: skip
 
 
 def runtime_of(runner: Any) -> OffloadRuntime:

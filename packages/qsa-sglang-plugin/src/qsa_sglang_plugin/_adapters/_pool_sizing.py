@@ -6,30 +6,27 @@ reads SGLang's own per-token costs from the configurator it just built and write
 switches turn on at most one feature that reprices. The doctor's plan
 (:func:`capacity_plan_from_sglang`, ``qsa_core.PlanInputs``) prices its layouts with the same
 ``PoolPrice`` methods and ``ShardedKVStore.transport_bytes``, and double sparsity's line
-(:func:`ds_capacity`) with the hook's ``qsa_kernels.double_sparsity.label_capacity``;
+(``_config_check.ds_capacity``) with the hook's ``qsa_kernels.double_sparsity.label_capacity``;
 ``test_pool_pricing.py`` pins that both agree for every feature.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from qsa_core import (
     CapacityError,
     CapacityPlan,
-    LabelledCapacity,
     PlanInputs,
     PoolPrice,
     QSAConfigError,
-    QSAProfile,
 )
 from qsa_sglang_plugin._adapters._namespace import resolved_args
 from qsa_sglang_plugin._errors import AdapterError, ConfigurationError
-from qsa_sglang_plugin._switches import DoubleSparsitySwitches, HiSparseMode, current_switches
+from qsa_sglang_plugin._switches import HiSparseMode, current_switches
 
-__all__ = ("after_pool_configurator_init", "capacity_plan_from_sglang", "ds_capacity")
+__all__ = ("after_pool_configurator_init", "capacity_plan_from_sglang")
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +88,6 @@ def _arena_rows(kvc: Any) -> int:
 def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     from sglang.srt.runtime_context import get_parallel
 
-    from qsa_kernels.sharded import ShardedIndex
     from qsa_sglang_plugin._adapters._offload import qsa_layout
 
     layer_ids = _qsa_layer_ids(kvc)
@@ -109,24 +105,12 @@ def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     )
     resident, index = _token_bytes(configurator, kvc, len(layer_ids))
     switches = current_switches()
-    sharding, index_sharded = switches.cache_sharding, switches.index_sharding
-    topk = layout.block_topk
-    assert topk is not None  # a QSA layout selects blocks
-    candidates = (  # D2: the index shard's buffers, as the runtime's index allocates them
-        ShardedIndex.candidate_bytes(
-            world_size=sharding, block_topk=topk, max_running=_arena_rows(kvc)
-        )
-        if index_sharded
-        else 0
-    )
-    return PoolPrice.offloaded(
-        layout.geometry.sizes,
+    return layout.pool_price(
         resident_token_bytes=resident,
         index_token_bytes=index,
         verify=switches.verify_offload,
-        sharding_size=sharding,
-        index_sharded=index_sharded,
-        index_buffer_bytes=candidates,
+        sharding_size=switches.cache_sharding,
+        index_sharded=switches.index_sharding,  # D2: the index shard's candidate buffers too
     )
 
 
@@ -248,49 +232,3 @@ def capacity_plan_from_sglang(
         verify=verify,
         index_buffer_bytes=ShardedIndex.candidate_bytes,
     )
-
-
-def ds_capacity(
-    text_config: Mapping[str, Any],
-    switches: DoubleSparsitySwitches,
-    *,
-    tp_size: int = 1,
-    rows: int | None = None,
-    context_len: int | None = None,
-    verify: bool = False,
-) -> LabelledCapacity:
-    """Double sparsity's price on TP rank 0 of ``tp_size``, from the model config (bf16 K/V).
-
-    ``rows`` is ``--max-running-requests`` and ``context_len`` ``--context-length`` (None: the
-    config's ``max_position_embeddings``); DS-Offload's buffers need both. ``verify`` is
-    ``SGLANG_QSA_HISPARSE_VERIFY=1``.
-
-    Raises:
-        qsa_kernels.double_sparsity.DSConfigError: the channel file is refused at ``tp_size``.
-        ConfigurationError: the config has no GQA geometry.
-        AdapterError: a size qsa-core refuses (DS-Offload with rows but no context length).
-    """
-    import torch
-
-    from qsa_kernels.double_sparsity import label_capacity
-    from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
-
-    channels = ds_channels(switches, text_config).for_tp_rank(tp_size, 0).channels
-    geometry = ds_geometry(text_config)
-    context: Any = (
-        QSAProfile.config_context_len(text_config) if context_len is None else context_len
-    )
-    try:
-        return label_capacity(
-            ds_config(switches),
-            layers=geometry.layers,
-            kv_heads=int(channels.shape[1]),
-            head_dim=geometry.head_dim,
-            kv_dtype=torch.bfloat16,
-            offload=switches.offload,
-            rows=rows,
-            context_len=context,
-            verify=verify,
-        )
-    except CapacityError as exc:
-        raise AdapterError(f"{exc} (--context-length, --max-running-requests)") from exc
