@@ -168,6 +168,33 @@ def test_a_checkpoint_holds_the_index_rows_of_the_tokens_slots() -> None:
     assert segments[INDEX_SEGMENT][:, 0, 0, 0].tolist() == [2, 3]
 
 
+def test_a_publish_reads_the_index_before_the_kv() -> None:
+    """The index rows (a read that may be collective) come before the engine's K/V reader."""
+    order: list[str] = []
+    cache = _cache()
+    inner = cache.pools.index
+
+    class Recorded:
+        device = torch.device("cpu")
+
+        def read(self, rows: torch.Tensor) -> torch.Tensor:
+            order.append("index")
+            return inner.read(rows)
+
+        def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+            inner.write(rows, values)
+
+    cache.pools.index = Recorded()
+
+    def kv() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        order.append("kv")
+        return _kv(8)
+
+    fence = cache.publish(Request("a"), list(range(8)), kv, lambda: torch.arange(8))
+    assert fence is not None
+    assert order == ["index", "kv"]
+
+
 def test_a_shared_tier_without_its_client_is_refused_naming_the_store_and_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -11,9 +11,11 @@ import torch
 
 from qsa_hostcache import (
     INDEX_SEGMENT,
+    BufferIndex,
     CacheNamespace,
     CopyFence,
     HostPrefixCache,
+    IndexAccess,
     PrefixKey,
     PromptCheckpoints,
     PromptPools,
@@ -57,7 +59,7 @@ def _kv(tokens: int, fill: float) -> tuple[list[torch.Tensor], list[torch.Tensor
     return k, v
 
 
-def _pools(index: list[torch.Tensor], state: object = None) -> PromptPools:
+def _pools(index: list[torch.Tensor] | IndexAccess, state: object = None) -> PromptPools:
     cache = HostPrefixCache(
         32 * 1024, max_entries=8, page_size=PAGE, block_bytes=1024, pin_memory=False
     )
@@ -168,6 +170,56 @@ def test_a_restore_puts_the_state_back_before_the_kv_of_each_layer() -> None:
     assert [float(t[0, 0, 0]) for t in k] == [1.0, 2.0]
     assert pools.checkpoints.cache.stats().pinned_entries == 0
     assert pools.restore("req-1", stage, filled) is None  # restored once
+
+
+class RecordedIndex:
+    """An :class:`IndexAccess` over whole buffers that records each call (and the K/V read)."""
+
+    def __init__(self, buffers: list[torch.Tensor], calls: list[str]) -> None:
+        self.inner, self.calls = BufferIndex(tuple(buffers)), calls
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        self.calls.append(f"read {rows.tolist()}")
+        return self.inner.read(rows) + 1000  # marks the rows as the access's
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.calls.append(f"write {rows.tolist()}")
+        self.inner.write(rows, values)
+
+
+def test_the_default_index_access_indexes_the_buffers_it_was_given() -> None:
+    index = _index()
+    pools = _pools(index)
+    assert isinstance(pools.index, BufferIndex)
+    assert pools.index.buffers == tuple(index)
+    assert not isinstance(index, IndexAccess)  # a list of buffers is wrapped, not taken as one
+
+
+def test_an_injected_index_access_is_read_first_by_a_gather_and_written_by_a_load() -> None:
+    """The gather reads the index through the access before it reads the K/V (a collective
+    read is made before anything rank-local); the load writes through it into the new rows."""
+    calls: list[str] = []
+    source = _pools(RecordedIndex(_index(), calls))
+
+    def kv() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        calls.append("kv")
+        return _kv(8, 1.0)
+
+    fence = source.checkpoints.publish(_key(8), lambda: source.gather(kv, torch.arange(8, 16)))
+    assert fence is not None
+    fence.synchronize()
+    assert calls == ["read [4, 5, 6, 7]", "kv"]
+    blank = [torch.zeros_like(buf) for buf in _index()]
+    pools = PromptPools(source.checkpoints, RecordedIndex(blank, calls), RATIO)
+    allocator = Allocator(list(range(24, 32)))
+    assert pools.load("req-1", _key(8), TokenSlots(allocator.alloc, allocator.free)) is not None
+    assert calls[-1] == "write [12, 13, 14, 15]"
+    assert blank[0][12:16, 0, 0].tolist() == [1004, 1005, 1006, 1007]  # what the access read
+    assert blank[1][12:16, 0, 0].tolist() == [1104, 1105, 1106, 1107]
 
 
 @pytest.mark.parametrize(

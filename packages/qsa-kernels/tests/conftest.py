@@ -20,6 +20,7 @@ Multi-process tests (gloo over ``127.0.0.1``) start their ranks with ``spawn_wor
 from __future__ import annotations
 
 import functools
+import json
 import os
 import socket
 import sys
@@ -160,3 +161,22 @@ def _spawn_workers(script: str, world: int, out_dir: Path) -> None:
 def spawn_workers() -> Callable[[str, int, Path], None]:
     """``spawn_workers(script, world, out_dir)``: run every rank, fail on any failure."""
     return _spawn_workers
+
+
+def _group_runs(script: str, world: int, out_dir: Path) -> dict[tuple[int, int, str], Any]:
+    """Run every rank (:func:`_spawn_workers`) and read each ``rankR.json`` of
+    ``{"N/case": result}`` as ``{(N, R, case): result}``."""
+    _spawn_workers(script, world, out_dir)
+    out = {}
+    for rank in range(world):
+        for key, result in json.loads((out_dir / f"rank{rank}.json").read_text()).items():
+            n, case = key.split("/", 1)
+            out[int(n), rank, case] = result
+    return out
+
+
+@pytest.fixture(scope="session")
+def group_runs() -> Callable[[str, int, Path], dict[tuple[int, int, str], Any]]:
+    """``group_runs(script, world, out_dir)``: every rank's results of each group size and case,
+    as ``{(N, rank, case): result}`` (the workers write ``{"N/case": result}``)."""
+    return _group_runs

@@ -175,17 +175,10 @@ def _worker(rank: int, port: int, out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(
     tmp_path_factory: pytest.TempPathFactory,
-    spawn_workers: Callable[[str, int, Path], None],
+    group_runs: Callable[[str, int, Path], dict[tuple[int, int, str], dict[str, Any]]],
 ) -> dict[tuple[int, int, str], dict[str, Any]]:
     """``{(N, rank, path): result}`` for every rank of every group."""
-    out_dir = tmp_path_factory.mktemp("offload-sharded")
-    spawn_workers(__file__, WORLD, out_dir)
-    out = {}
-    for rank in range(WORLD):
-        for key, result in json.loads((out_dir / f"rank{rank}.json").read_text()).items():
-            n, path = key.split("/")
-            out[int(n), rank, path] = result
-    return out
+    return group_runs(__file__, WORLD, tmp_path_factory.mktemp("offload-sharded"))
 
 
 def test_every_group_size_ran_on_each_of_its_ranks(

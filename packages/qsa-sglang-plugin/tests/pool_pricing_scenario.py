@@ -234,11 +234,9 @@ def _qsa_cases(hot_blocks: int) -> tuple[tuple[str, dict[str, str], tuple[str, .
 
 def main(directory: str) -> dict[str, Any]:
     """Every configuration's price beside the figures printed for it."""
-    from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, install_from_environment
+    from qsa_testing.standins import install_cpu_engine_standins
 
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
-    install_from_environment()
+    install_cpu_engine_standins()
     from qsa_core import QSAProfile
     from qsa_testing import tiny_llama, tiny_qwen4_exp
 

@@ -33,7 +33,6 @@ side stream (``prefetch_cp_kv``) and the CUDA kernel's zigzag entries need a GPU
 from __future__ import annotations
 
 import enum
-import os
 from typing import Any
 
 import pytest
@@ -150,12 +149,10 @@ def _resident_backend(shard: Any) -> Any:
 
 
 def _run(store: Store, rank: int, world: int) -> dict[str, Any]:
-    from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, install_from_environment
+    from qsa_testing.standins import install_cpu_engine_standins
 
     # SGLang's CPU collectives and the sgl_kernel CPU ops they import, as in a CPU engine.
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
-    install_from_environment()
+    install_cpu_engine_standins()
     from sglang.srt.distributed.parallel_state import GroupCoordinator
     from sglang.srt.runtime_context import get_parallel
 

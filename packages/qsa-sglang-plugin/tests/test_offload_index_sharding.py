@@ -115,11 +115,9 @@ class _Rank:
     """One rank's hooked pool and sharded runtime beside the replicated baseline."""
 
     def __init__(self, rank: int, world: int) -> None:
-        from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, install_from_environment
+        from qsa_testing.standins import install_cpu_engine_standins
 
-        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-        os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
-        install_from_environment()
+        install_cpu_engine_standins()
         from sglang.srt.layers.attention.qsa.metadata import QSAIndexerMetadata
         from sglang.srt.layers.attention.qsa.qsa_indexer import QSAIndexer
         from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool

@@ -76,11 +76,9 @@ def _grid(shape: tuple[int, ...], low: int, high: int, gen: torch.Generator) -> 
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
-    from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, install_from_environment
+    from qsa_testing.standins import install_cpu_engine_standins
 
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
-    install_from_environment()
+    install_cpu_engine_standins()
     from sglang.srt.layers.attention.qsa.metadata import QSAIndexerMetadata
     from sglang.srt.layers.attention.qsa.qsa_indexer import QSAIndexer
     from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool

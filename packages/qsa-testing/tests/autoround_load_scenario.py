@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,11 +39,9 @@ class _Warnings(logging.Handler):
 
 
 def main(checkpoint: str, mode: str) -> dict[str, Any]:
-    from qsa_testing.standins import CPU_STANDINS, ENV_STANDINS, install_from_environment
+    from qsa_testing.standins import install_cpu_engine_standins
 
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
-    install_from_environment()
+    install_cpu_engine_standins()
     from safetensors.torch import load_file
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig

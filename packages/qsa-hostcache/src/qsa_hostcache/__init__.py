@@ -42,7 +42,14 @@ from qsa_hostcache._model_config import (
     model_namespace,
 )
 from qsa_hostcache._prompt_cache import PromptCache, PromptCacheNumbers
-from qsa_hostcache._prompt_pools import PromptPools, TokenSlots, admits_host_hit, host_hit
+from qsa_hostcache._prompt_pools import (
+    BufferIndex,
+    IndexAccess,
+    PromptPools,
+    TokenSlots,
+    admits_host_hit,
+    host_hit,
+)
 from qsa_hostcache._prompts import (
     Admission,
     Agree,
@@ -112,6 +119,8 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "agree_min",
     "PromptKeys",
     "PromptPools",
+    "IndexAccess",
+    "BufferIndex",
     "TokenSlots",
     "PromptCache",
     "PromptCacheNumbers",

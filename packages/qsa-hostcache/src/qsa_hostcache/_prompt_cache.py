@@ -24,7 +24,7 @@ from qsa_core import CountSeries, format_bytes
 from qsa_hostcache._arena import CopyFence
 from qsa_hostcache._cache import HostPrefixCache
 from qsa_hostcache._keys import CacheNamespace, PrefixKey
-from qsa_hostcache._prompt_pools import KVLayers, PromptPools, TokenSlots
+from qsa_hostcache._prompt_pools import IndexAccess, KVLayers, PromptPools, TokenSlots
 from qsa_hostcache._prompts import Admission, Agree, PromptCheckpoints, PromptCounts, agree_min
 from qsa_hostcache._requests import PromptKeys
 from qsa_hostcache._segments import StateSegments
@@ -68,8 +68,8 @@ class PromptCache(Generic[R]):
 
     Args:
         cache: this rank's arena of checkpoints.
-        index_buffers: every layer's compressed index keys, ``[S / ratio, Hi, Di]`` a layer
-            (:class:`PromptPools`).
+        index: every layer's compressed index keys, ``[S / ratio, Hi, Di]`` a layer, or an
+            :class:`IndexAccess` to them (:class:`PromptPools`).
         ratio: tokens a compressed index row covers.
         extras: a request's page extras (``page -> identity``) or why it cannot be keyed (an
             enum member, e.g. a ``qsa_mm_prefix.BypassReason``), asked once per request.
@@ -90,7 +90,7 @@ class PromptCache(Generic[R]):
     def __init__(
         self,
         cache: HostPrefixCache,
-        index_buffers: Sequence[torch.Tensor],
+        index: Sequence[torch.Tensor] | IndexAccess,
         ratio: int,
         *,
         extras: Callable[[R], Mapping[int, bytes] | enum.Enum],
@@ -113,7 +113,7 @@ class PromptCache(Generic[R]):
             shared=shared,
             admission=admission,
         )
-        self.pools = PromptPools(checkpoints, index_buffers, ratio, state=state)
+        self.pools = PromptPools(checkpoints, index, ratio, state=state)
         self._keys: PromptKeys[R] = PromptKeys(
             cache.page_size, extras, request_id=request_id, on_bypass=on_bypass
         )
@@ -126,7 +126,7 @@ class PromptCache(Generic[R]):
     def in_host_memory(
         cls,
         budget_bytes: int,
-        index_buffers: Sequence[torch.Tensor],
+        index: Sequence[torch.Tensor] | IndexAccess,
         ratio: int,
         *,
         max_entries: int,
@@ -141,7 +141,7 @@ class PromptCache(Generic[R]):
         Args:
             budget_bytes: the arena's host memory, allocated once (pinned for a CUDA
                 ``device``).
-            index_buffers: as :class:`PromptCache`.
+            index: as :class:`PromptCache`.
             ratio: as :class:`PromptCache`.
             max_entries: the most checkpoints the arena holds.
             page_size: tokens per page (the engine's page size).
@@ -165,7 +165,7 @@ class PromptCache(Generic[R]):
         )
         state = None if state_sample is None else StateSegments(state_sample)
         prompts: PromptCache[R] = cls(
-            cache, index_buffers, ratio, state=state, agree=agree_min(group), **keywords
+            cache, index, ratio, state=state, agree=agree_min(group), **keywords
         )
         logger.info(
             "prefix cache: %s of %s host memory, %d checkpoints at most, pages of %d tokens; "
@@ -274,6 +274,10 @@ class PromptCache(Generic[R]):
     ) -> CopyFence | None:
         """Checkpoint ``request``'s first ``len(tokens)`` tokens, if every rank can.
 
+        Every rank that serves ``request`` makes this call alike and takes the same decisions up
+        to the gather (length, key, weights, admission), which reads the index first: an index
+        read that is collective (:class:`IndexAccess`) is made by every rank or by none.
+
         Args:
             request: the request whose prompt it is.
             tokens: its first token ids (a length :meth:`publishes` allows, or any written
@@ -299,7 +303,7 @@ class PromptCache(Generic[R]):
             return None
         fence = self.checkpoints.publish(
             self.key(request, tokens),
-            lambda: self.pools.gather(kv(), token_slots(), state),
+            lambda: self.pools.gather(kv, token_slots(), state),
             holder=self._request_id(request),
         )
         self._report()

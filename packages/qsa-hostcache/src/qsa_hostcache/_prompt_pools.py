@@ -5,16 +5,19 @@ prompt's checkpoint holds and where each lives in an engine's pools, as plain te
 attention layer's K/V (the engine stages them ``[T, Hkv, D]`` a layer), every layer's compressed
 index keys (one ``[S / ratio, Hi, Di]`` buffer a layer, addressed by token slot, stored as one
 ``[T / ratio, L, Hi, Di]`` segment) and, if the model has one, the request's recurrent state
-(:class:`StateSegments`). The engine keeps its own requests, slots and allocator, and passes
-what they hold to these calls. The rules of when a prompt is looked up, loaded and published are
-here too (:meth:`PromptPools.publishes`, :func:`host_hit`, :func:`admits_host_hit`).
+(:class:`StateSegments`). The index is read and written through an :class:`IndexAccess`: by
+default the buffers themselves (:class:`BufferIndex`); an engine that keeps the index elsewhere
+(sharded over ranks) passes its own. The engine keeps its own requests, slots and allocator, and
+passes what they hold to these calls. The rules of when a prompt is looked up, loaded and
+published are here too (:meth:`PromptPools.publishes`, :func:`host_hit`,
+:func:`admits_host_hit`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,7 +27,14 @@ from qsa_hostcache._keys import PrefixKey
 from qsa_hostcache._prompts import Claim, PromptCheckpoints
 from qsa_hostcache._segments import INDEX_SEGMENT, StateSegments, compressed_slots, kv_segments
 
-__all__ = ("PromptPools", "TokenSlots", "admits_host_hit", "host_hit")
+__all__ = (
+    "BufferIndex",
+    "IndexAccess",
+    "PromptPools",
+    "TokenSlots",
+    "admits_host_hit",
+    "host_hit",
+)
 
 #: ``(k_layers, v_layers)``: each attention layer's K/V, ``[T, Hkv, D]`` a layer.
 KVLayers = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]
@@ -47,6 +57,60 @@ def admits_host_hit(pending_tokens: int, *, device_cache_disabled: bool) -> bool
     return device_cache_disabled and pending_tokens > 0
 
 
+@runtime_checkable
+class IndexAccess(Protocol):
+    """Every layer's compressed index rows, read for a checkpoint and written by a restore.
+
+    A row is a logical compressed-index row (``token slot // ratio`` of its group's first
+    token, :func:`compressed_slots`); a value is that row of every layer, ``[L, Hi, Di]``.
+
+    :meth:`read` may be collective (an index sharded over ranks gathers the rows the other ranks
+    hold): :meth:`PromptPools.gather` calls it first, before it reads anything else of the
+    engine's, and every rank that serves the request calls ``gather`` (the decisions before it
+    are the same on every rank; a rank-local refusal, such as a full arena, comes after it and
+    is agreed). :meth:`write` is never collective: a restore happens under a rank-local claim.
+    """
+
+    @property
+    def device(self) -> torch.device:
+        """Where :meth:`read` returns the rows and :meth:`write` takes them."""
+        ...
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[R, L, Hi, Di]`` the values of ``rows`` (``[R]`` int64 on :attr:`device`)."""
+        ...
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values`` ``[R, L, Hi, Di]`` at ``rows`` (``[R]`` int64 on :attr:`device`)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BufferIndex:
+    """:class:`IndexAccess` of every layer's whole index buffer, indexed directly.
+
+    Attributes:
+        buffers: each layer's ``[S / ratio, Hi, Di]`` compressed index rows, one per ``ratio``
+            token slots (``S`` the slots the engine has), all on one device.
+    """
+
+    buffers: tuple[torch.Tensor, ...]
+
+    @property
+    def device(self) -> torch.device:
+        """The first layer's buffer's device."""
+        return self.buffers[0].device
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[R, L, Hi, Di]`` each layer's rows, stacked on dim 1 (a new tensor)."""
+        return torch.stack([buf[rows] for buf in self.buffers], dim=1)
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Each layer's ``values[:, layer]`` into its buffer's ``rows``."""
+        for layer, buf in enumerate(self.buffers):
+            buf[rows] = values[:, layer]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenSlots:
     """An engine's token-slot allocator.
@@ -65,8 +129,9 @@ class PromptPools:
 
     Args:
         checkpoints: this rank's prompt checkpoints (a load claims token slots).
-        index_buffers: every layer's compressed index keys, ``[S / ratio, Hi, Di]`` a layer,
-            one row per ``ratio`` token slots (``S`` the slots the engine has).
+        index: every layer's compressed index keys, ``[S / ratio, Hi, Di]`` a layer, one row
+            per ``ratio`` token slots (``S`` the slots the engine has; :class:`BufferIndex`),
+            or an :class:`IndexAccess` to them.
         ratio: tokens a compressed index row covers; a page is a whole number of rows.
         state: the engine's recurrent state as segments (None: the model keeps none).
     """
@@ -74,13 +139,13 @@ class PromptPools:
     def __init__(
         self,
         checkpoints: PromptCheckpoints[torch.Tensor],
-        index_buffers: Sequence[torch.Tensor],
+        index: Sequence[torch.Tensor] | IndexAccess,
         ratio: int,
         *,
         state: StateSegments | None = None,
     ) -> None:
         self.checkpoints = checkpoints
-        self._index = tuple(index_buffers)
+        self.index = index if isinstance(index, IndexAccess) else BufferIndex(tuple(index))
         self._ratio = ratio
         self._state = state
 
@@ -108,14 +173,18 @@ class PromptPools:
 
     def gather(
         self,
-        kv: KVLayers,
+        kv: KVLayers | Callable[[], KVLayers],
         token_slots: torch.Tensor,
         state: Callable[[], Any] | None = None,
     ) -> dict[str, torch.Tensor]:
         """The segments of a checkpoint of ``T`` tokens.
 
+        The index rows are read first (:meth:`IndexAccess.read`, which may be collective), then
+        the K/V, then the state.
+
         Args:
-            kv: each layer's K/V of those tokens, ``[T, Hkv, D]`` (views are fine).
+            kv: each layer's K/V of those tokens, ``[T, Hkv, D]`` (views are fine), or what reads
+                them (called after the index rows are read).
             token_slots: ``[T]`` the tokens' slots, whose index rows are read.
             state: reads the request's recurrent state (called last, only when the model keeps
                 one).
@@ -123,9 +192,10 @@ class PromptPools:
         Returns:
             ``k.<i>``/``v.<i>``, ``index`` (``[T / ratio, L, Hi, Di]``) and ``state.<j>``.
         """
-        sources = kv_segments(*kv)
-        rows = compressed_slots(token_slots, self._ratio)
-        sources[INDEX_SEGMENT] = torch.stack([buf[rows] for buf in self._index], dim=1)
+        rows = compressed_slots(token_slots.to(self.index.device), self._ratio)
+        index = self.index.read(rows)
+        sources = kv_segments(*(kv() if callable(kv) else kv))
+        sources[INDEX_SEGMENT] = index
         if self._state is not None and state is not None:
             sources.update(self._state.segments(state()))
         return sources
@@ -182,8 +252,6 @@ class PromptPools:
 
     def _restore_index(self, lease: Lease, slots: torch.Tensor) -> None:
         """The checkpoint's ``[T / ratio, L, Hi, Di]`` index keys into the rows of ``slots``."""
-        device = self._index[0].device
+        device = self.index.device
         rows = self.checkpoints.restore_new(lease, [INDEX_SEGMENT], device)[INDEX_SEGMENT]
-        groups = compressed_slots(slots.to(device), self._ratio)
-        for layer, buf in enumerate(self._index):
-            buf[groups] = rows[:, layer]
+        self.index.write(compressed_slots(slots.to(device), self._ratio), rows)

@@ -194,8 +194,8 @@ class Switches:
             layer, or None for the default (with ``p2-offload`` only).
         index_sharding: ``SGLANG_QSA_INDEX_SHARDING=1``: the compressed index sharded by page
             (D2) over the cache-sharding groups (resident or with ``p2-offload``), or without
-            cache sharding over every TP rank beside upstream's resident QSA backend; not with
-            the prefix cache.
+            cache sharding over every TP rank beside upstream's resident QSA backend (with the
+            prefix cache too).
         prefix_cache_store: ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_STORE``: the prefix cache's
             shared tier, or None (with the prefix cache only).
         prefix_cache_admission: ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT``: which prefixes the
@@ -403,9 +403,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             f"{double_sparsity.channel_config!r} serves models without them; unset one side"
         )
         raise SwitchError(msg)
-    index_sharding = _parse_index_sharding(
-        environ, cache_sharding, prefix_cache_mb, raw_mb, resident=hisparse is None
-    )
+    index_sharding = _parse_index_sharding(environ, cache_sharding, resident=hisparse is None)
     if index_sharding and double_sparsity is not None:
         msg = (
             f"{ENV_INDEX_SHARDING}='1' shards the QSA index; {ENV_DS_CHANNEL_CONFIG}="
@@ -502,19 +500,15 @@ def _parse_admission(
 
 
 def _parse_index_sharding(
-    environ: Mapping[str, str],
-    cache_sharding: int,
-    prefix_cache_mb: int,
-    raw_mb: str,
-    *,
-    resident: bool,
+    environ: Mapping[str, str], cache_sharding: int, *, resident: bool
 ) -> bool:
     """``SGLANG_QSA_INDEX_SHARDING``: D2 on D1's groups, or alone over every TP rank.
 
     With cache sharding (D1, resident or offloaded) D2 uses its shard groups; without it, every
-    TP rank beside upstream's resident QSA backend (no ``SGLANG_QSA_HISPARSE_V3``).
-
-    The host prefix cache is refused with it: a checkpoint copies the index by global slot.
+    TP rank beside upstream's resident QSA backend (no ``SGLANG_QSA_HISPARSE_V3``). The host
+    prefix cache (``p2-offload``, so with D1) composes with it: a checkpoint reads the whole
+    index through the rank's shard and a restore writes back the rank's pages
+    (``qsa_kernels.sharded.ShardedIndexAccess``).
     """
     raw = environ.get(ENV_INDEX_SHARDING, "")
     if raw not in ("", "0", "1"):
@@ -530,14 +524,6 @@ def _parse_index_sharding(
             f"requires {ENV_HISPARSE_V3} unset, got {ENV_HISPARSE_V3}="
             f"{environ.get(ENV_HISPARSE_V3, '')!r}; allowed: {ENV_HISPARSE_V3} unset, or "
             f"{ENV_CACHE_SHARDING} of 2 or more"
-        )
-        raise SwitchError(msg)
-    if prefix_cache_mb > 0:
-        msg = (
-            f"{ENV_INDEX_SHARDING}='1' is not allowed with {ENV_PREFIX_CACHE_MB}={raw_mb!r}: a "
-            "prefix-cache checkpoint copies the compressed index by global slot, while each rank "
-            f"holds only its own pages; allowed: {ENV_PREFIX_CACHE_MB} unset or '0', or "
-            f"{ENV_INDEX_SHARDING} unset or '0'"
         )
         raise SwitchError(msg)
     return True

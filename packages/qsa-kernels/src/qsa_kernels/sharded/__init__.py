@@ -10,6 +10,8 @@ exchange of fp32 partials; an LSE merge). A prefill chunk over a sharded prefix 
 All transport goes through
 :class:`ShardedDecodeBuffers`, allocated once. Writes of new raw K/V rows
 and closed index blocks are routed to their owners (``*_write_targets``, ``write_owned_*``).
+A host prefix cache reads and writes the whole index by logical row through one rank's shard
+(:class:`ShardedIndexAccess`).
 """
 
 from qsa_kernels.sharded._attention import (
@@ -27,6 +29,7 @@ from qsa_kernels.sharded._buffers import (
 )
 from qsa_kernels.sharded._group import ShardGroup, all_gather_flat, all_to_all_flat
 from qsa_kernels.sharded._index import IndexRows, IndexShard, ShardedIndex, ZerosOnMeta
+from qsa_kernels.sharded._index_access import ShardedIndexAccess
 from qsa_kernels.sharded._layout import (
     LocalIndexTable,
     compact_owned_slots,
@@ -84,6 +87,7 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "IndexRows",
     "IndexShard",
     "ShardedIndex",
+    "ShardedIndexAccess",
     "ZerosOnMeta",
     # -- Decode step --
     "gather_group_queries",

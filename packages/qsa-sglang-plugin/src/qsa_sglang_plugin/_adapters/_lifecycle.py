@@ -30,5 +30,6 @@ def radix_cache_factory(ctx: Any) -> Any:
                 max_entries=switches.prefix_cache_max_entries,
                 store=switches.prefix_cache_store,
                 admission=switches.prefix_cache_admission,
+                index_sharded=switches.index_sharding,
             )
     return cache

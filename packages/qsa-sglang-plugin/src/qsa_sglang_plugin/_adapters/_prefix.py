@@ -12,23 +12,26 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
 from qsa_hostcache import (
     Admission,
+    IndexAccess,
     PromptCache,
     PromptCacheNumbers,
     SharedCheckpoints,
     StoreUnavailableError,
     TokenSlots,
 )
+from qsa_kernels.sharded import ShardedIndexAccess
 from qsa_mm_prefix import BypassReason, ProcessorFingerprint, prompt_page_extras, spatial_merge_size
 from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
 from qsa_sglang_plugin._adapters._multimodal import engine_processor_fingerprint, sglang_items
 from qsa_sglang_plugin._adapters._namespace import cache_namespace_from_sglang
+from qsa_sglang_plugin._adapters._sharded_index import sharded_index
 from qsa_sglang_plugin._errors import OffloadRuntimeError, SwitchError
 from qsa_sglang_plugin._switches import ENV_PREFIX_CACHE_STORE
 
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
     from qsa_hostcache import StoreAddress
     from qsa_kernels.offload import OffloadRuntime
 
-__all__ = ("METRIC_PREFIX", "PrefixCacheRuntime", "build_prefix_cache")
+__all__ = ("METRIC_PREFIX", "PrefixCacheRuntime", "build_prefix_cache", "checkpoint_index")
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +149,13 @@ def build_prefix_cache(
     max_entries: int,
     store: StoreAddress | None = None,
     admission: Admission | None = None,
+    index_sharded: bool = False,
 ) -> PrefixCacheRuntime:
     """The prefix cache of one scheduler (SGLang's ``TreeCacheBuildContext``, its tree cache).
 
     ``store``: the shared tier's store, or None; ``admission``: which prefixes it checkpoints
-    (None: every one).
+    (None: every one); ``index_sharded``: the compressed index is sharded by page
+    (:func:`checkpoint_index`).
 
     Raises:
         qsa_hostcache.ArenaAllocationError: the host cannot allocate (or pin) ``budget_bytes``.
@@ -172,7 +177,7 @@ def build_prefix_cache(
     kv_pool = runner.token_to_kv_pool
     prompts: PromptCache[Any] = PromptCache.in_host_memory(
         budget_bytes,
-        kv_pool.qsa_compressed_k_buffer_pool,
+        checkpoint_index(kv_pool, index_sharded=index_sharded),
         int(kv_pool.qsa_compress_ratio),
         max_entries=max_entries,
         page_size=page_size,
@@ -199,6 +204,25 @@ def build_prefix_cache(
     if store is not None:
         logger.info("prefix cache: shared tier %s, written through", store)
     return PrefixCacheRuntime(prompts, offload, rows, tree_cache.token_to_kv_pool_allocator)
+
+
+def checkpoint_index(pool: Any, *, index_sharded: bool) -> Sequence[torch.Tensor] | IndexAccess:
+    """What a checkpoint reads ``pool``'s compressed index through, and a restore writes.
+
+    The pool's buffers (``qsa_compressed_k_buffer_pool``, ``[S / 4, Hi, Di]`` a layer), or, with
+    index sharding (D2), this rank's shard of them (``[16 * P_local, Hi, Di]``) through the
+    installed index: a :class:`qsa_kernels.sharded.ShardedIndexAccess`, whose read gathers the
+    rows other ranks own (collective over the index's shard group, made by every rank alike at
+    the gather of ``PromptCache.publish``) and whose write keeps this rank's rows. The checkpoint
+    holds the whole index on every rank either way.
+
+    Raises:
+        OffloadRuntimeError: ``index_sharded`` and no index shard is installed.
+    """
+    buffers: Sequence[torch.Tensor] = pool.qsa_compressed_k_buffer_pool
+    if not index_sharded:
+        return buffers
+    return ShardedIndexAccess(sharded_index(), buffers)
 
 
 def _page_extras(

@@ -36,6 +36,7 @@ __all__ = (
     "StandInSpec",
     "announced",
     "boot_directory",
+    "install_cpu_engine_standins",
     "install_from_environment",
     "parse_standins",
 )
@@ -94,3 +95,14 @@ def install_from_environment() -> frozenset[StandIn]:
     names = parse_standins(os.environ.get(ENV_STANDINS, ""))
     install(names)
     return names
+
+
+def install_cpu_engine_standins() -> frozenset[StandIn]:
+    """This process as a CPU engine's: ``SGLANG_USE_CPU_ENGINE=1`` and every CPU stand-in.
+
+    What a process that drives SGLang's classes by hand on the CPU (a gloo rank, a scenario)
+    does before importing them; the environment names the stand-ins for its children too.
+    """
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    os.environ[ENV_STANDINS] = ",".join(sorted(s.value for s in CPU_STANDINS))
+    return install_from_environment()
