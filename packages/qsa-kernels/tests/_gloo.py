@@ -6,10 +6,15 @@ its own directory rather than through pytest.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+_Variant = TypeVar("_Variant")
 
 
 def member_groups(
@@ -33,6 +38,27 @@ def member_groups(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def write_group_results(  # noqa: PLR0917 (the worker's own arguments, then its cases)
+    rank: int,
+    port: int,
+    out_dir: Path,
+    world: int,
+    sizes: Iterable[int],
+    variants: Mapping[str, _Variant],
+    run: Callable[[Any, _Variant], dict[str, Any]],
+) -> None:
+    """Every group of :func:`member_groups` as a ``ShardGroup``, ``run`` once per variant;
+    ``{"<n>/<variant>": result}`` written to ``out_dir/rank<rank>.json`` for the test side."""
+    from qsa_kernels.sharded import ShardGroup
+
+    results: dict[str, Any] = {}
+    for n, group in member_groups(rank, port, world, sizes):
+        shard = ShardGroup.from_process_group(group)
+        for name, variant in variants.items():
+            results[f"{n}/{name}"] = run(shard, variant)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def mismatch(a: torch.Tensor, b: torch.Tensor, *, rtol: float, atol: float) -> str:

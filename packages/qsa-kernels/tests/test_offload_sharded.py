@@ -20,7 +20,6 @@ ids read from a rank-local cache (selected ids beyond a rank's arena).
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -158,15 +157,9 @@ def _run(shard: Any, path_name: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, out_dir: Path) -> None:
-    from _gloo import member_groups
-    from qsa_kernels.sharded import ShardGroup
+    from _gloo import write_group_results
 
-    results: dict[str, Any] = {}
-    for n, group in member_groups(rank, port, WORLD, GROUPS):
-        shard = ShardGroup.from_process_group(group)
-        for path_name in PATHS:
-            results[f"{n}/{path_name}"] = _run(shard, path_name)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    write_group_results(rank, port, out_dir, WORLD, GROUPS, {p: p for p in PATHS}, _run)
 
 
 # ------------------------------------------------------------------------------ test side

@@ -14,7 +14,6 @@ that one rank owns alone, and a read of no owned row at all, are checked too.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -84,15 +83,9 @@ def _run(shard: Any, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, out_dir: Path) -> None:
-    from _gloo import member_groups
-    from qsa_kernels.sharded import ShardGroup
+    from _gloo import write_group_results
 
-    results: dict[str, Any] = {}
-    for n, group in member_groups(rank, port, WORLD, GROUPS):
-        shard = ShardGroup.from_process_group(group)
-        for name, dtype in DTYPES.items():
-            results[f"{n}/{name}"] = _run(shard, dtype)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    write_group_results(rank, port, out_dir, WORLD, GROUPS, DTYPES, _run)
 
 
 # ------------------------------------------------------------------------------ test side
