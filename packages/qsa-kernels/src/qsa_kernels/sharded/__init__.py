@@ -27,7 +27,13 @@ from qsa_kernels.sharded._buffers import (
     HeadLayout,
     ShardedDecodeBuffers,
 )
-from qsa_kernels.sharded._group import ShardGroup, all_gather_flat, all_to_all_flat
+from qsa_kernels.sharded._group import (
+    ShardGroup,
+    all_gather_flat,
+    all_gather_rows,
+    all_to_all_flat,
+    group_row_counts,
+)
 from qsa_kernels.sharded._index import IndexRows, IndexShard, ShardedIndex, ZerosOnMeta
 from qsa_kernels.sharded._index_access import ShardedIndexAccess
 from qsa_kernels.sharded._layout import (
@@ -60,7 +66,9 @@ __all__ = (  # noqa: RUF022 (grouped by comment, sorted within each group)
     "ShardGroup",
     "ShardedDecodeBuffers",
     "all_gather_flat",
+    "all_gather_rows",
     "all_to_all_flat",
+    "group_row_counts",
     # -- Placement adapters --
     "LocalIndexTable",
     "compact_owned_slots",

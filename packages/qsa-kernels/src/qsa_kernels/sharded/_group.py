@@ -12,7 +12,14 @@ from qsa_core import QSAProfile, ShardPlacement
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._path import KernelPath
 
-__all__ = ("KernelPath", "ShardGroup", "all_gather_flat", "all_to_all_flat")
+__all__ = (
+    "KernelPath",
+    "ShardGroup",
+    "all_gather_flat",
+    "all_gather_rows",
+    "all_to_all_flat",
+    "group_row_counts",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,6 +175,59 @@ def all_gather_flat(shard: ShardGroup, send: torch.Tensor, recv: torch.Tensor) -
     if gather is None:
         gather = dist.all_gather_into_tensor
     gather(recv, send, group=shard.group)
+
+
+def group_row_counts(shard: ShardGroup, rows: int, device: torch.device) -> tuple[int, ...]:
+    """Every rank's ``rows``, in rank order: one all-gather of an int64 and a host read.
+
+    Not capturable (the counts come back to the host); for eager steps whose ranks bring
+    different numbers of rows (a context-parallel prefill's zigzag rows).
+    """
+    if shard.world_size == 1:
+        return (rows,)
+    send = torch.tensor([rows], dtype=torch.int64, device=device)
+    recv = torch.empty(shard.world_size, dtype=torch.int64, device=device)
+    all_gather_flat(shard, send, recv)
+    return tuple(int(n) for n in recv.tolist())
+
+
+def all_gather_rows(shard: ShardGroup, rows: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Every rank's ``rows``, concatenated in rank order, on every rank.
+
+    One all-gather of the rows padded to ``max(counts)``, moved as bytes (any dtype, fp8 and
+    bf16 included, over any backend).
+
+    Args:
+        shard: this rank's shard group.
+        rows: ``[counts[rank], ...]`` this rank's rows; the trailing shape and dtype are the
+            same on every rank.
+        counts: every rank's row count (:func:`group_row_counts`), the same on every rank.
+
+    Returns:
+        ``[sum(counts), ...]`` ``rows.dtype``: rank 0's rows, then rank 1's, ...
+
+    Raises:
+        KernelInputError: ``counts`` is not one count per rank, or this rank's is not
+            ``rows.shape[0]``.
+    """
+    if len(counts) != shard.world_size or counts[shard.rank] != rows.shape[0]:
+        msg = (
+            f"counts must give world_size={shard.world_size!r} ranks' rows with this rank's "
+            f"{rows.shape[0]!r} at {shard.rank!r}; got {list(counts)!r}"
+        )
+        raise KernelInputError(msg)
+    width = max(counts)
+    if shard.world_size == 1 or width == 0:
+        return rows
+    padded = rows.new_zeros((width, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    send = padded.reshape(width, -1).view(torch.uint8).reshape(-1)
+    recv = torch.empty(shard.world_size * send.numel(), dtype=torch.uint8, device=rows.device)
+    all_gather_flat(shard, send, recv)
+    per_rank = recv.view(shard.world_size, width, -1)
+    parts = [per_rank[rank, :n] for rank, n in enumerate(counts)]
+    gathered = torch.cat(parts).view(rows.dtype)
+    return gathered.reshape(sum(counts), *rows.shape[1:])
 
 
 def all_to_all_flat(shard: ShardGroup, send: torch.Tensor, recv: torch.Tensor) -> None:

@@ -16,7 +16,10 @@ ranges holds the rows between the two (:meth:`ShardedIndex.prefill_inputs`, then
 An engine that builds the whole index in its own constructor builds it under
 :class:`ZerosOnMeta` (no memory) and puts a rank's :class:`IndexShard` in its place.
 Every rank of the group must call :meth:`ShardedIndex.select` with the same rows (the
-candidate all-gather pairs up group by group), as tensor-parallel ranks do.
+candidate all-gather pairs up group by group), as tensor-parallel ranks do. A prefill whose ranks
+each bring their own rows (context parallelism: each rank its zigzag rows) says so to
+:meth:`ShardedIndex.prefill_inputs` (``own_rows``): the group then selects for the union of its
+ranks' rows, in rank order, and each rank keeps its own rows' selections.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from qsa_core import QWEN38_FLASH_NEXT, ShardPlacement, format_bytes
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._path import KernelPath
 from qsa_kernels.sharded._buffers import PREFILL_GROUP_ROWS, HeadLayout, ShardedDecodeBuffers
-from qsa_kernels.sharded._group import ShardGroup
+from qsa_kernels.sharded._group import ShardGroup, all_gather_rows, group_row_counts
 from qsa_kernels.sharded._layout import local_index_table
 from qsa_kernels.sharded._topk import sharded_indexer_topk
 from qsa_kernels.sharded._writes import index_write_targets, write_owned_index_blocks
@@ -135,7 +138,9 @@ class _HeldPrefill:
 
     row_starts: torch.Tensor  # the tensor prefill_inputs returned (identifies the call)
     local_index: torch.Tensor  # [P_local, 16, Dk]
-    rows: IndexRows
+    rows: IndexRows  # every rank's rows, in rank order, with own_rows
+    counts: tuple[int, ...] | None  # each rank's rows with own_rows, else None
+    own: slice  # this rank's rows of ``rows``
 
 
 class ZerosOnMeta(TorchFunctionMode):
@@ -351,8 +356,14 @@ class ShardedIndex:
         requests: torch.Tensor,
         *,
         row_ranges: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        own_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's prefill rows: their key ranges, the rows held for :meth:`select_prefill`.
+
+        With ``own_rows`` (a context-parallel prefill: each rank of the group brings its own
+        rows, any number) every rank holds the union of the group's rows in rank order, so the
+        candidate all-gathers of :meth:`select_prefill` pair up; one all-gather of the row
+        counts (a host read) and one of the rows' ``(request, position)`` pairs (16 bytes a row).
 
         Args:
             index_buffer: this rank's index shard of the layer (as :meth:`local_view` takes it).
@@ -363,6 +374,8 @@ class ShardedIndex:
                 row ranges are computed on.
             row_ranges: the engine's key ranges of query rows: ``(positions [T], requests [T])``
                 -> ``(row_starts [T], row_ends [T])``.
+            own_rows: each rank selects for its own rows (all ranks must say the same); False:
+                every rank brings the same rows.
 
         Returns:
             ``(row_starts [T], row_ends [T])`` of ``row_ranges``; ``row_starts`` identifies
@@ -380,8 +393,15 @@ class ShardedIndex:
             raise KernelInputError(msg)
         positions = positions[:rows].to(requests.device)
         row_starts, row_ends = row_ranges(positions, requests)
+        counts, own = None, slice(None)
+        if own_rows:
+            counts = group_row_counts(self.shard, rows, requests.device)
+            before = sum(counts[: self.shard.rank])
+            own = slice(before, before + rows)
+            pairs = torch.stack([requests.long(), positions.long()], dim=1)
+            requests, positions = all_gather_rows(self.shard, pairs, counts).unbind(1)
         held = self.prefill_rows(slot_table, requests, positions)
-        self._held = _HeldPrefill(row_starts, self.local_view(index_buffer), held)
+        self._held = _HeldPrefill(row_starts, self.local_view(index_buffer), held, counts, own)
         return row_starts, row_ends
 
     def select_prefill(
@@ -389,13 +409,17 @@ class ShardedIndex:
     ) -> torch.Tensor:
         """:meth:`select` of the rows :meth:`prefill_inputs` returned ``row_starts`` for.
 
+        With ``own_rows`` the group's queries are all-gathered first (``heads x D`` elements a
+        row) and the union selected; each rank returns its own rows.
+
         Args:
             row_starts: the tensor :meth:`prefill_inputs` returned (the same object).
-            q: ``[T, >= heads, D]`` index queries; the first ``heads`` are the indexer's.
+            q: ``[T, >= heads, D]`` index queries of this rank's rows; the first ``heads`` are
+                the indexer's.
             heads: the indexer's query heads.
 
         Returns:
-            ``[T, block_topk]`` int32 block ids, as :meth:`select`.
+            ``[T, block_topk]`` int32 block ids of this rank's rows, as :meth:`select`.
 
         Raises:
             KernelInputError: ``row_starts`` are not the held rows' (none held, or another
@@ -409,7 +433,10 @@ class ShardedIndex:
             )
             raise KernelInputError(msg)
         queries = q[:, :heads].contiguous()
-        return self.select(queries, held.local_index, held.rows.page_table, held.rows.seq_lens)
+        if held.counts is not None:
+            queries = all_gather_rows(self.shard, queries, held.counts)
+        blocks = self.select(queries, held.local_index, held.rows.page_table, held.rows.seq_lens)
+        return blocks[held.own]
 
     def select_decode(
         self,
