@@ -243,14 +243,6 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
             "HiCache copies the compressed-index pages by logical page id, while each rank "
             "holds only its own pages",
         )
-    if switches.index_sharding and facts.enable_prefill_cp:
-        raise _reject(
-            "--enable-prefill-cp",
-            True,
-            f"off with {ENV_INDEX_SHARDING}='1'",
-            "each CP rank selects for its own zigzag rows, while the sharded index's candidate "
-            "all-gather needs every rank of the group to select for the same rows",
-        )
     if switches.hot_blocks is not None:
         _check_hot_blocks(profile, switches.hot_blocks)
     return profile

@@ -193,6 +193,9 @@ def around_get_prefill_mqa_inputs(
 
     Returns upstream's ``(compressed_keys, row_starts, row_ends, sequence_lengths)`` with
     ``compressed_keys`` empty; the prefill selection, which must come next, reads the shard.
+    Upstream passes ``query_sequence_ids`` from its prefill CP only (``forward_cuda_cp``: this
+    rank's zigzag rows); the index group then selects for the union of its ranks' rows
+    (``own_rows``), and each rank keeps its own.
     """
     del original
     from sglang.srt.layers.attention.qsa.metadata import build_qsa_row_ranges
@@ -209,7 +212,7 @@ def around_get_prefill_mqa_inputs(
     try:
         row_starts, row_ends = sharded_index().prefill_inputs(
             buffer, metadata.token_slot_table, positions, ids.to(sequence_lengths.device),
-            row_ranges=row_ranges,
+            row_ranges=row_ranges, own_rows=query_sequence_ids is not None,
         )  # fmt: skip
     except KernelInputError as exc:
         raise OffloadRuntimeError(f"QSA prefill under index sharding: {exc}") from exc
