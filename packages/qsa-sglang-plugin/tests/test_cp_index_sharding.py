@@ -35,7 +35,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qsa_testing import IndexPoolShape, Platform, current_platform, extend_batch, run_on_gloo_ranks
+from qsa_testing import (
+    IndexPoolShape,
+    Platform,
+    current_platform,
+    extend_batch,
+    run_on_gloo_ranks,
+    zigzag_prefill_cp,
+)
 
 pytestmark = pytest.mark.skipif(
     current_platform() is not Platform.CPU,
@@ -70,35 +77,7 @@ def _run(rank: int, world: int, *, index_world: int) -> dict[str, Any]:
     from qsa_testing.standins import install_cpu_engine_standins
 
     install_cpu_engine_standins()
-    from sglang.srt.distributed.parallel_state import GroupCoordinator
-    from sglang.srt.runtime_context import get_parallel
-
-    cp_group = GroupCoordinator(
-        group_ranks=[list(range(world))],
-        local_rank=rank,
-        torch_distributed_backend="gloo",
-        use_pynccl=False,
-        use_mscclpp=False,
-        use_custom_allreduce=False,
-        use_torch_symm_mem_all_reduce=False,
-        use_hpu_communicator=False,
-        use_xpu_communicator=False,
-        group_name="attn_cp",
-    )
-    with get_parallel().override(
-        tp_size=world,
-        tp_rank=rank,
-        attn_tp_size=1,
-        attn_tp_rank=0,
-        attn_dp_size=1,
-        attn_dp_rank=0,
-        attn_cp_size=world,
-        attn_cp_rank=rank,
-        attn_cp_group=cp_group,
-        enable_prefill_cp=True,
-        enable_cp_tp_group_sharing=True,
-        cp_strategy="zigzag",
-    ):
+    with zigzag_prefill_cp(rank, world):
         return _scenario(rank, world, index_world)
 
 
@@ -129,8 +108,6 @@ def _install_index(rank: int, world: int, index_world: int) -> Any:
 
 
 def _scenario(rank: int, world: int, index_world: int) -> dict[str, Any]:
-    from types import SimpleNamespace
-
     from sglang.srt.layers.attention.qsa.metadata import QSAIndexerMetadata
     from sglang.srt.layers.attention.qsa.qsa_indexer import QSAIndexer
     from sglang.srt.layers.cp.utils import (
@@ -154,16 +131,7 @@ def _scenario(rank: int, world: int, index_world: int) -> dict[str, Any]:
     activate()
     shard = _install_index(rank, world, index_world)
     pool = SHAPE.pool(QSATokenToKVPool)
-    config = SimpleNamespace(
-        indexer_n_heads=HEADS,
-        indexer_kv_heads=1,
-        indexer_head_dim=DIM,
-        indexer_budget=SHAPE.token_topk,
-        indexer_compress_ratio=RATIO,
-        hidden_size=64,
-        rms_norm_eps=1e-6,
-    )
-    indexer = QSAIndexer(config, LAYER_IDS[0], rotary_emb=SimpleNamespace(rotary_dim=64))
+    indexer = SHAPE.indexer(QSAIndexer, LAYER_IDS[0], HEADS)
     table = _slot_table()
     gen = torch.Generator().manual_seed(SEED + 1)
     failures: list[str] = []

@@ -46,6 +46,7 @@ from qsa_testing import (
     extend_batch,
     random_block_selection,
     run_on_gloo_ranks,
+    zigzag_prefill_cp,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -153,35 +154,7 @@ def _run(store: Store, rank: int, world: int) -> dict[str, Any]:
 
     # SGLang's CPU collectives and the sgl_kernel CPU ops they import, as in a CPU engine.
     install_cpu_engine_standins()
-    from sglang.srt.distributed.parallel_state import GroupCoordinator
-    from sglang.srt.runtime_context import get_parallel
-
-    group = GroupCoordinator(
-        group_ranks=[list(range(world))],
-        local_rank=rank,
-        torch_distributed_backend="gloo",
-        use_pynccl=False,
-        use_mscclpp=False,
-        use_custom_allreduce=False,
-        use_torch_symm_mem_all_reduce=False,
-        use_hpu_communicator=False,
-        use_xpu_communicator=False,
-        group_name="attn_cp",
-    )
-    with get_parallel().override(
-        tp_size=world,
-        tp_rank=rank,
-        attn_tp_size=1,
-        attn_tp_rank=0,
-        attn_dp_size=1,
-        attn_dp_rank=0,
-        attn_cp_size=world,
-        attn_cp_rank=rank,
-        attn_cp_group=group,
-        enable_prefill_cp=True,
-        enable_cp_tp_group_sharing=True,
-        cp_strategy="zigzag",
-    ):
+    with zigzag_prefill_cp(rank, world):
         return _scenario(store, rank, world)
 
 

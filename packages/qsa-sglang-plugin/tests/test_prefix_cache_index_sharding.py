@@ -23,7 +23,6 @@ read every rank made) without a hang.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -97,16 +96,7 @@ def _selection(upstream: dict[str, Any], full: Any, pool: Any, table: torch.Tens
     from sglang.srt.layers.attention.qsa.mqa import torch_qsa_mqa_decode
     from sglang.srt.layers.attention.qsa.qsa_indexer import QSAIndexer
 
-    config = SimpleNamespace(
-        indexer_n_heads=HEADS,
-        indexer_kv_heads=1,
-        indexer_head_dim=DIM,
-        indexer_budget=SHAPE.token_topk,
-        indexer_compress_ratio=RATIO,
-        hidden_size=64,
-        rms_norm_eps=1e-6,
-    )
-    indexer = QSAIndexer(config, LAYERS[0], rotary_emb=SimpleNamespace(rotary_dim=64))
+    indexer = SHAPE.indexer(QSAIndexer, LAYERS[0], HEADS)
     gen = torch.Generator().manual_seed(SEED + 1)
     lens = torch.tensor([TOKENS], dtype=torch.int32)
     fields = {"sequence_lengths": lens, "token_to_batch_idx": torch.arange(1)}

@@ -47,7 +47,7 @@ from qsa_testing._errors import (
     StandInError,
 )
 from qsa_testing._flags import server_args_of_flags
-from qsa_testing._gloo import Scenario, run_on_gloo_ranks
+from qsa_testing._gloo import Scenario, run_on_gloo_ranks, zigzag_prefill_cp
 from qsa_testing._models import (
     TinyModel,
     TinyModelKind,
@@ -128,6 +128,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     # distributed scenarios on one machine
     "Scenario",
     "run_on_gloo_ranks",
+    "zigzag_prefill_cp",
     # QSA-shaped inputs and SGLang batches
     "random_block_selection",
     "SelectionDifference",

@@ -18,7 +18,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from torch.multiprocessing.spawn import ProcessRaisedException, spawn
 from qsa_pytest.processes import hang_guard_s
 from qsa_testing._engine import PORT_ATTEMPTS
 
-__all__ = ("Scenario", "run_on_gloo_ranks")
+__all__ = ("Scenario", "run_on_gloo_ranks", "zigzag_prefill_cp")
 
 #: ``(rank, world) -> JSON-serialisable result`` of one rank.
 Scenario = Callable[[int, int], dict[str, Any]]
@@ -92,3 +92,44 @@ def _launch(scenario: Scenario, world: int, out_dir: Path) -> list[dict[str, Any
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(process.pid, signal.SIGABRT)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@contextlib.contextmanager
+def zigzag_prefill_cp(rank: int, world: int) -> Iterator[Any]:
+    """SGLang's zigzag prefill CP over every gloo rank, as a CP-TP-sharing engine sets it up.
+
+    Its ``GroupCoordinator`` over gloo as the attention-CP group (the TP group: attention TP 1),
+    and ``get_parallel()`` overridden to say so while the block runs. Call after
+    ``qsa_testing.standins.install_cpu_engine_standins()`` (SGLang's CPU collectives); every
+    rank must enter it alike (the group's creation is collective). Yields the group.
+    """
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.runtime_context import get_parallel
+
+    group = GroupCoordinator(
+        group_ranks=[list(range(world))],
+        local_rank=rank,
+        torch_distributed_backend="gloo",
+        use_pynccl=False,
+        use_mscclpp=False,
+        use_custom_allreduce=False,
+        use_torch_symm_mem_all_reduce=False,
+        use_hpu_communicator=False,
+        use_xpu_communicator=False,
+        group_name="attn_cp",
+    )
+    with get_parallel().override(
+        tp_size=world,
+        tp_rank=rank,
+        attn_tp_size=1,
+        attn_tp_rank=0,
+        attn_dp_size=1,
+        attn_dp_rank=0,
+        attn_cp_size=world,
+        attn_cp_rank=rank,
+        attn_cp_group=group,
+        enable_prefill_cp=True,
+        enable_cp_tp_group_sharing=True,
+        cp_strategy="zigzag",
+    ):
+        yield group

@@ -148,6 +148,25 @@ class IndexPoolShape:
             num_request_slots=8,
         )
 
+    def indexer(self, cls: type, layer_id: int, heads: int) -> Any:
+        """SGLang's ``QSAIndexer`` (``cls``) of ``heads`` query heads at this shape.
+
+        Built for its selection methods (its configuration); it has no weights to run
+        ``forward``.
+        """
+        from types import SimpleNamespace
+
+        config = SimpleNamespace(
+            indexer_n_heads=heads,
+            indexer_kv_heads=1,
+            indexer_head_dim=self.index_dim,
+            indexer_budget=self.token_topk,
+            indexer_compress_ratio=self.ratio,
+            hidden_size=64,
+            rms_norm_eps=1e-6,
+        )
+        return cls(config, layer_id, rotary_emb=SimpleNamespace(rotary_dim=64))
+
     def metadata(self, meta_cls: type, pool: Any, **fields: Any) -> Any:
         """SGLang's ``QSAIndexerMetadata`` over ``pool``, with the step's ``fields``."""
         return meta_cls(
