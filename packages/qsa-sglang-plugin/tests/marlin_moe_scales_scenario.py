@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 from typing import Any
 
@@ -23,15 +24,6 @@ import torch
 
 #: The logger of the plugin's hook on ``GPTQMarlinMoEScheme.create_weights``.
 HOOK_LOGGER = "qsa_sglang_plugin._adapters._gptq_moe"
-
-
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _stored(
@@ -51,10 +43,10 @@ def main(checkpoint: str) -> dict[str, Any]:
     from qsa_testing.standins import install_cpu_engine_standins
 
     install_cpu_engine_standins()  # before the plugin imports its targets
-    messages = _Messages()
+    records = logging.handlers.BufferingHandler(capacity=1 << 16)
     logger = logging.getLogger(HOOK_LOGGER)
     logger.setLevel(logging.INFO)
-    logger.addHandler(messages)
+    logger.addHandler(records)
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -98,7 +90,7 @@ def main(checkpoint: str) -> dict[str, Any]:
         "missing": report["missing"],
         "unexpected": report["unexpected"],
         "experts": experts,
-        "log": messages.messages,
+        "log": [record.getMessage() for record in records.buffer],
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import logging.handlers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,17 +59,6 @@ class SGLangLoad:
             "methods": self.methods,
             "tensors": len(self.weights),
         }
-
-
-class _Warnings(logging.Handler):
-    """The messages of the warnings a logger emits."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def load_into_sglang_qwen4_exp(checkpoint: str | Path, mode: LoadMode | str) -> SGLangLoad:
@@ -131,7 +121,8 @@ def load_into_sglang_qwen4_exp(checkpoint: str | Path, mode: LoadMode | str) -> 
         type(quant_config).get_quant_method = recorded
     from sglang.srt.models import qwen4_exp
 
-    warnings = _Warnings()
+    warnings = logging.handlers.BufferingHandler(capacity=1 << 16)
+    warnings.setLevel(logging.WARNING)
     qwen4_exp.logger.addHandler(warnings)
     torch.set_default_dtype(torch.bfloat16)
     model = qwen4_exp.Qwen4ExpForConditionalGeneration(
@@ -146,6 +137,6 @@ def load_into_sglang_qwen4_exp(checkpoint: str | Path, mode: LoadMode | str) -> 
         model=model,
         weights=weights,
         missing=sorted(parameters - set(loaded)),
-        unexpected=[m for m in warnings.messages if "not found" in m],
+        unexpected=[r.getMessage() for r in warnings.buffer if "not found" in r.getMessage()],
         methods=methods,
     )
