@@ -205,15 +205,16 @@ def test_scheduler_process_writes_one_record(reports: Reports) -> None:
     assert record.verified is True
     assert record.versions["sglang"] == "0.5.23"
     # The frame's four (configuration check, prompt check, record, pool sizing), p2-offload's
-    # backend and pool, and model compatibility's three (the INT8-row PLE table's constructor,
-    # the host-table allocator it keeps from allocating bf16, and the table's loading): every
-    # declared hook of the record's features, none other.
+    # backend and pool, and model compatibility's four (the INT8-row PLE table's constructor,
+    # the host-table allocator it keeps from allocating bf16, the table's loading, and the GPTQ
+    # Marlin MoE scales in the model's dtype): every declared hook of the record's features,
+    # none other.
     from qsa_sglang_plugin._hooks import specs_for
     from qsa_sglang_plugin._switches import Feature
 
     declared = specs_for(Feature(name) for name in record.features)
     assert record.hooks == tuple((s.target, s.kind.value, s.feature.value) for s in declared)
-    assert len(record.hooks) == 9
+    assert len(record.hooks) == 10
     assert record.registrations == (("radix_cache_backend", "qsa_hisparse", "lifecycle"),)
 
 

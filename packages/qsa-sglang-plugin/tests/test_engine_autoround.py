@@ -1,14 +1,22 @@
 """W4A16 AutoRound checkpoints, and deterministic inference with the plugin, in CUDA engines.
 
-AutoRound (upstream SGLang 0.5.23, no plugin: the plugin's ``SGLANG_QSA_MODEL_COMPAT=1`` changes
-nothing in quantized loading): :func:`qsa_testing.write_autoround_checkpoints` writes the
-Marlin-shaped tiny Qwen4Exp (:func:`qsa_testing.marlin_qwen4_exp`) as an AutoRound export in the
-GPTQ packing and as its dequantized bf16 twin (the same int4 values, power-of-two scales: one
-model). One engine reads the export at start (``load_format="auto"``), another the twin; the same
-greedy requests give the same token ids, with logprobs within the noise of the kernels' bf16
-arithmetic, measured here as the twin's engine against itself with another batch composition.
-Which method each layer takes (``GPTQMarlinLinearMethod`` everywhere, ``GPTQMarlinMoEMethod``
-for the routed experts) is pinned on the CPU, on the model SGLang builds for an SM90 device
+AutoRound: :func:`qsa_testing.write_autoround_checkpoints` writes the Marlin-shaped tiny Qwen4Exp
+(:func:`qsa_testing.marlin_qwen4_exp`) as an AutoRound export in the GPTQ packing and as its
+dequantized bf16 twin (the same int4 values, power-of-two scales: one model). One engine reads the
+export at start (``load_format="auto"``), another the twin; the same greedy requests give the same
+token ids, with logprobs within the noise of the kernels' bf16 arithmetic, measured here as the
+twin's engine against itself with another batch composition.
+
+The export's engine runs with the plugin and ``SGLANG_QSA_MODEL_COMPAT=1``: upstream SGLang 0.5.23
+alone loads the export and stops at the first request (its GPTQ Marlin MoE layer holds the
+experts' scales in fp16, and the Marlin MoE GEMM refuses them beside bf16 activations; measured on
+an H100), and the plugin's AFTER hook on ``GPTQMarlinMoEScheme.create_weights`` holds them in bf16
+(``test_marlin_moe_scales.py`` pins that on the CPU). The twin's engine stays upstream, no plugin:
+the twin has nothing quantized, so the plugin would change nothing in it, and the reference is
+then SGLang's own bf16 model, not one the plugin also touched.
+
+Which method each layer takes (``GPTQMarlinLinearMethod`` everywhere, ``GPTQMarlinMoEMethod`` for
+the routed experts) is pinned on the CPU, on the model SGLang builds for an SM90 device
 (``qsa-testing``'s ``test_autoround.py``): SGLang logs no method name at info level, and Qwen4Exp
 has no ``get_weights_by_name`` to read a repacked ``qweight`` back. On the CPU SGLang refuses
 the export (the same file).
@@ -50,6 +58,8 @@ REQUESTS = tuple(
 #: The tolerance is this many times the largest logprob gap of the twin's engine against itself
 #: with another batch composition, and never below one bf16 step of a logit.
 NOISE_MULTIPLE = 4
+#: The export's engine: the plugin holds the routed experts' Marlin scales in the model's dtype.
+MODEL_COMPAT = {"SGLANG_QSA_MODEL_COMPAT": "1"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +81,15 @@ def _together(engine: Engine, requests: tuple[GenerateRequest, ...]) -> tuple[Ge
 def _engine(
     checkpoints: AutoRoundCheckpoints, *, exported: bool, workdir: Path
 ) -> Iterator[Engine]:
-    """An upstream engine reading the export (or its twin) at start."""
-    model = checkpoints.autoround_model if exported else checkpoints.dequantized_model
-    config = EngineConfig(model, plugin=False, server_args={"load_format": "auto"})
+    """An engine reading the export (the plugin's model compatibility on) or its twin (upstream)
+    at start."""
+    server_args = {"load_format": "auto"}
+    if exported:
+        config = EngineConfig(
+            checkpoints.autoround_model, switches=MODEL_COMPAT, server_args=server_args
+        )
+    else:
+        config = EngineConfig(checkpoints.dequantized_model, plugin=False, server_args=server_args)
     with running_engine(config, workdir, models=checkpoints.dequantized.parent) as engine:
         yield engine
 

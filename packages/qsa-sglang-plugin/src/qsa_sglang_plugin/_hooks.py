@@ -288,6 +288,27 @@ HOOKS: tuple[HookSpec, ...] = (
             "shard loader casts int8 values to the table's dtype."
         ),
     ),
+    HookSpec(
+        module="sglang.srt.layers.quantization.gptq.schemes.gptq_moe",
+        qualname="GPTQMarlinMoEScheme.create_weights",
+        kind=HookKind.AFTER,
+        feature=Feature.MODEL_COMPAT,
+        hook="qsa_sglang_plugin._adapters._gptq_moe:after_gptq_marlin_moe_create_weights",
+        reason=(
+            "GPTQ/AutoRound routed experts on Marlin: upstream makes w13_scales and w2_scales "
+            "fp16 whatever the model's dtype, and its Marlin MoE GEMM refuses scales of another "
+            "dtype than the activations' (a bf16 model stops at its first request). Both are "
+            "registered again in the model's dtype with the same attributes, so the loader's "
+            "copy converts the checkpoint's fp16 scales (as the GPTQ Marlin linear method "
+            "does). The scheme is built by GPTQMarlinConfig, not chosen from a registry."
+        ),
+        relies_on=(
+            # the loader's copy into the scales, Marlin's dtype-keeping scale permutation
+            "sglang.srt.layers.moe.fused_moe_triton.layer",
+            "sglang.srt.hardware_backend.gpu.quantization.gptq_kernels",
+            "sglang.srt.layers.quantization.marlin_utils",
+        ),
+    ),
 )
 
 

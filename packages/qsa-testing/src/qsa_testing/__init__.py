@@ -73,6 +73,7 @@ from qsa_testing._serving_client import (
     shared_prefix_flags,
     word_level_tokenizer,
 )
+from qsa_testing._sglang_load import LoadMode, SGLangLoad, load_into_sglang_qwen4_exp
 from qsa_testing._version import __version__
 from qsa_testing._vision import tiny_image
 
@@ -95,6 +96,10 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "AutoRoundCheckpoints",
     "autoround_quantization_config",
     "write_autoround_checkpoints",
+    # a checkpoint loaded by SGLang's own Qwen4Exp on the CPU (a fresh process)
+    "LoadMode",
+    "SGLangLoad",
+    "load_into_sglang_qwen4_exp",
     # engines
     "Engine",
     "EngineConfig",
