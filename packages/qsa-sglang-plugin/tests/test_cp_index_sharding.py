@@ -118,7 +118,6 @@ def _scenario(rank: int, world: int, index_world: int) -> dict[str, Any]:
     )
     from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
 
-    from qsa_kernels.sharded import shard_index_pages
     from qsa_sglang_plugin._activation import activate
 
     upstream = {
@@ -165,16 +164,7 @@ def _scenario(rank: int, world: int, index_world: int) -> dict[str, Any]:
             locs = table[SLOT, start : start + closed * RATIO : RATIO].long() // RATIO
             pool.set_qsa_compressed_k_buffer(layer, locs, blocks.to(torch.bfloat16))
             upstream["write"](full, layer, locs, whole.to(torch.bfloat16))
-            stored.append(
-                torch.equal(
-                    pool.get_qsa_compressed_k_buffer(layer).view(-1, PAGE // RATIO, DIM),
-                    shard_index_pages(
-                        full.get_qsa_compressed_k_buffer(layer).view(-1, PAGE // RATIO, DIM),
-                        shard.placement,
-                        shard.rank,
-                    ),
-                )
-            )
+            stored.append(SHAPE.holds_its_share(pool, full, layer, shard.placement, shard.rank))
             q = _grid((end - start, HEADS, DIM), 0, 128, gen)
             lengths = torch.full((end - start,), end)
             ranges = upstream["inputs"](

@@ -312,7 +312,6 @@ class _Rank:
 
 def _run(rank: int, world: int) -> dict[str, Any]:
     r = _Rank(rank, world)
-    from qsa_kernels.sharded import shard_index_pages
     from qsa_sglang_plugin._adapters._sharded_index import sharded_index
 
     gen = torch.Generator().manual_seed(SEED + 2)
@@ -325,15 +324,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     prefill_rows = r.prefill(kv)
     decode_rows = r.decode(kv)
     stored = [
-        torch.equal(
-            r.pool.get_qsa_compressed_k_buffer(layer).view(-1, PAGE // RATIO, DIM),
-            shard_index_pages(
-                r.full.get_qsa_compressed_k_buffer(layer).view(-1, PAGE // RATIO, DIM),
-                r.shard.placement,
-                rank,
-            ),
-        )
-        for layer in LAYERS
+        SHAPE.holds_its_share(r.pool, r.full, layer, r.shard.placement, rank) for layer in LAYERS
     ]
     pages = _pages(world)
     local_pages = r.shard.placement.local_capacity(POOL_PAGES)

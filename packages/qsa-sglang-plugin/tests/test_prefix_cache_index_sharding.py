@@ -140,7 +140,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     from qsa_core import ShardPlacement
     from qsa_hostcache import TokenSlots
     from qsa_kernels import KernelPath
-    from qsa_kernels.sharded import ShardedIndex, ShardGroup, shard_index_pages
+    from qsa_kernels.sharded import ShardedIndex, ShardGroup
     from qsa_sglang_plugin._activation import activate
     from qsa_sglang_plugin._adapters._prefix import checkpoint_index
     from qsa_sglang_plugin._adapters._sharded_index import install_rank_index
@@ -193,17 +193,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         slot_pool = TokenSlots(lambda n: new_slots[:n], lambda taken: None)
         taken = cache.load(REQUEST, tokens, slot_pool)
         loaded.append((hit, None if taken is None else taken.tolist() == new_slots.tolist()))
-    stored = [
-        torch.equal(
-            pool.get_qsa_compressed_k_buffer(layer).view(-1, PAGE // RATIO, DIM),
-            shard_index_pages(
-                full.get_qsa_compressed_k_buffer(layer).view(-1, PAGE // RATIO, DIM),
-                shard.placement,
-                rank,
-            ),
-        )
-        for layer in LAYERS
-    ]
+    stored = [SHAPE.holds_its_share(pool, full, layer, shard.placement, rank) for layer in LAYERS]
     restored_rows = new_slots[::RATIO] // RATIO
     filled = [
         bool(full.get_qsa_compressed_k_buffer(layer)[restored_rows].float().abs().sum() > 0)

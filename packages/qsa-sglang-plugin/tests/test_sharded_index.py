@@ -93,7 +93,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     os.environ.update(SGLANG_QSA_CACHE_SHARDING=str(world), SGLANG_QSA_INDEX_SHARDING="1")
     from qsa_core import ShardPlacement
     from qsa_kernels import KernelPath
-    from qsa_kernels.sharded import ShardedIndex, ShardGroup, shard_index_pages
+    from qsa_kernels.sharded import ShardedIndex, ShardGroup
     from qsa_sglang_plugin._activation import activate
     from qsa_sglang_plugin._adapters._sharded_index import install_sharded_index
 
@@ -140,14 +140,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             pool.set_qsa_compressed_k_buffer(layer, locs, keys)
     failures: dict[int, list[str]] = {}
     stored = {
-        layer: torch.equal(
-            pool.get_qsa_compressed_k_buffer(layer).view(-1, PAGE // RATIO, DIM),
-            shard_index_pages(
-                full.get_qsa_compressed_k_buffer(layer).view(-1, PAGE // RATIO, DIM),
-                shard.placement,
-                rank,
-            ),
-        )
+        layer: SHAPE.holds_its_share(pool, full, layer, shard.placement, rank)
         for layer in LAYER_IDS
     }
     rows = _decode(indexer, upstream, full, pool, table, gen, failures, QSAIndexerMetadata)

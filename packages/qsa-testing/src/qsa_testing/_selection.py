@@ -167,6 +167,20 @@ class IndexPoolShape:
         )
         return cls(config, layer_id, rotary_emb=SimpleNamespace(rotary_dim=64))
 
+    def holds_its_share(self, pool: Any, whole: Any, layer: int, placement: Any, rank: int) -> bool:
+        """Whether a rank's index shard holds exactly its pages of the whole index.
+
+        ``pool``'s index of ``layer`` (a rank's shard under index sharding) against ``rank``'s
+        pages of ``whole``'s (upstream's replicated pool) under ``placement``
+        (``qsa_kernels.sharded.shard_index_pages``), bit for bit.
+        """
+        from qsa_kernels.sharded import shard_index_pages
+
+        blocks = self.page // self.ratio  # index blocks a page
+        mine = pool.get_qsa_compressed_k_buffer(layer).view(-1, blocks, self.index_dim)
+        everything = whole.get_qsa_compressed_k_buffer(layer).view(-1, blocks, self.index_dim)
+        return torch.equal(mine, shard_index_pages(everything, placement, rank))
+
     def metadata(self, meta_cls: type, pool: Any, **fields: Any) -> Any:
         """SGLang's ``QSAIndexerMetadata`` over ``pool``, with the step's ``fields``."""
         return meta_cls(
