@@ -277,11 +277,12 @@ def _measure(engine: Any, args: argparse.Namespace, context: int) -> Row:
     # Cold first, under a salt of its own: nothing matches, and the checkpoints it publishes are
     # older than turn 1's, so a budget smaller than both evicts the cold request's first.
     cold, _, cold_wall = _timed(engine, request(args.new_tokens, f"cold-{salt}"))
-    if args.store is not None and context > args.chunk:
-        # The prime: every chunk end but turn 1's own prompt end, so turn 1 publishes one
-        # checkpoint, with no write-through in flight to crowd it out of the store.
-        prime = GenerateRequest(turn1[: context - _PAGE], 2, top_logprobs=0, cache_salt=salt)
-        engine.generate(prime, timeout=1800.0)
+    if args.store is not None:
+        if context > args.chunk:
+            # The prime: every chunk end but turn 1's own prompt end, so turn 1 publishes one
+            # checkpoint, with no write-through in flight to crowd it out of the store.
+            prime = GenerateRequest(turn1[: context - _PAGE], 2, top_logprobs=0, cache_salt=salt)
+            engine.generate(prime, timeout=1800.0)
         _settle(engine, args.store_quiet)
     mark = None if args.store is None else _WriteMark.take(engine)
     # Two tokens: a request that ends in the batch completing its prompt publishes no prompt end.
