@@ -6,8 +6,8 @@ page ``p`` of the index lives on rank ``p % N`` only, and a restore's new rows h
 than the published ones, so a checkpoint keeps every row on every rank (the index is small next
 to the K/V) and :class:`ShardedIndexAccess` moves rows between that whole form and the shard:
 
-- :meth:`ShardedIndexAccess.read` (collective): each rank sends the requested rows it owns, one
-  all-gather of ``N * max_owned`` rows of every layer's bytes, and every rank returns every row;
+- :meth:`ShardedIndexAccess.read` (collective): each rank sends the requested rows it owns (one
+  :func:`all_gather_rows` of every layer's bytes), and every rank returns every row;
 - :meth:`ShardedIndexAccess.write` (local): each rank stores the rows it owns
   (:meth:`ShardedIndex.write`), the others are dropped.
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.sharded._group import all_gather_flat
+from qsa_kernels.sharded._group import all_gather_rows
 from qsa_kernels.sharded._index import ShardedIndex
 from qsa_kernels.sharded._writes import index_write_targets
 
@@ -71,8 +71,9 @@ class ShardedIndexAccess:
         """Every requested row of every layer, gathered from the ranks that own them.
 
         Collective: every rank of the shard group calls it at once with the same ``rows``; one
-        all-gather of ``N * max_r(rows rank r owns)`` rows of ``L * H * D`` elements (sent as
-        bytes, so any dtype), after one host synchronisation (the owners' row counts).
+        :func:`all_gather_rows` of the rows each rank owns (``L * H * D`` elements a row, sent as
+        bytes, so any dtype), after one host synchronisation (the owners' row counts, which every
+        rank computes alike from ``rows``).
 
         Args:
             rows: ``[R]`` int logical compressed block rows (page ``row // 16``); a negative
@@ -95,17 +96,13 @@ class ShardedIndexAccess:
         owner = torch.where(rows >= 0, torch.remainder(rows // page, n), n)  # n: no owner
         owned = torch.bincount(owner, minlength=n + 1)[:n].tolist()  # the same on every rank
         out = torch.zeros((count, len(self.buffers), width), dtype=first.dtype, device=self.device)
-        most = max(owned)
-        if most == 0:  # nothing to gather (every rank sees the same rows, so none gathers)
-            return out.view(count, len(self.buffers), *first.shape[-2:])
-        targets = index_write_targets(rows, shard.placement, shard.rank)
-        mine = targets.local[targets.owned]  # in row order
-        send = torch.zeros((most, len(self.buffers), width), dtype=first.dtype, device=self.device)
-        send[: mine.shape[0]] = torch.stack([buf.view(-1, width)[mine] for buf in self.buffers], 1)
-        recv = torch.empty((n, *send.shape), dtype=first.dtype, device=self.device)
-        all_gather_flat(shard, send.view(-1).view(torch.uint8), recv.view(-1).view(torch.uint8))
-        for rank in range(n):
-            out[owner == rank] = recv[rank, : owned[rank]]
+        if max(owned) > 0:  # else nothing to gather (every rank sees the same rows, so none does)
+            targets = index_write_targets(rows, shard.placement, shard.rank)
+            mine = targets.local[targets.owned]  # in row order
+            sent = torch.stack([buf.view(-1, width)[mine] for buf in self.buffers], 1)
+            gathered = all_gather_rows(shard, sent, owned)  # rank 0's rows, then rank 1's...
+            for rank, part in enumerate(gathered.split(owned)):
+                out[owner == rank] = part
         return out.view(count, len(self.buffers), *first.shape[-2:])
 
     def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
