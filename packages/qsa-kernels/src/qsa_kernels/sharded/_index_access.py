@@ -101,7 +101,7 @@ class ShardedIndexAccess:
             mine = targets.local[targets.owned]  # in row order
             sent = torch.stack([buf.view(-1, width)[mine] for buf in self.buffers], 1)
             gathered = all_gather_rows(shard, sent, owned)  # rank 0's rows, then rank 1's...
-            for rank, part in enumerate(gathered.split(owned)):
+            for rank, part in enumerate(torch.split(gathered, owned)):
                 out[owner == rank] = part
         return out.view(count, len(self.buffers), *first.shape[-2:])
 
