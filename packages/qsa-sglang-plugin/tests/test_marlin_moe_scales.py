@@ -93,6 +93,26 @@ def test_the_scales_take_the_dtype_marlin_runs_in(
     assert marlin_moe_scales_dtype(params_dtype) == expected
 
 
+class _Scheme:
+    """A scheme whose ``create_weights`` has upstream 0.5.23's signature (the scenario above runs
+    the hook on SGLang's own ``GPTQMarlinMoEScheme``); the hook reads its call by that signature."""
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: object,
+    ) -> None:
+        raise NotImplementedError
+
+
+def _scheme() -> _Scheme:
+    return _Scheme()
+
+
 def _layer() -> torch.nn.Module:
     """The two scale parameters as upstream makes them, with their loader's attributes."""
     layer = torch.nn.Module()
@@ -115,11 +135,11 @@ def test_the_hook_remakes_both_scales_with_their_attributes(positional: bool) ->
     before = {name: dict(vars(getattr(layer, name))) for name in names}
     shapes = {name: getattr(layer, name).shape for name in names}
     if positional:
-        after_gptq_marlin_moe_create_weights(None, object(), layer, 2, 16, 4, torch.bfloat16)
+        after_gptq_marlin_moe_create_weights(None, _scheme(), layer, 2, 16, 4, torch.bfloat16)
     else:
         after_gptq_marlin_moe_create_weights(
             None,
-            object(),
+            _scheme(),
             layer=layer,
             num_experts=2,
             hidden_size=16,
@@ -141,7 +161,7 @@ def test_the_hook_leaves_an_fp16_model_to_upstream(caplog: pytest.LogCaptureFixt
     layer = _layer()
     w13, w2 = layer.w13_scales, layer.w2_scales
     with caplog.at_level(logging.INFO, logger=HOOK_LOGGER):
-        after_gptq_marlin_moe_create_weights(None, object(), layer=layer, params_dtype=torch.half)
+        after_gptq_marlin_moe_create_weights(None, _scheme(), layer=layer, params_dtype=torch.half)
     assert layer.w13_scales is w13
     assert layer.w2_scales is w2
     assert caplog.records == []

@@ -11,6 +11,7 @@ keeps their dtype.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Final
 
@@ -24,8 +25,6 @@ logger = logging.getLogger(__name__)
 MARLIN_ACTIVATION_DTYPES: Final = (torch.float16, torch.bfloat16)
 #: The scale parameters ``GPTQMarlinMoEScheme.create_weights`` makes in fp16.
 SCALES: Final = ("w13_scales", "w2_scales")
-#: ``create_weights``'s positional parameters after ``self``, for a call that passes them so.
-_POSITIONS: Final = {"layer": 0, "params_dtype": 4}
 
 #: The dtypes this process logged the note for: once, not per layer (AutoRound builds a
 #: quantization config per layer, so there is no per-model object to key on; a process serves one
@@ -51,9 +50,10 @@ def after_gptq_marlin_moe_create_weights(
     attributes the original carries (its weight loader, ``quant_method``, ``load_full_w2``...).
     Nothing changes where the dtype is upstream's fp16.
     """
-    del result, scheme
-    layer = _argument("layer", args, kwargs)
-    dtype = marlin_moe_scales_dtype(_argument("params_dtype", args, kwargs))
+    del result
+    # The call's own arguments, by name, however it passed them.
+    call = inspect.signature(type(scheme).create_weights).bind_partial(scheme, *args, **kwargs)
+    layer, dtype = call.arguments["layer"], marlin_moe_scales_dtype(call.arguments["params_dtype"])
     changed = False
     for name in SCALES:
         old: torch.nn.Parameter = getattr(layer, name)
@@ -73,7 +73,3 @@ def after_gptq_marlin_moe_create_weights(
             "scales are converted at load, fp16 to bf16 rounding each to bf16's 8-bit mantissa",
             str(dtype).removeprefix("torch."),
         )
-
-
-def _argument(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return kwargs[name] if name in kwargs else args[_POSITIONS[name]]
