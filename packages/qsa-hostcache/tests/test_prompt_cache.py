@@ -164,7 +164,7 @@ def test_every_call_that_counts_reports_the_numbers() -> None:
 
 def test_a_checkpoint_holds_the_index_rows_of_the_tokens_slots() -> None:
     cache = _cache()
-    segments = cache.pools.gather(_kv(4), torch.tensor([4, 5, 6, 7]))
+    segments = cache.pools.gather(lambda: _kv(4), torch.tensor([4, 5, 6, 7]))
     assert segments[INDEX_SEGMENT][:, 0, 0, 0].tolist() == [2, 3]
 
 

@@ -76,7 +76,7 @@ def test_a_checkpoint_holds_kv_the_index_rows_of_its_slots_by_layer_and_the_stat
     state = {"conv": torch.ones(3), "temporal": torch.zeros(2, 2)}
     pools = _pools(_index(), state)
     slots = torch.tensor([8, 9, 10, 11, 20, 21, 22, 23], dtype=torch.int32)
-    segments = pools.gather(_kv(8, 1.0), slots, lambda: state)
+    segments = pools.gather(lambda: _kv(8, 1.0), slots, lambda: state)
     assert list(segments) == ["k.0", "k.1", "v.0", "v.1", INDEX_SEGMENT, "state.0", "state.1"]
     index = segments[INDEX_SEGMENT]
     assert index.shape == (8 // RATIO, LAYERS, HI, DI)  # [T / ratio, L, Hi, Di]
@@ -88,14 +88,14 @@ def test_a_model_without_a_recurrent_state_never_reads_one() -> None:
     def state() -> object:
         raise AssertionError("read a state the model does not keep")
 
-    segments = _pools(_index()).gather(_kv(4, 1.0), torch.arange(4), state)
+    segments = _pools(_index()).gather(lambda: _kv(4, 1.0), torch.arange(4), state)
     assert "state.0" not in segments
 
 
 def test_a_loaded_checkpoint_takes_slots_and_fills_their_index_rows_from_every_layer() -> None:
     source = _pools(_index())
     fence = source.checkpoints.publish(
-        _key(8), lambda: source.gather(_kv(8, 1.0), torch.arange(8, 16))
+        _key(8), lambda: source.gather(lambda: _kv(8, 1.0), torch.arange(8, 16))
     )
     assert fence is not None
     fence.synchronize()
@@ -113,7 +113,9 @@ def test_a_loaded_checkpoint_takes_slots_and_fills_their_index_rows_from_every_l
 
 def test_a_load_without_free_slots_holds_nothing() -> None:
     pools = _pools(_index())
-    fence = pools.checkpoints.publish(_key(8), lambda: pools.gather(_kv(8, 1.0), torch.arange(8)))
+    fence = pools.checkpoints.publish(
+        _key(8), lambda: pools.gather(lambda: _kv(8, 1.0), torch.arange(8))
+    )
     assert fence is not None
     fence.synchronize()
     allocator = Allocator([1, 2])
@@ -140,7 +142,7 @@ def test_a_restore_puts_the_state_back_before_the_kv_of_each_layer() -> None:
     state = {"conv": torch.full((3,), 7.0), "temporal": torch.full((2, 2), 3.0)}
     pools = _pools(_index(), state)
     fence = pools.checkpoints.publish(
-        _key(8), lambda: pools.gather(_kv(8, 1.0), torch.arange(8), lambda: state)
+        _key(8), lambda: pools.gather(lambda: _kv(8, 1.0), torch.arange(8), lambda: state)
     )
     assert fence is not None
     fence.synchronize()
@@ -242,7 +244,9 @@ def test_a_live_prompt_publishes_at_whole_pages_only(
 
 def test_a_lookup_asks_for_a_key_only_for_a_page_or_more() -> None:
     pools = _pools(_index())
-    fence = pools.checkpoints.publish(_key(8), lambda: pools.gather(_kv(8, 1.0), torch.arange(8)))
+    fence = pools.checkpoints.publish(
+        _key(8), lambda: pools.gather(lambda: _kv(8, 1.0), torch.arange(8))
+    )
     assert fence is not None
     fence.synchronize()
 

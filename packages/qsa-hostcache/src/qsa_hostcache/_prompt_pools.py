@@ -173,7 +173,7 @@ class PromptPools:
 
     def gather(
         self,
-        kv: KVLayers | Callable[[], KVLayers],
+        kv: Callable[[], KVLayers],
         token_slots: torch.Tensor,
         state: Callable[[], Any] | None = None,
     ) -> dict[str, torch.Tensor]:
@@ -183,8 +183,8 @@ class PromptPools:
         the K/V, then the state.
 
         Args:
-            kv: each layer's K/V of those tokens, ``[T, Hkv, D]`` (views are fine), or what reads
-                them (called after the index rows are read).
+            kv: reads each layer's K/V of those tokens, ``[T, Hkv, D]`` (views are fine); called
+                after the index rows are read.
             token_slots: ``[T]`` the tokens' slots, whose index rows are read.
             state: reads the request's recurrent state (called last, only when the model keeps
                 one).
@@ -194,7 +194,7 @@ class PromptPools:
         """
         rows = compressed_slots(token_slots.to(self.index.device), self._ratio)
         index = self.index.read(rows)
-        sources = kv_segments(*(kv() if callable(kv) else kv))
+        sources = kv_segments(*kv())
         sources[INDEX_SEGMENT] = index
         if self._state is not None and state is not None:
             sources.update(self._state.segments(state()))
