@@ -34,13 +34,19 @@ _ARMS = ("whole", "window")
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The chunk's ``[n, Hq, D]`` queries over ``[end, Hkv, D]`` K/V, causal to the lower right."""
+    """The chunk's ``[n, Hq, D]`` queries over ``[end, Hkv, D]`` K/V, causal to the lower right.
+
+    K/V are repeated to every query head first: with ``enable_gqa`` torch takes the math path,
+    whose ``[Hq, n, end]`` fp32 scores (32 GiB at a 8,192-token chunk over 128K) do not fit an
+    80 GB GPU; without it the lower-right mask runs in the memory-efficient kernel.
+    """
     from torch.nn.attention.bias import causal_lower_right
 
     n, end = int(q.shape[0]), int(k.shape[0])
-    mask = causal_lower_right(n, end)
+    group = int(q.shape[1]) // int(k.shape[1])
+    keys, values = (t.transpose(0, 1).repeat_interleave(group, dim=0) for t in (k, v))
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+        q.transpose(0, 1), keys, values, attn_mask=causal_lower_right(n, end)
     )
     return out.transpose(0, 1)
 

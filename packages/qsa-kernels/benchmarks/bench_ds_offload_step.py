@@ -184,6 +184,7 @@ def _captured(batch: int, context: int, steps: int) -> dict[str, object]:
                     bodies[name]()
             _timed(totals, name, graph.replay)
     per_step = {name: 1e3 * totals[name] / steps for name in ("append", *graphs)}
+    kernels = {name: _kernel_profile(body) for name, body in bodies.items()}
     return {
         "batch": batch,
         "context": context,
@@ -191,6 +192,34 @@ def _captured(batch: int, context: int, steps: int) -> dict[str, object]:
         "ms_per_step": per_step,
         "ds_offload_over_resident": per_step["resident"]
         / (per_step["append"] + per_step["ds_offload"]),
+        "kernels": kernels,
+    }
+
+
+def _kernel_profile(body: Callable[[], object], *, top: int = 12) -> dict[str, object]:
+    """One eager run of ``body`` under the profiler: its kernels, their GPU time, the top ones.
+
+    Kernel durations are GPU time, so their sum is what the step's kernels cost with no launch
+    gaps; the captured replay's time beyond it is the graph's launch and dependency overhead.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    body()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        body()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            by_name[event.name].append(event.device_time_total)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "kernels": sum(len(v) for v in by_name.values()),
+        "gpu_ms": sum(sum(v) for v in by_name.values()) / 1e3,
+        "top": [
+            {"name": name[:90], "calls": len(v), "gpu_ms": sum(v) / 1e3} for name, v in ranked[:top]
+        ],
     }
 
 
@@ -259,6 +288,25 @@ def main(argv: list[str]) -> int:
             f"| {r['context']:,} | {r['batch']} | {ms['append']:.2f} | {ms['ds_offload']:.2f} | "
             f"{ms['resident']:.2f} | {r['ds_offload_over_resident']:.2f} |"
         )
+    lines += [
+        "",
+        "Kernels of one eager step (profiler, GPU time only: the captured replay's time beyond "
+        "it is launch and dependency overhead):",
+        "",
+        "| context | batch | arm | kernels | GPU ms | top kernels (calls, GPU ms) |",
+        "| ---: | ---: | --- | ---: | ---: | --- |",
+    ]
+    for r in captured:
+        profiles = r["kernels"]
+        assert isinstance(profiles, dict)
+        for arm, k in profiles.items():
+            top = "; ".join(
+                f"`{t['name'][:48]}` ({t['calls']}, {t['gpu_ms']:.2f})" for t in k["top"][:6]
+            )
+            lines.append(
+                f"| {r['context']:,} | {r['batch']} | {arm} | {k['kernels']} | "
+                f"{k['gpu_ms']:.2f} | {top} |"
+            )
     (args.out_dir / "ds_offload_step.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return 0
 
