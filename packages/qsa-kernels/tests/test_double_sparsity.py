@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from qsa_kernels._errors import KernelInputError
+from qsa_kernels import KernelInputError, KernelPath
 from qsa_kernels.double_sparsity import (
     DSConfig,
     DSConfigError,
@@ -722,6 +722,40 @@ def test_ds_offload_fixed_shape_decode_equals_the_host_sized_decode(kernel_devic
             assert torch.equal(got.positions[..., : want.positions.shape[2]], want.positions)
             # The same tokens; the wider lists split the kernel's work otherwise, so the fp32
             # partials merge in another order: one bf16 step of the output at most.
+            torch.testing.assert_close(got.out.float(), want.out.float(), atol=4e-3, rtol=0)
+            torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
+
+
+def test_ds_offload_triton_path_attends_the_reference_paths_tokens(
+    interpreter_device: str,
+) -> None:
+    """The Triton data path (per-head blocks and key rows, fetch, decode) and the torch one
+    choose the same tokens and attend them alike, step after step, dense and sparse rows."""
+    config = DSConfig(heavy_channel_num=4, heavy_token_num=6, sparse_decode_threshold=20)
+    gen = torch.Generator().manual_seed(17)
+    layers, hkv, d, prompts = 2, 2, 16, [29, 5, 14]
+    channels = _channels(gen, layers, hkv, d, config.heavy_channel_num)
+    geometry = OffloadGeometry(
+        layers, len(prompts) + 1, config.hot_blocks(), 16, hkv, d, torch.bfloat16, per_head=True
+    )
+    stores = [
+        DSOffloadedKV(geometry, channels, config=config, device=interpreter_device, path=path)
+        for path in (KernelPath.TRITON, KernelPath.REFERENCE)
+    ]
+    rows = list(range(1, len(prompts) + 1))
+    for row, n in zip(rows, prompts, strict=True):
+        k, v = _quarters(gen, layers, n, hkv, d), _quarters(gen, layers, n, hkv, d)
+        for store in stores:
+            store.admit(row, k, v)
+    for _ in range(5):  # blocks close; the 14-token row crosses the threshold
+        k, v = _quarters(gen, layers, len(rows), hkv, d), _quarters(gen, layers, len(rows), hkv, d)
+        for store in stores:
+            store.begin_step()
+            store.append(rows, k, v)
+        for layer in range(layers):
+            q = _quarters(gen, len(rows), 4, d)
+            got, want = (store.decode_fixed(layer, rows, q) for store in stores)
+            assert torch.equal(got.positions, want.positions)
             torch.testing.assert_close(got.out.float(), want.out.float(), atol=4e-3, rtol=0)
             torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=1e-5)
 

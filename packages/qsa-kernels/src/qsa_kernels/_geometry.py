@@ -17,11 +17,17 @@ __all__ = (
     "BLOCK_TOKENS",
     "INDEX_HEADS",
     "INDEX_HEAD_DIM",
+    "RECORD_ROWS",
+    "TAIL_TOKENS",
     "check_block_tokens",
 )
 
 #: Tokens per QSA block (the compress ratio): an arena, hot-cache or tail record holds one block.
 BLOCK_TOKENS: Final = QWEN38_FLASH_NEXT.compress_ratio
+#: Rows of ``D`` elements in one per-head record (DS-Offload): its 4 K rows, then its 4 V rows.
+RECORD_ROWS: Final = 2 * BLOCK_TOKENS
+#: Tokens of a row's open block that a decode step may read from its tail (a fourth closes it).
+TAIL_TOKENS: Final = BLOCK_TOKENS - 1
 #: Compressed blocks per page of the index-key cache (``page_size // compress_ratio``).
 BLOCKS_PER_PAGE: Final = QWEN38_FLASH_NEXT.blocks_per_page
 #: Index query heads of the decode indexer.

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from qsa_kernels._errors import KernelInputError
+from qsa_kernels._path import KernelPath
 from qsa_kernels.double_sparsity._config import DSConfig
 from qsa_kernels.double_sparsity._decode import DSDecodeOutput, ds_positions, ds_positions_fixed
 from qsa_kernels.double_sparsity._label_cache import LabelCache
@@ -47,6 +48,7 @@ class DSOffloadedKV:
         config: the double-sparsity options.
         device: the device of the hot caches and the label cache.
         label_dtype: bf16 or fp16.
+        path: the data path's implementation (:class:`~qsa_kernels.KernelPath`).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class DSOffloadedKV:
         config: DSConfig,
         device: torch.device | str,
         label_dtype: torch.dtype = torch.bfloat16,
+        path: KernelPath = KernelPath.AUTO,
     ) -> None:
         device = torch.device(device)
         if not geometry.per_head:
@@ -72,7 +75,7 @@ class DSOffloadedKV:
             )
             raise KernelInputError(msg)
         self.config = config
-        self.kv = PerHeadOffloadedKV(geometry, device)
+        self.kv = PerHeadOffloadedKV(geometry, device, path=path)
         self.labels = LabelCache(
             channels,
             rows=geometry.rows,

@@ -24,16 +24,14 @@ from qsa_kernels.offload._store import OffloadGeometry, OffloadStore
 
 __all__ = ("PerHeadOffloadedKV",)
 
-#: Rows of ``D`` elements in one per-head record: its 4 K rows, then its 4 V rows.
-_RECORD_ROWS = 2 * BLOCK_TOKENS
-
 
 def _head_records(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V of one layer's per-head record layers as ``[N, Hkv, D]`` views (no copy).
 
     ``cache`` is ``[Hkv, R, S', 2, 4, 1, D]`` (a hot cache, or tails with ``S' = 1``); token
-    ``_RECORD_ROWS × r + o`` of the K view is token ``o`` of record ``r = row × S' + slot``, and
-    the same id in the V view (``BLOCK_TOKENS`` rows later) is its value.
+    ``8 r + o`` of the K view is token ``o`` of record ``r = row × S' + slot`` (a record is
+    :data:`~qsa_kernels._geometry.RECORD_ROWS` rows), and the same id in the V view
+    (``BLOCK_TOKENS`` rows later) is its value.
     """
     heads, d = int(cache.shape[0]), int(cache.shape[-1])
     rows = cache.view(heads, -1, d).permute(1, 0, 2)  # [R S' 8, Hkv, D]
@@ -153,23 +151,20 @@ class PerHeadOffloadedKV(OffloadStore):
                 f"{tuple(positions.shape)!r}"
             )
             raise KernelInputError(msg)
-        sentinel = g.max_blocks  # sorts after every block id
-        in_hot = self._in_closed_blocks(positions)
-        ids = torch.where(in_hot, positions // BLOCK_TOKENS, sentinel).sort(dim=2).values
-        repeat = torch.zeros_like(ids, dtype=torch.bool)
-        repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
-        ids = torch.where(repeat, sentinel, ids).sort(dim=2).values
-        width = int(positions.shape[2])
-        if checked and width > g.hot_slots:
-            need = int((ids < sentinel).sum(dim=2).max())  # the host read
+        blocks, counts = self._kernels.head_blocks(
+            positions.to(torch.int32).contiguous(),
+            self.planner.plan.closed_blocks,
+            slots=g.hot_slots,
+        )
+        if checked and int(positions.shape[2]) > g.hot_slots:
+            need = int(counts.max())  # the host read
             if need > g.hot_slots:
                 msg = (
                     f"a KV head needs {need!r} distinct blocks in one hot cache but hot_slots="
                     f"{g.hot_slots!r}; allowed: at most hot_slots blocks per row, layer and head"
                 )
                 raise KernelInputError(msg)
-        ids = ids[..., : min(width, g.hot_slots)]
-        return torch.where(ids < sentinel, ids, -1).to(torch.int32)
+        return blocks
 
     def attend_tokens(
         self,
@@ -216,22 +211,15 @@ class PerHeadOffloadedKV(OffloadStore):
             raise KernelInputError(msg)
         span = self._record_span(layer)
         plan = self.planner.plan
-        row_t = plan.row_ids.long().view(batch, 1, 1)
         if blocks.shape[2]:
             self._fetch(span, blocks)
-        # Token ids into a head's records viewed as token rows (_head_records).
-        in_hot = self._in_closed_blocks(positions)
-        block = torch.where(in_hot, positions // BLOCK_TOKENS, 0).long()
-        table = self.tables.block_slot[span]  # [Hkv, R, NB]
-        slot = table[self._head_ids.view(1, -1, 1), row_t, block]
-        token = (row_t * g.hot_slots + slot) * _RECORD_ROWS + positions % BLOCK_TOKENS
-        hot_tokens = torch.where(in_hot, token, -1).to(torch.int32).contiguous()
-        # The open block's tokens each head chose, as tail token ids.
-        offsets = self._block_offsets[: BLOCK_TOKENS - 1]
-        closed = plan.closed_blocks.view(batch, 1, 1, 1) * BLOCK_TOKENS
-        chosen = (positions.unsqueeze(-1) == closed + offsets).any(dim=2)  # [B, Hkv, 3]
-        tail_ids = (row_t * _RECORD_ROWS + offsets).expand_as(chosen)
-        tail_tokens = torch.where(chosen, tail_ids, -1).to(torch.int32).contiguous()
+        hot_tokens, tail_tokens = self._kernels.head_tokens(
+            positions.to(torch.int32).contiguous(),
+            plan.row_ids,
+            plan.closed_blocks,
+            self.tables.block_slot[span],
+            slots=g.hot_slots,
+        )
         parts = [
             self._kernels.decode_split(
                 q, tokens, *_head_records(cache[span]), scale=scale, out_dtype=torch.float32
@@ -241,8 +229,3 @@ class PerHeadOffloadedKV(OffloadStore):
         return self._kernels.merge(
             torch.stack([out for out, _ in parts]), torch.stack([lse for _, lse in parts])
         )
-
-    def _in_closed_blocks(self, positions: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, W]`` bool: which chosen positions lie in a planned row's complete blocks."""
-        closed = self.planner.plan.closed_blocks.view(-1, 1, 1) * BLOCK_TOKENS
-        return (positions >= 0) & (positions < closed)

@@ -51,6 +51,12 @@ from qsa_kernels.fetch import (
     fetch_selected_blocks,
     fetch_selected_blocks_reference,
 )
+from qsa_kernels.head_tokens import (
+    head_blocks,
+    head_blocks_reference,
+    head_tokens,
+    head_tokens_reference,
+)
 from qsa_kernels.lse_merge import lse_merge, lse_merge_reference
 from qsa_kernels.offload._plan import RowPlanner, RowState
 from qsa_kernels.sharded import ShardGroup, localize_blocks
@@ -394,6 +400,8 @@ class _Kernels:
     decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     decode_split: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     merge: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    head_blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    head_tokens: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     writeback: Callable[..., torch.cuda.Event | None]
     offload: Callable[..., torch.cuda.Event | None]
 
@@ -412,6 +420,8 @@ _KERNELS = {
         decode=sparse_decode,
         decode_split=sparse_decode_split,
         merge=lse_merge,
+        head_blocks=head_blocks,
+        head_tokens=head_tokens,
         writeback=writeback_blocks,
         offload=lambda *args, **kwargs: offload_prompt(*args, **kwargs)[1],
     ),
@@ -420,6 +430,8 @@ _KERNELS = {
         decode=sparse_decode_reference,
         decode_split=sparse_decode_split_reference,
         merge=lse_merge_reference,
+        head_blocks=head_blocks_reference,
+        head_tokens=head_tokens_reference,
         writeback=_writeback_reference,
         offload=_offload_reference,
     ),
