@@ -88,11 +88,11 @@ def _step_parts(batch: int, context: int, steps: int) -> dict[str, object]:
     config, geometry = store.config, store.geometry
     rows = list(range(batch))
     totals: dict[str, float] = defaultdict(float)
-    fetched = 0
+    counts = torch.zeros(2, dtype=torch.int64, device="cuda")  # (selected, missing) records
     for step in range(steps + 1):
         if step == 1:  # the first step fetches every block: report the steps after it
             totals.clear()
-            fetched = 0
+            counts.zero_()
         store.begin_step()
         new = torch.randn(_LAYERS, batch, _HKV, _D, generator=gen, device="cuda").bfloat16()
         _timed(totals, "append", lambda: store.append(rows, new, torch.randn_like(new)))
@@ -113,14 +113,13 @@ def _step_parts(batch: int, context: int, steps: int) -> dict[str, object]:
                 ),
             )
             held = _timed(totals, "token_blocks", lambda: store.kv.token_blocks(rows, positions))
-            counts = store.kv.selection_counts(layer, rows, held)
-            fetched += int(counts[1])
             _timed(
                 totals,
                 "attend_tokens",
-                lambda: store.kv.attend_tokens(layer, rows, q, positions, held),
+                lambda: store.kv.attend_tokens(layer, rows, q, positions, held, counters=counts),
             )
     per_step = {part: 1e3 * totals[part] / steps for part in _PARTS}
+    fetched = int(counts[1])
     return {
         "batch": batch,
         "context": context,

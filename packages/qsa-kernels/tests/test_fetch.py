@@ -83,22 +83,31 @@ def test_fetch_reproduces_core_contract_step_by_step(
             ]
         previous = chosen
         selected = torch.tensor(chosen, dtype=torch.int32, device=dev)
+        counters = torch.zeros(2, dtype=torch.int64, device=dev)
+        counters_ref = torch.zeros(2, dtype=torch.int64, device=dev)
         got = fetch_selected_blocks(
-            selected, rows, layers, step=step, tables=tables, hot=hot, host_arena=arena
-        )
+            selected, rows, layers, step=step, tables=tables, hot=hot, host_arena=arena,
+            counters=counters,
+        )  # fmt: skip
         want = fetch_selected_blocks_reference(
-            selected, rows, layers, step=step, tables=tables_ref, hot=hot_ref, host_arena=arena
-        )
+            selected, rows, layers, step=step, tables=tables_ref, hot=hot_ref, host_arena=arena,
+            counters=counters_ref,
+        )  # fmt: skip
         assert torch.equal(got, want), (step, mode)
+        selected_count, missed = 0, 0
         for b, row in enumerate(rows.tolist()):
             for j, layer in enumerate(layers.tolist()):
                 plan = plan_residency_step(states[layer, row], chosen[b][j], step, num_blocks=NB)
+                selected_count += sum(x >= 0 for x in chosen[b][j])
+                missed += len(plan.fills)
                 states[layer, row] = plan.state
                 local = [s if s < 0 else s - row * S for s in got[b, j].tolist()]
                 global_ok = [s == -1 or s // S == row for s in got[b, j].tolist()]
                 assert all(global_ok), (step, b, j)
                 assert local == list(plan.selected_slots), (step, mode, b, j)
                 assert tables.residency(layer, row) == plan.state.to_lists(), (step, mode)
+        # The counters hold every selected entry and every miss of the step (qsa-core's fills).
+        assert counters.tolist() == counters_ref.tolist() == [selected_count, missed], (step, mode)
         # Every record of the hot cache, targeted or not, equals the reference's bit for bit.
         assert torch.equal(hot.view(torch.uint8), hot_ref.view(torch.uint8)), (step, mode)
         _check_map_consistent(tables)

@@ -26,8 +26,17 @@ def check_fetch_args(
     tables: HotCacheTables,
     hot: torch.Tensor,
     host_arena: torch.Tensor,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """Validate shapes, dtypes and devices of a fetch call (no device sync)."""
+    if counters is not None:
+        if tuple(counters.shape) != (2,) or counters.dtype != torch.int64:
+            msg = (
+                f"counters must be a [2] int64 tensor (selected, missing); got "
+                f"{tuple(counters.shape)!r} {counters.dtype}"
+            )
+            raise KernelInputError(msg)
+        check_same_device(tables.device, counters=counters)
     check_ndim("selected", selected, 3, "[B, NL, K]")
     check_dtype("selected", selected, (torch.int32,))
     check_ndim("rows", rows, 1, "[B]")

@@ -20,6 +20,7 @@ def fetch_selected_blocks_reference(
     tables: HotCacheTables,
     hot: torch.Tensor,
     host_arena: torch.Tensor,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Make every selected block resident in its hot cache and return the slots (reference).
 
@@ -33,7 +34,14 @@ def fetch_selected_blocks_reference(
         ``[B, NL, K]`` int32 global slots (``row * S + slot``), ``-1`` where ``selected`` is ``-1``.
     """
     check_fetch_args(
-        selected, rows, layers, step=step, tables=tables, hot=hot, host_arena=host_arena
+        selected,
+        rows,
+        layers,
+        step=step,
+        tables=tables,
+        hot=hot,
+        host_arena=host_arena,
+        counters=counters,
     )
     step_tensor = step if isinstance(step, torch.Tensor) else None
     if step_tensor is not None:
@@ -65,6 +73,8 @@ def fetch_selected_blocks_reference(
                 key=lambda s: (slot_block[s] != -1, slot_stamp[s], s),
             )
             misses = [i for i, x in enumerate(sel) if x != -1 and x not in holder]
+            if counters is not None:
+                counters += torch.tensor([len(valid), len(misses)], device=counters.device)
             for n, i in enumerate(misses):
                 victim = victims[n]
                 old = slot_block[victim]

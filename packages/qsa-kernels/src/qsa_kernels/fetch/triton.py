@@ -34,6 +34,7 @@ def _plan_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     copy_dst_ptr,  # [B * NL * K] int64 miss list: hot record index (layer * R + row) * S + slot
     copy_count_ptr,  # [1] int32 entries in the miss list (zero on entry)
     step_ptr,  # [1] int64 this step's stamp when STEP_FROM_PTR
+    counters_ptr,  # [2] int64 (selected, missing) entries added to when COUNT
     step_arg,  # this step's stamp otherwise
     NL,
     L,
@@ -46,6 +47,7 @@ def _plan_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     SLOT_BITS: tl.constexpr,  # log2(BLOCK_S): width of the slot field in the fallback sort key
     MAX_GROUPS: tl.constexpr,  # rank groups extracted by min before falling back to a sort
     STEP_FROM_PTR: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -69,6 +71,9 @@ def _plan_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     hit = valid & (held >= 0)
     miss = valid & (held < 0)
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
+    if COUNT:
+        tl.atomic_add(counters_ptr, tl.sum(valid.to(tl.int64), axis=0))
+        tl.atomic_add(counters_ptr + 1, n_miss.to(tl.int64))
 
     # (5, hits) Stamp hit slots first: afterwards a slot is a victim candidate iff its stamp is
     # older than this step, since a resident selected block is always a hit.
@@ -183,6 +188,7 @@ def fetch_selected_blocks(
     tables: HotCacheTables,
     hot: torch.Tensor,
     host_arena: torch.Tensor,
+    counters: torch.Tensor | None = None,
     copy_programs_per_sm: int = 16,
     copy_records: int = 1,
     copy_warps: int = 4,
@@ -216,6 +222,8 @@ def fetch_selected_blocks(
         tables: Residency state, updated in place.
         hot: ``[L, R, S, 2, 4, Hkv, D]`` hot cache (FP8 E4M3 or bf16), updated in place.
         host_arena: ``[R, L, NB, 2, 4, Hkv, D]`` pinned host arena, same dtype (read only).
+        counters: ``[2]`` int64 on the tables' device, or None: the call adds its selected
+            entries and its misses (the records it copies) to it, on the device.
         copy_programs_per_sm: Copy programs launched per SM (tuning; they loop over the misses).
         copy_records: Records one copy program loads at once (tuning; a power of two).
         copy_warps: Warps per copy program (tuning).
@@ -229,7 +237,14 @@ def fetch_selected_blocks(
         KernelInputError: On a bad shape, dtype, device or layout, ``K > S``, or bad tuning values.
     """
     check_fetch_args(
-        selected, rows, layers, step=step, tables=tables, hot=hot, host_arena=host_arena
+        selected,
+        rows,
+        layers,
+        step=step,
+        tables=tables,
+        hot=hot,
+        host_arena=host_arena,
+        counters=counters,
     )
     if tables.slots > MAX_HOT_SLOTS:
         msg = f"S={tables.slots!r} slots per hot cache; at most {MAX_HOT_SLOTS!r} supported"
@@ -272,6 +287,7 @@ def fetch_selected_blocks(
         copy_dst,
         copy_count,
         step_ptr,
+        counters if counters is not None else copy_src,
         0 if step_tensor is not None else int(step),
         NL,
         L,
@@ -284,6 +300,7 @@ def fetch_selected_blocks(
         SLOT_BITS=block_s.bit_length() - 1,
         MAX_GROUPS=_MAX_GROUPS,
         STEP_FROM_PTR=step_tensor is not None,
+        COUNT=counters is not None,
         num_warps=8 if block_s >= 1024 else 4,
     )
     words = hot[0, 0, 0].numel() * hot.element_size() // 4

@@ -5,7 +5,7 @@ blocks for all heads at once. :class:`OffloadedKV` adds to the shared data path
 (:class:`~qsa_kernels.offload._store.OffloadStore`) what this layout alone does: a prompt admitted
 after a cached prefix's records (:meth:`OffloadedKV.admit`, :meth:`OffloadedKV.export_prefix`),
 attention over selected blocks and the open block (:meth:`OffloadedKV.attend`) and the count of
-selected and missing blocks (:meth:`OffloadedKV.selection_counts`).
+selected and missing blocks (``counters`` of :meth:`OffloadedKV.attend`).
 
 Under a shard group (``shard``: ``N`` ranks holding the same K/V heads, e.g. the copies of one KV
 head at TP > KV heads), each rank's arena stores only the blocks its placement gives it: whole
@@ -137,6 +137,7 @@ class OffloadedKV(OffloadStore):
         *,
         scale: float | None = None,
         out_dtype: torch.dtype = torch.bfloat16,
+        counters: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer for ``B`` rows over their selected blocks and their open block.
 
@@ -152,6 +153,10 @@ class OffloadedKV(OffloadStore):
                 padding row's entries must be ``-1`` (see :attr:`step_closed_blocks`).
             scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
             out_dtype: dtype of ``out``: bf16, or fp32 for a later merge.
+            counters: ``[2]`` int64 device tensor, or None: the fetch adds the selected blocks
+                this rank stores and those that missed the hot cache (no host synchronisation;
+                under a shard group, other ranks' blocks are not counted, so a group's counts
+                add up to the selection).
 
         Returns:
             ``(out [B, Hq, D] out_dtype, lse [B, Hq] fp32)``, the attention over the selected
@@ -164,43 +169,13 @@ class OffloadedKV(OffloadStore):
         blocks = blocks.to(torch.int32)
         if self.shard is not None:
             blocks = localize_blocks(blocks, self.shard.placement, self.shard.rank)
-        slots = self._fetch(slice(layer, layer + 1), blocks.unsqueeze(1))[:, 0]
+        slots = self._fetch(slice(layer, layer + 1), blocks.unsqueeze(1), counters)[:, 0]
         hot_tokens = torch.where(
             slots.unsqueeze(-1) >= 0, slots.unsqueeze(-1) * BLOCK_TOKENS + self._block_offsets, -1
         ).reshape(len(rows), -1)
         plan = self.planner.plan
         tail = plan.tail_tokens if self._attends_tail else self._no_tail[: len(rows)]
         return self._attend_parts(layer, q, hot_tokens, tail, scale, out_dtype=out_dtype)
-
-    def selection_counts(
-        self, layer: int, rows: Sequence[int], blocks: torch.Tensor
-    ) -> torch.Tensor:
-        """How many selected blocks this rank stores, and how many of them miss the hot cache.
-
-        Call it before :meth:`attend`, which fetches the misses. Under a shard group, the blocks
-        of other ranks are not counted (a group's counts add up to the selection). No host
-        synchronisation.
-
-        Args:
-            layer: layer index in ``[0, L)``.
-            rows: the step's rows (what the last :meth:`advance` returned).
-            blocks: ``[B, K]`` int32 selected complete blocks of those rows, ``-1`` padded
-                (what :meth:`attend` takes).
-
-        Returns:
-            ``[2]`` int64 device: (selected, missing) records.
-        """
-        self._check_step("selection_counts", layer, rows)
-        if blocks.dim() != 2 or tuple(blocks.shape[:-1]) != (len(rows),):
-            msg = f"blocks must be [B, K] with B={len(rows)}; got {tuple(blocks.shape)!r}"
-            raise KernelInputError(msg)
-        if self.shard is not None:
-            blocks = localize_blocks(blocks, self.shard.placement, self.shard.rank)
-        valid = blocks >= 0
-        row_ids = self.planner.plan.row_ids.long().view(-1, *[1] * (blocks.dim() - 1))
-        ids = blocks.clamp(min=0).long()
-        resident = self.tables.block_slot[layer][row_ids, ids] >= 0
-        return torch.stack((valid.sum(), (valid & ~resident).sum()))
 
     def _attend_parts(
         self,

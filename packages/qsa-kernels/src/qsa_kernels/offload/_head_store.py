@@ -5,9 +5,9 @@ Where each KV head chooses its own tokens, a record holds one 4-token block of o
 the store keeps ``L × Hkv`` record layers, layer ``l``'s head ``h`` at ``l × Hkv + h``.
 :class:`PerHeadOffloadedKV` adds to the shared data path
 (:class:`~qsa_kernels.offload._store.OffloadStore`) the blocks that hold each head's chosen tokens
-(:meth:`PerHeadOffloadedKV.token_blocks`), attention over those tokens
-(:meth:`PerHeadOffloadedKV.attend_tokens`) and the count of selected and missing records
-(:meth:`PerHeadOffloadedKV.selection_counts`). It takes no shard group: each rank stores every
+(:meth:`PerHeadOffloadedKV.token_blocks`) and attention over those tokens
+(:meth:`PerHeadOffloadedKV.attend_tokens`, which counts the selected and missing records on the
+device). It takes no shard group: each rank stores every
 block of its rows.
 """
 
@@ -86,35 +86,6 @@ class PerHeadOffloadedKV(OffloadStore):
         """
         return self._admit(row, k, v, None)
 
-    def selection_counts(
-        self, layer: int, rows: Sequence[int], blocks: torch.Tensor
-    ) -> torch.Tensor:
-        """How many selected records the heads read, and how many of them miss the hot caches.
-
-        Call it before :meth:`attend_tokens`, which fetches the misses. No host synchronisation.
-
-        Args:
-            layer: layer index in ``[0, L)``.
-            rows: the step's rows (what the last :meth:`advance` returned).
-            blocks: ``[B, Hkv, K]`` int32 blocks per (row, KV head), ``-1`` padded (what
-                :meth:`token_blocks` returns).
-
-        Returns:
-            ``[2]`` int64 device: (selected, missing) records.
-        """
-        self._check_step("selection_counts", layer, rows)
-        g = self.geometry
-        shape = (len(rows), g.kv_heads)
-        if blocks.dim() != 3 or tuple(blocks.shape[:-1]) != shape:
-            msg = f"blocks must be [B, Hkv, K] with B={len(rows)}; got {tuple(blocks.shape)!r}"
-            raise KernelInputError(msg)
-        valid = blocks >= 0
-        row_ids = self.planner.plan.row_ids.long().view(-1, *[1] * (blocks.dim() - 1))
-        ids = blocks.clamp(min=0).long()
-        table = self.tables.block_slot[self._record_span(layer)]  # [Hkv, R, NB]
-        resident = table[self._head_ids.view(1, -1, 1), row_ids, ids] >= 0
-        return torch.stack((valid.sum(), (valid & ~resident).sum()))
-
     def token_blocks(
         self, rows: Sequence[int], positions: torch.Tensor, *, checked: bool = True
     ) -> torch.Tensor:
@@ -175,6 +146,7 @@ class PerHeadOffloadedKV(OffloadStore):
         blocks: torch.Tensor,
         *,
         scale: float | None = None,
+        counters: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer for ``B`` rows over chosen tokens, a list per KV head.
 
@@ -192,6 +164,8 @@ class PerHeadOffloadedKV(OffloadStore):
                 :meth:`token_blocks`).
             blocks: ``token_blocks(rows, positions)``.
             scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
+            counters: ``[2]`` int64 device tensor, or None: the fetch adds the selected records
+                and those that missed the hot caches (no host synchronisation).
 
         Returns:
             ``(out [B, Hq, D] bf16, lse [B, Hq] fp32)``, natural-log LSE.
@@ -212,7 +186,7 @@ class PerHeadOffloadedKV(OffloadStore):
         span = self._record_span(layer)
         plan = self.planner.plan
         if blocks.shape[2]:
-            self._fetch(span, blocks)
+            self._fetch(span, blocks, counters)
         hot_tokens, tail_tokens = self._kernels.head_tokens(
             positions.to(torch.int32).contiguous(),
             plan.row_ids,

@@ -804,17 +804,19 @@ class OffloadRuntime:
         ordinal = self._append(layer_id, k, v)
         # Padding rows have 0 complete blocks: nothing selected.
         blocks = complete_blocks(indices, self.kv.step_closed_blocks, self._block_topk)
-        self._count_blocks(ordinal, blocks)
         rows = self._rows
         q = q.reshape(len(rows), -1, self.kv.geometry.head_dim)
         shard, exchange = self.kv.shard, self._exchange
         if shard is None or exchange is None:
-            out, _lse = self.kv.attend(ordinal, rows, q, blocks, scale=scale)
+            out, _lse = self.kv.attend(
+                ordinal, rows, q, blocks, scale=scale, counters=self._pending_counts
+            )
         else:  # every head of the group over this rank's blocks, then each rank its own heads
             group_q = gather_group_queries(q.to(torch.bfloat16), shard=shard, buffers=exchange)
             part, lse = self.kv.attend(
-                ordinal, rows, group_q, blocks, scale=scale, out_dtype=torch.float32
-            )
+                ordinal, rows, group_q, blocks, scale=scale, out_dtype=torch.float32,
+                counters=self._pending_counts,
+            )  # fmt: skip
             out, _lse = merge_owner_partials(
                 part, lse, shard=shard, buffers=exchange, path=self.kv.path
             )
@@ -862,7 +864,6 @@ class OffloadRuntime:
             blocks = self.kv.token_blocks(rows, positions, checked=checked)
         except KernelInputError as exc:
             raise OffloadStateError(f"layer {layer_id!r}: {exc}") from exc
-        self._count_blocks(ordinal, blocks)
         out, _lse = self.kv.attend_tokens(
             ordinal,
             rows,
@@ -870,6 +871,7 @@ class OffloadRuntime:
             positions,
             blocks,
             scale=scale,
+            counters=self._pending_counts,
         )
         return out.reshape(len(rows), -1).to(q.dtype)
 
@@ -1070,10 +1072,6 @@ class OffloadRuntime:
                 tokens,
                 result.bytes_compared,
             )
-
-    def _count_blocks(self, ordinal: int, blocks: torch.Tensor) -> None:
-        """Add this layer's selected and missing blocks to the device-side counters (no sync)."""
-        self._pending_counts += self.kv.selection_counts(ordinal, self._rows, blocks)
 
     def _count(self, **changes: int) -> None:
         self._counts = dataclasses.replace(self._counts, **changes)

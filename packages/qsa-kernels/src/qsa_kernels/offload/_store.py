@@ -902,10 +902,13 @@ class OffloadStore:
             raise KernelInputError(msg)
         self.planner.check_step(call, rows)
 
-    def _fetch(self, layers: slice, blocks: torch.Tensor) -> torch.Tensor:
+    def _fetch(
+        self, layers: slice, blocks: torch.Tensor, counters: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Make the planned rows' ``[B, NL, K]`` int32 blocks of record layers ``layers`` resident.
 
         Returns their ``[B, NL, K]`` global hot slots. Write-backs still in flight land first.
+        ``counters`` (``[2]`` int64, device) gets the selected and missing records added.
         """
         self.wait_for_host_writes()
         return self._kernels.fetch(
@@ -916,6 +919,7 @@ class OffloadStore:
             tables=self.tables,
             hot=self.hot,
             host_arena=self.host_arena,
+            counters=counters,
         )
 
     def _current_stream(self) -> dict[str, torch.cuda.Stream]:
