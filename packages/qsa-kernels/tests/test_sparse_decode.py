@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qsa_kernels import KernelInputError
+from qsa_kernels.lse_merge import lse_merge
 from qsa_kernels.sparse_decode import (
     sparse_decode,
     sparse_decode_reference,
@@ -153,6 +154,32 @@ def test_fp32_output_is_the_bf16_output_before_its_rounding(kernel_device: str) 
     step = 2**-8 if kernel_device == "cuda" else 1e-3
     torch.testing.assert_close(out32, ref32, atol=step, rtol=step)
     torch.testing.assert_close(lse32, ref_lse, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+def test_unmerged_parts_merge_into_the_merged_output(kernel_device: str) -> None:
+    """merged=False gives the split-K parts; one LSE merge of them is the merged call's result,
+    and of another call's parts too (a hot cache's and a tail's, merged once)."""
+    q, slots, kv = _case((2, 12, 300, 16, 100), torch.bfloat16, kernel_device, seed=8)
+    parts, part_lse = sparse_decode(q, slots, kv, merged=False, num_splits=3)
+    assert parts.shape == (3, 2, 12, 16)
+    assert part_lse.shape == (3, 2, 12)
+    want, want_lse = sparse_decode(q, slots, kv, num_splits=3)
+    got, got_lse = lse_merge(parts, part_lse, out_dtype=torch.bfloat16)
+    assert torch.equal(got, want)
+    assert torch.equal(got_lse, want_lse)
+    ref, ref_lse = sparse_decode_reference(q, slots, kv, merged=False)
+    assert ref.shape == (1, 2, 12, 16)
+    assert ref_lse.shape == (1, 2, 12)
+    assert ref.dtype == torch.float32
+    # Two token sets decoded apart and merged once equal one decode of their union.
+    first, second = slots[:, :150].contiguous(), slots[:, 150:].contiguous()
+    halves = [sparse_decode(q, half, kv, merged=False) for half in (first, second)]
+    both, both_lse = lse_merge(
+        torch.cat([o for o, _ in halves]), torch.cat([lse for _, lse in halves])
+    )
+    torch.testing.assert_close(both, want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(both_lse, want_lse, atol=1e-4, rtol=1e-5)
 
 
 def test_sparse_decode_refuses_an_output_dtype_it_does_not_produce() -> None:

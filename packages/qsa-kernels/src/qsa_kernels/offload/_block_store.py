@@ -189,25 +189,16 @@ class OffloadedKV(OffloadStore):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over hot-cache tokens and tail-record tokens of one layer, LSE-merged.
 
-        Both parts stay fp32 until the merge, so the output is rounded (to ``out_dtype``) once.
+        Both decodes' split-K parts merge in one LSE merge, so the output is rounded (to
+        ``out_dtype``) once.
         """
         g = self.geometry
-        out_hot, lse_hot = self._kernels.decode(
-            q,
-            hot_tokens,
-            self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape),
-            scale=scale,
-            out_dtype=torch.float32,
+        parts = (
+            self._kernels.decode(q, tokens, cache, scale=scale, merged=False)
+            for tokens, cache in (
+                (hot_tokens, self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape)),
+                (tail_tokens, self.tail[layer].view(g.rows, *g.record_shape)),
+            )
         )
-        out_tail, lse_tail = self._kernels.decode(
-            q,
-            tail_tokens,
-            self.tail[layer].view(g.rows, *g.record_shape),
-            scale=scale,
-            out_dtype=torch.float32,
-        )
-        return self._kernels.merge(
-            torch.stack((out_hot, out_tail)),
-            torch.stack((lse_hot, lse_tail)),
-            out_dtype=out_dtype,
-        )
+        outs, lses = zip(*parts, strict=True)
+        return self._kernels.merge(torch.cat(outs), torch.cat(lses), out_dtype=out_dtype)

@@ -194,12 +194,11 @@ class PerHeadOffloadedKV(OffloadStore):
             self.tables.block_slot[span],
             slots=g.hot_slots,
         )
-        parts = [
+        parts = (
             self._kernels.decode_split(
-                q, tokens, *_head_records(cache[span]), scale=scale, out_dtype=torch.float32
+                q, tokens, *_head_records(cache[span]), scale=scale, merged=False
             )
             for tokens, cache in ((hot_tokens, self.hot), (tail_tokens, self.tail))
-        ]
-        return self._kernels.merge(
-            torch.stack([out for out, _ in parts]), torch.stack([lse for _, lse in parts])
         )
+        outs, lses = zip(*parts, strict=True)
+        return self._kernels.merge(torch.cat(outs), torch.cat(lses))

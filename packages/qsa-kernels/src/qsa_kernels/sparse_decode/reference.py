@@ -43,11 +43,12 @@ def sparse_decode_reference(
     *,
     scale: float | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    merged: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode over selected tokens (reference: gather, then fp32 attention).
 
     Same contract as :func:`qsa_kernels.sparse_decode.sparse_decode`, for ``[B, T]`` and ``[B, Hkv,
-    T]`` token lists alike.
+    T]`` token lists alike; unmerged, one part (``P = 1``).
     """
     sm_scale = check_decode_args(q, token_slots, kv_cache, scale, out_dtype)
 
@@ -55,7 +56,7 @@ def sparse_decode_reference(
         k, v, valid = gather_selected_kv(slots, kv_cache)  # k, v: [B, Hkv, T, D]
         return k[:, g], v[:, g], valid
 
-    return _attend(q, token_slots, int(kv_cache.shape[3]), head, sm_scale, out_dtype)
+    return _attend(q, token_slots, int(kv_cache.shape[3]), head, sm_scale, out_dtype, merged)
 
 
 def sparse_decode_split_reference(
@@ -66,6 +67,7 @@ def sparse_decode_split_reference(
     *,
     scale: float | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    merged: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode over selected tokens of a pool that keeps K and V apart (reference).
 
@@ -80,6 +82,8 @@ def sparse_decode_split_reference(
         v_buffer: ``[N, Hkv, D]`` values, same shape and dtype.
         scale: softmax scale, ``1 / sqrt(D)`` if ``None``.
         out_dtype: bf16 or fp32.
+        merged: ``False`` returns one unmerged part (``out [1, B, Hq, D] fp32``, ``lse [1, B,
+            Hq]``), as the kernel's parts.
 
     Returns:
         ``(out [B, Hq, D] out_dtype, lse [B, Hq] fp32)``; a row with no valid slot gives zeros and
@@ -92,7 +96,7 @@ def sparse_decode_split_reference(
         tok = torch.where(valid, slots, 0).long()
         return k_buffer[tok, g], v_buffer[tok, g], valid
 
-    return _attend(q, token_slots, int(k_buffer.shape[1]), head, sm_scale, out_dtype)
+    return _attend(q, token_slots, int(k_buffer.shape[1]), head, sm_scale, out_dtype, merged)
 
 
 def _attend(  # noqa: PLR0917
@@ -102,8 +106,12 @@ def _attend(  # noqa: PLR0917
     head: _HeadGather,
     sm_scale: float,
     out_dtype: torch.dtype,
+    merged: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 attention of each KV head's query group over the tokens ``head`` gathers."""
+    """fp32 attention of each KV head's query group over the tokens ``head`` gathers.
+
+    Unmerged (``merged=False``), the result is one part: ``[1, ...]``.
+    """
     B, Hq, D = q.shape
     group = Hq // hkv
     per_head = token_slots if token_slots.dim() == 3 else token_slots[:, None].expand(-1, hkv, -1)
@@ -119,4 +127,6 @@ def _attend(  # noqa: PLR0917
         probs = torch.exp(scores - finite.unsqueeze(-1))
         out[:, heads] = torch.einsum("bgt,btd->bgd", probs, v.float())
         lse[:, heads] = head_lse
+    if not merged:
+        return out.unsqueeze(0), lse.unsqueeze(0)
     return out.to(out_dtype), lse

@@ -134,6 +134,7 @@ def sparse_decode(
     scale: float | None = None,
     num_splits: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    merged: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode: each query row attends only to its selected tokens of the hot cache.
 
@@ -159,9 +160,12 @@ def sparse_decode(
         num_splits: Programs per (row, KV head); chosen from the SM count if ``None``.
         out_dtype: ``torch.bfloat16``, or ``torch.float32`` for a part that is merged with
             others afterwards (rounded once, after the merge).
+        merged: ``False`` returns the split-K parts unmerged, to merge with other parts in one
+            :func:`~qsa_kernels.lse_merge.lse_merge` (``out_dtype`` is then unused).
 
     Returns:
-        ``(out [B, Hq, D] out_dtype, lse [B, Hq] fp32)``.
+        ``(out [B, Hq, D] out_dtype, lse [B, Hq] fp32)``; unmerged, ``(out [P, B, Hq, D] fp32,
+        lse [P, B, Hq] fp32)``, ``P >= 1`` parts whose merge is the merged result.
 
     Raises:
         KernelInputError: On a bad shape, dtype, device or layout.
@@ -176,6 +180,7 @@ def sparse_decode(
         sm_scale=sm_scale,
         num_splits=num_splits,
         out_dtype=out_dtype,
+        merged=merged,
     )
 
 
@@ -188,6 +193,7 @@ def sparse_decode_split(
     scale: float | None = None,
     num_splits: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    merged: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse GQA decode over the selected token slots of a pool that keeps K and V apart.
 
@@ -206,10 +212,11 @@ def sparse_decode_split(
         scale: softmax scale; ``1 / sqrt(D)`` if ``None``.
         num_splits: programs per (row, KV head); chosen from the SM count if ``None``.
         out_dtype: ``torch.bfloat16``, or ``torch.float32`` for a part merged afterwards.
+        merged: ``False`` returns the split-K parts unmerged (as :func:`sparse_decode`).
 
     Returns:
         ``(out [B, Hq, D] out_dtype, lse [B, Hq] fp32)``; a row with no valid slot gives zeros
-        and ``-inf``.
+        and ``-inf``; unmerged, ``(out [P, B, Hq, D] fp32, lse [P, B, Hq] fp32)``.
 
     Raises:
         KernelInputError: On a bad shape, dtype, device or layout.
@@ -226,6 +233,7 @@ def sparse_decode_split(
         sm_scale=sm_scale,
         num_splits=num_splits,
         out_dtype=out_dtype,
+        merged=merged,
     )
 
 
@@ -239,8 +247,12 @@ def _launch(
     sm_scale: float,
     num_splits: int | None,
     out_dtype: torch.dtype,
+    merged: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the parts kernel over ``kv`` (records, or split buffers with their strides), merge."""
+    """Launch the parts kernel over ``kv`` (records, or split buffers with their strides).
+
+    The parts are merged unless ``merged`` is False.
+    """
     B, Hq, D = q.shape
     T = token_slots.shape[-1]
     group = Hq // hkv
@@ -277,4 +289,6 @@ def _launch(
             num_warps=4,
             num_stages=2,
         )
+    if not merged:
+        return o_part, lse_part
     return lse_merge(o_part, lse_part, out_dtype=out_dtype)
