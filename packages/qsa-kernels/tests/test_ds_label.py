@@ -7,7 +7,13 @@ import torch
 
 from qsa_kernels import _topk_select as _select
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels.ds_label import label_keys_reference, label_topk, label_topk_reference
+from qsa_kernels.ds_label import (
+    fixed_width_lists,
+    fixed_width_lists_reference,
+    label_keys_reference,
+    label_topk,
+    label_topk_reference,
+)
 
 
 def _case(  # noqa: PLR0917
@@ -118,3 +124,28 @@ def test_random_scores_within_fp32_rounding(kernel_device: str) -> None:
     fin = torch.isfinite(ref.scores)
     assert torch.equal(fin, torch.isfinite(got.scores))
     torch.testing.assert_close(got.scores[fin].cpu(), ref.scores[fin].cpu(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("length_dtype", [torch.int32, torch.int64])
+def test_fixed_width_lists_list_heavy_tokens_of_sparse_rows_and_the_context_of_dense_ones(
+    kernel_device: str, length_dtype: torch.dtype
+) -> None:
+    """Rows at, below and above the threshold and within heavy: the kernel is the reference."""
+    heavy, width, threshold = 4, 11, 8
+    chosen = torch.arange(2 * 3 * heavy, dtype=torch.int32).view(2 * 3 // 3, 3, heavy)
+    chosen = torch.cat([chosen, chosen + 100, chosen + 200]).to(kernel_device)  # B = 6
+    seq_lens = torch.tensor([8, 7, 12, 3, 4, 5], dtype=length_dtype, device=kernel_device)
+    got = fixed_width_lists(chosen, seq_lens, width=width, threshold=threshold)
+    want = fixed_width_lists_reference(chosen, seq_lens, width=width, threshold=threshold)
+    assert torch.equal(got, want)
+    assert got[0, 1].tolist() == [*chosen[0, 1].tolist(), *[-1] * (width - heavy)]  # sparse
+    assert got[1, 2].tolist() == [0, 1, 2, 3, 4, 5, 6, -1, -1, -1, -1]  # below the threshold
+    assert got[4, 0].tolist() == [0, 1, 2, 3, *[-1] * 7]  # within heavy: dense
+
+
+def test_fixed_width_lists_refuse_a_width_below_heavy() -> None:
+    with pytest.raises(KernelInputError, match="width=3 is not allowed; allowed: at least heavy=4"):
+        fixed_width_lists_reference(
+            torch.zeros(1, 1, 4, dtype=torch.int32), torch.ones(1), width=3, threshold=0
+        )

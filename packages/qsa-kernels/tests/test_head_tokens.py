@@ -50,6 +50,21 @@ def test_head_blocks_of_a_known_choice(kernel_device: str) -> None:
     assert counts.tolist() == [[2]]
 
 
+@pytest.mark.usefixtures("poisoned_empty")
+def test_head_blocks_of_ascending_lists_skip_no_block(kernel_device: str) -> None:
+    """Lists that already ascend (a dense ramp, heavy tokens in order, -1 after): the kernel's
+    unsorted path gives the reference's blocks."""
+    ramp = torch.arange(40, dtype=torch.int32)
+    heavy = torch.tensor([1, 2, 9, 10, 11, 30, 31, 57, *[-1] * 32], dtype=torch.int32)
+    positions = torch.stack([ramp, heavy]).view(2, 1, 40).to(kernel_device)
+    closed = torch.tensor([9, 14], dtype=torch.int32, device=kernel_device)
+    blocks, counts = head_blocks(positions, closed, slots=16)
+    want_blocks, want_counts = head_blocks_reference(positions, closed, slots=16)
+    assert torch.equal(blocks, want_blocks)
+    assert torch.equal(counts, want_counts)
+    assert blocks[1, 0, :5].tolist() == [0, 2, 7, -1, -1]  # 57 is past 14 closed blocks
+
+
 @pytest.mark.parametrize("width", [37, 5])
 def test_head_tokens_equal_the_reference(
     kernel_device: str, width: int, poisoned_empty: None

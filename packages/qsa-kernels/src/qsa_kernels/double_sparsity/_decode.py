@@ -9,7 +9,13 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.double_sparsity._config import DSConfig
-from qsa_kernels.ds_label import LabelTopK, label_topk, label_topk_reference
+from qsa_kernels.ds_label import (
+    LabelTopK,
+    fixed_width_lists,
+    fixed_width_lists_reference,
+    label_topk,
+    label_topk_reference,
+)
 from qsa_kernels.sparse_decode import (
     sparse_decode,
     sparse_decode_reference,
@@ -162,19 +168,17 @@ def ds_positions_fixed(
     """
     width = config.fixed_width()
     lengths = seq_lens.to(torch.int32)
-    ramp = torch.arange(width, dtype=torch.int32, device=q.device)
-    dense_lists = torch.where(ramp < lengths.view(-1, 1, 1), ramp, -1)  # [B, 1, W]
-    hkv = label_cache.shape[1]
     if req_to_token.shape[1] < width:  # every row is dense (the shape is fixed per capture)
-        return dense_lists.expand(-1, hkv, -1).contiguous()
+        ramp = torch.arange(width, dtype=torch.int32, device=q.device)
+        dense_lists = torch.where(ramp < lengths.view(-1, 1, 1), ramp, -1)  # [B, 1, W]
+        return dense_lists.expand(-1, label_cache.shape[1], -1).contiguous()
     heavy = config.heavy_token_num
     select: _Selector = label_topk_reference if reference else label_topk
     chosen = select(
         q, label_cache, channels, req_to_token, lengths, heavy_token_num=heavy
     ).positions.to(torch.int32)
-    sparse_lists = torch.nn.functional.pad(chosen, (0, width - heavy), value=-1)
-    dense = ~config.sparse_rows(seq_lens).view(-1, 1, 1)
-    return torch.where(dense, dense_lists, sparse_lists).contiguous()
+    lists = fixed_width_lists_reference if reference else fixed_width_lists
+    return lists(chosen, seq_lens, width=width, threshold=config.sparse_decode_threshold)
 
 
 def positions_to_slots(positions: torch.Tensor, req_to_token: torch.Tensor) -> torch.Tensor:

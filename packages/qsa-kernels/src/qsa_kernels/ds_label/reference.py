@@ -18,7 +18,12 @@ import torch
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._topk_select import row_topk_reference
 
-__all__ = ("LabelTopK", "label_keys_reference", "label_topk_reference")
+__all__ = (
+    "LabelTopK",
+    "fixed_width_lists_reference",
+    "label_keys_reference",
+    "label_topk_reference",
+)
 
 
 class LabelTopK(NamedTuple):
@@ -123,3 +128,52 @@ def label_topk_reference(
     lengths = seq_lens.to(torch.int64).clamp(0, width).repeat_interleave(hkv)
     positions = row_topk_reference(scores.view(batch * hkv, width), lengths, heavy_token_num)
     return LabelTopK(scores, positions.view(batch, hkv, heavy_token_num))
+
+
+def check_fixed_width_args(
+    chosen: torch.Tensor, seq_lens: torch.Tensor, width: int, threshold: int
+) -> None:
+    """Validate a fixed-width lists call (no device sync)."""
+    if chosen.dim() != 3 or chosen.dtype != torch.int32:
+        msg = f"chosen must be [B, Hkv, heavy] int32; got {tuple(chosen.shape)!r} {chosen.dtype}"
+        raise KernelInputError(msg)
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != chosen.shape[0]:
+        msg = f"seq_lens must be [B={chosen.shape[0]}]; got {tuple(seq_lens.shape)!r}"
+        raise KernelInputError(msg)
+    if seq_lens.device != chosen.device:
+        msg = f"seq_lens is on {seq_lens.device}; chosen on {chosen.device}"
+        raise KernelInputError(msg)
+    if width < chosen.shape[2]:
+        msg = f"width={width!r} is not allowed; allowed: at least heavy={chosen.shape[2]!r}"
+        raise KernelInputError(msg)
+    if threshold < 0:
+        msg = f"threshold={threshold!r} is not allowed; allowed: >= 0"
+        raise KernelInputError(msg)
+
+
+def fixed_width_lists_reference(
+    chosen: torch.Tensor, seq_lens: torch.Tensor, *, width: int, threshold: int
+) -> torch.Tensor:
+    """Every row's token list at one width: a sparse row's heavy tokens, a dense row's context.
+
+    A row is sparse when ``seq_len >= threshold`` and ``seq_len > heavy`` (``DSConfig``'s
+    ``sparse_decode_threshold`` and ``heavy_token_num``); it lists ``chosen``, a dense row
+    ``0 .. seq_len - 1``; both ``-1`` padded to ``width``.
+
+    Args:
+        chosen: ``[B, Hkv, heavy]`` int32 heavy-token positions (``label_topk``'s).
+        seq_lens: ``[B]`` int32/int64 device context lengths.
+        width: the lists' width, at least ``heavy``.
+        threshold: the sparse-decode threshold.
+
+    Returns:
+        ``[B, Hkv, width]`` int32 positions.
+    """
+    check_fixed_width_args(chosen, seq_lens, width, threshold)
+    heavy = int(chosen.shape[2])
+    lengths = seq_lens.view(-1, 1, 1)
+    ramp = torch.arange(width, dtype=torch.int32, device=chosen.device)
+    dense_lists = torch.where(ramp < lengths, ramp, -1)  # [B, 1, W]
+    sparse_lists = torch.nn.functional.pad(chosen, (0, width - heavy), value=-1)
+    sparse = (lengths >= threshold) & (lengths > heavy)
+    return torch.where(sparse, sparse_lists, dense_lists).to(torch.int32).contiguous()

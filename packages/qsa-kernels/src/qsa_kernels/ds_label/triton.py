@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_kernels._checks import check_unit_last_stride
+from qsa_kernels._checks import check_unit_last_stride, next_pow2
 from qsa_kernels._topk_select import interpreting, row_topk
-from qsa_kernels.ds_label.reference import LabelTopK, check_label_inputs
+from qsa_kernels.ds_label.reference import LabelTopK, check_fixed_width_args, check_label_inputs
 
-__all__ = ("label_topk",)
+__all__ = ("fixed_width_lists", "label_topk")
 
 _BLOCK_T = 128
 
@@ -151,3 +151,56 @@ def label_topk(
         positions.view(-1, heavy_token_num),
     )
     return LabelTopK(scores, positions)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _fixed_width_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    chosen_ptr,  # [B, Hkv, HEAVY] int32 heavy-token positions
+    len_ptr,  # [B] int32 / int64 context lengths
+    out_ptr,  # [B, Hkv, W] int32 lists
+    HKV,
+    W,
+    HEAVY,
+    threshold,
+    BLOCK_W: tl.constexpr,  # next_pow2(W)
+):
+    g = tl.program_id(0)  # b * Hkv + h
+    n = tl.load(len_ptr + g // HKV)
+    offs = tl.arange(0, BLOCK_W)
+    chosen = tl.load(chosen_ptr + g.to(tl.int64) * HEAVY + offs, mask=offs < HEAVY, other=-1)
+    ramp = tl.where(offs < n, offs, -1)
+    sparse = (n >= threshold) & (n > HEAVY)
+    lists = tl.where(sparse, chosen, ramp)
+    tl.store(out_ptr + g.to(tl.int64) * W + offs, lists, mask=offs < W)
+
+
+def fixed_width_lists(
+    chosen: torch.Tensor, seq_lens: torch.Tensor, *, width: int, threshold: int
+) -> torch.Tensor:
+    """Every row's token list at one width, in one launch (CUDA-graph capturable).
+
+    Same contract as :func:`qsa_kernels.ds_label.fixed_width_lists_reference`: a sparse row's
+    heavy tokens, a dense row's whole context, ``-1`` padded to ``width``.
+
+    Args:
+        chosen: ``[B, Hkv, heavy]`` int32 heavy-token positions.
+        seq_lens: ``[B]`` int32/int64 device context lengths.
+        width: the lists' width, at least ``heavy``.
+        threshold: the sparse-decode threshold.
+
+    Returns:
+        ``[B, Hkv, width]`` int32 positions.
+
+    Raises:
+        KernelInputError: a bad shape, dtype or device, or ``width < heavy``.
+    """
+    check_fixed_width_args(chosen, seq_lens, width, threshold)
+    batch, hkv, heavy = chosen.shape
+    out = torch.empty((batch, hkv, width), dtype=torch.int32, device=chosen.device)
+    if batch * hkv and width:
+        tile = max(16, next_pow2(width))
+        _fixed_width_kernel[(batch * hkv,)](
+            chosen.contiguous(), seq_lens, out, hkv, width, heavy, threshold,
+            BLOCK_W=tile, num_warps=8 if tile >= 2048 else 4,
+        )  # fmt: skip
+    return out

@@ -1,7 +1,9 @@
 """Triton per-head token ops: one program per (row, KV head), one launch per layer.
 
-:func:`head_blocks` sorts a head's block ids in registers and keeps the first of each run (a
-neighbour compare through ``tl.gather``), compacted by a prefix sum; :func:`head_tokens` maps
+:func:`head_blocks` keeps the first of each run of a head's block ids (a neighbour compare
+through ``tl.gather``), compacted by a prefix sum, after sorting them in registers unless they
+already ascend (double sparsity's lists do: a dense row's ramp, a sparse row's heavy tokens as
+``label_topk`` orders them); :func:`head_tokens` maps
 every position through the layer's block table. Each replaces about a dozen small torch
 operations (the references), which dominate a captured decode step's time at batch 1.
 """
@@ -39,8 +41,12 @@ def _head_blocks_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
     pos = tl.load(pos_ptr + g.to(tl.int64) * W + offs, mask=offs < W, other=-1)
     closed = tl.load(closed_ptr + b) * TOKENS
     in_hot = (pos >= 0) & (pos < closed)
-    ids = tl.sort(tl.where(in_hot, pos // TOKENS, _SENTINEL))
-    previous = tl.gather(ids, tl.maximum(offs - 1, 0), 0)
+    ids = tl.where(in_hot, pos // TOKENS, _SENTINEL)
+    before = tl.maximum(offs - 1, 0)
+    previous = tl.gather(ids, before, 0)
+    if tl.sum((ids < previous).to(tl.int32), axis=0) > 0:  # not ascending: sort first
+        ids = tl.sort(ids)
+        previous = tl.gather(ids, before, 0)
     keep = (ids != _SENTINEL) & ((offs == 0) | (ids != previous))
     rank = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     count = tl.sum(keep.to(tl.int32), axis=0)
