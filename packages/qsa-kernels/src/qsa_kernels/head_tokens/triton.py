@@ -143,18 +143,9 @@ def head_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each chosen token's key row in one layer's hot cache and tail (one launch).
 
-    Same contract as :func:`qsa_kernels.head_tokens.head_tokens_reference`; no host
-    synchronisation, CUDA-graph capturable.
-
-    Args:
-        positions: ``[B, Hkv, W]`` int32 logical positions, ``-1`` padded.
-        row_ids: ``[B]`` int32 request row of each batch entry.
-        closed_blocks: ``[B]`` int32 complete blocks of each row.
-        block_slot: ``[Hkv, R, NB]`` int32 the layer's hot slot of each resident block.
-        slots: a hot cache's slots ``S``.
-
-    Returns:
-        ``(hot [B, Hkv, W] int32, tail [B, Hkv, 3] int32)``.
+    Same contract, arguments and returns as
+    :func:`qsa_kernels.head_tokens.head_tokens_reference` (``hot [B, Hkv, W]``, ``tail [B, Hkv,
+    3]`` int32); no host synchronisation, CUDA-graph capturable.
 
     Raises:
         KernelInputError: a bad shape, dtype, device or layout, or ``slots < 1``.
