@@ -7,8 +7,7 @@ the store keeps ``L × Hkv`` record layers, layer ``l``'s head ``h`` at ``l × H
 (:class:`~qsa_kernels.offload._store.OffloadStore`) the blocks that hold each head's chosen tokens
 (:meth:`PerHeadOffloadedKV.token_blocks`) and attention over those tokens
 (:meth:`PerHeadOffloadedKV.attend_tokens`, which counts the selected and missing records on the
-device). It takes no shard group: each rank stores every
-block of its rows.
+device). It takes no shard group: each rank stores every block of its rows.
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ class PerHeadOffloadedKV(OffloadStore):
             )
             raise KernelInputError(msg)
         super().__init__(geometry, device, path=path)
-        self._head_ids = torch.arange(geometry.kv_heads, device=self.device)
 
     def admit(self, row: int, k: torch.Tensor, v: torch.Tensor) -> torch.cuda.Event | None:
         """Take a prefilled prompt into a free row: complete blocks to host, the open block to tail.
