@@ -133,8 +133,7 @@ def test_fixed_width_lists_list_heavy_tokens_of_sparse_rows_and_the_context_of_d
 ) -> None:
     """Rows at, below and above the threshold and within heavy: the kernel is the reference."""
     heavy, width, threshold = 4, 11, 8
-    chosen = torch.arange(2 * 3 * heavy, dtype=torch.int32).view(2 * 3 // 3, 3, heavy)
-    chosen = torch.cat([chosen, chosen + 100, chosen + 200]).to(kernel_device)  # B = 6
+    chosen = torch.arange(6 * 3 * heavy, dtype=torch.int32).view(6, 3, heavy).to(kernel_device)
     seq_lens = torch.tensor([8, 7, 12, 3, 4, 5], dtype=length_dtype, device=kernel_device)
     got = fixed_width_lists(chosen, seq_lens, width=width, threshold=threshold)
     want = fixed_width_lists_reference(chosen, seq_lens, width=width, threshold=threshold)
@@ -144,8 +143,10 @@ def test_fixed_width_lists_list_heavy_tokens_of_sparse_rows_and_the_context_of_d
     assert got[4, 0].tolist() == [0, 1, 2, 3, *[-1] * 7]  # within heavy: dense
 
 
-def test_fixed_width_lists_refuse_a_width_below_heavy() -> None:
+def test_fixed_width_lists_refuse_a_width_below_heavy_and_float_lengths() -> None:
+    chosen = torch.zeros(1, 1, 4, dtype=torch.int32)
+    lengths = torch.ones(1, dtype=torch.int32)
     with pytest.raises(KernelInputError, match="width=3 is not allowed; allowed: at least heavy=4"):
-        fixed_width_lists_reference(
-            torch.zeros(1, 1, 4, dtype=torch.int32), torch.ones(1), width=3, threshold=0
-        )
+        fixed_width_lists_reference(chosen, lengths, width=3, threshold=0)
+    with pytest.raises(KernelInputError, match=r"seq_lens has dtype torch.float32; allowed"):
+        fixed_width_lists(chosen, lengths.float(), width=4, threshold=0)

@@ -160,6 +160,7 @@ def _tiny_fetch(
     fetch: Callable[..., torch.Tensor],
     selected: list[int],
     arena_dtype: torch.dtype = torch.bfloat16,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run ``fetch`` for one request and one layer with S=4 slots and NB=8 blocks."""
     zero = torch.zeros(1, dtype=torch.int32)
@@ -171,6 +172,7 @@ def _tiny_fetch(
         tables=HotCacheTables.empty(1, 1, 4, 8, torch.device("cpu")),
         hot=torch.zeros((1, 1, 4, 2, 4, 1, 16), dtype=torch.bfloat16),
         host_arena=torch.zeros((1, 1, 8, 2, 4, 1, 16), dtype=arena_dtype),
+        counters=counters,
     )
 
 
@@ -178,6 +180,21 @@ def test_fetch_rejects_more_entries_than_slots() -> None:
     """K > S cannot be served and is refused with both numbers in the message."""
     with pytest.raises(KernelInputError, match=r"K=5.*S=4"):
         _tiny_fetch(fetch_selected_blocks, [-1] * 5)
+
+
+@pytest.mark.parametrize("fetch", [fetch_selected_blocks, fetch_selected_blocks_reference])
+def test_fetch_refuses_counters_that_are_not_two_int64s_and_counts_nothing(
+    fetch: Callable[..., torch.Tensor],
+) -> None:
+    """The counters are named with what is allowed; a refused call leaves them as they were."""
+    narrow = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match=r"counters has dtype torch.int32; allowed"):
+        _tiny_fetch(fetch, [1, -1], counters=narrow)
+    wide = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(KernelInputError, match=r"counters has size 3 along dim 0"):
+        _tiny_fetch(fetch, [1, -1], counters=wide)
+    assert not narrow.any()
+    assert not wide.any()
 
 
 def test_fetch_rejects_mismatched_arena_dtype() -> None:

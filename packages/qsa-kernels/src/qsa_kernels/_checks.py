@@ -23,6 +23,7 @@ __all__ = (
     "check_same_device",
     "check_unit_last_stride",
     "kv_torch_dtype",
+    "list_tile",
     "next_pow2",
     "sm_count",
 )
@@ -103,6 +104,16 @@ def check_unit_last_stride(**tensors: torch.Tensor) -> None:
 def next_pow2(n: int) -> int:
     """Smallest power of two ``>= max(n, 1)``."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def list_tile(width: int) -> tuple[int, int]:
+    """``(tile, warps)`` of a kernel holding one ``width``-long list per program in registers.
+
+    The tile is a power of two of at least 16 (``tl.arange``'s and ``tl.sort``'s); 8 warps from
+    2,048 elements up, 4 below.
+    """
+    tile = max(16, next_pow2(width))
+    return tile, 8 if tile >= 2048 else 4
 
 
 @functools.cache

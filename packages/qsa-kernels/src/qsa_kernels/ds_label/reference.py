@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from qsa_kernels._checks import check_dim, check_dtype, check_ndim, check_same_device
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._topk_select import row_topk_reference
 
@@ -134,15 +135,12 @@ def check_fixed_width_args(
     chosen: torch.Tensor, seq_lens: torch.Tensor, width: int, threshold: int
 ) -> None:
     """Validate a fixed-width lists call (no device sync)."""
-    if chosen.dim() != 3 or chosen.dtype != torch.int32:
-        msg = f"chosen must be [B, Hkv, heavy] int32; got {tuple(chosen.shape)!r} {chosen.dtype}"
-        raise KernelInputError(msg)
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != chosen.shape[0]:
-        msg = f"seq_lens must be [B={chosen.shape[0]}]; got {tuple(seq_lens.shape)!r}"
-        raise KernelInputError(msg)
-    if seq_lens.device != chosen.device:
-        msg = f"seq_lens is on {seq_lens.device}; chosen on {chosen.device}"
-        raise KernelInputError(msg)
+    check_ndim("chosen", chosen, 3, "[B, Hkv, heavy]")
+    check_dtype("chosen", chosen, (torch.int32,))
+    check_ndim("seq_lens", seq_lens, 1, "[B]")
+    check_dtype("seq_lens", seq_lens, (torch.int32, torch.int64))
+    check_dim("seq_lens", seq_lens, 0, chosen.shape[0], "B of chosen")
+    check_same_device(chosen.device, seq_lens=seq_lens)
     if width < chosen.shape[2]:
         msg = f"width={width!r} is not allowed; allowed: at least heavy={chosen.shape[2]!r}"
         raise KernelInputError(msg)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_kernels._checks import check_unit_last_stride, next_pow2
+from qsa_kernels._checks import check_unit_last_stride, list_tile
 from qsa_kernels._topk_select import interpreting, row_topk
 from qsa_kernels.ds_label.reference import LabelTopK, check_fixed_width_args, check_label_inputs
 
@@ -198,9 +198,9 @@ def fixed_width_lists(
     batch, hkv, heavy = chosen.shape
     out = torch.empty((batch, hkv, width), dtype=torch.int32, device=chosen.device)
     if batch * hkv and width:
-        tile = max(16, next_pow2(width))
+        tile, warps = list_tile(width)
         _fixed_width_kernel[(batch * hkv,)](
             chosen.contiguous(), seq_lens, out, hkv, width, heavy, threshold,
-            BLOCK_W=tile, num_warps=8 if tile >= 2048 else 4,
+            BLOCK_W=tile, num_warps=warps,
         )  # fmt: skip
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels._geometry import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS, TAIL_TOKENS
 
 __all__ = ("complete_blocks",)
 
@@ -29,7 +29,7 @@ def complete_blocks(indices: torch.Tensor, closed: torch.Tensor, block_topk: int
     if width == block_topk:
         blocks = indices.to(torch.int32)
         return torch.where(blocks < limit, blocks, -1)
-    if width == BLOCK_TOKENS * block_topk + BLOCK_TOKENS - 1:
+    if width == BLOCK_TOKENS * block_topk + TAIL_TOKENS:
         # Token positions: a selected block contributes its first token (4 b); the open
         # block's tokens lie at or after 4 * closed.
         tokens = indices.to(torch.int32)

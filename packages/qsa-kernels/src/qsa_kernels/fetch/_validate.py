@@ -30,12 +30,9 @@ def check_fetch_args(
 ) -> None:
     """Validate shapes, dtypes and devices of a fetch call (no device sync)."""
     if counters is not None:
-        if tuple(counters.shape) != (2,) or counters.dtype != torch.int64:
-            msg = (
-                f"counters must be a [2] int64 tensor (selected, missing); got "
-                f"{tuple(counters.shape)!r} {counters.dtype}"
-            )
-            raise KernelInputError(msg)
+        check_ndim("counters", counters, 1, "[2]: (selected, missing)")
+        check_dim("counters", counters, 0, 2, "selected, missing")
+        check_dtype("counters", counters, (torch.int64,))
         check_same_device(tables.device, counters=counters)
     check_ndim("selected", selected, 3, "[B, NL, K]")
     check_dtype("selected", selected, (torch.int32,))

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_kernels._checks import next_pow2
+from qsa_kernels._checks import list_tile
 from qsa_kernels._geometry import BLOCK_TOKENS, RECORD_ROWS, TAIL_TOKENS
 from qsa_kernels.head_tokens._validate import check_head_blocks_args, check_head_tokens_args
 
@@ -93,11 +93,6 @@ def _head_tokens_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0917
         tl.store(tail_ptr + g * TAIL + o, tail)
 
 
-def _tile(width: int) -> int:
-    """The register tile of a head's list: a power of two of at least 16."""
-    return max(16, next_pow2(width))
-
-
 def head_blocks(
     positions: torch.Tensor, closed_blocks: torch.Tensor, *, slots: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,10 +118,10 @@ def head_blocks(
     blocks = torch.empty((batch, hkv, keep), dtype=torch.int32, device=positions.device)
     counts = torch.empty((batch, hkv), dtype=torch.int32, device=positions.device)
     if batch * hkv and width:
-        tile = _tile(width)
+        tile, warps = list_tile(width)
         _head_blocks_kernel[(batch * hkv,)](
             positions, closed_blocks, blocks, counts, hkv, width, keep,
-            BLOCK_W=tile, TOKENS=BLOCK_TOKENS, num_warps=8 if tile >= 2048 else 4,
+            BLOCK_W=tile, TOKENS=BLOCK_TOKENS, num_warps=warps,
         )  # fmt: skip
     else:
         counts.zero_()
@@ -156,11 +151,11 @@ def head_tokens(
     tail = torch.empty((batch, hkv, TAIL_TOKENS), dtype=torch.int32, device=positions.device)
     if batch * hkv:
         _, rows, blocks = block_slot.shape
-        tile = _tile(width)
+        tile, warps = list_tile(width)
         _head_tokens_kernel[(batch * hkv,)](
             positions, row_ids, closed_blocks, block_slot, hot, tail, hkv, width, rows, blocks,
             slots, BLOCK_W=tile, TOKENS=BLOCK_TOKENS, RECORD=RECORD_ROWS,
             TAIL=TAIL_TOKENS,
-            num_warps=8 if tile >= 2048 else 4,
+            num_warps=warps,
         )  # fmt: skip
     return hot, tail

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels._geometry import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS, TAIL_TOKENS
 from qsa_kernels._path import KernelPath
 from qsa_kernels.offload._store import OffloadGeometry, OffloadStore
 from qsa_kernels.sharded import ShardGroup, localize_blocks
@@ -67,7 +67,7 @@ class OffloadedKV(OffloadStore):
         # One rank of a shard group attends the open block; the others read no tail token.
         self._attends_tail = self.shard is None or self.shard.rank == 0
         self._no_tail = torch.full(
-            (geometry.rows, BLOCK_TOKENS - 1), -1, dtype=torch.int32, device=self.device
+            (geometry.rows, TAIL_TOKENS), -1, dtype=torch.int32, device=self.device
         )
 
     def admit(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels._geometry import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS, TAIL_TOKENS
 from qsa_kernels.sharded import ShardGroup, localize_blocks
 
 __all__ = ("RowPlanner", "RowState", "StepPlan", "StepRows")
@@ -62,7 +62,7 @@ class StepPlan:
         self._shard = shard
         self.batch = 0
         self._r = max_rows
-        words = (self._FIELDS + BLOCK_TOKENS - 1) * max_rows
+        words = (self._FIELDS + TAIL_TOKENS) * max_rows
         self._device = torch.zeros(words, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self._host = [torch.zeros(words, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
@@ -104,8 +104,8 @@ class StepPlan:
     def tail_tokens(self) -> torch.Tensor:
         """``[B, 3]`` int32 device: tail-record token ids of each row's open block (-1 padded)."""
         start = self._FIELDS * self._r
-        tails = self._device[start : start + (BLOCK_TOKENS - 1) * self._r]
-        return tails.view(self._r, BLOCK_TOKENS - 1)[: self.batch]
+        tails = self._device[start : start + TAIL_TOKENS * self._r]
+        return tails.view(self._r, TAIL_TOKENS)[: self.batch]
 
     def load(self, rows: Sequence[int], lengths: Sequence[int], real: int) -> None:
         """Plan rows with their lengths after the new token; the first ``real`` rows are real.
@@ -121,7 +121,7 @@ class StepPlan:
         fields = host[: self._FIELDS * r].view(self._FIELDS, r)
         fields.fill_(0)
         fields[3].fill_(-1)
-        tails = host[self._FIELDS * r :].view(r, BLOCK_TOKENS - 1)
+        tails = host[self._FIELDS * r :].view(r, TAIL_TOKENS)
         tails.fill_(-1)
         if n:
             row_t = torch.tensor(rows, dtype=torch.int32)
@@ -140,7 +140,7 @@ class StepPlan:
             fields[3, :n] = closing
             fields[4, :n] = torch.where(is_real, position, 0)
             count = torch.where(is_real, open_count, 1)  # padding: its one (ignored) token
-            slots = torch.arange(BLOCK_TOKENS - 1, dtype=torch.int32)
+            slots = torch.arange(TAIL_TOKENS, dtype=torch.int32)
             tails[:n] = torch.where(
                 slots < count.unsqueeze(1), row_t.unsqueeze(1) * BLOCK_TOKENS + slots, -1
             )

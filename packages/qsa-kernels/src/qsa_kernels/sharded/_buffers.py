@@ -16,7 +16,7 @@ import enum
 import torch
 
 from qsa_kernels._errors import KernelInputError
-from qsa_kernels._geometry import BLOCK_TOKENS
+from qsa_kernels._geometry import BLOCK_TOKENS, TAIL_TOKENS
 
 __all__ = ("PREFILL_GROUP_ROWS", "CollectiveBytes", "HeadLayout", "ShardedDecodeBuffers")
 
@@ -160,7 +160,7 @@ class ShardedDecodeBuffers:
         dev = torch.device(device)
         n, rows = world_size, max_rows
         cand = rows * topk * _CANDIDATE_WORDS
-        tokens = rows * (BLOCK_TOKENS * topk + BLOCK_TOKENS - 1)
+        tokens = rows * (BLOCK_TOKENS * topk + TAIL_TOKENS)
         partial = rows * q_heads * (head_dim + 1)
         sharded = layout is HeadLayout.SHARDED
         query = rows * (q_heads // n) * head_dim if sharded else 0
