@@ -444,10 +444,12 @@ def test_an_integer_argument_is_in_its_range_or_refused_naming_the_text_and_rang
         assert parse(text) == int(text)
 
 
-def test_the_index_sharded_alone_divides_the_resident_index_over_every_tp_rank() -> None:
-    """D2 without D1 at TP8: the resident layout keeps the raw K/V whole and holds an eighth of
-    the compressed index (768 / 8 B per token) plus the candidate buffers as fixed bytes; the
-    offloaded layout, which D2 alone does not serve, is the unsharded one."""
+def test_the_index_sharded_alone_divides_the_index_over_every_tp_rank_with_or_without_offload() -> (
+    None
+):
+    """D2 without D1 at TP8: both layouts hold an eighth of the compressed index (768 / 8 B per
+    token) plus the candidate buffers as fixed bytes; the resident one keeps the raw K/V whole,
+    and the offloaded one adds the candidates to its own buffers."""
     plain = _plan(tp_size=8, gpu_budget_bytes=64 * GIB)
     alone = _plan(
         tp_size=8, gpu_budget_bytes=64 * GIB, index_sharded=True, index_buffer_bytes=3 * MIB
@@ -459,7 +461,11 @@ def test_the_index_sharded_alone_divides_the_resident_index_over_every_tp_rank()
     assert alone.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes == (8 * CTX + 64) * 96
     assert alone.resident.part(MemoryPartKind.RAW_KV).nbytes == (8 * CTX + 64) * raw
     assert alone.resident.part(MemoryPartKind.SHARD_TRANSPORT).nbytes == 3 * MIB
-    assert alone.offloaded_price == plain.offloaded_price
+    offloaded, unsharded = alone.offloaded_price, plain.offloaded_price
+    assert (unsharded.token_bytes, offloaded.token_bytes) == (768, 768 // 8)
+    assert offloaded.fixed_bytes == unsharded.fixed_bytes + 3 * MIB
+    assert alone.offloaded.part(MemoryPartKind.SHARD_TRANSPORT).nbytes == 3 * MIB
+    assert alone.max_requests_offloaded >= plain.max_requests_offloaded
     assert alone.max_requests_resident >= plain.max_requests_resident
-    assert "compressed index sharded over 8 ranks (resident layout only)" in render_plan(alone)
+    assert "compressed index sharded over 8 ranks" in render_plan(alone)
     assert "index 768 B (96 B on this rank)" in render_plan(alone)

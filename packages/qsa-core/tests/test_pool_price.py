@@ -62,8 +62,7 @@ def test_an_offloaded_token_of_a_page_sharded_index_costs_a_share_of_its_index()
         sizes,
         resident_token_bytes=RESIDENT,
         index_token_bytes=INDEX,
-        sharding_size=4,
-        index_sharded=True,
+        index_ranks=4,
         index_buffer_bytes=1 << 20,
     )
     assert (price.token_bytes, price.fixed_bytes) == (
@@ -72,13 +71,13 @@ def test_an_offloaded_token_of_a_page_sharded_index_costs_a_share_of_its_index()
     )
     assert "768 B of index over 4 ranks" in price.detail
     assert price.detail.endswith("and 1.000 MiB of index candidate buffers")
-    d1 = PoolPrice.offloaded(
-        sizes, resident_token_bytes=RESIDENT, index_token_bytes=INDEX, sharding_size=4
-    )
-    assert (d1.token_bytes, d1.fixed_bytes) == (INDEX, sizes.fixed_device_bytes())
-    with pytest.raises(CapacityError, match=r"index_buffer_bytes=1 .*without index_sharded"):
+    with pytest.raises(CapacityError, match=r"index_buffer_bytes=1 .*index_ranks=1"):
         PoolPrice.offloaded(
             sizes, resident_token_bytes=RESIDENT, index_token_bytes=INDEX, index_buffer_bytes=1
+        )
+    with pytest.raises(CapacityError, match=r"index_ranks=0"):
+        PoolPrice.offloaded(
+            sizes, resident_token_bytes=RESIDENT, index_token_bytes=INDEX, index_ranks=0
         )
 
 

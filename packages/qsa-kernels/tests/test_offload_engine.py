@@ -91,9 +91,7 @@ def test_the_pool_price_is_qsa_cores_of_the_layouts_sizes(verify: bool) -> None:
 def test_an_index_sharded_pool_price_adds_the_candidate_buffers_of_the_layouts_rows() -> None:
     """D2 over 2 ranks: half the index per token, the candidates of the top-k and rows fixed."""
     layout = _qsa_layout(rows=4)
-    price = layout.pool_price(
-        resident_token_bytes=576, index_token_bytes=64, sharding_size=2, index_sharded=True
-    )
+    price = layout.pool_price(resident_token_bytes=576, index_token_bytes=64, index_ranks=2)
     candidates = ShardedIndex.candidate_bytes(world_size=2, block_topk=64, max_running=4)
     assert candidates > 0
     assert price.token_bytes == 32
@@ -106,8 +104,8 @@ def test_a_per_head_layout_has_no_index_to_shard() -> None:
         dtype=torch.bfloat16,
     )  # fmt: skip
     assert layout.pool_price(resident_token_bytes=1, index_token_bytes=0).token_bytes == 0
-    with pytest.raises(KernelInputError, match="index_sharded=True"):
-        layout.pool_price(resident_token_bytes=1, index_token_bytes=0, index_sharded=True)
+    with pytest.raises(KernelInputError, match="index_ranks=2"):
+        layout.pool_price(resident_token_bytes=1, index_token_bytes=0, index_ranks=2)
 
 
 def test_a_prefill_batch_splits_into_each_requests_chunk_and_rows() -> None:

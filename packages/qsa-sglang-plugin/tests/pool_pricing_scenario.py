@@ -229,6 +229,11 @@ def _qsa_cases(hot_blocks: int) -> tuple[tuple[str, dict[str, str], tuple[str, .
             {**compat, "SGLANG_QSA_INDEX_SHARDING": "1"},
             ("--tp-size", "2"),
         ),
+        (
+            "p2-offload, index sharded alone (D2 without D1)",
+            {**offload, "SGLANG_QSA_INDEX_SHARDING": "1"},
+            ("--tp-size", "2", *one),
+        ),
     )
 
 

@@ -643,6 +643,26 @@ def test_index_sharding_on_the_cpu_is_refused_with_the_cache_sharding_it_rides_o
 INDEX_ALONE = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_INDEX_SHARDING": "1"}
 
 
+def test_index_sharding_alone_with_the_offload_passes_at_two_ranks_and_names_its_limits() -> None:
+    """``p2-offload`` with D2 and no cache sharding (one K/V head per rank at TP2, the case D1
+    cannot shard) passes, also on the CPU's padded heads; the group's rules still hold: one rank
+    shards nothing, and SGLang's breakable prefill graphs (the offload's default on CUDA) are
+    refused naming the value that serves."""
+    env = {**OFFLOAD_ENV, "SGLANG_QSA_INDEX_SHARDING": "1"}
+    two = dataclasses.replace(GOOD, tp_size=2)
+    assert check_configuration(two, parse_switches(env)) is not None
+    cpu = dataclasses.replace(two, device="cpu")
+    assert check_configuration(cpu, parse_switches(env)) is not None
+    for change, fragment in (
+        ({"tp_size": 1}, "--tp-size=1"),
+        ({"prefill_graph_backend": "breakable"}, "'disabled' (decode CUDA graphs stay on)"),
+    ):
+        with pytest.raises(ConfigurationError) as info:
+            check_configuration(dataclasses.replace(two, **change), parse_switches(env))
+        assert fragment in str(info.value)
+        assert "SGLANG_QSA_INDEX_SHARDING='1'" in str(info.value)
+
+
 def test_index_sharding_alone_passes_on_the_cpus_padded_heads_with_upstreams_scheduling() -> None:
     """D2 without D1 shards the index over every TP rank: the K/V heads do not matter (one head
     at TP2 on the CPU, padded to two), nor does upstream's scheduling (radix cache, overlap)."""

@@ -225,6 +225,25 @@ def test_the_plan_shows_the_compressed_index_per_rank_with_index_sharding(tmp_pa
     assert "(192 B on this rank)" in table
 
 
+def test_the_plan_prices_the_offload_with_the_index_sharded_alone(tmp_path: Path) -> None:
+    """``p2-offload`` with ``SGLANG_QSA_INDEX_SHARDING=1`` and no cache sharding at TP8: the
+    offloaded layout's token is an eighth of the index (96 B), so more requests fit it."""
+    flags = _flagship_tp8_flags(tmp_path)
+    offload = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
+    plain, _ = doctor.plan_check(flags, offload)
+    alone, table = doctor.plan_check(flags, {**offload, "SGLANG_QSA_INDEX_SHARDING": "1"})
+    assert "compressed index sharded over 8 ranks" in alone.detail
+    assert table is not None
+    assert "offloaded 96 B per token" in table
+
+    def fits(check: doctor.Check) -> int:
+        found = re.search(r"offload fits (\d+)", check.detail)
+        assert found is not None, check.detail
+        return int(found.group(1))
+
+    assert fits(alone) >= fits(plain)
+
+
 def test_the_plan_shows_the_index_sharded_alone_over_every_tp_rank(tmp_path: Path) -> None:
     """``SGLANG_QSA_INDEX_SHARDING=1`` without cache sharding: the index over all 8 TP ranks (an
     eighth per rank), the resident layout's raw K/V whole."""

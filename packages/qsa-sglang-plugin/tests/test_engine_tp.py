@@ -24,7 +24,9 @@ And cache sharding at TP2 stops at start-up by name: SGLang's CPU engine pads a 
 to a multiple of the TP size instead of replicating them, so no two ranks share a head to shard.
 The compressed index has no head split, so index sharding alone (D2 without D1) runs at TP2: each
 rank holds half of the index's pages, upstream's QSA backend keeps its whole K/V, and the engine
-answers as upstream at TP2.
+answers as upstream at TP2. With ``p2-offload`` too (the offload's GPU pool then holds half of a
+token's index on each rank), the engine answers as upstream at TP2 and a checkpoint of the
+sharded index resumes a prompt bit for bit.
 """
 
 from __future__ import annotations
@@ -234,8 +236,12 @@ def test_the_same_prompt_twice_resumes_from_each_ranks_host_cache(
 ) -> None:
     """Both ranks find the same checkpoint and restore their own head's part of it: the warm run
     reports 2,048 cached tokens and answers as the cold one, bit for bit."""
-    want = references.upstream[REPEATED]
-    engine = engines.engine(OFFLOADED)
+    _resumes_from_each_ranks_host_cache(engines.engine(OFFLOADED), references.upstream[REPEATED])
+
+
+def _resumes_from_each_ranks_host_cache(engine: Engine, want: Generation) -> None:
+    """:data:`REPEATED` twice: cold, then warm from 2,048 cached tokens, every rank restoring its
+    part; warm equals cold bit for bit and ``want`` (upstream's) within bf16 noise."""
     loaded = "qsa_hisparse_prefix_cache_loaded_tokens_total"
     before = engine.metric(loaded)
     cold = engine.generate(REPEATED)
@@ -402,13 +408,9 @@ def test_index_sharding_alone_at_two_ranks_answers_as_upstream_at_two_ranks(
     assert not _rank_lines(engine.log_path, r"the QSA layers attend through")
 
 
-@pytest.mark.engine(INDEX_SHARDED)
-def test_index_sharding_alone_holds_half_of_the_index_pages_on_each_rank(
-    engines: EnginePool,
-) -> None:
-    """Each rank's start-up line names its pages of the index (``ceil(P / 2)`` of ``P``, the
-    pool's pages and the dump page), and its gauge their bytes."""
-    engine = engines.engine(INDEX_SHARDED)
+def _half_of_the_index_pages_on_each_rank(engine: Engine) -> int:
+    """The pages of the index each rank's start-up line names: ``ceil(P / 2)`` of ``P`` (the
+    pool's pages and the dump page) on both ranks, one pool size. Returns the rank's pages."""
     pattern = (
         r"index sharding: compressed index .* per rank \((?P<local>\d+) of (?P<pages>\d+) pages"
     )
@@ -417,7 +419,65 @@ def test_index_sharding_alone_holds_half_of_the_index_pages_on_each_rank(
     shares = {(int(m["local"]), int(m["pages"])) for found in lines.values() for m in found}
     ((local, pages),) = shares  # one pool size on both ranks
     assert local == math.ceil(pages / TP)  # half, rounded up to a whole page
+    return local
+
+
+@pytest.mark.engine(INDEX_SHARDED)
+def test_index_sharding_alone_holds_half_of_the_index_pages_on_each_rank(
+    engines: EnginePool,
+) -> None:
+    """Each rank's start-up line names its pages of the index (``ceil(P / 2)`` of ``P``, the
+    pool's pages and the dump page), and its gauge their bytes."""
+    engine = engines.engine(INDEX_SHARDED)
+    local = _half_of_the_index_pages_on_each_rank(engine)
     per_rank = local * 16 * _index_block_bytes()
     for rank in range(TP):
         gauge = engine.metric("qsa_hisparse_sharded_index_bytes", tp_rank=str(rank))
         assert gauge == per_rank, (rank, gauge, per_rank)
+
+
+# -- the offload with the index sharded alone (D2 without D1) --------------------------------------
+
+#: The offload at two ranks with the index sharded over both: each rank's GPU pool holds half of
+#: the index pages, its host arena its own K/V head, and its prefix cache the whole index.
+OFFLOADED_INDEX_SHARDED = EngineConfig(
+    QWEN,
+    switches={**OFFLOAD_SWITCHES, "SGLANG_QSA_INDEX_SHARDING": "1"},
+    server_args=OFFLOADED.server_args,
+)
+
+
+@pytest.mark.engine(OFFLOADED_INDEX_SHARDED)
+def test_the_offload_with_the_index_sharded_alone_answers_as_upstream_at_two_ranks(
+    engines: EnginePool, references: References
+) -> None:
+    """Both ranks attend through the offload's backend and select over their index shard (the
+    candidates merged over both ranks), each holding half of the index pages: the answers are
+    upstream's at two ranks, and every lease and row comes back."""
+    engine = engines.engine(OFFLOADED_INDEX_SHARDED)
+    got = tuple(engine.generate(request) for request in SPARSE_PROMPTS)
+    got_together = engines.generate_together(OFFLOADED_INDEX_SHARDED, CONCURRENT)
+    for request, served in zip(SPARSE_PROMPTS + CONCURRENT, got + got_together, strict=True):
+        assert_same_generation(
+            references.upstream[request],
+            served,
+            atol=BF16_NOISE,
+            what=f"{len(request.input_ids)}-token prompt",
+        )
+    backends = _rank_lines(engine.log_path, r"the QSA layers attend through HiSparseOffloadBackend")
+    installed = _rank_lines(engine.log_path, r"index sharding: .* of candidate buffers")
+    assert sorted(backends) == sorted(installed) == list(range(TP))
+    _half_of_the_index_pages_on_each_rank(engine)
+    assert engine.metric("qsa_hisparse_offload_differing_bytes_total") == 0
+    _nothing_held(engine)
+
+
+@pytest.mark.engine(OFFLOADED_INDEX_SHARDED)
+def test_a_checkpoint_of_a_sharded_index_resumes_the_same_prompt_bit_for_bit(
+    engines: EnginePool, references: References
+) -> None:
+    """A checkpoint reads the whole index through each rank's shard (one gather over both) and a
+    restore writes back each rank's pages: the warm run reports 2,048 cached tokens and answers
+    as the cold one, bit for bit, and as upstream within bf16 noise."""
+    engine = engines.engine(OFFLOADED_INDEX_SHARDED)
+    _resumes_from_each_ranks_host_cache(engine, references.upstream[REPEATED])

@@ -3,12 +3,12 @@
 For every feature configuration that prices the pool (p2-resident, p2-offload with staged
 prompts, hot blocks, a sharded host arena with or without the index sharded (D1, D1 + D2) or the
 prefix cache, resident cache sharding D1 and with the index sharded D2, the index sharded alone
-(D2 without D1, at TP2), double sparsity and DS-Offload), a fresh process builds SGLang's real
-``DefaultPoolConfigurator`` on CPU for the tiny models (as a model runner does, without starting
-an engine), runs the plugin's AFTER hook on it, and reports the per-token price, the fixed bytes
-and the pool's token slots SGLang will size its pools by beside what the capacity plan
-(``capacity_plan_from_sglang``, which ``doctor`` and ``plan`` print) and the doctor's
-double-sparsity line say for the same flags (``pool_pricing_scenario.py``).
+(D2 without D1, at TP2, resident or offloaded), double sparsity and DS-Offload), a fresh process
+builds SGLang's real ``DefaultPoolConfigurator`` on CPU for the tiny models (as a model runner
+does, without starting an engine), runs the plugin's AFTER hook on it, and reports the per-token
+price, the fixed bytes and the pool's token slots SGLang will size its pools by beside what the
+capacity plan (``capacity_plan_from_sglang``, which ``doctor`` and ``plan`` print) and the
+doctor's double-sparsity line say for the same flags (``pool_pricing_scenario.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ CASES = {
     "resident sharding (D1)": "resident",
     "resident sharding, index sharded (D2)": "resident",
     "index sharded alone (D2 without D1)": "resident",
+    "p2-offload, index sharded alone (D2 without D1)": "offloaded",
     "qsa_ds": "resident",
     "DS-Offload": "offloaded",
     "DS-Offload, verify": "offloaded",
@@ -101,6 +102,11 @@ def test_each_feature_reprices_sglangs_own_price(report: dict[str, Any]) -> None
     alone = engine("index sharded alone (D2 without D1)")
     assert alone["token_bytes"] < alone["sglang_token_bytes"]
     assert alone["fixed_bytes"] > 0
+    # With the offload at TP2: half of the index is all a token costs (the plain offload's
+    # price at TP1 is the whole index), and the offload's buffers plus the candidates are fixed.
+    offloaded_alone = engine("p2-offload, index sharded alone (D2 without D1)")
+    assert offloaded_alone["token_bytes"] == -(-offload["token_bytes"] // 2)
+    assert offloaded_alone["fixed_bytes"] > 0
 
 
 def test_double_sparsity_charges_what_the_doctor_prints(report: dict[str, Any]) -> None:

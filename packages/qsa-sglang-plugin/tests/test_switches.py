@@ -552,22 +552,19 @@ def test_a_shared_tier_store_parses_with_the_prefix_cache(tmp_path: Path) -> Non
             ["SGLANG_QSA_INDEX_SHARDING='yes'", "allowed: unset, '0', '1'"],
         ),
         (
-            {**ON, "SGLANG_QSA_INDEX_SHARDING": "1"},
-            [
-                "SGLANG_QSA_INDEX_SHARDING='1' without cache sharding",
-                "SGLANG_QSA_CACHE_SHARDING=''",
-                "SGLANG_QSA_HISPARSE_V3='p2-offload'",
-                "allowed: SGLANG_QSA_HISPARSE_V3 unset, or SGLANG_QSA_CACHE_SHARDING of 2 or more",
-            ],
-        ),
-        (
             {
                 "SGLANG_QSA_MODEL_COMPAT": "1",
                 "SGLANG_QSA_HISPARSE_V3": "p2-resident",
                 "SGLANG_QSA_INDEX_SHARDING": "1",
                 "SGLANG_QSA_CACHE_SHARDING": "1",
             },
-            ["SGLANG_QSA_CACHE_SHARDING='1'", "SGLANG_QSA_HISPARSE_V3='p2-resident'"],
+            [
+                "SGLANG_QSA_INDEX_SHARDING='1' without cache sharding",
+                "SGLANG_QSA_CACHE_SHARDING='1'",
+                "SGLANG_QSA_HISPARSE_V3='p2-resident'",
+                "allowed: SGLANG_QSA_HISPARSE_V3 unset or 'p2-offload', or "
+                "SGLANG_QSA_CACHE_SHARDING of 2 or more",
+            ],
         ),
         (
             {"SGLANG_QSA_INDEX_SHARDING": "1", "SGLANG_QSA_DS_CHANNEL_CONFIG": "channels.json"},
@@ -579,6 +576,21 @@ def test_index_sharding_refuses_a_bad_combination_by_name(
     env: dict[str, str], fragments: list[str]
 ) -> None:
     _assert_refused(env, fragments)
+
+
+@pytest.mark.parametrize("mode", [None, "p2-offload"])
+def test_index_sharding_alone_serves_beside_upstreams_backend_or_the_offload(
+    mode: str | None,
+) -> None:
+    """Without cache sharding the index is sharded over every TP rank (D2 alone), resident
+    (no mode) or beside the offload, whose GPU pool then holds only the rank's index pages."""
+    env = {"SGLANG_QSA_INDEX_SHARDING": "1"}
+    if mode is not None:
+        env = {**ON, **env, "SGLANG_QSA_HISPARSE_V3": mode}
+    switches = parse_switches(env)
+    assert switches.index_sharding_alone
+    assert switches.cache_sharding == 1
+    assert not parse_switches({**env, "SGLANG_QSA_INDEX_SHARDING": "0"}).index_sharding_alone
 
 
 @pytest.mark.parametrize(

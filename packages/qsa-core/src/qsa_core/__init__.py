@@ -14,6 +14,7 @@ from qsa_core._capacity import (
     MemoryPartKind,
     MemoryTier,
     hot_cache_slots,
+    index_ranks,
     plan_capacity,
 )
 from qsa_core._cp import MAX_CP_SIZE, MAX_SEQ_LEN, ZigzagLayout
@@ -131,6 +132,7 @@ __all__ = (  # noqa: RUF022 (grouped by topic, as the comments say)
     "ds_offload_sizes",
     "format_bytes",
     "hot_cache_slots",
+    "index_ranks",
     "label_bytes_per_token",
     "labelled_capacity",
     "plan_capacity",

@@ -13,8 +13,9 @@ allocates by), with ``Ls = qsa_layers`` record layers of one 4-token block of ev
   (:meth:`PoolPrice.sharded`, :func:`sharded_token_bytes`);
 * compressed index-K (GPU, never offloaded, replicated on every rank):
   ``(R × L + page) × index_bytes_per_token``; with offload it is all a token costs in the
-  engine's pool (:meth:`PoolPrice.offloaded`); with the index sharded by page over the cache
-  sharding's ``N`` ranks too (D2, ``index_sharded``), offloaded or resident,
+  engine's pool (:meth:`PoolPrice.offloaded`); with the index sharded by page (D2,
+  ``index_sharded``) over the cache sharding's ``N`` ranks, or over every TP rank without cache
+  sharding (:func:`index_ranks`), offloaded or resident,
   ``(R × L + page) × ceil(index_bytes_per_token / N)``;
 * pending ring (GPU): ``R × (qsa_layers × ratio × index_kv_heads × index_head_dim × 2 B + ratio × 3
   × 8 B)`` (bf16 raw index keys plus their int64 3-axis RoPE positions);
@@ -358,16 +359,15 @@ def _pool_price(
     """The engine's pool price of one layout: offloaded, resident, or resident and sharded."""
     raw = profile.raw_kv_bytes_per_token(kv_dtype, tp_size)
     index = profile.index_bytes_per_token(index_dtype)
-    if offloaded:  # D2 rides on the host arenas' groups only
-        d2 = index_sharded and sharding_size > 1
+    if offloaded:  # D2 on the host arenas' groups, or over every TP rank without them
+        ranks = index_ranks(sharding_size, tp_size) if index_sharded else 1
         return PoolPrice.offloaded(
             sizes,
             resident_token_bytes=raw + index,
             index_token_bytes=index,
             verify=verify,
-            sharding_size=sharding_size,
-            index_sharded=d2,
-            index_buffer_bytes=index_buffer_bytes if d2 else 0,
+            index_ranks=ranks,
+            index_buffer_bytes=index_buffer_bytes if ranks > 1 else 0,
         )
     if index_sharded and sharding_size == 1:
         return PoolPrice.index_sharded(
@@ -451,6 +451,7 @@ def _layout(
         )
     )
     resident_raw = price.token_bytes - idx_tok
+    d2 = index_sharded and index_ranks(sharding_size, tp_size) > 1
     block, layers, nb = sizes.record_bytes, sizes.store_layers, sizes.max_blocks
     gpu, host = MemoryTier.GPU, MemoryTier.HOST
 
@@ -549,10 +550,8 @@ def _layout(
         MemoryPart(
             MemoryPartKind.SHARD_TRANSPORT,
             gpu,
-            (index_buffer_bytes if index_sharded and sharding_size > 1 else 0)
-            if offloaded
-            else price.fixed_bytes,
-            _transport_formula(offloaded, index_sharded=index_sharded, sharded=sharding_size > 1),
+            (index_buffer_bytes if d2 else 0) if offloaded else price.fixed_bytes,
+            _transport_formula(offloaded, index_sharded=d2, sharded=sharding_size > 1),
         ),
         MemoryPart(
             MemoryPartKind.HOST_ARENA,
@@ -569,11 +568,7 @@ def _layout(
 def _transport_formula(offloaded: bool, *, index_sharded: bool, sharded: bool) -> str:
     if not offloaded:
         return "collective buffers" if sharded or not index_sharded else "index candidate buffers"
-    return (
-        "index candidate buffers (D2)"
-        if index_sharded and sharded
-        else "none (resident cache sharding only)"
-    )
+    return "index candidate buffers (D2)" if index_sharded else "none"
 
 
 def _check_int_at_least(name: str, value: int, minimum: int = 1) -> None:
@@ -647,19 +642,19 @@ def plan_capacity(
         sharding_size: TP ranks of one K/V head that share its K/V (the offloaded host arena
             and the resident raw K/V divide by it; :meth:`ShardPlacement.for_tp` rules).
         staged_prompts: prompts the offload stages at once (``--prefill-max-requests``).
-        index_sharded: the compressed index sharded by page over the ``sharding_size`` ranks
-            too (D2): its GPU bytes per rank divide by ``sharding_size``, with offload or
-            without; with ``sharding_size`` 1 (D2 alone, resident only) over every TP rank,
-            the raw K/V whole.
+        index_sharded: the compressed index sharded by page (D2) over :func:`index_ranks`:
+            the ``sharding_size`` ranks, or with ``sharding_size`` 1 every TP rank (D2 alone,
+            the raw K/V whole); its GPU bytes per rank divide by them, with offload or
+            without.
         transport_bytes: device bytes of the shard group's transport buffers for
             ``num_requests`` rows (``qsa_kernels.sharded``), fixed in the resident layout when
             ``sharding_size > 1``; must be 0 otherwise.
         verify: the offload keeps a resident copy of every row on the device (a debug switch,
             ``SGLANG_QSA_HISPARSE_VERIFY=1``): a fixed part of the offloaded layout.
         index_buffer_bytes: device bytes of the sharded index's candidate buffers
-            (``qsa_kernels.sharded``), fixed in the offloaded layout with ``index_sharded`` and
-            ``sharding_size > 1``, and in the resident layout with ``index_sharded`` alone
-            (``sharding_size`` 1, ``tp_size > 1``); must be 0 otherwise.
+            (``qsa_kernels.sharded``), fixed in the offloaded layout with ``index_sharded``,
+            and in the resident layout with ``index_sharded`` alone (``sharding_size`` 1),
+            when :func:`index_ranks` is above 1; must be 0 otherwise.
 
     Returns:
         The plan; ``max_requests_*`` are the largest ``R`` whose layout fits both budgets.

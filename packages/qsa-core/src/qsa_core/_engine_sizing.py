@@ -195,9 +195,9 @@ class PlanInputs:
         ``transport_bytes`` may be a :class:`TransportBytes`: with ``sharding_size > 1`` it is
         called for this plan's requests, query heads per rank, ``block_topk`` and head dim
         (without sharding the plan has no transport buffers). ``index_buffer_bytes`` may be an
-        :class:`IndexBufferBytes`: with ``index_sharded`` and ``sharding_size > 1`` it is
-        called for this plan's requests and ``block_topk`` (the offloaded layout's candidate
-        buffers; otherwise there are none).
+        :class:`IndexBufferBytes`: with ``index_sharded`` it is called for this plan's requests,
+        ``block_topk`` and :func:`index_ranks` (the shard group's, or every TP rank without
+        cache sharding; one rank shards nothing, so there are then none).
 
         Raises:
             CapacityError: a budget or size :func:`plan_capacity` refuses.

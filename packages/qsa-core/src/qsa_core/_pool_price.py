@@ -76,8 +76,7 @@ class PoolPrice:
         resident_token_bytes: int,
         index_token_bytes: int,
         verify: bool = False,
-        sharding_size: int = 1,
-        index_sharded: bool = False,
+        index_ranks: int = 1,
         index_buffer_bytes: int = 0,
     ) -> PoolPrice:
         """Request offload: a token costs its compressed index; the offload's buffers are fixed.
@@ -87,35 +86,36 @@ class PoolPrice:
             resident_token_bytes: the engine's price of a token with its K/V resident.
             index_token_bytes: the engine's price of a token's compressed index alone.
             verify: the offload keeps a resident copy of every row (verification).
-            sharding_size: ranks of the shard group (the host arenas'; 1 = off).
-            index_sharded: the index is sharded by page over the group too (D2): a token costs
-                ``ceil(index_token_bytes / sharding_size)``.
-            index_buffer_bytes: with ``index_sharded``, the index shard's candidate buffers
+            index_ranks: ranks the index is sharded over by page (D2; 1 = not sharded): the
+                host arenas' shard group, or every TP rank without cache sharding. A token
+                costs ``ceil(index_token_bytes / index_ranks)``.
+            index_buffer_bytes: with ``index_ranks > 1``, the index shard's candidate buffers
                 (fixed, beside the offload's).
 
         Raises:
-            CapacityError: a negative byte count, a ``sharding_size`` that is not positive, or
-                ``index_buffer_bytes`` without ``index_sharded``.
+            CapacityError: a negative byte count, an ``index_ranks`` that is not positive, or
+                ``index_buffer_bytes`` with an index that is not sharded.
         """
         _non_negative("resident_token_bytes", resident_token_bytes)
         _non_negative("index_token_bytes", index_token_bytes)
         _non_negative("index_buffer_bytes", index_buffer_bytes)
-        if index_buffer_bytes and not index_sharded:
+        _positive("index_ranks", index_ranks)
+        sharded = index_ranks > 1
+        if index_buffer_bytes and not sharded:
             msg = (
-                f"index_buffer_bytes={index_buffer_bytes!r} is not allowed without index_sharded; "
-                "candidate buffers belong to a sharded index (allowed: 0)"
+                f"index_buffer_bytes={index_buffer_bytes!r} is not allowed with "
+                f"index_ranks={index_ranks!r}; candidate buffers belong to an index sharded over "
+                "2 or more ranks (allowed: 0)"
             )
             raise CapacityError(msg)
-        token = sharded_token_bytes(
-            0, index_token_bytes, sharding_size, index_sharded=index_sharded
-        )
+        token = sharded_token_bytes(0, index_token_bytes, index_ranks, index_sharded=sharded)
         fixed = sizes.fixed_device_bytes(verify=verify)
         was = f"was {resident_token_bytes} B with the QSA layers' K/V"
-        if index_sharded:
-            was += f"; {index_token_bytes} B of index over {sharding_size} ranks"
+        if sharded:
+            was += f"; {index_token_bytes} B of index over {index_ranks} ranks"
         detail = f"pool sizing charges {token} B per token ({was}) plus "
         buffers = f"{format_bytes(fixed)} {_OFFLOAD_BUFFERS}"
-        if index_sharded:
+        if sharded:
             buffers += f" and {format_bytes(index_buffer_bytes)} of index candidate buffers"
         return cls(token, fixed + index_buffer_bytes, f"{detail}{buffers}")
 

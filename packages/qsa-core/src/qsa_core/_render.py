@@ -26,12 +26,7 @@ def render_plan(plan: CapacityPlan) -> str:
             if plan.sharding_size > 1
             else ""
         )
-        + (
-            f", compressed index sharded over {ranks} ranks"
-            + ("" if plan.sharding_size > 1 else " (resident layout only)")
-            if d2
-            else ""
-        ),
+        + (f", compressed index sharded over {ranks} ranks" if d2 else ""),
         f"  per token: raw K/V {plan.raw_bytes_per_token:,} B, index "
         f"{plan.index_bytes_per_token:,} B"
         + (f" ({plan.index_bytes_per_token_per_rank:,} B on this rank)" if d2 else "")

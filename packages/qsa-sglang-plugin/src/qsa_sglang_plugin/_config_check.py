@@ -233,7 +233,7 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_cache_sharding(facts, profile, switches.cache_sharding)
     if switches.resident_sharding:
         _check_resident_sharding(facts)
-    if switches.index_sharding and switches.cache_sharding == 1:
+    if switches.index_sharding_alone:
         _check_index_sharding_alone(facts)
     if switches.index_sharding and facts.enable_hierarchical_cache:
         raise _reject(

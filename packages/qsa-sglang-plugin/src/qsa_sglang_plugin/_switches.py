@@ -240,6 +240,11 @@ class Switches:
         return self.cache_sharding > 1 and self.hisparse is None
 
     @property
+    def index_sharding_alone(self) -> bool:
+        """D2 without D1: the index sharded by page over every TP rank, the raw K/V unsharded."""
+        return self.index_sharding and self.cache_sharding == 1
+
+    @property
     def plugin_holds_raw_kv(self) -> bool:
         """The attention layers' raw K/V is outside SGLang's pool: an offload, or sharded."""
         return self.offload or self.resident_sharding
@@ -403,7 +408,7 @@ def parse_switches(environ: Mapping[str, str]) -> Switches:
             f"{double_sparsity.channel_config!r} serves models without them; unset one side"
         )
         raise SwitchError(msg)
-    index_sharding = _parse_index_sharding(environ, cache_sharding, resident=hisparse is None)
+    index_sharding = _parse_index_sharding(environ, cache_sharding, hisparse)
     if index_sharding and double_sparsity is not None:
         msg = (
             f"{ENV_INDEX_SHARDING}='1' shards the QSA index; {ENV_DS_CHANNEL_CONFIG}="
@@ -500,15 +505,15 @@ def _parse_admission(
 
 
 def _parse_index_sharding(
-    environ: Mapping[str, str], cache_sharding: int, *, resident: bool
+    environ: Mapping[str, str], cache_sharding: int, hisparse: HiSparseMode | None
 ) -> bool:
     """``SGLANG_QSA_INDEX_SHARDING``: D2 on D1's groups, or alone over every TP rank.
 
     With cache sharding (D1, resident or offloaded) D2 uses its shard groups; without it, every
-    TP rank beside upstream's resident QSA backend (no ``SGLANG_QSA_HISPARSE_V3``). The host
-    prefix cache (``p2-offload``, so with D1) composes with it: a checkpoint reads the whole
-    index through the rank's shard and a restore writes back the rank's pages
-    (``qsa_kernels.sharded.ShardedIndexAccess``).
+    TP rank, beside upstream's resident QSA backend or the offload's (``p2-offload``; not
+    ``p2-resident``, the comparison arm). The host prefix cache (``p2-offload``) composes with
+    it: a checkpoint reads the whole index through the rank's shard and a restore writes back
+    the rank's pages (``qsa_kernels.sharded.ShardedIndexAccess``).
     """
     raw = environ.get(ENV_INDEX_SHARDING, "")
     if raw not in ("", "0", "1"):
@@ -516,14 +521,13 @@ def _parse_index_sharding(
         raise SwitchError(msg)
     if raw != "1":
         return False
-    raw_sharding = environ.get(ENV_CACHE_SHARDING, "")
-    if cache_sharding < 2 and not resident:
+    if cache_sharding < 2 and hisparse is HiSparseMode.P2_RESIDENT:
         msg = (
             f"{ENV_INDEX_SHARDING}='1' without cache sharding ({ENV_CACHE_SHARDING}="
-            f"{raw_sharding!r}) shards the index beside upstream's resident QSA backend and "
-            f"requires {ENV_HISPARSE_V3} unset, got {ENV_HISPARSE_V3}="
-            f"{environ.get(ENV_HISPARSE_V3, '')!r}; allowed: {ENV_HISPARSE_V3} unset, or "
-            f"{ENV_CACHE_SHARDING} of 2 or more"
+            f"{environ.get(ENV_CACHE_SHARDING, '')!r}) shards the index beside upstream's "
+            f"resident QSA backend or the offload's, not {ENV_HISPARSE_V3}="
+            f"{hisparse.value!r}; allowed: {ENV_HISPARSE_V3} unset or "
+            f"{HiSparseMode.P2_OFFLOAD.value!r}, or {ENV_CACHE_SHARDING} of 2 or more"
         )
         raise SwitchError(msg)
     return True

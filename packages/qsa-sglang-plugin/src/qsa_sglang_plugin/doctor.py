@@ -39,6 +39,7 @@ from qsa_core import (
     MemoryPartKind,
     PlacementError,
     format_bytes,
+    index_ranks,
     read_json_file,
     render_plan,
 )
@@ -273,7 +274,7 @@ def plan_check(
     sharded = f", host K/V sharded over {sharding} ranks" if sharding > 1 else ""
     if index_sharded:
         index = plan.resident.part(MemoryPartKind.COMPRESSED_INDEX).nbytes
-        ranks = sharding if sharding > 1 else plan.tp_size  # D2 alone: every TP rank
+        ranks = index_ranks(sharding, plan.tp_size)  # D2 alone: every TP rank
         sharded += (
             f", compressed index sharded over {ranks} ranks "
             f"({format_bytes(index)} per rank for the plan's requests)"

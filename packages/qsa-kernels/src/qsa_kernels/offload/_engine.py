@@ -119,42 +119,43 @@ class OffloadLayout:
         resident_token_bytes: int,
         index_token_bytes: int,
         verify: bool = False,
-        sharding_size: int = 1,
-        index_sharded: bool = False,
+        index_ranks: int = 1,
     ) -> PoolPrice:
         """:meth:`qsa_core.PoolPrice.offloaded` of this layout, as the engine's pool sizing charges.
 
-        A token costs its compressed index (``1 / sharding_size`` of it with ``index_sharded``);
-        the offload's buffers (:attr:`OffloadGeometry.sizes`) are fixed, and with
-        ``index_sharded`` (D2 on the host arenas' group) the index shard's candidate buffers
-        (:meth:`ShardedIndex.candidate_bytes` of :attr:`block_topk` and the geometry's rows) too.
+        A token costs its compressed index (``1 / index_ranks`` of it); the offload's buffers
+        (:attr:`OffloadGeometry.sizes`) are fixed, and with the index sharded (D2) the index
+        shard's candidate buffers (:meth:`ShardedIndex.candidate_bytes` of :attr:`block_topk`,
+        the geometry's rows and ``index_ranks``) too.
 
         Args:
             resident_token_bytes: the engine's price of a token with its K/V resident, B.
             index_token_bytes: the engine's price of a token's compressed index alone, B.
             verify: the offload keeps a resident copy of every row.
-            sharding_size: ranks of the shard group (the host arenas'; 1 = off).
-            index_sharded: the compressed index is sharded by page over the same group.
+            index_ranks: ranks the compressed index is sharded over by page (1 = not sharded):
+                the host arenas' shard group, or every TP rank without cache sharding.
 
         Raises:
-            KernelInputError: ``index_sharded`` over per-head records (no block top-k).
+            KernelInputError: a sharded index over per-head records (no block top-k).
             qsa_core.CapacityError: a size qsa-core refuses (named).
         """
         candidates = 0
-        if index_sharded:
+        if index_ranks > 1:
             if self.block_topk is None:
-                msg = "index_sharded=True is not allowed for per-head records; allowed: False"
+                msg = (
+                    f"index_ranks={index_ranks!r} is not allowed for per-head records (no "
+                    "compressed index); allowed: 1"
+                )
                 raise KernelInputError(msg)
             candidates = ShardedIndex.candidate_bytes(
-                world_size=sharding_size, block_topk=self.block_topk, max_running=self.geometry.rows
+                world_size=index_ranks, block_topk=self.block_topk, max_running=self.geometry.rows
             )
         return PoolPrice.offloaded(
             self.geometry.sizes,
             resident_token_bytes=resident_token_bytes,
             index_token_bytes=index_token_bytes,
             verify=verify,
-            sharding_size=sharding_size,
-            index_sharded=index_sharded,
+            index_ranks=index_ranks,
             index_buffer_bytes=candidates,
         )
 

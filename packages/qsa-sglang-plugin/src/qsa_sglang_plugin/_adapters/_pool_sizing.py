@@ -12,6 +12,7 @@ switches turn on at most one feature that reprices. The doctor's plan
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -21,6 +22,7 @@ from qsa_core import (
     PlanInputs,
     PoolPrice,
     QSAConfigError,
+    index_ranks,
 )
 from qsa_sglang_plugin._adapters._namespace import resolved_args
 from qsa_sglang_plugin._errors import AdapterError, ConfigurationError
@@ -41,10 +43,11 @@ def after_pool_configurator_init(
     """
     del result, args, kwargs
     switches = current_switches()
+    offload = switches.hisparse is HiSparseMode.P2_OFFLOAD
     for feature, price_of, on in (
-        ("offload", _offloaded_price, switches.hisparse is HiSparseMode.P2_OFFLOAD),
+        ("offload", _offloaded_price, offload),
         ("cache sharding", _sharded_price, switches.resident_sharding),
-        ("index sharding", _index_price, switches.index_sharding and switches.cache_sharding == 1),
+        ("index sharding", _index_price, switches.index_sharding_alone and not offload),
         ("qsa_ds", _label_price, switches.double_sparsity is not None),
     ):
         try:
@@ -54,7 +57,13 @@ def after_pool_configurator_init(
         if price is not None:  # None: the model has no QSA layers
             configurator._cell_size = price.token_bytes
             configurator._fixed_overhead_bytes += price.fixed_bytes
-            logger.info("%s: %s", feature, price.detail)
+            _log_price(feature, price.detail)
+
+
+@functools.cache
+def _log_price(feature: str, detail: str) -> None:
+    """Log a price once per process (SGLang builds a configurator twice while it sizes)."""
+    logger.info("%s: %s", feature, detail)
 
 
 def _qsa_layer_ids(kvc: Any) -> list[int] | None:
@@ -105,12 +114,12 @@ def _offloaded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
     )
     resident, index = _token_bytes(configurator, kvc, len(layer_ids))
     switches = current_switches()
+    ranks = index_ranks(switches.cache_sharding, int(kvc.server_args.tp_size))
     return layout.pool_price(
         resident_token_bytes=resident,
         index_token_bytes=index,
         verify=switches.verify_offload,
-        sharding_size=switches.cache_sharding,
-        index_sharded=switches.index_sharding,  # D2: the index shard's candidate buffers too
+        index_ranks=ranks if switches.index_sharding else 1,  # D2: its candidate buffers too
     )
 
 

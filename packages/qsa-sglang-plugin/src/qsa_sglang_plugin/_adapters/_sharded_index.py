@@ -4,7 +4,8 @@ The shard and its operations are :class:`qsa_kernels.sharded.ShardedIndex` (docs
 here, the hooks on upstream's QSA pool and indexer that route through it. The rank's index is one
 per process, installed on the raw K/V's shard group by whichever holds that K/V
 (:func:`install_rank_index`): the sharded backend's store, or the offload's runtime; without
-cache sharding, on a group of every TP rank by the pool's own hook, beside upstream's backend.
+cache sharding, on a group of every TP rank by the pool's own hook, beside upstream's backend
+or the offload's.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def around_qsa_pool_init(
     pool.mem_usage = (k_size + v_size) / GB
     block_bytes = heads * dim * flat.element_size()
     logger.info("index sharding: %s", shard.describe(layers=layers, block_bytes=block_bytes))
-    if group is not None:  # no sharded or offload backend installs it
+    if group is not None:  # D2 alone: no shard group of the raw K/V to install it on
         rows = ShardedIndex.rows_for(int(pool.qsa_num_request_slots))
         index = ShardedIndex(
             group, block_topk=int(pool.qsa_block_topk), max_rows=rows, device=device
