@@ -154,7 +154,10 @@ def _sharded_price(configurator: Any, kvc: Any) -> PoolPrice | None:
 
 
 def _index_price(configurator: Any, kvc: Any) -> PoolPrice | None:
-    """D2 alone: ``1 / TP`` of the index, the raw K/V whole, the candidate buffers fixed."""
+    """D2 alone, resident: ``1 / TP`` of the index, the raw K/V whole, the candidates fixed.
+
+    With ``p2-offload`` the offload's price divides the index instead (:func:`_offloaded_price`).
+    """
     from qsa_kernels.sharded import ShardedIndex
     from qsa_sglang_plugin._adapters._qsa_common import qsa_profile_of
 
