@@ -36,19 +36,21 @@ _ARMS = ("whole", "window")
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The chunk's ``[n, Hq, D]`` queries over ``[end, Hkv, D]`` K/V, causal to the lower right.
 
-    K/V are repeated to every query head first: with ``enable_gqa`` torch takes the math path,
-    whose ``[Hq, n, end]`` fp32 scores (32 GiB at a 8,192-token chunk over 128K) do not fit an
-    80 GB GPU; without it the lower-right mask runs in the memory-efficient kernel.
+    Batched ``[1, H, tokens, D]`` and with K/V repeated to every query head: torch runs a
+    lower-right causal mask in its flash or memory-efficient kernel only for 4-D inputs without
+    ``enable_gqa``. Otherwise it materialises the mask and takes the math path, whose
+    ``[Hq, n, end]`` scores (64 GiB in bf16 at an 8,192-token chunk over 128K) do not fit an
+    80 GB GPU.
     """
     from torch.nn.attention.bias import causal_lower_right
 
     n, end = int(q.shape[0]), int(k.shape[0])
     group = int(q.shape[1]) // int(k.shape[1])
-    keys, values = (t.transpose(0, 1).repeat_interleave(group, dim=0) for t in (k, v))
+    keys, values = (t.transpose(0, 1).repeat_interleave(group, dim=0)[None] for t in (k, v))
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=causal_lower_right(n, end)
+        q.transpose(0, 1)[None], keys, values, attn_mask=causal_lower_right(n, end)
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _prefill(arm: str, context: int, chunk: int, chunks: int | None) -> dict[str, object]:
