@@ -444,9 +444,7 @@ def test_an_integer_argument_is_in_its_range_or_refused_naming_the_text_and_rang
         assert parse(text) == int(text)
 
 
-def test_the_index_sharded_alone_divides_the_index_over_every_tp_rank_with_or_without_offload() -> (
-    None
-):
+def test_the_index_sharded_alone_divides_the_index_over_every_tp_rank_in_both_layouts() -> None:
     """D2 without D1 at TP8: both layouts hold an eighth of the compressed index (768 / 8 B per
     token) plus the candidate buffers as fixed bytes; the resident one keeps the raw K/V whole,
     and the offloaded one adds the candidates to its own buffers."""

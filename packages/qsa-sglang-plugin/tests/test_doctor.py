@@ -230,10 +230,12 @@ def test_the_plan_prices_the_offload_with_the_index_sharded_alone(tmp_path: Path
     offloaded layout's token is an eighth of the index (96 B), so more requests fit it."""
     flags = _flagship_tp8_flags(tmp_path)
     offload = {"SGLANG_QSA_MODEL_COMPAT": "1", "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
-    plain, _ = doctor.plan_check(flags, offload)
+    plain, plain_table = doctor.plan_check(flags, offload)
     alone, table = doctor.plan_check(flags, {**offload, "SGLANG_QSA_INDEX_SHARDING": "1"})
     assert "compressed index sharded over 8 ranks" in alone.detail
+    assert plain_table is not None
     assert table is not None
+    assert "offloaded 768 B per token" in plain_table
     assert "offloaded 96 B per token" in table
 
     def fits(check: doctor.Check) -> int:

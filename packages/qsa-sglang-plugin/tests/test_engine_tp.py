@@ -466,7 +466,15 @@ def test_the_offload_with_the_index_sharded_alone_answers_as_upstream_at_two_ran
         )
     backends = _rank_lines(engine.log_path, r"the QSA layers attend through HiSparseOffloadBackend")
     installed = _rank_lines(engine.log_path, r"index sharding: .* of candidate buffers")
-    assert sorted(backends) == sorted(installed) == list(range(TP))
+    priced = _rank_lines(
+        engine.log_path,
+        rf"offload: pool sizing charges (?P<token>\d+) B per token \(was \d+ B with the QSA "
+        rf"layers' K/V; (?P<index>\d+) B of index over {TP} ranks\)",
+    )
+    assert sorted(backends) == sorted(installed) == sorted(priced) == list(range(TP))
+    # SGLang sized each rank's pool at its share of a token's index, the offload's only cost.
+    for found in priced.values():
+        assert {int(m["token"]) for m in found} == {math.ceil(int(found[0]["index"]) / TP)}
     _half_of_the_index_pages_on_each_rank(engine)
     assert engine.metric("qsa_hisparse_offload_differing_bytes_total") == 0
     _nothing_held(engine)

@@ -578,15 +578,13 @@ def test_index_sharding_refuses_a_bad_combination_by_name(
     _assert_refused(env, fragments)
 
 
-@pytest.mark.parametrize("mode", [None, "p2-offload"])
+@pytest.mark.parametrize("mode", [{}, ON], ids=["resident", "p2-offload"])
 def test_index_sharding_alone_serves_beside_upstreams_backend_or_the_offload(
-    mode: str | None,
+    mode: dict[str, str],
 ) -> None:
     """Without cache sharding the index is sharded over every TP rank (D2 alone), resident
     (no mode) or beside the offload, whose GPU pool then holds only the rank's index pages."""
-    env = {"SGLANG_QSA_INDEX_SHARDING": "1"}
-    if mode is not None:
-        env = {**ON, **env, "SGLANG_QSA_HISPARSE_V3": mode}
+    env = {**mode, "SGLANG_QSA_INDEX_SHARDING": "1"}
     switches = parse_switches(env)
     assert switches.index_sharding_alone
     assert switches.cache_sharding == 1

@@ -367,7 +367,7 @@ def _pool_price(
             index_token_bytes=index,
             verify=verify,
             index_ranks=ranks,
-            index_buffer_bytes=index_buffer_bytes if ranks > 1 else 0,
+            index_buffer_bytes=index_buffer_bytes,  # plan_capacity allows them only with D2
         )
     if index_sharded and sharding_size == 1:
         return PoolPrice.index_sharded(
@@ -550,7 +550,7 @@ def _layout(
         MemoryPart(
             MemoryPartKind.SHARD_TRANSPORT,
             gpu,
-            (index_buffer_bytes if d2 else 0) if offloaded else price.fixed_bytes,
+            index_buffer_bytes if offloaded else price.fixed_bytes,
             _transport_formula(offloaded, index_sharded=d2, sharded=sharding_size > 1),
         ),
         MemoryPart(

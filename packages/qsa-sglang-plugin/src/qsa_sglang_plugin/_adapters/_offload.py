@@ -252,7 +252,7 @@ def _build_runtime(runner: Any) -> OffloadRuntime:
     if sharding is not None:
         logger.info("offload: %s", sharding)
     pool = runner.token_to_kv_pool
-    if switches.index_sharding and not switches.index_sharding_alone:  # D2 on the arenas' group
+    if switches.index_sharding and shard is not None:  # D2 on the arenas' group (alone: the pool's)
         install_rank_index(runtime.index(), pool, int(parallel.tp_rank))
     verification = runtime.describe_verification()
     if verification is not None:
