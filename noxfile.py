@@ -18,6 +18,7 @@ and triton but no network, so nothing may be installed there.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import json
@@ -655,13 +656,19 @@ def bench(session: nox.Session) -> None:
     """Run every package's benchmarks; each writes ``<name>.md`` and ``.json`` under docs/bench/.
 
     A benchmark that needs a GPU exits with status 77 where there is none; the session reports it
-    as skipped. ``nox -s bench -- bench_selection ...`` runs a subset by script name.
+    as skipped. ``nox -s bench -- bench_selection ...`` runs a subset by script name;
+    ``--out DIR`` writes the reports there instead (on the GPU machine, a folder that comes back:
+    each device call copies the working tree, docs/bench included, again).
     """
-    out = ROOT / "docs" / "bench"
+    parser = argparse.ArgumentParser(prog="nox -s bench --")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "bench")
+    parser.add_argument("names", nargs="*")
+    args = parser.parse_args(session.posargs)
+    out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     python = _bench_python(session)
     env = {"PYTHONPATH": _src_path(), "PYTHONUNBUFFERED": "1"}
-    wanted = set(session.posargs)
+    wanted = set(args.names)
     scripts = sorted(ROOT.glob("packages/*/benchmarks/bench_*.py"))
     chosen = [s for s in scripts if not wanted or s.stem in wanted]
     if not chosen:

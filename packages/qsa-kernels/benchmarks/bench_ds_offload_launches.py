@@ -40,7 +40,7 @@ _NO_LAUNCH = frozenset({
     "as_strided", "unsqueeze", "squeeze", "permute", "t", "transpose", "alias", "detach", "unbind",
     "split", "split_with_sizes", "narrow", "view_as", "unflatten", "flatten", "chunk",
     "lift_fresh", "resolve_conj", "resolve_neg", "empty", "empty_like", "new_empty",
-    "empty_strided", "new_empty_strided", "sym_size", "sym_stride", "sym_numel",
+    "empty_strided", "new_empty_strided", "sym_size", "sym_stride", "sym_numel", "is_pinned",
 })  # fmt: skip
 
 
@@ -166,8 +166,16 @@ def main(argv: list[str]) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "ds_offload_launches.json").write_text(
+    write_report(args.out_dir, machine, rows)
+    return 0
+
+
+def write_report(
+    out_dir: pathlib.Path, machine: dict[str, str], rows: list[dict[str, object]]
+) -> None:
+    """Write ``ds_offload_launches.json`` and ``.md`` and print the table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ds_offload_launches.json").write_text(
         json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n", encoding="utf-8"
     )
     lines = [
@@ -187,9 +195,8 @@ def main(argv: list[str]) -> int:
             ops = ", ".join(f"{k} {v}" for k, v in counted["torch_ops"].items())
             kernels = ", ".join(f"{k} {v}" for k, v in counted["triton_kernels"].items())
             lines.append(f"| {row['batch']} | {arm} | {counted['launches']} | {ops} | {kernels} |")
-    (args.out_dir / "ds_offload_launches.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out_dir / "ds_offload_launches.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

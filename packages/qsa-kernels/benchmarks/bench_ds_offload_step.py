@@ -241,13 +241,24 @@ def main(argv: list[str]) -> int:
         captured.append(_captured(batch, args.context, args.steps))
         print(f"bench_ds_offload_step: captured {captured[-1]}", flush=True)
         torch.cuda.empty_cache()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     machine = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    (args.out_dir / "ds_offload_step.json").write_text(
+    write_report(args.out_dir, machine, rows, captured)
+    return 0
+
+
+def write_report(
+    out_dir: pathlib.Path,
+    machine: dict[str, str],
+    rows: list[dict[str, object]],
+    captured: list[dict[str, object]],
+) -> None:
+    """Write ``ds_offload_step.json`` and ``.md`` from measured rows (also from a run's log)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ds_offload_step.json").write_text(
         json.dumps({"machine": machine, "rows": rows, "captured": captured}, indent=1) + "\n",
         encoding="utf-8",
     )
@@ -306,8 +317,7 @@ def main(argv: list[str]) -> int:
                 f"| {r['context']:,} | {r['batch']} | {arm} | {k['kernels']} | "
                 f"{k['gpu_ms']:.2f} | {top} |"
             )
-    (args.out_dir / "ds_offload_step.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return 0
+    (out_dir / "ds_offload_step.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
