@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from qsa_hostcache import (
     CacheConfigError,
@@ -39,7 +40,7 @@ from qsa_hostcache import (
     SharedCheckpoints,
     parse_store_address,
 )
-from qsa_hostcache._shared import encode, object_name
+from qsa_hostcache._shared import _FRAME, decode, encode, object_name
 from qsa_hostcache._tiers import part_name
 from qsa_pytest.mooncake import MooncakeMaster, free_port
 from qsa_pytest.processes import hang_guard_s, wait_until
@@ -106,6 +107,12 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 50_000, (n,), generator=g).tolist()
 
 
+def _read(tier: ObjectTier, key: str) -> bytes | None:
+    """The object's bytes, to compare with what was put."""
+    value = tier.get(key)
+    return None if value is None else bytes(value)
+
+
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert list(a) == list(b)
     for name, tensor in a.items():
@@ -134,6 +141,44 @@ def test_a_checkpoint_reads_back_bit_exact_as_the_longest_prefix_of_a_longer_que
     assert stats.errors == 0
 
 
+def test_a_checkpoint_read_back_holds_its_segments_in_the_buffer_the_tier_read(
+    tier: ObjectTier,
+) -> None:
+    shared = SharedCheckpoints(tier, scope="in-place")
+    key = PrefixKey(_ns(), _tokens(4 * PAGE, seed=11), page_size=PAGE)
+    segments = _segments(4 * PAGE, seed=12)
+    assert shared.write(key, segments)
+    data = tier.get(object_name(key, shared.scope))
+    assert data is not None
+
+    found = decode(data, key)
+
+    assert found is not None
+    _equal(found.segments, segments)
+    buffer = torch.frombuffer(data, dtype=torch.uint8)
+    first, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    for name, tensor in found.segments.items():  # views of the read bytes: nothing copied
+        assert first <= tensor.data_ptr() < end, name
+
+
+def test_an_object_whose_segments_sit_at_odd_offsets_still_reads_back_bit_exact() -> None:
+    # Another writer's object: its header not padded, so the bf16 segments start at odd offsets.
+    key = PrefixKey(_ns(), _tokens(4 * PAGE, seed=13), page_size=PAGE)
+    segments = {"odd": torch.arange(3, dtype=torch.uint8), **_segments(4 * PAGE, seed=14)}
+    padded = bytes(encode(key, segments))
+    magic, header_len, body_len, _ = _FRAME.unpack_from(padded)
+    header = padded[_FRAME.size : _FRAME.size + header_len].rstrip(b" ") + b" "
+    body = padded[_FRAME.size + header_len :]
+    digest = xxhash.xxh3_128(header + body).digest()
+    odd = _FRAME.pack(magic, len(header), body_len, digest) + header + body
+    assert (_FRAME.size + len(header) + 4 * PAGE * 8 + 3) % 2 == 1  # k.0 starts unaligned
+
+    found = decode(odd, key)
+
+    assert found is not None
+    _equal(found.segments, segments)
+
+
 def test_another_salt_or_one_changed_token_shares_nothing(tier: ObjectTier) -> None:
     shared = SharedCheckpoints(tier, scope="namespaces")
     tokens = _tokens(4 * PAGE, seed=3)
@@ -153,7 +198,7 @@ def test_another_salt_or_one_changed_token_shares_nothing(tier: ObjectTier) -> N
 def test_a_damaged_object_is_counted_and_never_used(tier: ObjectTier, damage: str) -> None:
     shared = SharedCheckpoints(tier, scope=f"damaged-{damage}")
     key = PrefixKey(_ns(), _tokens(2 * PAGE, seed=5), page_size=PAGE)
-    good = encode(key, _segments(2 * PAGE, seed=6))
+    good = bytes(encode(key, _segments(2 * PAGE, seed=6)))
     bad = good[:-7] if damage == "truncated" else good[:-1] + bytes([good[-1] ^ 1])
     # The bad payload goes straight under the checkpoint's name, as a faulty writer would.
     assert tier.put(object_name(key, shared.scope), bad)
@@ -334,7 +379,7 @@ def test_an_object_larger_than_the_clients_buffer_is_stored_in_parts_and_read_ba
     try:
         value = os.urandom(40 << 20)
         assert tier.put("big", value)
-        assert tier.get("big") == value
+        assert _read(tier, "big") == value
         parts = tier.contains([part_name("big", index) for index in range(1, 6)])
         assert parts == [True, True, True, True, False]
         health = tier.health()
@@ -363,7 +408,7 @@ def test_an_object_missing_a_part_is_a_counted_miss_and_the_tier_answers_on(
 
         assert tier.get("damaged") is None
         assert tier.health().errors == 1
-        assert tier.get("whole") == whole  # not answered as down: the store itself is fine
+        assert _read(tier, "whole") == whole  # not answered as down: the store itself is fine
         assert tier.health().unavailable == 0
     finally:
         tier.close()
@@ -394,7 +439,7 @@ def test_a_full_directory_evicts_its_least_recently_read_objects_first(tmp_path:
         assert tier.put(name, value)
         old = time.time() - age  # written in that order, whatever the file system's clock step
         os.utime(tier._path(name), (old, old))
-    assert tier.get("a") == values["a"]  # read: now the most recently used
+    assert _read(tier, "a") == values["a"]  # read: now the most recently used
 
     assert tier.put("d", os.urandom(size))
 
@@ -410,7 +455,7 @@ def test_a_key_is_written_once_and_a_restarted_tier_reads_it_back(tmp_path: Path
 
     again = DiskTier(DiskAddress(tmp_path))  # a restarted process over the same directory
 
-    assert again.get("k") == b"one"
+    assert _read(again, "k") == b"one"
     assert again.contains(["k", "absent"]) == [True, False]
     assert list(tmp_path.glob("*/.*")) == []  # no temporary file left behind
 

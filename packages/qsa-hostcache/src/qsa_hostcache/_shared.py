@@ -32,7 +32,7 @@ from qsa_hostcache._errors import CorruptObjectError, StoreUnavailableError
 from qsa_hostcache._keys import PrefixKey
 from qsa_hostcache._layout import SegmentSpec
 from qsa_hostcache._segments import segment_buffer
-from qsa_hostcache._tiers import ObjectTier, StoreAddress, TierHealth, open_tier
+from qsa_hostcache._tiers import ObjectTier, StoreAddress, TierHealth, open_tier, uninitialised
 
 __all__ = ("SharedCheckpoint", "SharedCheckpoints", "TierStats")
 
@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 MAGIC: Final = b"QSAHCv1\x00"
 _FRAME: Final = struct.Struct("<8sIQ16s")
 _TOKEN_BYTES: Final = 8
+#: The body starts at a multiple of this many bytes (the header padded with spaces), so every
+#: segment whose predecessors are whole elements of its dtype is read as a view, not a copy.
+_BODY_ALIGN: Final = 64
 
 
 _COUNTER_HELP: Final = {
@@ -116,14 +119,17 @@ def object_name(key: PrefixKey, scope: str) -> str:
     return f"qsa-hostcache/v1/{scope}/{ns}/{key.page_size}/{key.num_pages}/{chain:016x}"
 
 
-def encode(key: PrefixKey, segments: Mapping[str, torch.Tensor]) -> bytes:
-    """The object of the checkpoint of ``key`` holding ``segments`` (CPU tensors)."""
-    specs = []
-    parts = [key.token_bytes]
+def encode(key: PrefixKey, segments: Mapping[str, torch.Tensor]) -> memoryview:
+    """The object of the checkpoint of ``key`` holding ``segments`` (CPU tensors).
+
+    Built in one new buffer: each segment is copied into place once (by torch, which lets
+    other threads run meanwhile), and the digest is taken over the buffer itself.
+    """
+    flats, specs = [], []
     for name, tensor in segments.items():
         spec = SegmentSpec.like(name, tensor)
         specs.append({"name": name, "dtype": spec.dtype, "shape": spec.shape})
-        parts.append(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        flats.append(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8))
     header = json.dumps(
         {
             "namespace": key.namespace_material.hex(),
@@ -133,13 +139,30 @@ def encode(key: PrefixKey, segments: Mapping[str, torch.Tensor]) -> bytes:
         },
         sort_keys=True,
     ).encode()
-    body = b"".join(parts)
-    digest = xxhash.xxh3_128(header + body).digest()
-    return _FRAME.pack(MAGIC, len(header), len(body), digest) + header + body
+    header += b" " * (-(_FRAME.size + len(header)) % _BODY_ALIGN)  # JSON ignores the spaces
+    tokens = key.token_bytes
+    body_len = len(tokens) + sum(flat.numel() for flat in flats)
+    out = uninitialised(_FRAME.size + len(header) + body_len)
+    at = _FRAME.size + len(header)
+    out[_FRAME.size : at] = header
+    out[at : at + len(tokens)] = tokens
+    at += len(tokens)
+    whole = torch.frombuffer(out, dtype=torch.uint8)
+    for flat in flats:
+        whole[at : at + flat.numel()].copy_(flat)
+        at += flat.numel()
+    digest = xxhash.xxh3_128(out[_FRAME.size :]).digest()
+    _FRAME.pack_into(out, 0, MAGIC, len(header), body_len, digest)
+    return out
 
 
-def decode(data: bytes, query: PrefixKey) -> SharedCheckpoint | None:
+def decode(data: bytes | bytearray | memoryview, query: PrefixKey) -> SharedCheckpoint | None:
     """The checkpoint in ``data`` if its key material equals ``query``'s, else None.
+
+    Its segments are views of ``data`` where a segment's offset suits its dtype (every segment
+    of an object :func:`encode` wrote from element-sized segments), copies elsewhere, so reading
+    a checkpoint copies its bytes no more than the tier did. Read-only ``data`` (``bytes``) is
+    copied once into a writable buffer first: torch shares only writable memory.
 
     Raises:
         CorruptObjectError: the frame, a length or the digest is wrong (a truncated or damaged
@@ -169,19 +192,21 @@ def decode(data: bytes, query: PrefixKey) -> SharedCheckpoint | None:
         or body[:tokens] != query.token_bytes
     ):
         return None
+    writable = memoryview(data).readonly is False
+    whole = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
     segments = {}
     offset = tokens
     for raw in header["segments"]:
         spec = SegmentSpec(raw["name"], 0, raw["dtype"], tuple(raw["shape"]))
-        tensor = segment_buffer(spec, "cpu")
-        nbytes = tensor.numel() * tensor.element_size()
+        like = segment_buffer(spec, "meta")
+        nbytes = like.numel() * like.element_size()
         if offset + nbytes > len(body):
             raise CorruptObjectError(f"segment {spec.name!r} runs past the object's end")
-        if nbytes:
-            tensor.view(-1).view(torch.uint8).copy_(
-                torch.frombuffer(bytearray(body[offset : offset + nbytes]), dtype=torch.uint8)
-            )
-        segments[spec.name] = tensor
+        start = _FRAME.size + header_len + offset
+        raw_bytes = whole[start : start + nbytes]
+        if start % like.element_size():
+            raw_bytes = raw_bytes.clone()  # an object of another writer: its offset is unaligned
+        segments[spec.name] = raw_bytes.view(like.dtype).view(like.shape)
         offset += nbytes
     if offset != len(body):
         raise CorruptObjectError(

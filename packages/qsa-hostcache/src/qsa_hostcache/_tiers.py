@@ -30,6 +30,8 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Final, Protocol, runtime_checkable
 
+import torch
+
 from qsa_hostcache._errors import CacheConfigError
 
 __all__ = (
@@ -87,12 +89,16 @@ class ObjectTier(Protocol):
         """The tier's label in metrics and logs (e.g. ``"mooncake"``)."""
         ...
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes | memoryview) -> bool:
         """Store ``value`` under ``key`` unless the key holds an object already; True if stored."""
         ...
 
-    def get(self, key: str) -> bytes | None:
-        """The object under ``key``, or None (absent, or the store failed)."""
+    def get(self, key: str) -> memoryview | None:
+        """The object under ``key``, or None (absent, or the store failed).
+
+        A writable buffer of bytes that the caller owns: a checkpoint read from it keeps its
+        segments as views of it rather than copies (:func:`qsa_hostcache._shared.decode`).
+        """
         ...
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -441,7 +447,7 @@ class MooncakeTier:
         """True once joined while the master's port answered at the last look."""
         return self._answering.is_set()
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes | memoryview) -> bool:
         if not self._ready():
             return False
         size = self._part_bytes
@@ -464,7 +470,7 @@ class MooncakeTier:
         self._count(puts=1, bytes_written=len(value))
         return True
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> memoryview | None:
         if not self._ready():
             return None
         try:
@@ -485,27 +491,30 @@ class MooncakeTier:
             self._count(errors=1)
             logger.warning("shared tier: %r is not an object of this tier; not used", key)
             return None
-        # bytes only: ``bytes.join`` lets other threads run while it copies only bytes objects
-        chunks = [bytes(head[_HEAD.size :])]
-        for index in range(1, count):
+        # one part copied into place at a time, so no copy holds the GIL for long
+        value, filled, end = uninitialised(length), 0, 0
+        for index in range(count):
             try:
-                part = self._store.get(part_name(key, index))
+                part = head[_HEAD.size :] if index == 0 else self._store.get(part_name(key, index))
             except Exception as exc:
                 self._failed(f"get {part_name(key, index)!r}: {exc!r}")
                 return None
-            if not part:  # evicted apart from its head: a miss, the store itself is fine
+            if index and not part:  # evicted apart from its head: a miss, the store is fine
                 self._count(errors=1)
                 logger.debug("shared tier: part %d of %d of %r is gone", index, count, key)
                 return None
-            chunks.append(bytes(part))  # the store's own bytes: no copy
-        value = b"".join(chunks)
-        if len(value) != length:
+            end = filled + len(part)
+            if end > length:
+                break
+            value[filled:end] = part
+            filled = end
+        if end != length:
             self._count(errors=1)
             logger.warning(
-                "shared tier: %r read back %d bytes of %d; not used", key, len(value), length
+                "shared tier: %r read back other than its %d bytes; not used", key, length
             )
             return None
-        self._count(gets=1, bytes_read=len(value))
+        self._count(gets=1, bytes_read=length)
         return value
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -645,7 +654,7 @@ class DiskTier:
     def name(self) -> str:
         return "disk"
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes | memoryview) -> bool:
         if not self._health.up():
             return False
         path = self._path(key)
@@ -671,12 +680,12 @@ class DiskTier:
             self._evict()
         return True
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> memoryview | None:
         if not self._health.up():
             return None
         path = self._path(key)
         try:
-            value = path.read_bytes()
+            value = _read_whole(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -726,3 +735,31 @@ class DiskTier:
                 path.unlink(missing_ok=True)
                 total -= size
             self._bytes = total
+
+
+def uninitialised(size: int) -> memoryview:
+    """A new writable buffer of ``size`` bytes, not zeroed first (each byte is written once)."""
+    return torch.empty(size, dtype=torch.uint8).numpy().data  # the view keeps the tensor
+
+
+def _read_whole(path: pathlib.Path) -> memoryview:
+    """The file's bytes read straight into one new buffer (no intermediate ``bytes`` copy).
+
+    The reads release the GIL; each is at most what one ``read`` call moves (about 2 GiB on
+    Linux), so an object of any size is read in a few calls.
+
+    Raises:
+        OSError: the file cannot be read, or it changed length while it was read.
+    """
+    with path.open("rb", buffering=0) as file:
+        size = os.fstat(file.fileno()).st_size
+        value = uninitialised(size)
+        filled = 0
+        while filled < size:
+            got = file.readinto(value[filled:])
+            if not got:
+                break
+            filled += got
+    if filled != size:
+        raise OSError(f"{str(path)!r} held {filled!r} of its {size!r} bytes when read")
+    return value
