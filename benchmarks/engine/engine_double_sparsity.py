@@ -2,8 +2,10 @@
 
 SGLang 0.5.23 engines serve the Llama-3.1-8B-shaped dummy model
 (:func:`qsa_testing.llama_8b_shaped`: 32 layers, 32 query and 8 K/V heads of dim 128) on one
-GPU, started one after the other (so that neither sizes its pool while the other allocates), with
-the same scheduler flags, decode CUDA graphs on and prefill graphs off:
+GPU, one at a time (each arm's engine starts, measures every cell and stops before the next
+starts, so each has the whole GPU and host: an 80 GB H100 does not hold qsa_ds's 300,000-token
+pool beside a second engine), with the same scheduler flags, decode CUDA graphs on and prefill
+graphs off:
 
 - **triton**: upstream SGLang, no plugin, its dense triton attention backend;
 - **qsa_ds**: the plugin's double-sparsity backend with the library's default options (32 heavy
@@ -15,12 +17,10 @@ the same scheduler flags, decode CUDA graphs on and prefill graphs off:
   token lists of ``DSConfig.fixed_width()`` per KV head). Its host arena holds every running
   request at the longest context: size ``--contexts`` and ``--batches`` to the host's memory;
 - **ds_offload_eager**: DS-Offload with decode CUDA graphs off (each step's lists as wide as its
-  longest). Every engine stays up for the whole run, so the two DS-Offload arms pin two host
-  arenas at once (2 x 34.5 GB at 8 rows of 32K on the Llama-8B shape: on the H200 machine's
-  128 GiB host the second engine was killed for memory); measure them in separate runs there.
+  longest).
 
 For each context length and batch size, ``B`` requests of that many prompt tokens generate
-``--new-tokens`` greedy tokens concurrently on each engine in turn; reported per cell: decode
+``--new-tokens`` greedy tokens concurrently on each engine; reported per cell: decode
 tokens/s from SGLang's own ``Decode batch`` log lines, and their ratio. Also the GPU bytes per
 token each engine's pool sizing charges (the label cache is ``C / (2 D)`` of the K/V; with
 DS-Offload the labels alone, plus the offload's fixed device buffers).
@@ -129,7 +129,7 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
         "cuda_graph_backend_prefill": "disabled",  # decode is what is measured
         "cuda_graph_max_bs_decode": max(args.batches),
         "decode_log_interval": 20,
-        # Started one after the other, each takes what it needs up to --max-tokens.
+        # Alone on the GPU, each engine takes what it needs up to --max-tokens.
         "mem_fraction_static": 0.9,
     }
     channels = _channel_file(model, workdir / "channels.json")
@@ -162,16 +162,17 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
     return {arm: configs[arm] for arm in args.arms}
 
 
-def _token_price(engines: dict[str, Any]) -> dict[str, float]:
-    """GPU bytes per token of each arm's pool sizing, and DS-Offload's fixed MiB."""
-    total, kv = log_numbers(engines["qsa_ds"], _PRICE)
-    price: dict[str, float] = {"kv": kv, "kv_and_labels": total}
-    offloaded = [engines[arm] for arm in ("ds_offload", "ds_offload_eager") if arm in engines]
-    if offloaded:
-        text = offloaded[0].log_path.read_text(encoding="utf-8", errors="replace")
+def _arm_price(arm: str, engine: Any) -> dict[str, float]:
+    """What ``arm``'s pool sizing charges: qsa_ds's GPU bytes per token (K/V, and with its
+    labels), DS-Offload's bytes per token of labels and fixed MiB; nothing for triton."""
+    if arm == "qsa_ds":
+        total, kv = log_numbers(engine, _PRICE)
+        return {"kv": kv, "kv_and_labels": total}
+    if arm.startswith("ds_offload"):
+        text = engine.log_path.read_text(encoding="utf-8", errors="replace")
         labels, fixed = _OFFLOAD_PRICE.findall(text)[-1]
-        price |= {"labels": int(labels), "ds_offload_fixed_mib": float(fixed)}
-    return price
+        return {"labels": int(labels), "ds_offload_fixed_mib": float(fixed)}
+    return {}
 
 
 def _ratios(arms: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -228,13 +229,14 @@ def _write(
                 + " | ".join(f"{rates[num] / rates[den]:.2f}" for num, den in _ratios(args.arms))
                 + " |"
             )
-    lines += [
-        "",
-        f"GPU bytes per token in SGLang's pool sizing: {price['kv']:,.0f} of K/V (triton), "
-        f"{price['kv_and_labels']:,.0f} with qsa_ds's labels "
-        f"({price['kv_and_labels'] / price['kv']:.3f}x).",
-    ]
-    if "labels" in price:
+    lines.append("")
+    if "kv" in price:
+        lines.append(
+            f"GPU bytes per token in SGLang's pool sizing: {price['kv']:,.0f} of K/V (triton), "
+            f"{price['kv_and_labels']:,.0f} with qsa_ds's labels "
+            f"({price['kv_and_labels'] / price['kv']:.3f}x)."
+        )
+    if "labels" in price and "kv" in price:
         lines.append(
             f"DS-Offload: {price['labels']:,.0f} (the labels alone, "
             f"{price['kv'] / price['labels']:.1f}x fewer than the K/V), plus "
@@ -244,40 +246,43 @@ def _write(
 
 
 def main(argv: list[str]) -> int:
-    """Start both engines, measure every (context, batch) cell that fits, write the report."""
+    """Start each arm's engine in turn, measure every (context, batch) cell that fits its pool,
+    write the report after each cell."""
     args = _parse_args(argv)
     if lacks_cuda("engine_double_sparsity"):
         return SKIPPED
     started = time.monotonic()
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-bench-"))
-    engines = start_all(_configs(args, workdir), workdir, together=False)
-    try:
-        warm_up(engines, 8192)
-        price = _token_price(engines)
-        pool = min(pool_tokens(e) for e in engines.values())
-        print(
-            f"engine_double_sparsity: engines up after {time.monotonic() - started:.0f} s; "
-            f"{price}; the smaller pool holds {pool:,} tokens"
-        )
-        cells: list[Cell] = []
-        for batch, context in ((b, c) for b in args.batches for c in args.contexts):
-            if batch * (context + args.new_tokens) > pool:
-                print(f"engine_double_sparsity: {batch} x {context} exceeds a pool; skipped")
-                continue
-            if time.monotonic() - started > args.deadline:
-                print(f"engine_double_sparsity: deadline reached before {context} x {batch}")
-                break
-            for arm in args.arms:
-                cell = measure(engines[arm], context, batch, args.new_tokens, arm)
+    cells: list[Cell] = []
+    price: dict[str, float] = {}
+    for arm, config in _configs(args, workdir).items():
+        engine = start_all({arm: config}, workdir)[arm]
+        try:
+            warm_up({arm: engine}, 8192)
+            price |= _arm_price(arm, engine)
+            pool = pool_tokens(engine)
+            print(
+                f"engine_double_sparsity: {arm} up at {time.monotonic() - started:.0f} s; "
+                f"{price}; its pool holds {pool:,} tokens"
+            )
+            for batch, context in ((b, c) for b in args.batches for c in args.contexts):
+                if batch * (context + args.new_tokens) > pool:
+                    print(f"engine_double_sparsity: {arm}: {batch} x {context} exceeds its pool")
+                    continue
+                if time.monotonic() - started > args.deadline:
+                    print(
+                        f"engine_double_sparsity: deadline reached before {arm} {context} x {batch}"
+                    )
+                    break
+                cell = measure(engine, context, batch, args.new_tokens, arm)
                 cells.append(cell)
                 print(
                     f"engine_double_sparsity: {arm:6} context {context:>7} batch {batch}: "
                     f"decode {cell.decode_tokens_per_s:,.1f} tok/s, wall {cell.wall_s:.1f} s",
                     flush=True,
                 )
-            _write(args.out, args, cells, price)
-    finally:
-        for engine in engines.values():
+                _write(args.out, args, cells, price)
+        finally:
             engine.close()
     return 0
 
