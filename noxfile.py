@@ -19,6 +19,7 @@ and triton but no network, so nothing may be installed there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import json
@@ -610,6 +611,7 @@ def _finish_engine_run(
     try:
         process.wait(timeout=None if remaining == float("inf") else max(0.0, remaining))
     except subprocess.TimeoutExpired:
+        _dump_engine_stacks(process.pid)
         process.send_signal(signal.SIGINT)
         try:
             process.wait(timeout=_ENGINE_RUN_GRACE)
@@ -618,6 +620,45 @@ def _finish_engine_run(
             process.wait()
     pump.join()
     return process.returncode
+
+
+def _dump_engine_stacks(root: int) -> None:
+    """Have every engine process under ``root`` write its threads' stacks to its server log.
+
+    Engine processes are the ``qsa_testing._host`` servers and their children (scheduler,
+    detokenizer), each of which registered ``faulthandler`` for ``SIGUSR1`` at start; no other
+    process is signalled (``SIGUSR1`` ends a process that did not).
+    """
+    children: dict[int, list[int]] = {}
+    hosts = set()
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+        if b"qsa_testing._host" in cmdline:
+            hosts.add(int(entry.name))
+    engine, todo, seen = [], [(root, False)], set()
+    while todo:
+        pid, inside = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        inside = inside or pid in hosts
+        if inside:
+            engine.append(pid)
+        todo.extend((child, inside) for child in children.get(pid, ()))
+    for pid in engine:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    if engine:
+        print(f"nox > deadline: asked engine processes {engine} for their stacks (server logs)")
+        time.sleep(3)  # time for each to write them (its faulthandler does, in the signal handler)
 
 
 # ==== Benchmarks and demo =========================================================================
