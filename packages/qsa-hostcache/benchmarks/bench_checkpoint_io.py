@@ -27,51 +27,17 @@ import pathlib
 import platform
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from _stall import timed
 
-from qsa_hostcache import (
-    CacheNamespace,
-    DiskAddress,
-    DiskTier,
-    PrefixKey,
-    SharedCheckpoints,
-)
+from qsa_hostcache import CacheNamespace, DiskAddress, DiskTier, PrefixKey, SharedCheckpoints
 
-#: How often the second thread wakes, in seconds.
-TICK_S = 0.001
 #: Segments of one checkpoint (a prompt's: K, V, index and states of its layers).
 SEGMENTS = 48
 PAGE = 64
-
-
-def _timed(call: Callable[[], object]) -> tuple[float, float, object]:
-    """Seconds ``call`` took, the longest wait of a thread waking every :data:`TICK_S` meanwhile
-    (seconds), and what ``call`` returned."""
-    stop = threading.Event()
-    longest = [0.0]
-
-    def tick() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            now = time.perf_counter()
-            longest[0] = max(longest[0], now - last)
-            last = now
-            time.sleep(TICK_S)
-
-    thread = threading.Thread(target=tick)
-    thread.start()
-    time.sleep(0.05)
-    began = time.perf_counter()
-    result = call()
-    seconds = time.perf_counter() - began
-    stop.set()
-    thread.join()
-    return seconds, longest[0], result
 
 
 def _checkpoint(size_mib: int, seed: int) -> dict[str, torch.Tensor]:
@@ -107,12 +73,12 @@ def run(sizes_mib: list[int], repeats: int, directory: pathlib.Path) -> list[dic
         for repeat in range(repeats):
             segments = _checkpoint(size, seed=repeat)
             key = PrefixKey(ns, [size, repeat, *range(tokens - 2)], page_size=PAGE)
-            seconds, wait, stored = _timed(lambda: shared.write(key, segments))  # noqa: B023
+            seconds, wait, stored = timed(lambda: shared.write(key, segments))  # noqa: B023
             if not stored:
                 raise SystemExit(f"the {size} MiB checkpoint was not stored")
             samples["write"].append(seconds)
             samples["write_wait"].append(wait)
-            seconds, wait, found = _timed(lambda: shared.lookup(key))  # noqa: B023
+            seconds, wait, found = timed(lambda: shared.lookup(key))  # noqa: B023
             if found is None or found.num_tokens != tokens:
                 raise SystemExit(f"the {size} MiB checkpoint did not read back")
             samples["lookup"].append(seconds)

@@ -20,42 +20,13 @@ import os
 import pathlib
 import platform
 import tempfile
-import threading
-import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from _stall import timed
+
 from qsa_hostcache import MooncakeAddress, MooncakeTier
 from qsa_pytest.mooncake import MooncakeMaster
-
-#: How often the second thread wakes, in seconds.
-TICK_S = 0.001
-
-
-def _timed(call: Callable[[], object]) -> tuple[float, float, object]:
-    """Seconds ``call`` took, the longest wait of a thread waking every :data:`TICK_S`
-    meanwhile (seconds), and what ``call`` returned."""
-    stop = threading.Event()
-    longest = [0.0]
-
-    def tick() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            now = time.perf_counter()
-            longest[0] = max(longest[0], now - last)
-            last = now
-            time.sleep(TICK_S)
-
-    thread = threading.Thread(target=tick)
-    thread.start()
-    time.sleep(0.05)
-    began = time.perf_counter()
-    result = call()
-    seconds = time.perf_counter() - began
-    stop.set()
-    thread.join()
-    return seconds, longest[0], result
 
 
 def run(sizes_mib: list[int], parts_mib: list[int], segment_mb: int) -> list[dict[str, Any]]:
@@ -75,8 +46,8 @@ def run(sizes_mib: list[int], parts_mib: list[int], segment_mb: int) -> list[dic
                     for size in sizes_mib:
                         value = os.urandom(size << 20)
                         key = f"bench-{size}-{part}"
-                        put_s, put_wait, stored = _timed(partial(tier.put, key, value))
-                        get_s, get_wait, read = _timed(partial(tier.get, key))
+                        put_s, put_wait, stored = timed(partial(tier.put, key, value))
+                        get_s, get_wait, read = timed(partial(tier.get, key))
                         if not stored or read != value:
                             msg = f"{size} MiB in parts of {part} MiB did not read back whole"
                             raise SystemExit(msg)

@@ -60,6 +60,15 @@ _KERNELS: list[tuple[str, str, dict[str, str], dict[str, object], int]] = [
          "STEP_FROM_PTR": True, "COUNT": True},
         8,
     ),
+    (
+        "qsa_kernels.lse_merge.triton",
+        "_lse_merge_kernel",
+        {"o_ptr": "*fp32", "lse_ptr": "*fp32", "o2_ptr": "*fp32", "lse2_ptr": "*fp32",
+         "out_ptr": "*fp32", "out_lse_ptr": "*fp32", "P": "i32", "P2": "i32", "N": "i32",
+         "D": "i32", "BLOCK_P": "constexpr", "BLOCK_P2": "constexpr", "BLOCK_D": "constexpr"},
+        {"BLOCK_P": 16, "BLOCK_P2": 1, "BLOCK_D": 128},
+        4,
+    ),
 ]  # fmt: skip
 
 _COMPILE = """

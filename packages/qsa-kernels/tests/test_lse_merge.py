@@ -48,6 +48,38 @@ def test_merge_of_disjoint_token_sets_equals_attention_over_their_union(kernel_d
     torch.testing.assert_close(merged.float(), whole.float(), atol=1.6e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize(("first", "second"), [(1, 1), (3, 1), (2, 5)])
+def test_merge_with_more_parts_equals_the_merge_of_their_concatenation(
+    kernel_device: str, first: int, second: int
+) -> None:
+    """``more`` merges a second kernel's parts in the same launch, as if concatenated."""
+    torch.manual_seed(first * 10 + second)
+    dev = torch.device(kernel_device)
+    out, out2 = torch.randn(first, 3, 4, 24, device=dev), torch.randn(second, 3, 4, 24, device=dev)
+    lse, lse2 = torch.randn(first, 3, 4, device=dev) * 4, torch.randn(second, 3, 4, device=dev)
+    lse[:, 0, 0] = float("-inf")  # a row whose first parts are all empty
+    out[:, 0, 0] = float("nan")
+    lse2[:, 1, 1] = float("-inf")
+    out2[:, 1, 1] = float("nan")
+    want = lse_merge(torch.cat([out, out2]), torch.cat([lse, lse2]), out_dtype=torch.bfloat16)
+
+    got = lse_merge(out, lse, out_dtype=torch.bfloat16, more=(out2, lse2))
+    ref = lse_merge_reference(out, lse, out_dtype=torch.bfloat16, more=(out2, lse2))
+
+    for have in (got, ref):
+        torch.testing.assert_close(have[0], want[0], atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(have[1], want[1], atol=1e-5, rtol=1e-5)
+    assert not torch.isnan(got[0]).any()
+
+
+def test_merge_refuses_more_parts_of_another_shape() -> None:
+    """``more`` must share the batch and head dims; both shapes are named."""
+    with pytest.raises(KernelInputError, match=r"\(1, 3, 5\).*\(2, 3, 4\)"):
+        lse_merge_reference(
+            torch.zeros(2, 3, 4), torch.zeros(2, 3), more=(torch.zeros(1, 3, 5), torch.zeros(1, 3))
+        )
+
+
 def test_merge_rejects_mismatched_lse_shape() -> None:
     """outputs [P, *N, D] and lse [P, *N] must agree; both shapes are named."""
     with pytest.raises(KernelInputError, match=r"\(2, 3, 4\).*\(2, 4\)"):

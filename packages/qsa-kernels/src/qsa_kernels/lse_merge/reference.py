@@ -10,13 +10,20 @@ __all__ = ("lse_merge_reference",)
 
 
 def lse_merge_reference(
-    outputs: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype = torch.float32
+    outputs: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    more: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``P`` partial attention results over disjoint key sets (reference, fp32 math).
 
-    Same contract as :func:`qsa_kernels.lse_merge.lse_merge`.
+    Same contract as :func:`qsa_kernels.lse_merge.lse_merge`; ``more`` is concatenated.
     """
-    check_merge_args(outputs, lse, out_dtype)
+    check_merge_args(outputs, lse, out_dtype, more)
+    if more is not None:
+        outputs = torch.cat([outputs.float(), more[0].float()])
+        lse = torch.cat([lse, more[1]])
     lse32 = lse.float()
     total = torch.logsumexp(lse32, dim=0)  # -inf where every part is empty
     empty = torch.isneginf(total)

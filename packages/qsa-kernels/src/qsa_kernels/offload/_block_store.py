@@ -189,16 +189,15 @@ class OffloadedKV(OffloadStore):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over hot-cache tokens and tail-record tokens of one layer, LSE-merged.
 
-        Both decodes' split-K parts merge in one LSE merge, so the output is rounded (to
+        Both decodes' split-K parts merge in one LSE merge launch, so the output is rounded (to
         ``out_dtype``) once.
         """
         g = self.geometry
-        parts = (
+        hot, tail = (
             self._kernels.decode(q, tokens, cache, scale=scale, merged=False)
             for tokens, cache in (
                 (hot_tokens, self.hot[layer].view(g.rows * g.hot_slots, *g.record_shape)),
                 (tail_tokens, self.tail[layer].view(g.rows, *g.record_shape)),
             )
         )
-        outs, lses = zip(*parts, strict=True)
-        return self._kernels.merge(torch.cat(outs), torch.cat(lses), out_dtype=out_dtype)
+        return self._kernels.merge(*hot, out_dtype=out_dtype, more=tail)  # no concatenation

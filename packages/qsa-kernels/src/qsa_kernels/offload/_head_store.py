@@ -192,11 +192,10 @@ class PerHeadOffloadedKV(OffloadStore):
             self.tables.block_slot[span],
             slots=g.hot_slots,
         )
-        parts = (
+        hot, tail = (
             self._kernels.decode_split(
                 q, tokens, *_head_records(cache[span]), scale=scale, merged=False
             )
             for tokens, cache in ((hot_tokens, self.hot), (tail_tokens, self.tail))
         )
-        outs, lses = zip(*parts, strict=True)
-        return self._kernels.merge(torch.cat(outs), torch.cat(lses))
+        return self._kernels.merge(*hot, more=tail)  # one launch, no concatenation
