@@ -16,16 +16,15 @@ their time). Writes ``<out-dir>/ds_offload_launches.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import platform
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import _report
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -159,14 +158,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = [_measure(int(b), device) for b in args.batches.split(",")]
-    machine = {
-        "device": torch.cuda.get_device_name()
-        if device.type == "cuda"
-        else "CPU (Triton's interpreter)",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    write_report(args.out_dir, machine, rows)
+    write_report(args.out_dir, _report.machine(cpu="CPU (Triton's interpreter)"), rows)
     return 0
 
 
@@ -174,10 +166,6 @@ def write_report(
     out_dir: pathlib.Path, machine: dict[str, str], rows: list[dict[str, object]]
 ) -> None:
     """Write ``ds_offload_launches.json`` and ``.md`` and print the table."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ds_offload_launches.json").write_text(
-        json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n", encoding="utf-8"
-    )
     lines = [
         "# Launches of one captured decode layer: DS-Offload against resident double sparsity",
         "",
@@ -195,7 +183,7 @@ def write_report(
             ops = ", ".join(f"{k} {v}" for k, v in counted["torch_ops"].items())
             kernels = ", ".join(f"{k} {v}" for k, v in counted["triton_kernels"].items())
             lines.append(f"| {row['batch']} | {arm} | {counted['launches']} | {ops} | {kernels} |")
-    (out_dir / "ds_offload_launches.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _report.write(out_dir, "ds_offload_launches", {"machine": machine, "rows": rows}, lines)
     print("\n".join(lines))
 
 

@@ -25,11 +25,10 @@ Writes ``<out-dir>/ds_offload_misses.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pathlib
-import platform
 
+import _report
 import torch
 
 _HKV, _HQ, _D, _MODEL_LAYERS = 8, 32, 128, 32
@@ -130,19 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows[-1]["mib_per_step_32_layers"] * 2**20 / (args.pinned_gbps * 1e9) * 1e3
             )
             print(f"bench_ds_offload_misses: {rows[-1]}", flush=True)
-    machine = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "ds_offload_misses.json").write_text(
-        json.dumps(
-            {"machine": machine, "args": vars(args) | {"out_dir": None}, "rows": rows}, indent=1
-        )
-        + "\n",
-        encoding="utf-8",
-    )
+    machine = _report.machine()
     lines = [
         "# DS-Offload's hot-cache misses against query drift and hot-cache size",
         "",
@@ -163,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['miss_rate']:.1%} | {r['mib_per_step_32_layers']:.1f} | "
             f"{r['copy_ms_per_step']:.2f} |"
         )
-    (args.out_dir / "ds_offload_misses.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    data = {"machine": machine, "args": vars(args) | {"out_dir": None}, "rows": rows}
+    _report.write(args.out_dir, "ds_offload_misses", data, lines)
     return 0
 
 

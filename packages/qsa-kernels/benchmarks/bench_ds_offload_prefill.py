@@ -23,12 +23,11 @@ without.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import platform
 import sys
 import time
 
+import _report
 import torch
 
 _LAYERS, _HKV, _HQ, _D = 32, 8, 32, 128
@@ -131,12 +130,7 @@ def main(argv: list[str]) -> int:
         torch.cuda.reset_peak_memory_stats()
         rows.append(_prefill(arm, args.context, args.chunk, args.chunks))
         print(f"bench_ds_offload_prefill: {rows[-1]}", flush=True)
-    machine = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    write_report(args.out_dir, machine, rows)
+    write_report(args.out_dir, _report.machine(), rows)
     return 0
 
 
@@ -144,14 +138,10 @@ def write_report(
     out_dir: pathlib.Path, machine: dict[str, str], rows: list[dict[str, object]]
 ) -> None:
     """Write ``ds_offload_prefill.json`` and ``.md`` from measured rows (also from a run's log)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ds_offload_prefill.json").write_text(
-        json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n", encoding="utf-8"
-    )
     lines = [
         "# One DS-Offload chunked prefill: windowed against whole staging (Llama-3.1-8B shape)",
         "",
-        f"{machine['gpu']}, torch {machine['torch']}; per-head records, one row; SDPA stands in "
+        f"{machine['device']}, torch {machine['torch']}; per-head records, one row; SDPA stands in "
         "for the engine's prefill kernel; milliseconds, the hand-off included. "
         "`packages/qsa-kernels/benchmarks/bench_ds_offload_prefill.py`.",
         "",
@@ -165,7 +155,7 @@ def write_report(
             f"{r['first_chunk_ms']:.1f} | {r['last_chunk_ms']:.1f} | {r['staging_mib']:,.0f} | "
             f"{r['read_back_gib']:.1f} | {r['peak_allocated_mib']:,.0f} |"
         )
-    (out_dir / "ds_offload_prefill.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _report.write(out_dir, "ds_offload_prefill", {"machine": machine, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

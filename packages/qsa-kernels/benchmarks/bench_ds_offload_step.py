@@ -24,15 +24,14 @@ Writes ``<out-dir>/ds_offload_step.md`` and ``.json``. Needs CUDA; exits with st
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import platform
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+import _report
 import torch
 
 if TYPE_CHECKING:
@@ -241,12 +240,7 @@ def main(argv: list[str]) -> int:
         captured.append(_captured(batch, args.context, args.steps))
         print(f"bench_ds_offload_step: captured {captured[-1]}", flush=True)
         torch.cuda.empty_cache()
-    machine = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    write_report(args.out_dir, machine, rows, captured)
+    write_report(args.out_dir, _report.machine(), rows, captured)
     return 0
 
 
@@ -257,15 +251,10 @@ def write_report(
     captured: list[dict[str, object]],
 ) -> None:
     """Write ``ds_offload_step.json`` and ``.md`` from measured rows (also from a run's log)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ds_offload_step.json").write_text(
-        json.dumps({"machine": machine, "rows": rows, "captured": captured}, indent=1) + "\n",
-        encoding="utf-8",
-    )
     lines = [
         "# One DS-Offload decode step, part by part (Llama-3.1-8B attention shape)",
         "",
-        f"{machine['gpu']}, torch {machine['torch']}; per-head records, {_CHANNELS} heavy "
+        f"{machine['device']}, torch {machine['torch']}; per-head records, {_CHANNELS} heavy "
         f"channels, {_HEAVY} heavy tokens; host-timed parts (host work plus the GPU work "
         "each waits for), milliseconds per step over every layer. "
         "`packages/qsa-kernels/benchmarks/bench_ds_offload_step.py`.",
@@ -317,7 +306,9 @@ def write_report(
                 f"| {r['context']:,} | {r['batch']} | {arm} | {k['kernels']} | "
                 f"{k['gpu_ms']:.2f} | {top} |"
             )
-    (out_dir / "ds_offload_step.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _report.write(
+        out_dir, "ds_offload_step", {"machine": machine, "rows": rows, "captured": captured}, lines
+    )
 
 
 if __name__ == "__main__":

@@ -192,8 +192,8 @@ def decode(data: bytes | bytearray | memoryview, query: PrefixKey) -> SharedChec
         or body[:tokens] != query.token_bytes
     ):
         return None
-    writable = memoryview(data).readonly is False
-    whole = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8)
+    writable = data if not memoryview(data).readonly else bytearray(data)
+    whole = torch.frombuffer(writable, dtype=torch.uint8)
     segments = {}
     offset = tokens
     for raw in header["segments"]:

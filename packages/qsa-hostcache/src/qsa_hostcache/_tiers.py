@@ -495,7 +495,11 @@ class MooncakeTier:
         value, filled, end = uninitialised(length), 0, 0
         for index in range(count):
             try:
-                part = head[_HEAD.size :] if index == 0 else self._store.get(part_name(key, index))
+                part = (
+                    memoryview(head)[_HEAD.size :]  # the head's own bytes: no copy
+                    if index == 0
+                    else self._store.get(part_name(key, index))
+                )
             except Exception as exc:
                 self._failed(f"get {part_name(key, index)!r}: {exc!r}")
                 return None
