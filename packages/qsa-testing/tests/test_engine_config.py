@@ -68,6 +68,16 @@ def test_overrides_win_and_the_harness_sets_model_host_and_port(tmp_path: Path) 
     assert _server_args(config, Platform.CUDA, tmp_path, 1)["device"] == "cuda"
 
 
+def test_a_cuda_engine_outlives_its_first_forwards_kernel_compiles(tmp_path: Path) -> None:
+    """SGLang's watchdog kills a scheduler whose forward runs 300 s; a fresh GPU machine's first
+    Qwen4Exp forward compiles the GDN kernels for longer than that."""
+    cuda = _server_args(EngineConfig(tiny_qwen4_exp()), Platform.CUDA, tmp_path, 1)
+    assert cuda["watchdog_timeout"] >= 1800
+    assert "watchdog_timeout" not in _server_args(
+        EngineConfig(tiny_qwen4_exp()), Platform.CPU, tmp_path, 1
+    )
+
+
 def test_a_request_body_asks_for_ignore_eos_only_when_the_request_does() -> None:
     plain = GenerateRequest((5, 6, 7), max_new_tokens=3)
     assert plain.body()["sampling_params"] == {"max_new_tokens": 3, "temperature": 0.0}

@@ -215,6 +215,8 @@ class EngineConfig:
         return "".join(c if c.isalnum() or c in "-_=." else "_" for c in safe)[:120]
 
 
+#: Seconds a CUDA engine's forward may run before SGLang's watchdog kills its scheduler.
+_FIRST_FORWARD_S: Final = 3600.0
 #: Server arguments every engine gets; a configuration's ``server_args`` override them.
 _COMMON_ARGS: Final[Mapping[str, Any]] = {
     "load_format": "dummy",
@@ -243,6 +245,11 @@ _PLATFORM_ARGS: Final[Mapping[Platform, Mapping[str, Any]]] = {
         "attention_backend": "triton",
         "mem_fraction_static": 0.3,
         "cuda_graph_max_bs_decode": 4,
+        # A fresh GPU machine's first forward of a Qwen4Exp compiles and autotunes the GDN chunk
+        # kernels for five minutes or more; SGLang's watchdog (300 s by default) then kills the
+        # scheduler mid-compile. The runs' own deadlines (``nox -s gpu-engine --deadline``) and
+        # their stack dumps are what stop a real hang.
+        "watchdog_timeout": _FIRST_FORWARD_S,
     },
 }
 _MODEL_ARGS: Final[Mapping[TinyModelKind, Mapping[str, Any]]] = {
