@@ -26,13 +26,17 @@ __all__ = (
     "PREFILL_GRAPHS",
     "SKIPPED",
     "Cell",
+    "HotCacheUse",
     "Served",
     "first_difference",
     "host_facts",
+    "hot_cache_counters",
+    "hot_cache_use",
     "lacks_cuda",
     "log_numbers",
     "measure",
     "mem_fraction",
+    "pinned_to_device_rate",
     "pool_tokens",
     "profile_decode",
     "profile_request",
@@ -319,6 +323,74 @@ def first_difference(a: Cell, b: Cell) -> str:
         if x != y:
             return f"first differs at token {i}"
     return "lengths differ"
+
+
+@dataclasses.dataclass(frozen=True)
+class HotCacheUse:
+    """An offload engine's hot caches over one cell, from its Prometheus counters.
+
+    The QSA offload counts blocks of every K/V head of a layer; DS-Offload counts records of one
+    block of one K/V head.
+
+    Attributes:
+        steps: decode steps served from the host arena.
+        selected: records the decode layers selected, every layer and row.
+        fetched: those that missed the hot cache and were read from the host arena.
+        record_bytes: K and V bytes of one record.
+    """
+
+    steps: int
+    selected: int
+    fetched: int
+    record_bytes: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Selected records found in the hot cache."""
+        return 1.0 - self.fetched / self.selected if self.selected else 1.0
+
+    @property
+    def fetched_bytes_per_step(self) -> float:
+        """Bytes read from the host arena per decode step (every layer and row)."""
+        return self.fetched * self.record_bytes / self.steps if self.steps else 0.0
+
+
+_HOT_CACHE_COUNTERS = (
+    "qsa_hisparse_offload_decode_steps_total",
+    "qsa_hisparse_selected_blocks_total",
+    "qsa_hisparse_fetched_blocks_total",
+)
+
+
+def hot_cache_counters(engine: Any) -> tuple[int, ...]:
+    """The offload engine's decode steps, selected and fetched records so far (``/metrics``)."""
+    return tuple(int(engine.metric(name)) for name in _HOT_CACHE_COUNTERS)
+
+
+def hot_cache_use(engine: Any, before: tuple[int, ...], record_bytes: int) -> HotCacheUse:
+    """What the engine's counters gained since ``before`` (:func:`hot_cache_counters`)."""
+    gained = (a - b for a, b in zip(hot_cache_counters(engine), before, strict=True))
+    steps, selected, fetched = gained
+    return HotCacheUse(steps, selected, fetched, record_bytes)
+
+
+def pinned_to_device_rate(mib: int = 256, repeats: int = 5) -> float:
+    """This machine's pinned host-to-device copy rate, bytes per second (best of ``repeats``
+    copies of ``mib`` MiB); the ceiling of an offload's reads from its host arena."""
+    import torch
+
+    host = torch.empty(mib * 2**20, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(host, device="cuda")
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del host, device
+    torch.cuda.empty_cache()
+    return mib * 2**20 / best
 
 
 def log_numbers(engine: Any, pattern: re.Pattern[str]) -> tuple[int, ...]:

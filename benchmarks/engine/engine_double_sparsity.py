@@ -21,9 +21,12 @@ graphs off:
 
 For each context length and batch size, ``B`` requests of that many prompt tokens generate
 ``--new-tokens`` greedy tokens concurrently on each engine; reported per cell: decode
-tokens/s from SGLang's own ``Decode batch`` log lines, and their ratio. Also the GPU bytes per
-token each engine's pool sizing charges (the label cache is ``C / (2 D)`` of the K/V; with
-DS-Offload the labels alone, plus the offload's fixed device buffers).
+tokens/s from SGLang's own ``Decode batch`` log lines, and their ratio; for DS-Offload, its hot
+caches' hit rate and the bytes it read from the host arena per step (its Prometheus counters),
+and the time those bytes take at this machine's pinned copy rate (measured before the engines
+start), which no overlap can take below. Also the GPU bytes per token each engine's pool sizing
+charges (the label cache is ``C / (2 D)`` of the K/V; with DS-Offload the labels alone, plus the
+offload's fixed device buffers).
 
 Writes ``<out>/engine_double_sparsity.md`` and ``.json`` after every cell. Needs CUDA and SGLang:
 ``nox -s gpu-engine-bench -- double_sparsity`` runs it on the GPU machine; exits with status 77
@@ -46,9 +49,13 @@ from typing import Any
 from _engine_bench import (
     SKIPPED,
     Cell,
+    HotCacheUse,
+    hot_cache_counters,
+    hot_cache_use,
     lacks_cuda,
     log_numbers,
     measure,
+    pinned_to_device_rate,
     pool_tokens,
     start_all,
     warm_up,
@@ -175,6 +182,13 @@ def _arm_price(arm: str, engine: Any) -> dict[str, float]:
     return {}
 
 
+def _record_bytes(model: Any) -> int:
+    """DS-Offload's record: one block of one K/V head, K and V, in bf16 (the engines' KV dtype)."""
+    from qsa_kernels import BLOCK_TOKENS
+
+    return 2 * BLOCK_TOKENS * int(model.text_config["head_dim"]) * 2
+
+
 def _ratios(arms: tuple[str, ...]) -> list[tuple[str, str]]:
     """The reported speed ratios: qsa_ds over triton, DS-Offload over dense triton, over resident
     qsa_ds and over its own eager steps."""
@@ -188,13 +202,26 @@ def _ratios(arms: tuple[str, ...]) -> list[tuple[str, str]]:
     return [(num, den) for num, den in pairs if num in arms and den in arms]
 
 
-def _write(
-    out: pathlib.Path, args: argparse.Namespace, cells: list[Cell], price: dict[str, float]
+def _write(  # noqa: PLR0917 (the report's parts)
+    out: pathlib.Path,
+    args: argparse.Namespace,
+    cells: list[Cell],
+    price: dict[str, float],
+    hot: dict[tuple[str, int, int], HotCacheUse],
+    pinned_rate: float,
 ) -> None:
     data = write_json(
         out,
         "engine_double_sparsity",
-        {"gpu_bytes_per_token": price, "cells": [dataclasses.asdict(c) for c in cells]},
+        {
+            "gpu_bytes_per_token": price,
+            "pinned_to_device_bytes_per_s": pinned_rate,
+            "cells": [dataclasses.asdict(c) for c in cells],
+            "hot_cache": [
+                {"arm": a, "context": c, "batch": b, **dataclasses.asdict(use)}
+                for (a, c, b), use in hot.items()
+            ],
+        },
     )
     device, torch_version = data["machine"]["gpu"], data["machine"]["torch"]
     by_key = {(c.arm, c.context, c.batch): c for c in cells}
@@ -230,6 +257,26 @@ def _write(
                 + " |"
             )
     lines.append("")
+    if hot:
+        lines += [
+            "DS-Offload's reads from the host arena (its hot caches' counters over each cell's "
+            f"decode), and their time at this machine's pinned copy rate, "
+            f"{pinned_rate / 1e9:.1f} GB/s, against the resident `qsa_ds` step:",
+            "",
+            "| arm | context | batch | hit rate | fetched per step | at the pinned rate "
+            "| qsa_ds step |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for (arm, context, batch), use in hot.items():
+            resident = by_key.get(("qsa_ds", context, batch))
+            per_step = None if resident is None else batch / resident.decode_tokens_per_s
+            step = "-" if per_step is None else f"{per_step * 1e3:.2f} ms"
+            lines.append(
+                f"| {arm} | {context:,} | {batch} | {use.hit_rate:.3f} "
+                f"| {use.fetched_bytes_per_step / 2**20:.1f} MiB "
+                f"| {use.fetched_bytes_per_step / pinned_rate * 1e3:.2f} ms | {step} |"
+            )
+        lines.append("")
     if "kv" in price:
         lines.append(
             f"GPU bytes per token in SGLang's pool sizing: {price['kv']:,.0f} of K/V (triton), "
@@ -255,6 +302,9 @@ def main(argv: list[str]) -> int:
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="qsa-engine-bench-"))
     cells: list[Cell] = []
     price: dict[str, float] = {}
+    hot: dict[tuple[str, int, int], HotCacheUse] = {}
+    pinned_rate = pinned_to_device_rate()
+    print(f"engine_double_sparsity: pinned host-to-device copies at {pinned_rate / 1e9:.1f} GB/s")
     for arm, config in _configs(args, workdir).items():
         engine = start_all({arm: config}, workdir)[arm]
         try:
@@ -274,14 +324,22 @@ def main(argv: list[str]) -> int:
                         f"engine_double_sparsity: deadline reached before {arm} {context} x {batch}"
                     )
                     break
+                counted = hot_cache_counters(engine) if arm.startswith("ds_offload") else None
                 cell = measure(engine, context, batch, args.new_tokens, arm)
                 cells.append(cell)
+                if counted is not None:
+                    use = hot_cache_use(engine, counted, _record_bytes(config.model))
+                    hot[arm, context, batch] = use
+                    print(
+                        f"engine_double_sparsity: {arm} hot-cache hit rate {use.hit_rate:.3f}, "
+                        f"{use.fetched_bytes_per_step / 2**20:.1f} MiB from the host per step"
+                    )
                 print(
                     f"engine_double_sparsity: {arm:6} context {context:>7} batch {batch}: "
                     f"decode {cell.decode_tokens_per_s:,.1f} tok/s, wall {cell.wall_s:.1f} s",
                     flush=True,
                 )
-                _write(args.out, args, cells, price)
+                _write(args.out, args, cells, price, hot, pinned_rate)
         finally:
             engine.close()
     return 0

@@ -43,7 +43,10 @@ from typing import Any
 from _engine_bench import (
     SKIPPED,
     Cell,
+    HotCacheUse,
     first_difference,
+    hot_cache_counters,
+    hot_cache_use,
     lacks_cuda,
     log_numbers,
     measure,
@@ -166,50 +169,6 @@ def engine_configs(
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class HotCacheUse:
-    """The offload engine's hot caches over one cell, from its Prometheus counters.
-
-    Attributes:
-        steps: decode steps served from the host arena.
-        selected: complete blocks the indexer selected, every QSA layer and row.
-        fetched: those that missed the hot cache and were read from the host arena.
-        record_bytes: K and V bytes of one block of one layer.
-    """
-
-    steps: int
-    selected: int
-    fetched: int
-    record_bytes: int
-
-    @property
-    def hit_rate(self) -> float:
-        """Selected blocks found in the hot cache."""
-        return 1.0 - self.fetched / self.selected if self.selected else 1.0
-
-    @property
-    def fetched_bytes_per_step(self) -> float:
-        """Bytes read from the host arena per decode step (every QSA layer and row)."""
-        return self.fetched * self.record_bytes / self.steps if self.steps else 0.0
-
-
-_COUNTERS = (
-    "qsa_hisparse_offload_decode_steps_total",
-    "qsa_hisparse_selected_blocks_total",
-    "qsa_hisparse_fetched_blocks_total",
-)
-
-
-def _counters(engine: Any) -> tuple[int, ...]:
-    return tuple(int(engine.metric(name)) for name in _COUNTERS)
-
-
-def _hot_cache_use(engine: Any, before: tuple[int, ...]) -> HotCacheUse:
-    """What the offload engine's counters gained since ``before`` (:func:`_counters`)."""
-    steps, selected, fetched = (a - b for a, b in zip(_counters(engine), before, strict=True))
-    return HotCacheUse(steps, selected, fetched, _record_bytes(engine.config.model))
-
-
 def _record_bytes(model: Any) -> int:
     """One block of one QSA layer, K and V, in bf16 (the engines' KV dtype)."""
     text = model.text_config
@@ -313,7 +272,7 @@ def main(argv: list[str]) -> int:
                 print(f"engine_offload: deadline reached before {context} x {batch}")
                 break
             for arm in ("resident", "offload"):
-                counted = _counters(engines[arm]) if arm == "offload" else None
+                counted = hot_cache_counters(engines[arm]) if arm == "offload" else None
                 tokens = _new_tokens(args, context, batch)
                 try:
                     cell = measure(engines[arm], context, batch, tokens, arm)
@@ -322,7 +281,9 @@ def main(argv: list[str]) -> int:
                     continue
                 cells.append(cell)
                 if counted is not None:
-                    hot[context, batch] = _hot_cache_use(engines[arm], counted)
+                    hot[context, batch] = hot_cache_use(
+                        engines[arm], counted, _record_bytes(engines[arm].config.model)
+                    )
                 print(
                     f"engine_offload: {arm:8} context {context:>7} batch {batch}: "
                     f"decode {cell.decode_tokens_per_s:,.1f} tok/s, wall {cell.wall_s:.1f} s, "
