@@ -9,6 +9,7 @@ one unmeasured request first (:func:`warm_up`), so no cell pays for compiling a 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -38,6 +39,8 @@ __all__ = (
     "mem_fraction",
     "pinned_to_device_rate",
     "pool_tokens",
+    "profile_args",
+    "profile_cells",
     "profile_decode",
     "profile_request",
     "send_together",
@@ -179,6 +182,36 @@ def measure(engine: Any, context: int, batch: int, new_tokens: int, arm: str) ->
         prefill = context / prefill_s if prefill_s > 0 else None
     ids = list(served.replies[0].output_ids)
     return Cell(arm, context, batch, decode, served.wall_s, prefill, ids)
+
+
+def profile_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--profile CONTEXTxBATCH,...`` and ``--profile-steps N`` (read by
+    :func:`profile_cells`)."""
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="cells to profile after measuring, CONTEXTxBATCH comma separated (e.g. 32768x8)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=8, help="decode steps per trace")
+
+
+def profile_cells(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Turn ``args.profile`` into ``(context, batch)`` pairs, refusing what cannot be traced:
+    a malformed cell, or more steps than half of ``args.new_tokens`` (the traced steps must all
+    decode)."""
+    allowed = "allowed: e.g. 32768x1,32768x8"
+    try:
+        cells = [tuple(int(x) for x in c.split("x", 1)) for c in args.profile.split(",") if c]
+    except ValueError:
+        parser.error(f"--profile {args.profile!r} is not allowed; {allowed}")
+    if any(len(cell) != 2 or min(cell) < 1 for cell in cells):
+        parser.error(f"--profile {args.profile!r} is not allowed; {allowed}")
+    args.profile = cells
+    if not 1 <= args.profile_steps <= args.new_tokens // 2:
+        parser.error(
+            f"--profile-steps {args.profile_steps!r} is not allowed; allowed: 1 to "
+            f"{args.new_tokens // 2} (half of --new-tokens, so the traced steps all decode)"
+        )
 
 
 def profile_decode(  # noqa: PLR0917 (measure's order, then the trace's)

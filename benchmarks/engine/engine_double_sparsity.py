@@ -28,7 +28,10 @@ start), which no overlap can take below. Also the GPU bytes per token each engin
 charges (the label cache is ``C / (2 D)`` of the K/V; with DS-Offload the labels alone, plus the
 offload's fixed device buffers).
 
-Writes ``<out>/engine_double_sparsity.md`` and ``.json`` after every cell. Needs CUDA and SGLang:
+Writes ``<out>/engine_double_sparsity.md`` and ``.json`` after every cell; with ``--profile
+CONTEXTxBATCH``, a torch profiler trace of each arm's decode steps at that cell
+(``<out>/traces/``) and its summary (``<out>/profile-<arm>-<context>-<batch>.txt``: time per step,
+GPU busy time, the heaviest functions and kernels). Needs CUDA and SGLang:
 ``nox -s gpu-engine-bench -- double_sparsity`` runs it on the GPU machine; exits with status 77
 without CUDA.
 """
@@ -57,10 +60,14 @@ from _engine_bench import (
     measure,
     pinned_to_device_rate,
     pool_tokens,
+    profile_args,
+    profile_cells,
+    profile_decode,
     start_all,
     warm_up,
     write_json,
 )
+from _trace import summarize
 
 _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of K/V")
 _OFFLOAD_PRICE = re.compile(
@@ -88,6 +95,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--arms", default="triton,qsa_ds", help=f"engines, comma separated, of {','.join(_ARMS)}"
     )
+    profile_args(parser)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -98,6 +106,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"{name} {values!r} is not allowed; allowed: positive integers")
     if args.new_tokens < 80:
         parser.error(f"--new-tokens {args.new_tokens!r} is not allowed; allowed: >= 80")
+    profile_cells(parser, args)
     args.arms = tuple(a for a in _ARMS if a in args.arms.split(","))
     if "qsa_ds" not in args.arms or len(args.arms) < 2:
         parser.error(f"--arms {args.arms!r} is not allowed; allowed: qsa_ds and one of the others")
@@ -340,6 +349,21 @@ def main(argv: list[str]) -> int:
                     flush=True,
                 )
                 _write(args.out, args, cells, price, hot, pinned_rate)
+            for context, batch in args.profile:
+                if batch * (context + args.new_tokens) > pool:
+                    continue
+                trace = profile_decode(
+                    engine,
+                    context,
+                    batch,
+                    args.new_tokens,
+                    arm,
+                    args.profile_steps,
+                    args.out / "traces",
+                )
+                summary = args.out / f"profile-{arm}-{context}-{batch}.txt"
+                summary.write_text(summarize(trace), encoding="utf-8")
+                print(f"engine_double_sparsity: {arm} {context} x {batch} profiled: {summary}")
         finally:
             engine.close()
     return 0

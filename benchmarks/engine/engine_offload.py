@@ -50,6 +50,8 @@ from _engine_bench import (
     lacks_cuda,
     log_numbers,
     measure,
+    profile_args,
+    profile_cells,
     profile_decode,
     start_all,
     warm_up,
@@ -78,12 +80,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--qsa-layers", type=int, default=12, help="QSA layers of the model-shaped Qwen4Exp"
     )
-    parser.add_argument(
-        "--profile",
-        default="",
-        help="cells to profile after measuring, CONTEXTxBATCH comma separated (e.g. 32768x8)",
-    )
-    parser.add_argument("--profile-steps", type=int, default=8, help="decode steps per trace")
+    profile_args(parser)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -94,19 +91,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"{name} {values!r} is not allowed; allowed: positive integers")
     if args.new_tokens < 80:
         parser.error(f"--new-tokens {args.new_tokens!r} is not allowed; allowed: >= 80")
-    try:
-        args.profile = [
-            tuple(int(x) for x in cell.split("x", 1)) for cell in args.profile.split(",") if cell
-        ]
-    except ValueError:
-        parser.error(f"--profile {args.profile!r} is not allowed; allowed: e.g. 32768x1,32768x8")
-    if any(len(cell) != 2 or min(cell) < 1 for cell in args.profile):
-        parser.error(f"--profile {args.profile!r} is not allowed; allowed: e.g. 32768x1,32768x8")
-    if not 1 <= args.profile_steps <= args.new_tokens // 2:
-        parser.error(
-            f"--profile-steps {args.profile_steps!r} is not allowed; allowed: 1 to "
-            f"{args.new_tokens // 2} (half of --new-tokens, so the traced steps all decode)"
-        )
+    profile_cells(parser, args)
     return args
 
 
