@@ -4,8 +4,8 @@ SGLang 0.5.23 engines serve the Llama-3.1-8B-shaped dummy model
 (:func:`qsa_testing.llama_8b_shaped`: 32 layers, 32 query and 8 K/V heads of dim 128) on one
 GPU, one at a time (each arm's engine starts, measures every cell and stops before the next
 starts, so each has the whole GPU and host: an 80 GB H100 does not hold qsa_ds's 300,000-token
-pool beside a second engine), with the same scheduler flags, decode CUDA graphs on and prefill
-graphs off:
+pool beside a second engine), with the same scheduler flags (except those the offload requires,
+below), decode CUDA graphs on and prefill graphs off:
 
 - **triton**: upstream SGLang, no plugin, its dense triton attention backend;
 - **qsa_ds**: the plugin's double-sparsity backend with the library's default options (32 heavy
@@ -16,6 +16,10 @@ graphs off:
   history in pinned host memory, one record per (block, KV head), decode CUDA graphs on (fixed
   token lists of ``DSConfig.fixed_width()`` per KV head). Its host arena holds every running
   request at the longest context: size ``--contexts`` and ``--batches`` to the host's memory;
+- **qsa_ds_serial**: resident ``qsa_ds`` under the scheduler flags DS-Offload requires
+  (``--disable-overlap-schedule``, one prefill at a time): what DS-Offload loses against
+  ``qsa_ds`` splits into those flags' cost (``qsa_ds_serial / qsa_ds``) and the offload's own
+  (``ds_offload / qsa_ds_serial``);
 - **ds_offload_eager**: DS-Offload with decode CUDA graphs off (each step's lists as wide as its
   longest).
 
@@ -73,7 +77,9 @@ _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of
 _OFFLOAD_PRICE = re.compile(
     r"DS-Offload: pool sizing charges (\d+) B per token of labels .* plus ([0-9.]+) MiB fixed"
 )
-_ARMS = ("triton", "qsa_ds", "ds_offload", "ds_offload_eager")
+_ARMS = ("triton", "qsa_ds", "qsa_ds_serial", "ds_offload", "ds_offload_eager")
+#: The scheduler flags the offload requires (its configuration check refuses others).
+_OFFLOAD_SCHEDULING = {"disable_overlap_schedule": True, "prefill_max_requests": 1}
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -153,20 +159,18 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
     offload = {
         **common,
         **ds,
+        **_OFFLOAD_SCHEDULING,
         "radix_cache_backend": "qsa_hisparse",
-        "disable_overlap_schedule": True,
-        "prefill_max_requests": 1,
     }
-    offload_switches = {
-        "SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels),
-        "SGLANG_QSA_DS_OFFLOAD": "1",
-    }
+    resident_switches = {"SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels)}
+    offload_switches = {**resident_switches, "SGLANG_QSA_DS_OFFLOAD": "1"}
     configs = {
         "triton": EngineConfig(model, plugin=False, server_args=common),
-        "qsa_ds": EngineConfig(
+        "qsa_ds": EngineConfig(model, switches=resident_switches, server_args={**common, **ds}),
+        "qsa_ds_serial": EngineConfig(
             model,
-            switches={"SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels)},
-            server_args={**common, **ds},
+            switches=resident_switches,
+            server_args={**common, **ds, **_OFFLOAD_SCHEDULING},
         ),
         "ds_offload": EngineConfig(model, switches=offload_switches, server_args=offload),
         "ds_offload_eager": EngineConfig(
@@ -181,7 +185,7 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
 def _arm_price(arm: str, engine: Any) -> dict[str, float]:
     """What ``arm``'s pool sizing charges: qsa_ds's GPU bytes per token (K/V, and with its
     labels), DS-Offload's bytes per token of labels and fixed MiB; nothing for triton."""
-    if arm == "qsa_ds":
+    if arm.startswith("qsa_ds"):
         total, kv = log_numbers(engine, _PRICE)
         return {"kv": kv, "kv_and_labels": total}
     if arm.startswith("ds_offload"):
@@ -205,6 +209,8 @@ def _ratios(arms: tuple[str, ...]) -> list[tuple[str, str]]:
         ("qsa_ds", "triton"),
         ("ds_offload", "triton"),
         ("ds_offload", "qsa_ds"),
+        ("qsa_ds_serial", "qsa_ds"),
+        ("ds_offload", "qsa_ds_serial"),
         ("ds_offload_eager", "qsa_ds"),
         ("ds_offload", "ds_offload_eager"),
     )
@@ -239,7 +245,8 @@ def _write(  # noqa: PLR0917 (the report's parts)
         "# Double sparsity (`qsa_ds`) against SGLang's triton backend, real SGLang 0.5.23 engines",
         "",
         f"GPU {device}, torch {torch_version}; the Llama-3.1-8B-shaped dummy model, decode "
-        f"CUDA graphs {graphs}, otherwise the same scheduler flags; qsa_ds with 32 "
+        f"CUDA graphs {graphs}, otherwise the same scheduler flags but DS-Offload's (and "
+        "qsa_ds_serial's): no overlap scheduling, one prefill at a time; qsa_ds with 32 "
         f"heavy channels of 128 and 256 heavy tokens per KV head. `{data['command']}`; written by "
         "`benchmarks/engine/engine_double_sparsity.py`.",
         "",
