@@ -19,12 +19,20 @@ everything), the heavy tokens shared with the previous step, and at the 32-layer
 step copies and the copy's time at ``--pinned-gbps`` (48.2 GB/s: the H100's pinned rate that
 ``ds_offload_step.md`` measured); counts, not times, so it runs on the CPU too (the torch path).
 
+Beside the store's own counts, the same chosen tokens are replayed through a model of a
+token-granular hot cache of the same bytes (``4 x hot slots`` tokens per K/V head,
+least-recently chosen evicted first), which copies only the chosen tokens it misses (one token
+of one head, K and V: a quarter of a record). Reported: the records a chosen token costs (a
+record is 4 tokens; scattered choices fetch 4 tokens for each one attended) and that model's
+miss rate and MiB a step: what fetching tokens instead of records would move.
+
 Writes ``<out-dir>/ds_offload_misses.md`` and ``.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import pathlib
 
@@ -33,6 +41,28 @@ import torch
 
 _HKV, _HQ, _D, _MODEL_LAYERS = 8, 32, 128, 32
 _CHANNELS, _HEAVY, _THRESHOLD = 32, 256, 4096
+_RECORD_TOKENS = 4  # a per-head record: one block of 4 tokens of one K/V head
+
+
+class _TokenCache:
+    """A model of one K/V head's hot cache holding single tokens, least-recently chosen out."""
+
+    def __init__(self, capacity: int) -> None:
+        self._held: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._capacity = capacity
+
+    def choose(self, tokens: set[int]) -> int:
+        """Attend ``tokens``: returns how many were not held (and are now)."""
+        missing = 0
+        for token in sorted(tokens):
+            if token in self._held:
+                self._held.move_to_end(token)
+            else:
+                missing += 1
+                self._held[token] = None
+        while len(self._held) > self._capacity:
+            self._held.popitem(last=False)
+        return missing
 
 
 def _measure(
@@ -65,10 +95,15 @@ def _measure(
     q = torch.randn(layers, 1, _HQ, _D, generator=gen, device=device)
     keep, fresh = drift, math.sqrt(1.0 - drift * drift)
     shared, previous = 0.0, [None] * layers
+    token_caches = [
+        [_TokenCache(_RECORD_TOKENS * hot_slots) for _ in range(_HKV)] for _ in range(layers)
+    ]
+    chosen_tokens = token_misses = 0
     for step in range(steps + 1):
         if step == 1:  # the first step fetches every block: count the steps after it
             counts.zero_()
             shared = 0.0
+            chosen_tokens = token_misses = 0
         store.begin_step()
         new = torch.randn(layers, 1, _HKV, _D, generator=gen, device=device).bfloat16()
         store.append(rows, new, torch.randn_like(new))
@@ -89,12 +124,17 @@ def _measure(
             held = store.kv.token_blocks(rows, positions)
             store.kv.attend_tokens(layer, rows, query, positions, held, counters=counts)
             chosen = [set(h.tolist()) - {-1} for h in positions[0]]
+            chosen_tokens += sum(len(c) for c in chosen)
+            token_misses += sum(
+                cache.choose(c) for cache, c in zip(token_caches[layer], chosen, strict=True)
+            )
             if previous[layer] is not None:
                 shared += sum(len(a & b) for a, b in zip(chosen, previous[layer], strict=True))
             previous[layer] = chosen
     selected, missing = (int(c) for c in counts)
     per_step_layer = missing / (steps * layers)
     record_bytes = geometry.record_bytes
+    token_bytes = record_bytes // _RECORD_TOKENS
     return {
         "drift": drift,
         "hot_slots": hot_slots,
@@ -102,6 +142,11 @@ def _measure(
         "shared_heavy_tokens": shared / (steps * layers * _HKV * _HEAVY),
         "missing_records_per_layer_step": per_step_layer,
         "mib_per_step_32_layers": per_step_layer * _MODEL_LAYERS * record_bytes / 2**20,
+        "records_per_heavy_token": selected / chosen_tokens,
+        "token_miss_rate": token_misses / chosen_tokens,
+        "token_mib_per_step_32_layers": (
+            token_misses / (steps * layers) * _MODEL_LAYERS * token_bytes / 2**20
+        ),
     }
 
 
@@ -141,14 +186,16 @@ def main(argv: list[str] | None = None) -> int:
         "`packages/qsa-kernels/benchmarks/bench_ds_offload_misses.py`.",
         "",
         "| hot slots | drift rho | heavy tokens kept from the last step | miss rate | "
-        "MiB copied a step | copy ms a step |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "MiB copied a step | copy ms a step | records per heavy token "
+        "| token cache: miss rate | token cache: MiB a step |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r['hot_slots']:,} | {r['drift']:.2f} | {r['shared_heavy_tokens']:.1%} | "
             f"{r['miss_rate']:.1%} | {r['mib_per_step_32_layers']:.1f} | "
-            f"{r['copy_ms_per_step']:.2f} |"
+            f"{r['copy_ms_per_step']:.2f} | {r['records_per_heavy_token']:.2f} | "
+            f"{r['token_miss_rate']:.1%} | {r['token_mib_per_step_32_layers']:.1f} |"
         )
     data = {"machine": machine, "args": vars(args) | {"out_dir": None}, "rows": rows}
     _report.write(args.out_dir, "ds_offload_misses", data, lines)
