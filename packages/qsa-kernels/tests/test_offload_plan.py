@@ -4,9 +4,13 @@ buffers, and refusals that name the value and change nothing. No K/V byte is inv
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels.offload import RowState
@@ -152,3 +156,59 @@ def test_any_row_or_pad_to_is_taken_or_refused_naming_it(call: str, value: objec
         return
     assert _rows_view(planner) == before, str(refused)
     assert shows(str(refused), value), str(refused)
+
+
+def _plan_reference(
+    rows: list[int], lengths: list[int], real: int, max_rows: int, shard: object
+) -> list[int]:
+    """The step plan's vector by torch operations on the whole batch (the planner's first form)."""
+    from qsa_kernels.sharded import localize_blocks
+
+    r, n = max_rows, len(rows)
+    fields = torch.zeros((5, r), dtype=torch.int32)
+    fields[3] = -1
+    tails = torch.full((r, 3), -1, dtype=torch.int32)
+    row_t, length_t = torch.tensor(rows), torch.tensor(lengths)
+    position = length_t - 1
+    offset = position % 4
+    is_real = torch.arange(n) < real
+    fields[0, :n] = row_t
+    fields[1, :n] = torch.where(is_real, offset, 0)
+    fields[2, :n] = torch.where(is_real, length_t // 4, 0)
+    closing = torch.where(is_real & (offset == 3), position // 4, -1)
+    if shard is not None:
+        closing = localize_blocks(closing, shard.placement, shard.rank)  # type: ignore[attr-defined]
+    fields[3, :n] = closing
+    fields[4, :n] = torch.where(is_real, position, 0)
+    count = torch.where(is_real, length_t % 4, 1)
+    slots = torch.arange(3)
+    tails[:n] = torch.where(slots < count.unsqueeze(1), row_t.unsqueeze(1) * 4 + slots, -1)
+    return [*fields.reshape(-1).tolist(), *tails.reshape(-1).tolist()]
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    st.integers(1, 9).flatmap(
+        lambda r: st.tuples(
+            st.just(r),
+            st.lists(st.integers(0, r - 1), unique=True, max_size=r),
+            st.lists(st.integers(1, 5000), min_size=r, max_size=r),
+            st.integers(0, r),
+            st.sampled_from([None, (2, 0), (2, 1), (4, 3)]),
+        )
+    )
+)
+def test_the_plan_of_any_step_is_the_batch_formula_row_by_row(case: tuple[Any, ...]) -> None:
+    """Rows, tail offsets, complete blocks, the closing block (a shard's local id, or -1 where
+    another rank stores it), positions and open-block tokens, for real and padding rows."""
+    from qsa_core import ShardPlacement
+    from qsa_kernels.offload._plan import _plan_words
+
+    max_rows, rows, all_lengths, real, group = case
+    lengths = all_lengths[: len(rows)]
+    real = min(real, len(rows))
+    shard = None
+    if group is not None:
+        shard = SimpleNamespace(placement=ShardPlacement(group[0], 16, 4), rank=group[1])
+    want = _plan_reference(rows, lengths, real, max_rows, shard)
+    assert _plan_words(rows, lengths, real, max_rows, shard) == want  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ import torch
 
 from qsa_kernels._errors import KernelInputError
 from qsa_kernels._geometry import BLOCK_TOKENS, TAIL_TOKENS
-from qsa_kernels.sharded import ShardGroup, localize_blocks
+from qsa_kernels.sharded import ShardGroup
 
 __all__ = ("RowPlanner", "RowState", "StepPlan", "StepRows")
 
@@ -113,47 +113,62 @@ class StepPlan:
         A padding row writes its token to its own (free) tail and attends over one tail token;
         nothing of it reaches the arena or the hot cache.
         """
-        r, n = self._r, len(rows)
         host = self._host[self._turn]
         copied = self._copied[self._turn]
         if copied is not None:
             copied.synchronize()  # a copy from this buffer two steps ago: long done
-        fields = host[: self._FIELDS * r].view(self._FIELDS, r)
-        fields.fill_(0)
-        fields[3].fill_(-1)
-        tails = host[self._FIELDS * r :].view(r, TAIL_TOKENS)
-        tails.fill_(-1)
-        if n:
-            row_t = torch.tensor(rows, dtype=torch.int32)
-            length_t = torch.tensor(lengths, dtype=torch.int32)
-            position = length_t - 1
-            offset = position % BLOCK_TOKENS
-            open_count = length_t % BLOCK_TOKENS
-            is_real = torch.arange(n) < real
-            fields[0, :n] = row_t
-            fields[1, :n] = torch.where(is_real, offset, 0)
-            fields[2, :n] = torch.where(is_real, length_t // BLOCK_TOKENS, 0)
-            closes = is_real & (offset == BLOCK_TOKENS - 1)
-            closing = torch.where(closes, position // BLOCK_TOKENS, -1)
-            if self._shard is not None:
-                closing = localize_blocks(closing, self._shard.placement, self._shard.rank)
-            fields[3, :n] = closing
-            fields[4, :n] = torch.where(is_real, position, 0)
-            count = torch.where(is_real, open_count, 1)  # padding: its one (ignored) token
-            slots = torch.arange(TAIL_TOKENS, dtype=torch.int32)
-            tails[:n] = torch.where(
-                slots < count.unsqueeze(1), row_t.unsqueeze(1) * BLOCK_TOKENS + slots, -1
-            )
+        words = _plan_words(rows, lengths, real, self._r, self._shard)
+        host.copy_(torch.tensor(words, dtype=torch.int32))
         self._device.copy_(host, non_blocking=True)
-        if self._device.is_cuda:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        if self._device.is_cuda:  # each turn's one event, recorded again at its every copy
+            event = self._copied[self._turn]
+            if event is None:
+                event = self._copied[self._turn] = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
-            self._copied[self._turn] = event
         self._turn ^= 1
-        self.rows, self.batch = tuple(rows), n
+        self.rows, self.batch = tuple(rows), len(rows)
 
     def clear(self) -> None:
         self.rows, self.batch = (), 0
+
+
+def _plan_words(
+    rows: Sequence[int],
+    lengths: Sequence[int],
+    real: int,
+    max_rows: int,
+    shard: ShardGroup | None,
+) -> list[int]:
+    """:class:`StepPlan`'s vector for one step: ``5 x R`` fields, then ``[R, 3]`` tail tokens.
+
+    Python ints, not torch operations: a step's few rows cost microseconds here, and the GPU
+    waits for this host work at every decode step.
+    """
+    r = max_rows
+    words = [0] * (StepPlan._FIELDS * r) + [-1] * (TAIL_TOKENS * r)
+    words[3 * r : 4 * r] = [-1] * r  # no closing block
+    tails = StepPlan._FIELDS * r
+    placement, rank = (None, -1) if shard is None else (shard.placement, shard.rank)
+    for i, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        words[i] = row
+        if i < real:
+            position = length - 1
+            offset = position % BLOCK_TOKENS
+            words[r + i] = offset
+            words[2 * r + i] = length // BLOCK_TOKENS
+            words[4 * r + i] = position
+            if offset == BLOCK_TOKENS - 1:  # the token closes its block
+                block = position // BLOCK_TOKENS
+                if placement is None:
+                    words[3 * r + i] = block
+                elif placement.block_owner(block) == rank:  # else another rank stores it
+                    words[3 * r + i] = placement.block_local(block)
+            count = length % BLOCK_TOKENS
+        else:
+            count = 1  # padding: its one (ignored) token
+        at = tails + TAIL_TOKENS * i
+        words[at : at + count] = [row * BLOCK_TOKENS + slot for slot in range(count)]
+    return words
 
 
 @dataclass(frozen=True, slots=True)
