@@ -74,3 +74,42 @@ def test_every_ranks_candidates_merged_are_the_single_rank_top_k_bit_for_bit(
     assert torch.equal(merged.scores[live], torch.where(expected == 0, 0.0, expected)[live])
     blocks = torch.div(seq_lens, RATIO, rounding_mode="floor").clamp(max=TOPK)
     assert live.sum(dim=1).tolist() == blocks.tolist()
+
+
+@pytest.mark.gpu
+def test_a_captured_decode_selection_replays_as_eager_on_new_queries_and_lengths() -> None:
+    """``ShardedIndex.select_decode`` (one rank: its buffers and kernels, the all-gather a copy)
+    captured in a CUDA graph, then replayed after the queries, the index and the lengths changed
+    in place, equals the eager selection of the new inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from qsa_kernels.sharded import ShardedIndex, ShardGroup
+
+    q, index, table, seq_lens = _case(1, "cuda")
+    index_buffer = index.view(-1, 1, 128)  # upstream's [16 P, H, D] layout of one layer
+    closed = torch.div(seq_lens, RATIO, rounding_mode="floor")
+    sharded = ShardedIndex(
+        ShardGroup(ShardPlacement(1, BPP, RATIO), 0),
+        block_topk=TOPK,
+        max_rows=len(LENGTHS),
+        device="cuda",
+    )
+
+    def select() -> torch.Tensor:
+        return sharded.select_decode(q, index_buffer, table, closed, heads=4)
+
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        select()  # compiles and warms the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = select()
+    q2, index2, _, _ = _case(2, "cuda")
+    q.copy_(q2)
+    index.copy_(index2[: index.shape[0]])
+    closed.sub_(torch.tensor([1000, 0, 300, 5, 7], dtype=closed.dtype, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.sort(dim=1).values, select().sort(dim=1).values)
