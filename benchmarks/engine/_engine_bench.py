@@ -23,6 +23,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from _trace import summarize
+
 __all__ = (
     "PREFILL_GRAPHS",
     "SKIPPED",
@@ -42,6 +44,7 @@ __all__ = (
     "profile_args",
     "profile_cells",
     "profile_decode",
+    "profile_decode_summary",
     "profile_request",
     "send_together",
     "start_all",
@@ -268,6 +271,23 @@ def profile_decode(  # noqa: PLR0917 (measure's order, then the trace's)
     return _written_trace(out, prefix)
 
 
+def profile_decode_summary(  # noqa: PLR0917 (profile_decode's order)
+    engine: Any,
+    context: int,
+    batch: int,
+    new_tokens: int,
+    arm: str,
+    steps: int,
+    out: pathlib.Path,
+) -> pathlib.Path:
+    """:func:`profile_decode` into ``out/traces``, summarised (``_trace.summarize``) as
+    ``out/profile-<arm>-<context>-<batch>.txt``; returns the summary's path."""
+    trace = profile_decode(engine, context, batch, new_tokens, arm, steps, out / "traces")
+    summary = out / f"profile-{arm}-{context}-{batch}.txt"
+    summary.write_text(summarize(trace), encoding="utf-8")
+    return summary
+
+
 def profile_request(engine: Any, request: Any, out: pathlib.Path, prefix: str) -> pathlib.Path:
     """A torch profiler trace of the scheduler from just before ``request`` to its reply.
 
@@ -402,8 +422,9 @@ def hot_cache_counters(engine: Any) -> tuple[int, ...]:
 
 def hot_cache_use(engine: Any, before: tuple[int, ...], record_bytes: int) -> HotCacheUse:
     """What the engine's counters gained since ``before`` (:func:`hot_cache_counters`)."""
-    gained = (a - b for a, b in zip(hot_cache_counters(engine), before, strict=True))
-    steps, selected, fetched = gained
+    steps, selected, fetched = (
+        a - b for a, b in zip(hot_cache_counters(engine), before, strict=True)
+    )
     return HotCacheUse(steps, selected, fetched, record_bytes)
 
 

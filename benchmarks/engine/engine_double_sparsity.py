@@ -66,12 +66,11 @@ from _engine_bench import (
     pool_tokens,
     profile_args,
     profile_cells,
-    profile_decode,
+    profile_decode_summary,
     start_all,
     warm_up,
     write_json,
 )
-from _trace import summarize
 
 _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of K/V")
 _OFFLOAD_PRICE = re.compile(
@@ -359,17 +358,9 @@ def main(argv: list[str]) -> int:
             for context, batch in args.profile:
                 if batch * (context + args.new_tokens) > pool:
                     continue
-                trace = profile_decode(
-                    engine,
-                    context,
-                    batch,
-                    args.new_tokens,
-                    arm,
-                    args.profile_steps,
-                    args.out / "traces",
+                summary = profile_decode_summary(
+                    engine, context, batch, args.new_tokens, arm, args.profile_steps, args.out
                 )
-                summary = args.out / f"profile-{arm}-{context}-{batch}.txt"
-                summary.write_text(summarize(trace), encoding="utf-8")
                 print(f"engine_double_sparsity: {arm} {context} x {batch} profiled: {summary}")
         finally:
             engine.close()

@@ -52,12 +52,11 @@ from _engine_bench import (
     measure,
     profile_args,
     profile_cells,
-    profile_decode,
+    profile_decode_summary,
     start_all,
     warm_up,
     write_json,
 )
-from _trace import summarize
 
 #: Prefill chunk of both engines. SGLang runs the running requests' decode steps between the
 #: chunks of the next prompt, so the first of ``B`` requests decodes about ``(B - 1)`` prompts'
@@ -279,17 +278,9 @@ def main(argv: list[str]) -> int:
         for context, batch in args.profile:
             for arm in ("resident", "offload"):
                 tokens = _new_tokens(args, context, batch)
-                trace = profile_decode(
-                    engines[arm],
-                    context,
-                    batch,
-                    tokens,
-                    arm,
-                    args.profile_steps,
-                    args.out / "traces",
+                summary = profile_decode_summary(
+                    engines[arm], context, batch, tokens, arm, args.profile_steps, args.out
                 )
-                summary = args.out / f"profile-{arm}-{context}-{batch}.txt"
-                summary.write_text(summarize(trace), encoding="utf-8")
                 print(f"engine_offload: {arm} {context} x {batch} profiled: {summary}", flush=True)
     finally:
         for engine in engines.values():

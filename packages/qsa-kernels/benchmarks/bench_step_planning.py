@@ -22,31 +22,32 @@ import argparse
 import pathlib
 import statistics
 import time
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import _report
 import torch
 
-_ROWS, _MAX_TOKENS, _CONTEXT = 64, 1 << 20, 32_768
+if TYPE_CHECKING:
+    from qsa_kernels.offload._plan import RowPlanner
+
+_ROWS, _MAX_TOKENS, _CONTEXT, _WARM_UP = 64, 1 << 20, 32_768, 20
 
 
-def _planner(batch: int, sharded: bool) -> object:
+def _planner(batch: int, sharded: bool) -> RowPlanner:
+    """A CPU planner with ``batch`` rows admitted; with ``sharded``, rank 0 of a group of 2.
+
+    The planner reads only a shard group's placement and rank (planning never communicates), so
+    a namespace of the two stands in for a group that would need a second process.
+    """
     from qsa_core import ShardPlacement
     from qsa_kernels.offload._plan import RowPlanner
 
-    # A shard group's planning is local: a group of 2 seen from rank 0 (no collective runs).
-    shard = _LocalShard(ShardPlacement(2, 16, 4), 0) if sharded else None
+    shard = SimpleNamespace(placement=ShardPlacement(2, 16, 4), rank=0) if sharded else None
     planner = RowPlanner(_ROWS, _MAX_TOKENS, torch.device("cpu"), shard)  # type: ignore[arg-type]
     for row in range(batch):
         planner.admit(row, _CONTEXT + row)
     return planner
-
-
-class _LocalShard:
-    """What the planner reads of a shard group (its placement and rank), without a process
-    group: planning never communicates."""
-
-    def __init__(self, placement: object, rank: int) -> None:
-        self.placement, self.rank = placement, rank
 
 
 def _time(batch: int, pad_to: int, steps: int, *, sharded: bool) -> float:
@@ -54,13 +55,11 @@ def _time(batch: int, pad_to: int, steps: int, *, sharded: bool) -> float:
     planner = _planner(batch, sharded)
     rows = list(range(batch))
     times = []
-    for step in range(steps + 20):
+    for step in range(_WARM_UP + steps):
         t0 = time.perf_counter()
-        plan = planner.check_advance(rows, pad_to=pad_to)  # type: ignore[attr-defined]
-        planner.advance(plan)  # type: ignore[attr-defined]
-        elapsed = time.perf_counter() - t0
-        if step >= 20:
-            times.append(elapsed * 1e6)
+        planner.advance(planner.check_advance(rows, pad_to=pad_to))
+        if step >= _WARM_UP:
+            times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
 

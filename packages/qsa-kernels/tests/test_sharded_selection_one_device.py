@@ -106,10 +106,13 @@ def test_a_captured_decode_selection_replays_as_eager_on_new_queries_and_lengths
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = select()
+    graph.replay()
+    first = captured.clone()
     q2, index2, _, _ = _case(2, "cuda")
     q.copy_(q2)
     index.copy_(index2[: index.shape[0]])
     closed.sub_(torch.tensor([1000, 0, 300, 5, 7], dtype=closed.dtype, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
+    assert not torch.equal(captured, first)  # the new inputs change the selection
     assert torch.equal(captured.sort(dim=1).values, select().sort(dim=1).values)

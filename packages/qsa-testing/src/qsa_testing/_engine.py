@@ -216,7 +216,7 @@ class EngineConfig:
 
 
 #: Seconds a CUDA engine's forward may run before SGLang's watchdog kills its scheduler.
-_FIRST_FORWARD_S: Final = 3600.0
+_CUDA_WATCHDOG_S: Final = 3600.0
 #: Server arguments every engine gets; a configuration's ``server_args`` override them.
 _COMMON_ARGS: Final[Mapping[str, Any]] = {
     "load_format": "dummy",
@@ -249,7 +249,7 @@ _PLATFORM_ARGS: Final[Mapping[Platform, Mapping[str, Any]]] = {
         # kernels for five minutes or more; SGLang's watchdog (300 s by default) then kills the
         # scheduler mid-compile. The runs' own deadlines (``nox -s gpu-engine --deadline``) and
         # their stack dumps are what stop a real hang.
-        "watchdog_timeout": _FIRST_FORWARD_S,
+        "watchdog_timeout": _CUDA_WATCHDOG_S,
     },
 }
 _MODEL_ARGS: Final[Mapping[TinyModelKind, Mapping[str, Any]]] = {

@@ -145,8 +145,8 @@ def _plan_words(
     waits for this host work at every decode step.
     """
     r = max_rows
-    words = [0] * (StepPlan._FIELDS * r) + [-1] * (TAIL_TOKENS * r)
-    words[3 * r : 4 * r] = [-1] * r  # no closing block
+    # rows, offsets, complete blocks 0; closing block -1 (none); positions 0; tail tokens -1
+    words = [0] * (3 * r) + [-1] * r + [0] * r + [-1] * (TAIL_TOKENS * r)
     tails = StepPlan._FIELDS * r
     placement, rank = (None, -1) if shard is None else (shard.placement, shard.rank)
     for i, (row, length) in enumerate(zip(rows, lengths, strict=True)):
