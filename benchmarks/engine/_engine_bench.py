@@ -44,7 +44,6 @@ __all__ = (
     "profile_args",
     "profile_cells",
     "profile_decode",
-    "profile_decode_summary",
     "profile_request",
     "send_together",
     "start_all",
@@ -230,12 +229,13 @@ def profile_decode(  # noqa: PLR0917 (measure's order, then the trace's)
 
     The batch is sent as in :func:`measure`; once SGLang logs a ``Decode batch`` line with all
     ``batch`` running, ``/start_profile`` records the next ``steps`` steps (Python stacks, torch
-    operators, CUDA runtime calls and kernels) into ``out``, so ``new_tokens`` must leave
+    operators, CUDA runtime calls and kernels) into ``out/traces``, so ``new_tokens`` must leave
     ``steps`` steps after that line. Profiled steps run slower: the decode rate comes from
     :func:`measure`, never from here.
 
     Returns:
-        The trace, ``out/<arm>-<context>-<batch>-*.trace.json.gz``.
+        The trace's summary (``_trace.summarize``), ``out/profile-<arm>-<context>-<batch>.txt``;
+        the trace itself is ``out/traces/<arm>-<context>-<batch>-*.trace.json.gz``.
     """
     prefix = f"{arm}-{context}-{batch}"
     requests = _requests(engine, context, batch, new_tokens)
@@ -254,11 +254,12 @@ def profile_decode(  # noqa: PLR0917 (measure's order, then the trace's)
         if any(int(n) == batch for n, _ in _DECODE_LINE.findall(text)):
             break
         time.sleep(0.05)
-    out.mkdir(parents=True, exist_ok=True)
+    traces = out / "traces"
+    traces.mkdir(parents=True, exist_ok=True)
     engine.post(
         "/start_profile",
         {
-            "output_dir": str(out),
+            "output_dir": str(traces),
             "num_steps": steps,
             "activities": ["CPU", "GPU"],
             "with_stack": True,
@@ -268,23 +269,8 @@ def profile_decode(  # noqa: PLR0917 (measure's order, then the trace's)
     )
     for t in threads:
         t.join()
-    return _written_trace(out, prefix)
-
-
-def profile_decode_summary(  # noqa: PLR0917 (profile_decode's order)
-    engine: Any,
-    context: int,
-    batch: int,
-    new_tokens: int,
-    arm: str,
-    steps: int,
-    out: pathlib.Path,
-) -> pathlib.Path:
-    """:func:`profile_decode` into ``out/traces``, summarised (``_trace.summarize``) as
-    ``out/profile-<arm>-<context>-<batch>.txt``; returns the summary's path."""
-    trace = profile_decode(engine, context, batch, new_tokens, arm, steps, out / "traces")
-    summary = out / f"profile-{arm}-{context}-{batch}.txt"
-    summary.write_text(summarize(trace), encoding="utf-8")
+    summary = out / f"profile-{prefix}.txt"
+    summary.write_text(summarize(_written_trace(traces, prefix)), encoding="utf-8")
     return summary
 
 

@@ -66,7 +66,7 @@ from _engine_bench import (
     pool_tokens,
     profile_args,
     profile_cells,
-    profile_decode_summary,
+    profile_decode,
     start_all,
     warm_up,
     write_json,
@@ -358,7 +358,7 @@ def main(argv: list[str]) -> int:
             for context, batch in args.profile:
                 if batch * (context + args.new_tokens) > pool:
                     continue
-                summary = profile_decode_summary(
+                summary = profile_decode(
                     engine, context, batch, args.new_tokens, arm, args.profile_steps, args.out
                 )
                 print(f"engine_double_sparsity: {arm} {context} x {batch} profiled: {summary}")

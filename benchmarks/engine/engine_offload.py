@@ -52,7 +52,7 @@ from _engine_bench import (
     measure,
     profile_args,
     profile_cells,
-    profile_decode_summary,
+    profile_decode,
     start_all,
     warm_up,
     write_json,
@@ -278,7 +278,7 @@ def main(argv: list[str]) -> int:
         for context, batch in args.profile:
             for arm in ("resident", "offload"):
                 tokens = _new_tokens(args, context, batch)
-                summary = profile_decode_summary(
+                summary = profile_decode(
                     engines[arm], context, batch, tokens, arm, args.profile_steps, args.out
                 )
                 print(f"engine_offload: {arm} {context} x {batch} profiled: {summary}", flush=True)
