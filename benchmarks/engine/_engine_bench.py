@@ -27,6 +27,7 @@ from _trace import summarize
 
 __all__ = (
     "PREFILL_GRAPHS",
+    "SCHEDULES",
     "SKIPPED",
     "Cell",
     "HotCacheUse",
@@ -45,6 +46,8 @@ __all__ = (
     "profile_cells",
     "profile_decode",
     "profile_request",
+    "schedule_arg",
+    "scheduling",
     "send_together",
     "start_all",
     "warm_up",
@@ -59,6 +62,26 @@ SKIPPED = 77
 #: attention runs eagerly) or ``disabled`` (an eager prefill, as every run before the
 #: twenty-ninth session).
 PREFILL_GRAPHS = ("breakable", "disabled")
+#: ``--schedule``: SGLang's overlap scheduling (its default; the next batch launches before the
+#: last one's result is processed) or ``serial`` (``--disable-overlap-schedule``, as every run
+#: before the offload served overlap scheduling, and always with the host prefix cache).
+SCHEDULES = ("overlap", "serial")
+
+
+def schedule_arg(parser: argparse.ArgumentParser) -> None:
+    """Add ``--schedule`` (:data:`SCHEDULES`), read by :func:`scheduling`."""
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=SCHEDULES[0],
+        help="SGLang's scheduling in every arm that allows it (the prefix cache's are serial)",
+    )
+
+
+def scheduling(schedule: str) -> dict[str, bool]:
+    """SGLang's server arguments of a :data:`SCHEDULES` value."""
+    return {"disable_overlap_schedule": schedule == "serial"}
+
 
 _DECODE_LINE = re.compile(
     r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)"

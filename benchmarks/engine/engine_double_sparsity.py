@@ -16,10 +16,11 @@ below), decode CUDA graphs on and prefill graphs off:
   history in pinned host memory, one record per (block, KV head), decode CUDA graphs on (fixed
   token lists of ``DSConfig.fixed_width()`` per KV head). Its host arena holds every running
   request at the longest context: size ``--contexts`` and ``--batches`` to the host's memory;
-- **qsa_ds_serial**: resident ``qsa_ds`` under the scheduler flags DS-Offload requires
-  (``--disable-overlap-schedule``, one prefill at a time): what DS-Offload loses against
-  ``qsa_ds`` splits into those flags' cost (``qsa_ds_serial / qsa_ds``) and the offload's own
-  (``ds_offload / qsa_ds_serial``);
+- **qsa_ds_serial**: resident ``qsa_ds`` with one prefill at a time, as DS-Offload requires, and
+  without overlap scheduling (``--disable-overlap-schedule``);
+- **ds_offload_serial**: DS-Offload without overlap scheduling, as it ran before it served it:
+  ``ds_offload / ds_offload_serial`` is what overlap scheduling gives it, ``ds_offload_serial /
+  qsa_ds_serial`` the offload's own cost at equal scheduling;
 - **ds_offload_eager**: DS-Offload with decode CUDA graphs off (each step's lists as wide as its
   longest).
 
@@ -67,6 +68,7 @@ from _engine_bench import (
     profile_args,
     profile_cells,
     profile_decode,
+    scheduling,
     start_all,
     warm_up,
     write_json,
@@ -76,9 +78,10 @@ _PRICE = re.compile(r"qsa_ds: pool sizing charges (\d+) B per token \((\d+) B of
 _OFFLOAD_PRICE = re.compile(
     r"DS-Offload: pool sizing charges (\d+) B per token of labels .* plus ([0-9.]+) MiB fixed"
 )
-_ARMS = ("triton", "qsa_ds", "qsa_ds_serial", "ds_offload", "ds_offload_eager")
-#: The scheduler flags the offload requires (its configuration check refuses others).
-_OFFLOAD_SCHEDULING = {"disable_overlap_schedule": True, "prefill_max_requests": 1}
+_ARMS = ("triton", "qsa_ds", "qsa_ds_serial", "ds_offload", "ds_offload_serial", "ds_offload_eager")
+#: The scheduler flag the offload requires (its configuration check refuses others): it stages
+#: one prompt at a time.
+_ONE_PROMPT = {"prefill_max_requests": 1}
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -155,12 +158,8 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
     }
     channels = _channel_file(model, workdir / "channels.json")
     ds = {"attention_backend": "qsa_ds", "enable_metrics": True}
-    offload = {
-        **common,
-        **ds,
-        **_OFFLOAD_SCHEDULING,
-        "radix_cache_backend": "qsa_hisparse",
-    }
+    offload = {**common, **ds, **_ONE_PROMPT, "radix_cache_backend": "qsa_hisparse"}
+    serial = scheduling("serial")
     resident_switches = {"SGLANG_QSA_DS_CHANNEL_CONFIG": str(channels)}
     offload_switches = {**resident_switches, "SGLANG_QSA_DS_OFFLOAD": "1"}
     configs = {
@@ -169,9 +168,12 @@ def _configs(args: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
         "qsa_ds_serial": EngineConfig(
             model,
             switches=resident_switches,
-            server_args={**common, **ds, **_OFFLOAD_SCHEDULING},
+            server_args={**common, **ds, **_ONE_PROMPT, **serial},
         ),
         "ds_offload": EngineConfig(model, switches=offload_switches, server_args=offload),
+        "ds_offload_serial": EngineConfig(
+            model, switches=offload_switches, server_args={**offload, **serial}
+        ),
         "ds_offload_eager": EngineConfig(
             model,
             switches=offload_switches,
@@ -203,13 +205,14 @@ def _record_bytes(model: Any) -> int:
 
 def _ratios(arms: tuple[str, ...]) -> list[tuple[str, str]]:
     """The reported speed ratios: qsa_ds over triton, DS-Offload over dense triton, over resident
-    qsa_ds and over its own eager steps."""
+    qsa_ds, over itself without overlap scheduling and over its own eager steps."""
     pairs = (
         ("qsa_ds", "triton"),
         ("ds_offload", "triton"),
         ("ds_offload", "qsa_ds"),
         ("qsa_ds_serial", "qsa_ds"),
-        ("ds_offload", "qsa_ds_serial"),
+        ("ds_offload", "ds_offload_serial"),
+        ("ds_offload_serial", "qsa_ds_serial"),
         ("ds_offload_eager", "qsa_ds"),
         ("ds_offload", "ds_offload_eager"),
     )
@@ -244,8 +247,9 @@ def _write(  # noqa: PLR0917 (the report's parts)
         "# Double sparsity (`qsa_ds`) against SGLang's triton backend, real SGLang 0.5.23 engines",
         "",
         f"GPU {device}, torch {torch_version}; the Llama-3.1-8B-shaped dummy model, decode "
-        f"CUDA graphs {graphs}, otherwise the same scheduler flags but DS-Offload's (and "
-        "qsa_ds_serial's): no overlap scheduling, one prefill at a time; qsa_ds with 32 "
+        f"CUDA graphs {graphs}, otherwise the same scheduler flags but one prefill at a time in "
+        "the DS-Offload arms and qsa_ds_serial, and no overlap scheduling in the `_serial` "
+        "arms; qsa_ds with 32 "
         f"heavy channels of 128 and 256 heavy tokens per KV head. `{data['command']}`; written by "
         "`benchmarks/engine/engine_double_sparsity.py`.",
         "",

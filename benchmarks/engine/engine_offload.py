@@ -2,7 +2,8 @@
 
 Two engines serve the model-shaped tiny Qwen4Exp (the real QSA layer geometry: 24 query heads,
 2 K/V heads of dim 256, block top-k 512; the rest of the model small) side by side, with the same
-scheduler flags, decode CUDA graphs on and prefill graphs off:
+scheduler flags (SGLang's overlap scheduling, or ``--schedule serial``), decode CUDA graphs on and
+prefill graphs off:
 
 - **resident**: upstream SGLang, no plugin: the QSA layer's K/V in SGLang's pool on the GPU;
 - **offload**: the plugin with ``SGLANG_QSA_HISPARSE_V3=p2-offload``: the K/V in pinned host
@@ -53,6 +54,8 @@ from _engine_bench import (
     profile_args,
     profile_cells,
     profile_decode,
+    schedule_arg,
+    scheduling,
     start_all,
     warm_up,
     write_json,
@@ -80,6 +83,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "--qsa-layers", type=int, default=12, help="QSA layers of the model-shaped Qwen4Exp"
     )
     profile_args(parser)
+    schedule_arg(parser)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/bench"))
     parser.add_argument("--workdir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
@@ -119,15 +123,22 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         context_length=longest,
         max_running_requests=max(args.batches),
         pool={"max_total_tokens": max(args.batches) * longest, "mem_fraction_static": 0.6},
+        schedule=args.schedule,
     )
 
 
 def engine_configs(
-    model: Any, *, context_length: int, max_running_requests: int, pool: dict[str, Any]
+    model: Any,
+    *,
+    context_length: int,
+    max_running_requests: int,
+    pool: dict[str, Any],
+    schedule: str = "overlap",
 ) -> dict[str, Any]:
-    """The ``resident`` and ``offload`` engines' configurations: the same scheduler flags, decode
-    CUDA graphs on (prefill graphs off: p2-offload captures decode only), and ``pool`` (SGLang's
-    ``max_total_tokens`` and/or ``mem_fraction_static``) for both.
+    """The ``resident`` and ``offload`` engines' configurations: the same scheduler flags
+    (``schedule``, of :data:`SCHEDULES`), decode CUDA graphs on (prefill graphs off: p2-offload
+    captures decode only), and ``pool`` (SGLang's ``max_total_tokens`` and/or
+    ``mem_fraction_static``) for both.
     """
     from qsa_testing import EngineConfig
 
@@ -135,7 +146,7 @@ def engine_configs(
         "context_length": context_length,
         "max_running_requests": max_running_requests,
         "prefill_max_requests": 1,
-        "disable_overlap_schedule": True,
+        **scheduling(schedule),
         "chunked_prefill_size": CHUNK,
         "disable_cuda_graph": False,
         "cuda_graph_backend_prefill": "disabled",
@@ -190,7 +201,7 @@ def _write(
         "",
         f"GPU {device}, torch {torch_version}; the model-shaped tiny Qwen4Exp ({args.qsa_layers} "
         "QSA layers of the real geometry, each after 3 tiny GDN layers), decode CUDA graphs on "
-        "in both engines, the same scheduler flags. "
+        f"in both engines, the same scheduler flags ({args.schedule} scheduling). "
         f"`{data['command']}`; written by `benchmarks/engine/"
         "engine_offload.py`.",
         "",

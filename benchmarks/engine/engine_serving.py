@@ -3,9 +3,11 @@
 Each arm is one SGLang 0.5.23 HTTP server of the same dummy Qwen4Exp (``--model shaped``: the
 model-shaped tiny one with 12 QSA layers of the real geometry, each after 3 small GDN layers;
 ``--model full-depth``: Qwen3.8-Flash-Next's 48 layers at the real attention and GDN widths), the
-same scheduler flags (SGLang's default prefill batching unless an arm says otherwise), decode
-CUDA graphs on and prefill graphs as ``--prefill-graphs`` says (``breakable``, SGLang's default on
-CUDA, or ``disabled``, as in every run before the twenty-ninth session):
+same scheduler flags (SGLang's default prefill batching unless an arm says otherwise; SGLang's
+overlap scheduling, or none with ``--schedule serial`` as in every run before the offload served
+it, and never in the prefix-cache arms, whose checkpoints need it off), decode CUDA graphs on
+and prefill graphs as ``--prefill-graphs`` says (``breakable``, SGLang's default on CUDA, or
+``disabled``, as in every run before the twenty-ninth session):
 
 - ``upstream``: the plugin off;
 - ``resident``: ``p2-resident`` (upstream's kernels, the plugin's lifecycle);
@@ -98,6 +100,8 @@ from _engine_bench import (
     lacks_cuda,
     mem_fraction,
     pool_tokens,
+    schedule_arg,
+    scheduling,
     write_json,
 )
 
@@ -177,6 +181,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         default=PREFILL_GRAPHS[0],
         help="--cuda-graph-backend-prefill in every arm (decode graphs are on)",
     )
+    schedule_arg(parser)
     parser.add_argument(
         "--gpu-budget-gib",
         type=float,
@@ -254,6 +259,7 @@ SETTINGS = (
     "staged_prompts",
     "seed",
     "prefill_graphs",
+    "schedule",
     "gpu_budget_gib",
     "repeats",
     "start",
@@ -308,7 +314,7 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "max_running_requests": args.max_concurrency,
         "max_total_tokens": args.max_concurrency * longest,
         "mem_fraction_static": 0.6,
-        "disable_overlap_schedule": True,
+        **scheduling(args.schedule),
         "chunked_prefill_size": _CHUNK,
         "disable_cuda_graph": False,
         "cuda_graph_backend_prefill": args.prefill_graphs,
@@ -323,6 +329,8 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
     plugin = {**common, "radix_cache_backend": "qsa_hisparse"}
     one_prompt = {**plugin, "prefill_max_requests": 1}
     staged = {**plugin, "prefill_max_requests": args.staged_prompts}
+    # The host prefix cache checkpoints from a batch's result: never overlapped.
+    staged_serial = {**staged, **scheduling("serial")}
     compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
     resident = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-resident"}
     offload = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
@@ -332,11 +340,11 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "resident": EngineConfig(model, switches=resident, server_args=plugin),
         "resident-one-prompt": EngineConfig(model, switches=resident, server_args=one_prompt),
         "offload": EngineConfig(model, switches=offload, server_args=staged),
-        "offload-cache": EngineConfig(model, switches=cached, server_args=staged),
+        "offload-cache": EngineConfig(model, switches=cached, server_args=staged_serial),
         "offload-cache-second": EngineConfig(
             model,
             switches={**cached, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT": "second"},
-            server_args=staged,
+            server_args=staged_serial,
         ),
     }
     return {arm: every[arm] for arm in args.arms}

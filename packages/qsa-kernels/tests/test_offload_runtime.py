@@ -227,6 +227,29 @@ def test_a_third_prompt_takes_the_area_of_a_prompt_staged_whole_which_is_handed_
     assert runtime.kv.length(b.slot) == CHUNK
 
 
+def test_a_prompt_of_known_length_is_whole_once_its_last_layer_stages_it() -> None:
+    """Told each prompt's length at admission, the runtime knows from the forward itself that a
+    prompt is staged whole, as an overlapped engine needs: its next batch's prompt claims an area
+    before the engine's ``prompt_written`` of the batch before. Not before the last layer: a
+    prompt whose later layers are still to be staged is never handed off."""
+    geometry = OffloadGeometry(len(LAYER_IDS), 3, TOPK, 64, 1, D, torch.bfloat16, staged_prompts=2)
+    runtime = OffloadRuntime(
+        OffloadedKV(geometry, torch.device("cpu"), path=KernelPath.REFERENCE), LAYER_IDS, TOPK
+    )
+    a, b, c = (runtime.admit(f"r{i}", 5 + i, prompt_tokens=CHUNK) for i in range(3))
+    kv = torch.randn((2, len(LAYER_IDS), CHUNK, 1, D)).to(torch.bfloat16)
+    for slot in (5, 6):  # a's and b's first layer only
+        runtime.stage(3, kv[0, 0], kv[1, 0], slot=slot, start=0, end=CHUNK)
+    with pytest.raises(OffloadStateError, match=r"row 2 needs a staging area"):
+        runtime.stage(3, kv[0, 0], kv[1, 0], slot=7, start=0, end=CHUNK)
+    runtime.stage(7, kv[0, 1], kv[1, 1], slot=6, start=0, end=CHUNK)  # b's last layer
+    _stage_whole(runtime, 7, kv, 0, CHUNK)  # b, never prompt_written, is handed off
+    assert runtime.leases.state(a) is LeaseState.PREFILLING  # the older prompt, not whole, stays
+    assert runtime.staged == {a.slot: CHUNK, c.slot: CHUNK}
+    assert runtime.leases.state(b) is LeaseState.HOST_READY
+    assert runtime.kv.length(b.slot) == CHUNK
+
+
 def test_a_prompt_finding_every_area_still_prefilling_is_refused_and_nothing_moves() -> None:
     runtime, (a, b, c) = _two_area_runtime()
     kv = torch.randn((2, len(LAYER_IDS), CHUNK, 1, D)).to(torch.bfloat16)

@@ -102,7 +102,6 @@ def test_checkpoint_without_qsa_profile_is_rejected() -> None:
         ({"speculative_algorithm": "EAGLE"}, ["--speculative-algorithm='EAGLE'", "unset"]),
         ({"disaggregation_mode": "decode"}, ["--disaggregation-mode='decode'", "'null'"]),
         ({"enable_hisparse": True}, ["--enable-hisparse=True", "supported: off"]),
-        ({"disable_overlap_schedule": False}, ["--disable-overlap-schedule=False", "set"]),
         ({"enable_mixed_chunk": True}, ["--enable-mixed-chunk=True", "supported: off"]),
         ({"disable_radix_cache": False}, ["--disable-radix-cache=False", "set"]),
         (
@@ -200,6 +199,41 @@ def test_the_prefix_cache_refuses_chunks_that_end_inside_a_page(chunk: int) -> N
     assert f"--chunked-prefill-size={chunk}" in str(info.value)
     assert "a multiple of the page size (64), or -1" in str(info.value)
     assert check_configuration(facts, OFFLOAD) is not None  # offload alone takes any chunk
+
+
+OVERLAPPED = dataclasses.replace(GOOD, disable_overlap_schedule=False)
+
+
+@pytest.mark.parametrize("mode", ["p2-offload", "p2-resident"])
+def test_the_offload_serves_overlap_scheduling(mode: str) -> None:
+    """The offload's state follows the forward, so SGLang's overlap scheduling serves it."""
+    switches = parse_switches({**OFFLOAD_ENV, "SGLANG_QSA_HISPARSE_V3": mode})
+    assert check_configuration(OVERLAPPED, switches) is not None
+
+
+@pytest.mark.parametrize(
+    ("facts", "switches", "feature"),
+    [
+        (OVERLAPPED, PREFIX, "with the host prefix cache"),
+        (
+            dataclasses.replace(OVERLAPPED, enable_prefill_cp=True, tp_size=2),
+            OFFLOAD,
+            "with a context-parallel prefill with the offload",
+        ),
+    ],
+)
+def test_overlap_scheduling_is_refused_where_a_feature_needs_it_off(
+    facts: ConfigFacts, switches: Any, feature: str
+) -> None:
+    """The prefix cache checkpoints from a batch's result, which overlap defers past the next
+    batch; a context-parallel offloaded prefill is verified without overlap only."""
+    with pytest.raises(ConfigurationError) as info:
+        check_configuration(facts, switches)
+    message = str(info.value)
+    assert "--disable-overlap-schedule=False is not supported" in message
+    assert f"supported: set (overlap scheduling off) {feature}" in message
+    serial = dataclasses.replace(facts, disable_overlap_schedule=True)
+    assert check_configuration(serial, switches) is not None
 
 
 def test_resident_mode_does_not_need_the_offload_flags() -> None:
@@ -399,6 +433,11 @@ def test_ds_offload_passes_with_the_offload_flags(tmp_path: Any) -> None:
     assert check_configuration(LLAMA, _ds_offload(tmp_path)) is None
 
 
+def test_ds_offload_serves_overlap_scheduling(tmp_path: Any) -> None:
+    facts = dataclasses.replace(LLAMA, disable_overlap_schedule=False)
+    assert check_configuration(facts, _ds_offload(tmp_path)) is None
+
+
 @pytest.mark.parametrize(
     ("change", "fragments"),
     [
@@ -410,7 +449,6 @@ def test_ds_offload_passes_with_the_offload_flags(tmp_path: Any) -> None:
         ({"max_running_requests": 0}, ["--max-running-requests=0", "a positive integer"]),
         ({"max_running_requests": -1}, ["--max-running-requests=-1", "a positive integer"]),
         ({"prefill_max_requests": 4}, ["--prefill-max-requests=4", "supported: 1"]),
-        ({"disable_overlap_schedule": False}, ["--disable-overlap-schedule=False"]),
         ({"prefill_graph_backend": "full"}, ["--cuda-graph-backend-prefill='full'"]),
         (
             {"prefill_graph_backend": "breakable"},

@@ -69,7 +69,8 @@ DS_ALL_HEAVY = dataclasses.replace(
     DS, switches={**SWITCHES, "SGLANG_QSA_DS_HEAVY_TOKENS": str(ALL_HEAVY_TOKENS)}
 )
 #: DS-Offload with every released row's host bytes checked against a resident copy; decode CUDA
-#: graphs as for DS; prefill in chunks, so later chunks attend over a staged prefix.
+#: graphs as for DS; prefill in chunks, so later chunks attend over a staged prefix; SGLang's
+#: overlap scheduling (its default), which DS-Offload serves.
 DS_OFFLOAD = EngineConfig(
     LLAMA,
     switches={**SWITCHES, "SGLANG_QSA_DS_OFFLOAD": "1", "SGLANG_QSA_HISPARSE_VERIFY": "1"},
@@ -77,7 +78,7 @@ DS_OFFLOAD = EngineConfig(
         "attention_backend": "qsa_ds",
         "enable_metrics": True,
         "radix_cache_backend": "qsa_hisparse",
-        "disable_overlap_schedule": True,
+        "disable_overlap_schedule": False,
         "prefill_max_requests": 1,
         "chunked_prefill_size": 1024,
         "cuda_graph_backend_prefill": "disabled",

@@ -57,6 +57,11 @@ OFFLOAD_ARGS = {
     "prefill_max_requests": 1,
     "context_length": 8192,
 }
+#: SGLang's overlap scheduling (its default), which the offload serves without the host prefix
+#: cache: batch ``N + 1`` is planned and launched before batch ``N``'s result is processed, so a
+#: prompt moves to the host before its checkpoint call and a finished request's row is released
+#: after the next step has been planned with it.
+OVERLAPPED = {"disable_overlap_schedule": False}
 #: Whether the engines decode eagerly (every CPU engine; CUDA ones without decode graphs), so
 #: that the QSA indexer's selections are traced step by step (``EngineConfig.trace_selection``).
 EAGER = current_platform() is Platform.CPU or not cuda_graphs_requested()
@@ -71,6 +76,7 @@ LIFECYCLE = EngineConfig(
     server_args={
         **OFFLOAD_ARGS,
         **ROUTED_EXPERTS,
+        **OVERLAPPED,
         "chunked_prefill_size": 1024,
         "prefill_max_requests": 2,
     },
@@ -81,7 +87,7 @@ LIFECYCLE = EngineConfig(
 RETRACTING = EngineConfig(
     QWEN,
     switches=VERIFIED_SWITCHES,
-    server_args={**OFFLOAD_ARGS, "context_length": 1024, "max_total_tokens": 1536},
+    server_args={**OFFLOAD_ARGS, **OVERLAPPED, "context_length": 1024, "max_total_tokens": 1536},
 )
 #: Pools sized by SGLang from its memory budget (no --max-total-tokens), as an operator runs them.
 #: SGLang's budget is the free memory after the weights load less ``1 - fraction`` of the free
@@ -608,7 +614,12 @@ def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
 PREFIX_CACHE = EngineConfig(
     QWEN,
     switches={**OFFLOAD_SWITCHES, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "6"},
-    server_args={**LIFECYCLE.server_args, **SIZED_BY_MEMORY, "enable_cache_report": True},
+    server_args={
+        **LIFECYCLE.server_args,
+        **SIZED_BY_MEMORY,
+        "enable_cache_report": True,
+        "disable_overlap_schedule": True,  # the prefix cache checkpoints from a batch's result
+    },
 )
 
 

@@ -402,8 +402,15 @@ class ResidentRows:
     def __init__(self, num_slots: int) -> None:
         self.leases = LeaseTable(num_slots)
 
-    def admit(self, request_id: str, engine_slot: int) -> LeaseHandle:
-        """The request's lease, PREFILLING (:meth:`LeaseTable.admit`)."""
+    def admit(
+        self, request_id: str, engine_slot: int, prompt_tokens: int | None = None
+    ) -> LeaseHandle:
+        """The request's lease, PREFILLING (:meth:`LeaseTable.admit`).
+
+        ``prompt_tokens`` is not needed here: nothing is staged, so :meth:`prompt_written` alone
+        tells when the prompt is whole.
+        """
+        del prompt_tokens
         return self.leases.admit(request_id, engine_slot)
 
     def prompt_written(self, handle: LeaseHandle, tokens: int, prompt_tokens: int) -> None:
@@ -433,22 +440,29 @@ class RequestRows(Protocol):
     @property
     def leases(self) -> LeaseTable: ...
 
-    def admit(self, request_id: str, engine_slot: int) -> LeaseHandle: ...
+    def admit(
+        self, request_id: str, engine_slot: int, prompt_tokens: int | None = None
+    ) -> LeaseHandle: ...
 
     def prompt_written(self, handle: LeaseHandle, tokens: int, prompt_tokens: int) -> None: ...
 
     def release(self, handle: LeaseHandle, *, aborted: bool = False) -> None: ...
 
 
-def admit_request(rows: RequestRows, request_id: str, engine_slot: int) -> LeaseHandle | None:
+def admit_request(
+    rows: RequestRows, request_id: str, engine_slot: int, prompt_tokens: int | None = None
+) -> LeaseHandle | None:
     """``rows.admit`` of a request's first prefill chunk; None for a later chunk (already leased).
+
+    ``prompt_tokens``: the tokens the request's prefill writes, if the engine knows them at its
+    first chunk (an offload then knows, in the forward, when the prompt is staged whole).
 
     Raises:
         LeaseError: as :meth:`LeaseTable.admit` (no free slot, ``engine_slot`` held by another).
     """
     if rows.leases.find(request_id) is not None:
         return None
-    return rows.admit(request_id, engine_slot)
+    return rows.admit(request_id, engine_slot, prompt_tokens)
 
 
 def release_request(

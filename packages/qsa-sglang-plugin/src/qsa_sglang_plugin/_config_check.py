@@ -147,8 +147,9 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     Rules for every feature: the architecture is ``Qwen4ExpForConditionalGeneration``; page
     size 64; a valid QSA profile (parsed by qsa-core); KV dtype bf16 or fp8_e4m3. Extra rules
     when ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
-    attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, overlap
-    scheduling and mixed chunks off, radix cache off, the plugin's radix-cache backend; with
+    attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, mixed
+    chunks off, radix cache off, the plugin's radix-cache backend; overlap scheduling off with
+    the host prefix cache or a context-parallel prefill of the offload; with
     ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
     ``--prefill-max-requests N`` (the staging area holds N prompts; 1 with double sparsity or
     prefill CP) and, on CUDA, prefill CUDA graphs breakable or off
@@ -225,6 +226,7 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
         _check_offload(facts, one_prompt=cp, eager_prefill=eager)
     if switches.prefix_cache_mb > 0:
         _check_prefix_cache(facts)
+    _check_overlap(facts, switches)
     if facts.enable_prefill_cp and (
         switches.hisparse is HiSparseMode.P2_OFFLOAD or switches.cache_sharding > 1
     ):
@@ -412,7 +414,8 @@ def ds_capacity(
 def _check_serving(facts: ConfigFacts) -> None:
     """The scheduling an offload runtime needs.
 
-    One scheduler group, one token per request and step, the plugin's tree cache, no overlap.
+    One scheduler group, one token per request and step, the plugin's tree cache. Overlap
+    scheduling serves (:func:`_check_overlap` names the features that refuse it).
     """
     why_ranks = "the offload runtime keeps one set of leases per TP rank of one scheduler group"
     if facts.pp_size != 1:
@@ -441,14 +444,6 @@ def _check_serving(facts: ConfigFacts) -> None:
             True,
             "off",
             "upstream HiSparse and QSA HiSparse would both own the KV pools",
-        )
-    if not facts.disable_overlap_schedule:
-        raise _reject(
-            "--disable-overlap-schedule",
-            False,
-            "set (overlap scheduling off)",
-            "a step's block write-back and residency updates must land before the next batch "
-            "is built",
         )
     if facts.enable_mixed_chunk:
         raise _reject(
@@ -627,6 +622,37 @@ def _check_hot_blocks(profile: QSAProfile, blocks: int) -> None:
         raise ConfigurationError(f"{ENV_HISPARSE_HOT_BLOCKS}={blocks!r}: {exc}; {allowed}") from exc
     if blocks > MAX_HOT_SLOTS:
         raise ConfigurationError(f"{ENV_HISPARSE_HOT_BLOCKS}={blocks!r} is not allowed; {allowed}")
+
+
+def _check_overlap(facts: ConfigFacts, switches: Switches) -> None:
+    """Overlap scheduling, which the offload serves, against the features that refuse it.
+
+    Under overlap scheduling SGLang launches batch ``N + 1`` before it processes batch ``N``'s
+    result. The offload's own state follows the forward (a prompt moves to the host when its
+    first decode step is planned, inside ``N + 1``'s launch) and its backends declare their reads
+    to last the whole forward, so SGLang's write-after-read barrier orders a released row's
+    reuse after them. The host prefix cache checkpoints a prompt from the result, after ``N + 1``
+    has run: its staging area is handed off by then, and ``N + 1`` has already advanced the
+    prompt's recurrent state.
+    """
+    if facts.disable_overlap_schedule:
+        return
+    refusals = (
+        (switches.prefix_cache_mb > 0, "the host prefix cache", "it checkpoints a prompt's K/V "
+         "and recurrent state when SGLang processes the prefill's result, which overlap "
+         "scheduling defers until the next batch has advanced that state"),
+        (facts.enable_prefill_cp and switches.hisparse is HiSparseMode.P2_OFFLOAD,
+         "a context-parallel prefill with the offload", "verified only without overlap "
+         "scheduling"),
+    )  # fmt: skip
+    for refused, feature, why in refusals:
+        if refused:
+            raise _reject(
+                "--disable-overlap-schedule",
+                False,
+                f"set (overlap scheduling off) with {feature}",
+                why,
+            )
 
 
 def _check_prefix_cache(facts: ConfigFacts) -> None:

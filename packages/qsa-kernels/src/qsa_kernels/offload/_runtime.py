@@ -103,9 +103,15 @@ class CopyFence(Protocol):
 
 @dataclasses.dataclass(slots=True)
 class _StagedPrompt:
-    """One prompt in the staging area: its area, the tokens staged, whether it is all there."""
+    """One prompt in the staging area: its area, the tokens staged, whether it is all there.
+
+    ``whole``: the tokens its prefill writes, when the engine told them at admission; the prompt
+    is written once its last layer has staged that many (or the engine says so,
+    :meth:`OffloadRuntime.prompt_written`).
+    """
 
     area: int
+    whole: int | None = None
     tokens: int = 0
     written: bool = False
 
@@ -255,6 +261,8 @@ class OffloadRuntime:
         self.staging_v = torch.zeros(shape, dtype=g.dtype, device=kv.device)
         # The leases whose prompts are staged, oldest first.
         self._staged: dict[LeaseHandle, _StagedPrompt] = {}
+        # The tokens each admitted lease's prefill writes, until its prompt claims an area.
+        self._prompt_tokens: dict[LeaseHandle, int] = {}
         # Hand-off copies not yet seen complete, by lease (``None``: completed synchronously).
         self._copies: dict[LeaseHandle, torch.cuda.Event] = {}
         # Copies still reading the staged prompt (checkpoints on their way to the host).
@@ -411,14 +419,24 @@ class OffloadRuntime:
 
     # ---- the request lifecycle -------------------------------------------------------------------
 
-    def admit(self, request_id: str, engine_slot: int) -> LeaseHandle:
+    def admit(
+        self, request_id: str, engine_slot: int, prompt_tokens: int | None = None
+    ) -> LeaseHandle:
         """A request starts its prefill: its lease (PREFILLING), whose slot is its row.
+
+        ``prompt_tokens``: the tokens its prefill writes (its prompt; a retracted request's
+        earlier output too), if the engine knows them now. The prompt is then staged whole when
+        :meth:`stage` has written that many, in the forward itself: an engine that processes a
+        batch's result only after it has launched the next batch (SGLang's overlap scheduling)
+        calls :meth:`prompt_written` too late for the next batch's prompts to claim an area.
 
         Raises:
             qsa_core.LeaseError: no free row, or ``request_id`` or ``engine_slot`` already holds
                 a live lease (the message names the holder).
         """
         handle = self.leases.admit(request_id, engine_slot)
+        if prompt_tokens is not None:
+            self._prompt_tokens[handle] = prompt_tokens
         self._count(rows_in_use=self.rows_in_use)
         return handle
 
@@ -449,6 +467,7 @@ class OffloadRuntime:
             event.synchronize()  # ended within its prompt's copy: rare, and bounded by the copy
             self.leases.finish_copy(handle)
         self._staged.pop(handle, None)
+        self._prompt_tokens.pop(handle, None)
         self.leases.end(handle, aborted=aborted)
         self._count(rows_in_use=self.rows_in_use)  # before the verification's counts
         row = handle.slot
@@ -511,6 +530,8 @@ class OffloadRuntime:
         staged_k[start:end] = k[:n].reshape(n, g.kv_heads, g.head_dim)
         staged_v[start:end] = v[:n].reshape(n, g.kv_heads, g.head_dim)
         staged.tokens = end
+        if staged.whole is not None and end >= staged.whole and ordinal == g.layers - 1:
+            staged.written = True  # its last layer: another prompt may now hand it off
         if window is not None:
             following = ordinal + 1 if ordinal + 1 < g.layers else None
             window.write_through(ordinal, row, start, end, staged_k, staged_v, following)
@@ -991,7 +1012,7 @@ class OffloadRuntime:
         for fence in self._staging_readers:
             fence.wait()
         self._staging_readers.clear()
-        staged = _StagedPrompt(free[0])
+        staged = _StagedPrompt(free[0], whole=self._prompt_tokens.pop(handle, None))
         self._staged[handle] = staged
         if len(self._staged) > self._counts.staged_peak:
             self._count(staged_peak=len(self._staged))

@@ -10,7 +10,12 @@ from sglang.srt.layers.cp.utils import ContextParallelStrategyKind, get_cp_strat
 from sglang.srt.runtime_context import get_stream
 from torch import Tensor
 
-from qsa_sglang_plugin._adapters._offload import extend_layer, plan_decode, runtime_of
+from qsa_sglang_plugin._adapters._offload import (
+    extend_layer,
+    offload_read_ends,
+    plan_decode,
+    runtime_of,
+)
 from qsa_sglang_plugin._adapters._qsa_common import prefill_kernels, zigzag_entries
 from qsa_sglang_plugin._adapters._sharded_kv import attend_extend, sharded_store_of
 from qsa_sglang_plugin._errors import OffloadRuntimeError
@@ -140,6 +145,9 @@ class HiSparseOffloadBackend(PluginQSABackend):
         super().init_forward_metadata(forward_batch)
         if forward_batch.forward_mode.is_decode():
             plan_decode(self.qsa_runtime, forward_batch)
+
+    def shared_read_ends(self, fm: Any) -> Any:
+        return offload_read_ends(fm)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         # The CUDA graph runner's per-step planning, outside the captured forward.

@@ -27,7 +27,12 @@ from qsa_kernels.double_sparsity import (
 )
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import CountsMirror, RankMetrics
-from qsa_sglang_plugin._adapters._offload import plan_decode, runtime_of, stage_chunk
+from qsa_sglang_plugin._adapters._offload import (
+    offload_read_ends,
+    plan_decode,
+    runtime_of,
+    stage_chunk,
+)
 from qsa_sglang_plugin._config_check import ds_channels, ds_config, ds_geometry
 from qsa_sglang_plugin._errors import AdapterError
 from qsa_sglang_plugin._switches import ENV_DS_CHANNEL_CONFIG, current_switches
@@ -171,6 +176,12 @@ class DoubleSparsityBackend:
         if decode:
             lengths = _host_seq_lens(forward_batch)
             self.runtime.plan_step(lengths, self._req_to_token, forward_batch.req_pool_indices)
+
+    def shared_read_ends(self, fm: Any) -> Any:
+        """DS-Offload's reads last the whole step (:func:`offload_read_ends`); else the dense's."""
+        if self._offload is not None:
+            return offload_read_ends(fm)
+        return self.dense.shared_read_ends(fm)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any) -> None:
         """The dense backend's graph buffers, and the captured steps' mask of sparse rows."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,10 +38,14 @@ from qsa_sglang_plugin._errors import ConfigurationError, OffloadRuntimeError
 from qsa_sglang_plugin._hostmem import meminfo_bytes
 from qsa_sglang_plugin._switches import DoubleSparsitySwitches, current_switches
 
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+
 __all__ = (
     "extend_layer",
     "extend_span",
     "extend_spans",
+    "offload_read_ends",
     "plan_decode",
     "qsa_layout",
     "runtime_of",
@@ -51,6 +55,18 @@ __all__ = (
 logger = logging.getLogger(__name__)
 
 _PREFIX = "qsa_hisparse"
+
+
+def _host_slots(forward_batch: Any) -> list[int]:
+    """The batch's engine slots (``req_pool_indices``) from SGLang's host copy when it has one.
+
+    Reading the device tensor instead would wait for every forward queued before it: under
+    overlap scheduling, the whole of the previous batch.
+    """
+    slots = getattr(forward_batch, "req_pool_indices_cpu", None)
+    if slots is None:
+        slots = forward_batch.req_pool_indices
+    return [int(s) for s in slots.tolist()]
 
 
 def plan_decode(
@@ -65,11 +81,25 @@ def plan_decode(
     real = 0 if capture else batch - int(getattr(forward_batch, "num_padding", 0) or 0)
     lens = forward_batch.seq_lens_cpu
     runtime.plan_decode(
-        forward_batch.req_pool_indices[:real].tolist(),
+        _host_slots(forward_batch)[:real],
         (lens if lens is not None else forward_batch.seq_lens)[:real].tolist(),
         pad_to=batch if graph or capture else None,
         capture=capture,
     )
+
+
+def offload_read_ends(forward_mode: Any) -> SharedReadEnds:
+    """Where an offloaded forward's reads of state that the scheduler also changes end.
+
+    SGLang's ``AttentionBackend.shared_read_ends`` of the offload's backends. A decode step reads
+    its rows (host arena, hot cache, tail) in every layer, and an overlapped scheduler releases a
+    finished request's row (reading its counters and, verified, its bytes) while the next step
+    runs: ``POST_REPLAY`` orders that after the whole step, where upstream's default for decode
+    would order it after the captured step's metadata only.
+    """
+    from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+
+    return SharedReadEnds.POST_REPLAY if forward_mode.is_decode() else SharedReadEnds.UNKNOWN
 
 
 def extend_layer(  # noqa: PLR0917 (the attention call's own order)
@@ -101,7 +131,7 @@ def extend_layer(  # noqa: PLR0917 (the attention call's own order)
     if get_flags().dp.capturing_prefill_graph:
         return q.new_zeros(q.shape)
     return runtime.extend(
-        layer_id, q, k, v, indices, slots=forward_batch.req_pool_indices.tolist(),
+        layer_id, q, k, v, indices, slots=_host_slots(forward_batch),
         extend_lens=forward_batch.extend_seq_lens_cpu, seq_lens=forward_batch.seq_lens_cpu,
         scale=scale, kernels=kernels, zigzag=zigzag,
     )  # fmt: skip
@@ -110,7 +140,7 @@ def extend_layer(  # noqa: PLR0917 (the attention call's own order)
 def extend_spans(forward_batch: Any) -> list[ChunkSpan]:
     """Each request's chunk of an extend batch, in the batch's order (:func:`chunk_spans`)."""
     return chunk_spans(
-        forward_batch.req_pool_indices.tolist(),
+        _host_slots(forward_batch),
         [int(n) for n in forward_batch.seq_lens_cpu],
         [int(n) for n in forward_batch.extend_seq_lens_cpu],
     )

@@ -107,7 +107,12 @@ class HiSparseRadixCache(UnifiedRadixCache):
 
     def maybe_hand_to_session(self, req: Any) -> None:
         super().maybe_hand_to_session(req)
-        handle = admit_request(self.qsa_rows, req.rid, int(req.kv.req_pool_idx))
+        handle = admit_request(
+            self.qsa_rows,
+            req.rid,
+            int(req.kv.req_pool_idx),
+            len(req.full_untruncated_fill_ids),  # the prompt, a retracted request's output too
+        )
         if handle is None:  # a later chunk of a leased prompt
             return
         self._qsa_live.inc()
