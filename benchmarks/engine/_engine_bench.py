@@ -64,7 +64,7 @@ SKIPPED = 77
 PREFILL_GRAPHS = ("breakable", "disabled")
 #: ``--schedule``: SGLang's overlap scheduling (its default; the next batch launches before the
 #: last one's result is processed) or ``serial`` (``--disable-overlap-schedule``, as every run
-#: before the offload served overlap scheduling, and always with the host prefix cache).
+#: before the offload served overlap scheduling).
 SCHEDULES = ("overlap", "serial")
 
 
@@ -74,7 +74,7 @@ def schedule_arg(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         choices=SCHEDULES,
         default=SCHEDULES[0],
-        help="SGLang's scheduling in every arm that allows it (the prefix cache's are serial)",
+        help="SGLang's scheduling in every arm",
     )
 
 

@@ -1,8 +1,9 @@
 """Benchmark the host prefix cache in a real SGLang 0.5.23 engine: warm against cold TTFT.
 
 One engine serves a dummy Qwen4Exp with ``p2-offload`` and ``SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB``,
-decode CUDA graphs on and prefill graphs as ``--prefill-graphs`` says (``breakable``, SGLang's
-default on CUDA, or ``disabled``): ``--model full-depth`` (the default) has Qwen3.8-Flash-Next's
+decode CUDA graphs on, SGLang's overlap scheduling (``--schedule serial``: none) and prefill graphs
+as ``--prefill-graphs`` says (``breakable``, SGLang's default on CUDA, or ``disabled``):
+``--model full-depth`` (the default) has Qwen3.8-Flash-Next's
 48 layers and the real width of every attention and GDN layer, small experts
 (:func:`qsa_testing.full_depth_qwen4_exp`), so a cold prefill costs about what the real model's
 does (less: its experts are small); ``--model shaped`` has one QSA layer of the real geometry and
@@ -85,7 +86,15 @@ import time
 import uuid
 from typing import Any
 
-from _engine_bench import PREFILL_GRAPHS, SKIPPED, lacks_cuda, profile_request, write_json
+from _engine_bench import (
+    PREFILL_GRAPHS,
+    SKIPPED,
+    lacks_cuda,
+    profile_request,
+    schedule_arg,
+    scheduling,
+    write_json,
+)
 from _trace import summarize
 
 _PAGE = 64
@@ -164,6 +173,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         default=PREFILL_GRAPHS[0],
         help="--cuda-graph-backend-prefill (decode graphs are on)",
     )
+    schedule_arg(parser)
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -233,7 +243,7 @@ def _config(args: argparse.Namespace) -> Any:
             "context_length": longest,
             "max_running_requests": 2,
             "prefill_max_requests": 1,
-            "disable_overlap_schedule": True,
+            **scheduling(args.schedule),
             "max_total_tokens": 2 * longest,
             "chunked_prefill_size": args.chunk,
             "disable_cuda_graph": False,

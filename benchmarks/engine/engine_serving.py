@@ -5,9 +5,8 @@ model-shaped tiny one with 12 QSA layers of the real geometry, each after 3 smal
 ``--model full-depth``: Qwen3.8-Flash-Next's 48 layers at the real attention and GDN widths), the
 same scheduler flags (SGLang's default prefill batching unless an arm says otherwise; SGLang's
 overlap scheduling, or none with ``--schedule serial`` as in every run before the offload served
-it, and never in the prefix-cache arms, whose checkpoints need it off), decode CUDA graphs on
-and prefill graphs as ``--prefill-graphs`` says (``breakable``, SGLang's default on CUDA, or
-``disabled``, as in every run before the twenty-ninth session):
+it), decode CUDA graphs on and prefill graphs as ``--prefill-graphs`` says (``breakable``,
+SGLang's default on CUDA, or ``disabled``, as in every run before the twenty-ninth session):
 
 - ``upstream``: the plugin off;
 - ``resident``: ``p2-resident`` (upstream's kernels, the plugin's lifecycle);
@@ -329,8 +328,6 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
     plugin = {**common, "radix_cache_backend": "qsa_hisparse"}
     one_prompt = {**plugin, "prefill_max_requests": 1}
     staged = {**plugin, "prefill_max_requests": args.staged_prompts}
-    # The host prefix cache checkpoints from a batch's result: never overlapped.
-    staged_serial = {**staged, **scheduling("serial")}
     compat = {"SGLANG_QSA_MODEL_COMPAT": "1"}
     resident = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-resident"}
     offload = {**compat, "SGLANG_QSA_HISPARSE_V3": "p2-offload"}
@@ -340,11 +337,11 @@ def _configs(args: argparse.Namespace) -> dict[str, Any]:
         "resident": EngineConfig(model, switches=resident, server_args=plugin),
         "resident-one-prompt": EngineConfig(model, switches=resident, server_args=one_prompt),
         "offload": EngineConfig(model, switches=offload, server_args=staged),
-        "offload-cache": EngineConfig(model, switches=cached, server_args=staged_serial),
+        "offload-cache": EngineConfig(model, switches=cached, server_args=staged),
         "offload-cache-second": EngineConfig(
             model,
             switches={**cached, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_ADMIT": "second"},
-            server_args=staged_serial,
+            server_args=staged,
         ),
     }
     return {arm: every[arm] for arm in args.arms}

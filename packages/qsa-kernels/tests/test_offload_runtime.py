@@ -250,6 +250,28 @@ def test_a_prompt_of_known_length_is_whole_once_its_last_layer_stages_it() -> No
     assert runtime.kv.length(b.slot) == CHUNK
 
 
+def test_the_hand_off_reader_sees_each_prompt_still_staged_before_it_leaves() -> None:
+    """The engine's checkpoint of a prompt's end runs as the prompt is handed off, by the step
+    that first decodes it or by the prefill that needs its area, and reads the staged K/V."""
+    runtime, (a, b, c) = _two_area_runtime()
+    read: list[tuple[int, int, bool]] = []
+
+    def reader(handle: LeaseHandle, tokens: int) -> None:
+        k_layers, _ = runtime.staged_layers(handle.slot, tokens)
+        same = all(torch.equal(k, kv[0, i]) for i, k in enumerate(k_layers))
+        read.append((handle.slot, tokens, same))
+
+    runtime.read_before_hand_off(reader)
+    kv = torch.randn((2, len(LAYER_IDS), CHUNK, 1, D)).to(torch.bfloat16)
+    for handle, slot in ((a, 5), (b, 6)):
+        _stage_whole(runtime, slot, kv, 0, CHUNK)
+        runtime.prompt_written(handle, CHUNK, CHUNK)
+    _stage_whole(runtime, 7, kv, 0, CHUNK)  # c takes an area: a, the oldest, goes
+    runtime.plan_decode([6], [CHUNK + 1])  # b's first decode step
+    assert read == [(a.slot, CHUNK, True), (b.slot, CHUNK, True)]
+    assert runtime.staged == {c.slot: CHUNK}
+
+
 def test_a_prompt_finding_every_area_still_prefilling_is_refused_and_nothing_moves() -> None:
     runtime, (a, b, c) = _two_area_runtime()
     kv = torch.randn((2, len(LAYER_IDS), CHUNK, 1, D)).to(torch.bfloat16)

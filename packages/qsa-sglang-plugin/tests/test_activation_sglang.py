@@ -176,12 +176,14 @@ def test_offload_switch_registers_the_lifecycle_radix_cache_backend(reports: Rep
 
 
 def test_unsupported_configuration_stops_resolution(reports: Reports) -> None:
-    """p2-offload with overlap scheduling on is refused at resolve_once, naming the flag."""
-    err = reports.on["overlap_on"]
+    """p2-offload without the plugin's tree cache (SGLang's defaults) is refused at
+    resolve_once, naming the flag; with it and the offload's flags, overlap scheduling on, the
+    arguments resolve."""
+    err = reports.on["defaults_refused"]
     assert err is not None
     assert err["type"] == "ConfigurationError"
-    assert "--disable-overlap-schedule=False" in err["message"]
-    assert "supported: set" in err["message"]
+    assert "--radix-cache-backend=None is not supported" in err["message"]
+    assert "supported: 'qsa_hisparse'" in err["message"]
     assert reports.on["supported_resolved"] is True
 
 

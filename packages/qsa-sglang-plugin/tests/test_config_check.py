@@ -204,36 +204,29 @@ def test_the_prefix_cache_refuses_chunks_that_end_inside_a_page(chunk: int) -> N
 OVERLAPPED = dataclasses.replace(GOOD, disable_overlap_schedule=False)
 
 
-@pytest.mark.parametrize("mode", ["p2-offload", "p2-resident"])
-def test_the_offload_serves_overlap_scheduling(mode: str) -> None:
-    """The offload's state follows the forward, so SGLang's overlap scheduling serves it."""
-    switches = parse_switches({**OFFLOAD_ENV, "SGLANG_QSA_HISPARSE_V3": mode})
-    assert check_configuration(OVERLAPPED, switches) is not None
-
-
 @pytest.mark.parametrize(
-    ("facts", "switches", "feature"),
+    "env",
     [
-        (OVERLAPPED, PREFIX, "with the host prefix cache"),
-        (
-            dataclasses.replace(OVERLAPPED, enable_prefill_cp=True, tp_size=2),
-            OFFLOAD,
-            "with a context-parallel prefill with the offload",
-        ),
+        OFFLOAD_ENV,
+        {**OFFLOAD_ENV, "SGLANG_QSA_HISPARSE_V3": "p2-resident"},
+        {**OFFLOAD_ENV, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "64"},
     ],
 )
-def test_overlap_scheduling_is_refused_where_a_feature_needs_it_off(
-    facts: ConfigFacts, switches: Any, feature: str
-) -> None:
-    """The prefix cache checkpoints from a batch's result, which overlap defers past the next
-    batch; a context-parallel offloaded prefill is verified without overlap only."""
+def test_the_offload_and_the_prefix_cache_serve_overlap_scheduling(env: dict[str, str]) -> None:
+    """Their state follows the forward, so SGLang's overlap scheduling serves them."""
+    assert check_configuration(OVERLAPPED, parse_switches(env)) is not None
+
+
+def test_an_overlapped_context_parallel_offloaded_prefill_is_refused() -> None:
+    """A context-parallel offloaded prefill is verified without overlap only."""
+    facts = dataclasses.replace(OVERLAPPED, enable_prefill_cp=True, tp_size=2)
     with pytest.raises(ConfigurationError) as info:
-        check_configuration(facts, switches)
+        check_configuration(facts, OFFLOAD)
     message = str(info.value)
     assert "--disable-overlap-schedule=False is not supported" in message
-    assert f"supported: set (overlap scheduling off) {feature}" in message
+    assert "supported: set (overlap scheduling off) with a context-parallel prefill" in message
     serial = dataclasses.replace(facts, disable_overlap_schedule=True)
-    assert check_configuration(serial, switches) is not None
+    assert check_configuration(serial, OFFLOAD) is not None
 
 
 def test_resident_mode_does_not_need_the_offload_flags() -> None:

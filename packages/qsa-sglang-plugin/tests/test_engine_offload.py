@@ -57,10 +57,10 @@ OFFLOAD_ARGS = {
     "prefill_max_requests": 1,
     "context_length": 8192,
 }
-#: SGLang's overlap scheduling (its default), which the offload serves without the host prefix
-#: cache: batch ``N + 1`` is planned and launched before batch ``N``'s result is processed, so a
-#: prompt moves to the host before its checkpoint call and a finished request's row is released
-#: after the next step has been planned with it.
+#: SGLang's overlap scheduling (its default), which the offload and the host prefix cache serve:
+#: batch ``N + 1`` is planned and launched before batch ``N``'s result is processed, so a prompt
+#: moves to the host (and its end is checkpointed) before SGLang's checkpoint call, and a
+#: finished request's row is released after the next step has been planned with it.
 OVERLAPPED = {"disable_overlap_schedule": False}
 #: Whether the engines decode eagerly (every CPU engine; CUDA ones without decode graphs), so
 #: that the QSA indexer's selections are traced step by step (``EngineConfig.trace_selection``).
@@ -614,12 +614,7 @@ def test_a_retracted_request_gives_its_lease_back_and_takes_a_new_one(
 PREFIX_CACHE = EngineConfig(
     QWEN,
     switches={**OFFLOAD_SWITCHES, "SGLANG_QSA_HISPARSE_PREFIX_CACHE_MB": "6"},
-    server_args={
-        **LIFECYCLE.server_args,
-        **SIZED_BY_MEMORY,
-        "enable_cache_report": True,
-        "disable_overlap_schedule": True,  # the prefix cache checkpoints from a batch's result
-    },
+    server_args={**LIFECYCLE.server_args, **SIZED_BY_MEMORY, "enable_cache_report": True},
 )
 
 

@@ -149,7 +149,7 @@ def check_configuration(facts: ConfigFacts, switches: Switches) -> QSAProfile | 
     when ``SGLANG_QSA_HISPARSE_V3`` is set: one pipeline stage, no data-parallel replicas or
     attention DP, no speculative decoding, no PD disaggregation, no upstream HiSparse, mixed
     chunks off, radix cache off, the plugin's radix-cache backend; overlap scheduling off with
-    the host prefix cache or a context-parallel prefill of the offload; with
+    a context-parallel prefill of the offload; with
     ``p2-offload`` also ``--max-running-requests`` (it sizes the host arena),
     ``--prefill-max-requests N`` (the staging area holds N prompts; 1 with double sparsity or
     prefill CP) and, on CUDA, prefill CUDA graphs breakable or off
@@ -415,7 +415,7 @@ def _check_serving(facts: ConfigFacts) -> None:
     """The scheduling an offload runtime needs.
 
     One scheduler group, one token per request and step, the plugin's tree cache. Overlap
-    scheduling serves (:func:`_check_overlap` names the features that refuse it).
+    scheduling serves (:func:`_check_overlap` names where it does not).
     """
     why_ranks = "the offload runtime keeps one set of leases per TP rank of one scheduler group"
     if facts.pp_size != 1:
@@ -625,34 +625,26 @@ def _check_hot_blocks(profile: QSAProfile, blocks: int) -> None:
 
 
 def _check_overlap(facts: ConfigFacts, switches: Switches) -> None:
-    """Overlap scheduling, which the offload serves, against the features that refuse it.
+    """Overlap scheduling, which the offload and the prefix cache serve, where it is refused.
 
     Under overlap scheduling SGLang launches batch ``N + 1`` before it processes batch ``N``'s
     result. The offload's own state follows the forward (a prompt moves to the host when its
-    first decode step is planned, inside ``N + 1``'s launch) and its backends declare their reads
-    to last the whole forward, so SGLang's write-after-read barrier orders a released row's
-    reuse after them. The host prefix cache checkpoints a prompt from the result, after ``N + 1``
-    has run: its staging area is handed off by then, and ``N + 1`` has already advanced the
-    prompt's recurrent state.
+    first decode step is planned, inside ``N + 1``'s launch, and the prefix cache checkpoints the
+    prompt's end there, before ``N + 1`` advances its recurrent state), and its backends declare
+    their reads to last the whole forward, so SGLang's write-after-read barrier orders a
+    released row's reuse after them.
     """
-    if facts.disable_overlap_schedule:
-        return
-    refusals = (
-        (switches.prefix_cache_mb > 0, "the host prefix cache", "it checkpoints a prompt's K/V "
-         "and recurrent state when SGLang processes the prefill's result, which overlap "
-         "scheduling defers until the next batch has advanced that state"),
-        (facts.enable_prefill_cp and switches.hisparse is HiSparseMode.P2_OFFLOAD,
-         "a context-parallel prefill with the offload", "verified only without overlap "
-         "scheduling"),
-    )  # fmt: skip
-    for refused, feature, why in refusals:
-        if refused:
-            raise _reject(
-                "--disable-overlap-schedule",
-                False,
-                f"set (overlap scheduling off) with {feature}",
-                why,
-            )
+    if (
+        not facts.disable_overlap_schedule
+        and facts.enable_prefill_cp
+        and switches.hisparse is HiSparseMode.P2_OFFLOAD
+    ):
+        raise _reject(
+            "--disable-overlap-schedule",
+            False,
+            "set (overlap scheduling off) with a context-parallel prefill with the offload",
+            "verified only without overlap scheduling",
+        )
 
 
 def _check_prefix_cache(facts: ConfigFacts) -> None:

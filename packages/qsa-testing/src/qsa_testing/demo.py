@@ -39,7 +39,6 @@ DEMO_ENGINE: Final = EngineConfig(
     },
     server_args={
         "radix_cache_backend": "qsa_hisparse",
-        "disable_overlap_schedule": True,
         "enable_metrics": True,
         "enable_cache_report": True,
         "max_running_requests": 4,

@@ -263,6 +263,8 @@ class OffloadRuntime:
         self._staged: dict[LeaseHandle, _StagedPrompt] = {}
         # The tokens each admitted lease's prefill writes, until its prompt claims an area.
         self._prompt_tokens: dict[LeaseHandle, int] = {}
+        # Reads a staged prompt before it leaves the staging area (read_before_hand_off).
+        self._hand_off_reader: Callable[[LeaseHandle, int], None] | None = None
         # Hand-off copies not yet seen complete, by lease (``None``: completed synchronously).
         self._copies: dict[LeaseHandle, torch.cuda.Event] = {}
         # Copies still reading the staged prompt (checkpoints on their way to the host).
@@ -728,6 +730,18 @@ class OffloadRuntime:
         staged.tokens = tokens
         return self._layer_views(staged.area, tokens)
 
+    def read_before_hand_off(self, reader: Callable[[LeaseHandle, int], None] | None) -> None:
+        """Call ``reader(handle, tokens)`` as each staged prompt is handed off, before it leaves.
+
+        The prompt is still staged during the call (:meth:`staged_layers` reads it; copies that
+        outlive the call register with :meth:`keep_staging_until`), and the hand-off happens in
+        the step that first decodes it or in the prefill that needs its area: before that step's
+        kernels, so what the engine keeps alongside the prompt (a recurrent state) is still the
+        prompt's own. An engine whose checkpoint of a prompt's end comes later (an overlapped
+        scheduler processes a batch's result after it launched the next one) takes it here.
+        """
+        self._hand_off_reader = reader
+
     def keep_staging_until(self, fence: CopyFence) -> None:
         """Copies reading the staging area until ``fence``: the next prompt waits for them."""
         self._staging_readers.append(fence)
@@ -1043,6 +1057,8 @@ class OffloadRuntime:
                 f"holds {self.staged!r} (row -> tokens)"
             )
             raise OffloadStateError(msg)
+        if self._hand_off_reader is not None:
+            self._hand_off_reader(handle, tokens)
         self._filled()
         area = staged.area
         if self._window is not None:  # written through: the arena holds its complete blocks

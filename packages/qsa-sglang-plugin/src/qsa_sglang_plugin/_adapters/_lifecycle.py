@@ -22,14 +22,15 @@ def radix_cache_factory(ctx: Any) -> Any:
     if switches.offload:  # p2-offload or DS-Offload: one runtime per model runner
         cache.use_offload(runtime_of(ctx.tp_worker.model_runner))
         if switches.prefix_cache_mb > 0:  # p2-offload only (the switches refuse it otherwise)
-            cache.qsa_prefix = build_prefix_cache(
+            prefix = build_prefix_cache(
                 ctx,
                 cache,
-                cache.qsa_offload,
+                runtime_of(ctx.tp_worker.model_runner),
                 budget_bytes=switches.prefix_cache_bytes,
                 max_entries=switches.prefix_cache_max_entries,
                 store=switches.prefix_cache_store,
                 admission=switches.prefix_cache_admission,
                 index_sharded=switches.index_sharding,
             )
+            cache.use_prefix_cache(prefix)
     return cache

@@ -18,7 +18,14 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_parallel
 
-from qsa_core import LeaseOutcome, LeaseTable, ResidentRows, admit_request, release_request
+from qsa_core import (
+    LeaseHandle,
+    LeaseOutcome,
+    LeaseTable,
+    ResidentRows,
+    admit_request,
+    release_request,
+)
 from qsa_hostcache import admits_host_hit, host_hit
 from qsa_kernels.offload import OffloadRuntime
 from qsa_sglang_plugin._adapters._metrics import RankMetrics
@@ -39,7 +46,8 @@ class HiSparseRadixCache(UnifiedRadixCache):
         slots = int(self.req_to_token_pool.size)
         self.qsa_rows: ResidentRows | OffloadRuntime = ResidentRows(slots)
         self.qsa_offload: OffloadRuntime | None = None  # set by use_offload
-        self.qsa_prefix: PrefixCacheRuntime | None = None  # set with the prefix cache on
+        self.qsa_prefix: PrefixCacheRuntime | None = None  # set by use_prefix_cache
+        self._qsa_requests: dict[str, Any] = {}  # rid -> SGLang's Req, while it holds a lease
         make = RankMetrics(int(get_parallel().tp_rank))
         doc = "Requests holding a QSA HiSparse lease (a KV row) on this TP rank."
         self._qsa_live = make.gauge("qsa_hisparse_live_leases", doc)
@@ -55,6 +63,27 @@ class HiSparseRadixCache(UnifiedRadixCache):
             msg = f"{RADIX_CACHE_BACKEND}: an offload attached while leases are live"
             raise OffloadRuntimeError(msg)
         self.qsa_rows = self.qsa_offload = runtime
+
+    def use_prefix_cache(self, prefix: PrefixCacheRuntime) -> None:
+        """Checkpoint prompts from now on, at each chunk end and at the prompt's end.
+
+        The prompt's end is taken when the offload hands the prompt off (before the step that
+        decodes it first, which would advance its recurrent state) or when SGLang processes its
+        result, whichever comes first.
+        """
+        if self.qsa_offload is None:
+            msg = f"{RADIX_CACHE_BACKEND}: the prefix cache needs the offload's staging area"
+            raise OffloadRuntimeError(msg)
+        self.qsa_prefix = prefix
+        self.qsa_offload.read_before_hand_off(self._publish_hand_off)
+
+    def _publish_hand_off(self, handle: LeaseHandle, tokens: int) -> None:
+        # What SGLang's checkpoint_kv_cache would publish: a live request the tree may hold.
+        req = self._qsa_requests.get(handle.request_id)
+        if req is None or self.qsa_prefix is None or req.finished():
+            return
+        if not req.skip_radix_cache_insert:
+            self.qsa_prefix.publish(req, handle.slot, tokens)
 
     @property
     def qsa_leases(self) -> LeaseTable:
@@ -115,6 +144,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         )
         if handle is None:  # a later chunk of a leased prompt
             return
+        self._qsa_requests[req.rid] = req
         self._qsa_live.inc()
         if self.qsa_prefix is not None:
             self.qsa_prefix.restore_row(req, handle.slot)
@@ -130,8 +160,9 @@ class HiSparseRadixCache(UnifiedRadixCache):
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
+        self._qsa_requests.pop(req.rid, None)
         if self.qsa_prefix is not None:
-            self.qsa_prefix.prompts.forget(req)
+            self.qsa_prefix.forget(req)
         aborted = isinstance(req.finished_reason, FINISH_ABORT)
         # An offload waits for the request's copy to the host.
         outcome = release_request(self.qsa_rows, req.rid, finished=req.finished(), aborted=aborted)
