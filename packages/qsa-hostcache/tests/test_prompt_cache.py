@@ -302,3 +302,31 @@ def test_written_tokens_are_published_only_where_publishes_allows(
     if fence is not None:
         fence.synchronize()
     assert cache.lookup(Request("b"), list(range(written + 1))) == (written if published else 0)
+
+
+def test_a_length_offered_twice_is_gathered_once_until_the_request_ends() -> None:
+    """An overlapped engine offers a prompt's end as the prompt leaves its staging area and
+    again with the prefill's result; the second offer reads nothing (the staged K/V may be gone
+    by then). A longer length is a new offer, and a request that ended offers afresh."""
+    cache = _cache()
+    gathered: list[int] = []
+
+    def offer(request: Request, tokens: int) -> CopyFence | None:
+        def kv() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            gathered.append(tokens)
+            return _kv(tokens)
+
+        fence = cache.publish(request, list(range(tokens)), kv, lambda: torch.arange(tokens))
+        if fence is not None:
+            fence.synchronize()
+        return fence
+
+    a = Request("a")
+    assert offer(a, 8) is not None
+    assert offer(a, 8) is None
+    assert offer(a, 4) is None
+    assert offer(a, 12) is not None
+    assert gathered == [8, 12]
+    cache.forget(a)
+    assert offer(Request("a"), 16) is not None
+    assert gathered == [8, 12, 16]

@@ -120,6 +120,8 @@ class PromptCache(Generic[R]):
         self._namespace = namespace
         self._request_id = request_id
         self._on_numbers = on_numbers
+        # Each live request's longest length offered to publish, by request id.
+        self._offered: dict[Hashable, int] = {}
         self._report()
 
     @classmethod
@@ -290,11 +292,20 @@ class PromptCache(Generic[R]):
                 far, checkpointed only where :meth:`publishes` allows (None: already decided).
             finished: the request has ended (with ``prompt_tokens``: nothing is checkpointed).
 
+        A request's length is offered once: an engine may offer a prompt's end twice (an
+        overlapped scheduler's offload takes it as the prompt leaves its staging area, and the
+        scheduler offers it again with the prefill's result), and the second call, whose K/V
+        may be gone, does nothing.
+
         Returns:
             The copies' fence when every rank committed the checkpoint; None when it was not
-            published (not a length :meth:`publishes` allows, the request is not keyed, already
-            cached, no room, or it failed).
+            published (offered before, not a length :meth:`publishes` allows, the request is
+            not keyed, already cached, no room, or it failed).
         """
+        holder = self._request_id(request)
+        if self._offered.get(holder, 0) >= len(tokens):
+            return None
+        self._offered[holder] = len(tokens)
         if prompt_tokens is not None and not self.publishes(
             len(tokens), prompt_tokens=prompt_tokens, finished=finished
         ):
@@ -304,14 +315,16 @@ class PromptCache(Generic[R]):
         fence = self.checkpoints.publish(
             self.key(request, tokens),
             lambda: self.pools.gather(kv, token_slots(), state),
-            holder=self._request_id(request),
+            holder=holder,
         )
         self._report()
         return fence
 
     def forget(self, request: R) -> None:
-        """``request`` went before its restore: drop its load (its slots go with it)."""
-        self.checkpoints.forget(self._request_id(request))
+        """``request`` ended: drop its load (its slots go with it) and what it offered."""
+        holder = self._request_id(request)
+        self._offered.pop(holder, None)
+        self.checkpoints.forget(holder)
 
     def settle(self) -> None:
         """No request is being served: land every checkpoint still being copied."""

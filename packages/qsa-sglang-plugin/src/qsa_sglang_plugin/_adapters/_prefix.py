@@ -72,7 +72,7 @@ class PrefixCacheRuntime:
     """The tree cache's prefix-cache calls on one scheduler's :class:`qsa_hostcache.PromptCache`.
 
     The calls that need no ``Req`` field go to :attr:`prompts` directly (lookup, its tier, the
-    loaded slots, settle, invalidate).
+    loaded slots, forget, settle, invalidate).
     ``req_to_token_pool``: SGLang's ``HybridReqToTokenPool`` (rows; ``mamba_pool``, the
     recurrent state, if any); ``allocator``: its token-slot allocator (slots of a loaded prefix).
     """
@@ -87,8 +87,6 @@ class PrefixCacheRuntime:
         self.prompts, self._offload, self._req_to_token = prompts, offload, req_to_token_pool
         self._slots = TokenSlots(allocator.alloc, allocator.free)
         self._mamba = getattr(req_to_token_pool, "mamba_pool", None)
-        # Each live request's longest length offered to publish (rid -> tokens).
-        self._offered: dict[str, int] = {}
 
     def load_back(self, req: Any, tokens: int) -> bool:
         """Load ``req``'s checkpoint of ``tokens`` tokens into new KV slots; False if not."""
@@ -119,13 +117,10 @@ class PrefixCacheRuntime:
     def publish(self, req: Any, row: int, up_to: int) -> bool:
         """Checkpoint ``req``'s first ``up_to`` written tokens, if allowed; True if all did.
 
-        Once per length: the prompt's end is offered when the offload hands the prompt off
-        (:meth:`OffloadRuntime.read_before_hand_off`) and again when SGLang processes the
-        prefill's result, which overlap scheduling defers past that.
+        The prompt's end comes twice under overlap scheduling: when the offload hands the prompt
+        off (:meth:`OffloadRuntime.read_before_hand_off`) and with the prefill's result; the
+        cache takes each length once.
         """
-        if self._offered.get(req.rid, 0) >= up_to:
-            return False
-        self._offered[req.rid] = up_to
         mamba = self._mamba
         fence = self.prompts.publish(
             req,
@@ -139,11 +134,6 @@ class PrefixCacheRuntime:
         if fence is not None:  # the next prompt waits for the copies reading the staging area
             self._offload.keep_staging_until(fence)
         return fence is not None
-
-    def forget(self, req: Any) -> None:
-        """``req`` gave its row back: drop its offers and its load (``PromptCache.forget``)."""
-        self._offered.pop(req.rid, None)
-        self.prompts.forget(req)
 
     def _state_slot(self, req: Any) -> torch.Tensor:
         """``[1]`` physical index of ``req``'s recurrent state slot (refused once freed)."""

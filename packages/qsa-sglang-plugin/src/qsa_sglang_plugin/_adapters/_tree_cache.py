@@ -162,7 +162,7 @@ class HiSparseRadixCache(UnifiedRadixCache):
         super().on_release(req, checkpointed=checkpointed)
         self._qsa_requests.pop(req.rid, None)
         if self.qsa_prefix is not None:
-            self.qsa_prefix.forget(req)
+            self.qsa_prefix.prompts.forget(req)
         aborted = isinstance(req.finished_reason, FINISH_ABORT)
         # An offload waits for the request's copy to the host.
         outcome = release_request(self.qsa_rows, req.rid, finished=req.finished(), aborted=aborted)
