@@ -391,6 +391,9 @@ def test_a_batch_of_prompts_prefills_two_at_a_time_and_answers_as_upstream(
     the head of the third (the first handed off to make room). Every answer equals upstream's
     within bf16 noise, two prompts were staged at once, and every lease comes back."""
     engine = engines.engine(LIFECYCLE)
+    # Overlapped: the second batch is launched before the first one's result (its checkpoint
+    # calls) is processed, so the offload must know from the forward that a prompt is whole.
+    assert engine.get_json("/server_info")["disable_overlap_schedule"] is False
     finished_before = _released(engine, "finished")
     body = dataclasses.replace(CONCURRENT[0], routed_experts=False).body()
     body["input_ids"] = [list(r.input_ids) for r in CONCURRENT]

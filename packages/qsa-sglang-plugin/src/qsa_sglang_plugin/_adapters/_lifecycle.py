@@ -20,12 +20,13 @@ def radix_cache_factory(ctx: Any) -> Any:
     cache = create_unified_radix_cache(ctx, cache_class=HiSparseRadixCache)
     switches = current_switches()
     if switches.offload:  # p2-offload or DS-Offload: one runtime per model runner
-        cache.use_offload(runtime_of(ctx.tp_worker.model_runner))
+        runtime = runtime_of(ctx.tp_worker.model_runner)
+        cache.use_offload(runtime)
         if switches.prefix_cache_mb > 0:  # p2-offload only (the switches refuse it otherwise)
             prefix = build_prefix_cache(
                 ctx,
                 cache,
-                runtime_of(ctx.tp_worker.model_runner),
+                runtime,
                 budget_bytes=switches.prefix_cache_bytes,
                 max_entries=switches.prefix_cache_max_entries,
                 store=switches.prefix_cache_store,

@@ -66,7 +66,8 @@ def _host_slots(forward_batch: Any) -> list[int]:
     slots = getattr(forward_batch, "req_pool_indices_cpu", None)
     if slots is None:
         slots = forward_batch.req_pool_indices
-    return [int(s) for s in slots.tolist()]
+    held: list[int] = slots.tolist()
+    return held
 
 
 def plan_decode(

@@ -47,7 +47,8 @@ class HiSparseRadixCache(UnifiedRadixCache):
         self.qsa_rows: ResidentRows | OffloadRuntime = ResidentRows(slots)
         self.qsa_offload: OffloadRuntime | None = None  # set by use_offload
         self.qsa_prefix: PrefixCacheRuntime | None = None  # set by use_prefix_cache
-        self._qsa_requests: dict[str, Any] = {}  # rid -> SGLang's Req, while it holds a lease
+        # rid -> SGLang's Req while it holds a lease, for the prefix cache's hand-off checkpoint
+        self._qsa_requests: dict[str, Any] = {}
         make = RankMetrics(int(get_parallel().tp_rank))
         doc = "Requests holding a QSA HiSparse lease (a KV row) on this TP rank."
         self._qsa_live = make.gauge("qsa_hisparse_live_leases", doc)
@@ -144,7 +145,8 @@ class HiSparseRadixCache(UnifiedRadixCache):
         )
         if handle is None:  # a later chunk of a leased prompt
             return
-        self._qsa_requests[req.rid] = req
+        if self.qsa_prefix is not None:  # its hand-off checkpoints the prompt's end
+            self._qsa_requests[req.rid] = req
         self._qsa_live.inc()
         if self.qsa_prefix is not None:
             self.qsa_prefix.restore_row(req, handle.slot)
