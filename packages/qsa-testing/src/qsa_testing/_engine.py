@@ -217,6 +217,8 @@ class EngineConfig:
 
 #: Seconds a CUDA engine's forward may run before SGLang's watchdog kills its scheduler.
 _CUDA_WATCHDOG_S: Final = 3600.0
+#: Reads of ``/metrics`` while it answers 500 (:meth:`Engine.metric`), 0.2 s apart.
+_METRICS_READS: Final = 5
 #: Server arguments every engine gets; a configuration's ``server_args`` override them.
 _COMMON_ARGS: Final[Mapping[str, Any]] = {
     "load_format": "dummy",
@@ -532,7 +534,16 @@ class Engine:
         carry each of them (``outcome="aborted"``); 0.0 when no sample is there yet. Needs
         ``--enable-metrics``.
         """
-        return sum_samples(self.get_text("/metrics"), name, **labels)
+        for attempt in range(_METRICS_READS):
+            try:
+                return sum_samples(self.get_text("/metrics"), name, **labels)
+            except EngineRequestError as exc:
+                # SGLang's multiprocess Prometheus reader answers 500 while a process it merges
+                # has created its value file and not yet written its header (seen at start-up).
+                if "answered 500" not in str(exc) or attempt + 1 == _METRICS_READS:
+                    raise
+                time.sleep(0.2)
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def flush_cache(self) -> None:
         """``POST /flush_cache``; raises when SGLang refuses it."""
